@@ -1,0 +1,137 @@
+"""The only module that calls torch.distributed. It takes the process group explicitly and
+counts what every collective moves, so the accounting in `CommStats` is measured, not modelled.
+
+Bytes are counted two ways per collective:
+- payload: the size of the full tensor the collective produces or consumes (All-Gather: the
+  gathered output; Reduce-Scatter: the unreduced input; All-Reduce: the tensor);
+- wire: what one rank sends with the ring algorithm, (N-1)/N of the payload for All-Gather and
+  Reduce-Scatter and 2(N-1)/N for All-Reduce. It is zero on one rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Collective(str, Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+    OBJECT = "object"  # pickled control messages (order checks); never on the per-step path
+
+
+@dataclass
+class CollectiveBytes:
+    calls: int = 0
+    payload_bytes: int = 0
+    wire_bytes: int = 0
+
+    def add(self, payload: int, wire: int) -> None:
+        self.calls += 1
+        self.payload_bytes += payload
+        self.wire_bytes += wire
+
+
+@dataclass
+class CommStats:
+    """Bytes per collective kind, for the step in progress and for the last finished step."""
+
+    current: dict[str, CollectiveBytes] = field(default_factory=lambda: defaultdict(CollectiveBytes))
+    last_step: dict[str, CollectiveBytes] = field(default_factory=dict)
+    # Seconds spent blocked in `wait()` on All-Gathers: what prefetch failed to hide.
+    gather_wait_s: float = 0.0
+    last_step_gather_wait_s: float = 0.0
+
+    def end_step(self) -> None:
+        self.last_step = dict(self.current)
+        self.current = defaultdict(CollectiveBytes)
+        self.last_step_gather_wait_s = self.gather_wait_s
+        self.gather_wait_s = 0.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or returned data from a different unit on another rank."""
+
+
+class Comm:
+    """Collectives over one process group. With no process group (one process, no
+    torch.distributed) every collective is a local copy, so the engine runs unchanged."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group if group is not None or not self.distributed else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group) if self.distributed else 1
+        self.rank = dist.get_rank(self.group) if self.distributed else 0
+        self.stats = CommStats()
+
+    def _count(self, kind: Collective, payload_bytes: int, ring_factor: float) -> None:
+        n = self.world_size
+        wire = int(round(ring_factor * (n - 1) / n * payload_bytes))
+        self.stats.current[kind.value].add(payload_bytes, wire)
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
+        """Gather `shard` (same numel on every rank) into `output` (world_size x shard), rank-major."""
+        self._count(Collective.ALL_GATHER, output.numel() * output.element_size(), 1.0)
+        if not self.distributed:
+            output.copy_(shard.view_as(output))
+            return None
+        try:
+            return dist.all_gather_single(output.view(-1), shard.view(-1), group=self.group, async_op=async_op)
+        except RuntimeError as err:
+            raise CollectiveError(f"All-Gather of {what} failed on rank {self.rank}: {err}") from err
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str) -> None:
+        """Sum `full` (world_size x chunk, rank-major) over ranks; this rank keeps its chunk."""
+        self._count(Collective.REDUCE_SCATTER, full.numel() * full.element_size(), 1.0)
+        if not self.distributed:
+            output.copy_(full.view_as(output))
+            return
+        try:
+            dist.reduce_scatter_single(output.view(-1), full.reshape(-1), group=self.group)
+        except RuntimeError as err:
+            raise CollectiveError(f"Reduce-Scatter of {what} failed on rank {self.rank}: {err}") from err
+
+    def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum") -> None:
+        """Reduce `tensor` over ranks in place (`op`: "sum" or "max")."""
+        self._count(Collective.ALL_REDUCE, tensor.numel() * tensor.element_size(), 2.0)
+        if not self.distributed:
+            return
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as err:
+            raise CollectiveError(f"All-Reduce of {what} failed on rank {self.rank}: {err}") from err
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, what: str) -> None:
+        """Copy `tensor` from group rank `src` to every rank, in place."""
+        self._count(Collective.BROADCAST, tensor.numel() * tensor.element_size(), 1.0)
+        if not self.distributed:
+            return
+        try:
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+        except RuntimeError as err:
+            raise CollectiveError(f"Broadcast of {what} failed on rank {self.rank}: {err}") from err
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order. For rare control messages only."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        self.stats.current[Collective.OBJECT.value].add(0, 0)
+        return out
+
+    def wait(self, work: Any) -> None:
+        """Wait on an async All-Gather, charging the blocked time to `gather_wait_s`."""
+        if work is None:
+            return
+        start = time.perf_counter()
+        work.wait()
+        self.stats.gather_wait_s += time.perf_counter() - start

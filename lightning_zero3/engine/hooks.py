@@ -1,0 +1,268 @@
+"""Forward and backward hooks that drive units. All autograd plumbing lives in this file.
+
+[Note: one unit call]
+Each time a unit's module runs forward with gradients enabled, `_GatherParams` turns the shards
+into full tensors (one All-Gather) and becomes their autograd parent. The full tensors are set
+on the modules as instance attributes that shadow the registered shard parameters
+(`module.__dict__[name]`), so the module's own forward code reads them unchanged, and removed
+after forward; their storage is freed but the tensor objects survive inside autograd's saved
+tensors. A hook on the unit's outputs fires when their gradient arrives, before the unit's own
+backward runs, and gathers again into the same storage. When autograd has every full
+parameter's gradient it calls `_GatherParams.backward`, which Reduce-Scatters them and returns
+each rank's averaged shard gradient: autograd accumulates that into `shard.grad` itself, which is
+what makes accumulation, tied weights and modules called twice exact without special cases.
+
+[Note: recomputation]
+Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
+unit's output hook has already re-gathered it (state BACKWARD), so the recomputed forward reuses
+the shadowed full tensors and frees nothing. Reentrant: the first forward ran under no_grad (no
+backward state), so the recomputation is an ordinary forward with its own `_GatherParams`, and
+the inner backward that follows reduces it.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from lightning_zero3.engine.unit import Unit
+
+if TYPE_CHECKING:
+    from lightning_zero3.engine.model import ShardedModel
+
+
+class CallState(Enum):
+    FORWARD = "forward"  # full parameters gathered and on the modules
+    RESHARDED = "resharded"  # storage freed after forward, waiting for backward
+    BACKWARD = "backward"  # gathered again for backward
+    REDUCED = "reduced"  # gradients reduce-scattered; nothing held
+
+
+class UnitCall:
+    """One forward execution of a unit and the full tensors it produced."""
+
+    def __init__(self, unit: Unit, *, differentiable: bool) -> None:
+        self.unit = unit
+        self.differentiable = differentiable  # produced by _GatherParams (has a backward)
+        self.fulls: list[torch.Tensor] = []
+        self.state = CallState.FORWARD
+        # Shard versions when gathered: an optimizer step in between makes the fulls stale.
+        self.versions: tuple[int, ...] = ()
+
+
+class _GatherParams(torch.autograd.Function):
+    """shards -> full parameters (All-Gather); backward: full grads -> shard grads (Reduce-Scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, driver: HookDriver, call: UnitCall, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.driver, ctx.call = driver, call
+        ctx.set_materialize_grads(False)
+        fulls = call.unit.gather()
+        frozen = [full for full, shard in zip(fulls, shards) if not shard.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(fulls)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        shard_grads = ctx.driver.post_backward(ctx.call, list(grads))
+        return (None, None, *shard_grads)
+
+
+class HookDriver:
+    """Installs the hooks on a `ShardedModel`'s unit modules and runs the unit life cycle."""
+
+    def __init__(self, model: ShardedModel) -> None:
+        self.model = model
+        self.units = model.units
+        self.schedule = model.schedule
+        # Nesting depth of each unit's forward (a unit called inside itself runs once).
+        self._active: dict[int, int] = {}
+        # The call whose full tensors are on the modules, per unit.
+        self._shadowing: dict[int, UnitCall] = {}
+        # Calls of this pass that may still get a backward.
+        self._pending: list[UnitCall] = []
+        self._depth = 0  # units currently inside forward
+        self._in_backward = False
+        self.handles: list[Any] = []
+        for unit in self.units:
+            if not unit.params:
+                continue
+            self.handles.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
+            self.handles.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
+        # The root unit stays active around the whole step (e.g. Lightning's training_step), so
+        # a backward and an optimizer step can happen inside its forward (manual optimization).
+        # Hooks on the modules that own its parameters re-gather it when it went stale.
+        root = self.units[0]
+        owners = {id(m): m for p in root.params for m, _ in p.owners if m is not root.module}
+        for module in owners.values():
+            self.handles.append(module.register_forward_pre_hook(partial(self._refresh_if_stale, root)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    # ---- shadowing the shard parameters with full tensors -----------------------------------
+    def _shadow(self, call: UnitCall) -> None:
+        for sharded, full in zip(call.unit.params, call.fulls):
+            for module, attr in sharded.owners:
+                module.__dict__[attr] = full
+        self._shadowing[call.unit.uid] = call
+
+    def _unshadow(self, call: UnitCall) -> None:
+        if self._shadowing.get(call.unit.uid) is not call:
+            return
+        del self._shadowing[call.unit.uid]
+        for sharded in call.unit.params:
+            for module, attr in sharded.owners:
+                module.__dict__.pop(attr, None)
+
+    def _versions(self, unit: Unit) -> tuple[int, ...]:
+        return tuple(p.param._version for p in unit.params)
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _gather_call(self, unit: Unit) -> UnitCall:
+        differentiable = torch.is_grad_enabled() and any(p.requires_grad for p in unit.params)
+        call = UnitCall(unit, differentiable=differentiable)
+        with torch.profiler.record_function(f"ZeRO3::gather({unit.name})"):
+            if differentiable:
+                call.fulls = list(_GatherParams.apply(self, call, *(p.param for p in unit.params)))
+            else:
+                call.fulls = unit.gather()
+        call.versions = self._versions(unit)
+        self.model.on_alive_change(unit, +1)
+        return call
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        uid = unit.uid
+        if self._active.get(uid, 0):
+            self._active[uid] += 1  # re-entered (e.g. self(x) inside training_step): already whole
+            return
+        self._active[uid] = 1
+        if self._depth == 0 and not self._in_backward:
+            self._begin_pass()
+        self._depth += 1
+        current = self._shadowing.get(uid)
+        if self._in_backward and current is not None and current.state is CallState.BACKWARD:
+            return  # non-reentrant recomputation: reuse the re-gathered parameters
+        call = self._gather_call(unit)
+        self._shadow(call)
+        if torch.is_grad_enabled() and not self._in_backward:
+            for ahead in self.schedule.on_forward(uid):
+                self._prefetch(self.units[ahead])
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        uid = unit.uid
+        self._active[uid] -= 1
+        if self._active[uid]:
+            return
+        self._depth -= 1
+        call = self._shadowing.get(uid)
+        if call is None or call.state is CallState.BACKWARD:
+            return  # recomputation inside backward: the backward owns these tensors
+        self._unshadow(call)
+        if call.state is CallState.REDUCED:
+            return  # its backward already ran inside this forward (manual optimization)
+        if not call.differentiable:
+            call.fulls = []  # no backward will need them from us (autograd keeps what it saved)
+            self.model.on_alive_change(unit, -1)
+            return
+        Unit.release(call.fulls)
+        self.model.on_alive_change(unit, -1)
+        call.state = CallState.RESHARDED
+        self._pending.append(call)
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        for tensor in outputs:
+            tensor.register_hook(partial(self._pre_backward, call))
+
+    def _refresh_if_stale(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        call = self._shadowing.get(unit.uid)
+        if call is None or call.state is CallState.BACKWARD:
+            return
+        if call.state is CallState.REDUCED or call.versions != self._versions(unit):
+            self._unshadow(call)
+            if call.state is not CallState.REDUCED:
+                self.model.on_alive_change(unit, -1)
+            self._shadow(self._gather_call(unit))
+
+    def _prefetch(self, unit: Unit) -> None:
+        if not unit.params or unit.gather_in_flight or unit.uid in self._shadowing:
+            return
+        unit.start_gather()
+        self.model.on_alive_change(unit, 0)
+
+    def _begin_pass(self) -> None:
+        # Prefetches left from the previous pass may predate an optimizer step: drop them.
+        for unit in self.units:
+            if unit.gather_in_flight:
+                unit.discard_gather()
+        self._pending = []
+        self.schedule.begin_forward()
+        self.model.on_alive_change(None, 0)
+
+    # ---- backward ---------------------------------------------------------------------------
+    def _ensure_backward_started(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self.schedule.begin_backward()
+        Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, call: UnitCall, grad: torch.Tensor) -> None:
+        if call.state not in (CallState.RESHARDED, CallState.REDUCED) or not call.fulls:
+            return
+        if call.state is CallState.REDUCED and call.fulls[0].untyped_storage().size() > 0:
+            return
+        self._ensure_backward_started()
+        unit = call.unit
+        with torch.profiler.record_function(f"ZeRO3::pre_backward({unit.name})"):
+            unit.gather(into=call.fulls)
+            self.model.on_alive_change(unit, +1)
+            call.state = CallState.BACKWARD
+            if unit.uid not in self._shadowing:
+                self._shadow(call)
+            for ahead in self.schedule.on_backward(unit.uid):
+                self._prefetch(self.units[ahead])
+
+    def post_backward(self, call: UnitCall, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Called by `_GatherParams.backward` once autograd has every full gradient of the call."""
+        self._ensure_backward_started()
+        unit = call.unit
+        with torch.profiler.record_function(f"ZeRO3::reduce_grads({unit.name})"):
+            shard_grads = unit.reduce_grads(grads)
+        if call.state is CallState.BACKWARD:
+            self._unshadow(call)
+            Unit.release(call.fulls)
+            self.model.on_alive_change(unit, -1)
+        elif call.state is CallState.FORWARD:
+            # Backward inside the unit's own forward: keep the tensors on the modules until the
+            # forward ends; `_refresh_if_stale` re-gathers if they are used again.
+            pass
+        call.state = CallState.REDUCED
+        if call in self._pending:
+            self._pending.remove(call)
+        return [g if p.requires_grad else None for g, p in zip(shard_grads, unit.params)]
+
+    def _end_backward(self) -> None:
+        # Calls whose outputs never reached the loss: free what a pre-backward re-gathered.
+        for call in self._pending:
+            if call.state is CallState.BACKWARD:
+                self._unshadow(call)
+                Unit.release(call.fulls)
+                self.model.on_alive_change(call.unit, -1)
+            call.state = CallState.REDUCED
+        self._pending = []
+        for unit in self.units:
+            if unit.gather_in_flight:
+                unit.discard_gather()
+        self.model.reduce_persistent_grads()
+        self.schedule.end_backward()
+        self._in_backward = False
+        self.model.on_backward_end()

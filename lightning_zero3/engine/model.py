@@ -1,0 +1,289 @@
+"""`ShardedModel`: ZeRO stage 3 on a bare `nn.Module`. Framework-independent.
+
+    sharded = ShardedModel(model, prefetch=1)      # model's parameters are now 1/N shards
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss = model(x).mean(); loss.backward()         # gathers, reduce-scatters, prefetches
+    sharded.clip_grad_norm_(1.0); optimizer.step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero3.engine.comm import Comm, CommStats
+from lightning_zero3.engine.hooks import HookDriver
+from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
+from lightning_zero3.engine.schedule import Schedule, first_difference
+from lightning_zero3.engine.shard import ShardedParam, shard_slice
+from lightning_zero3.engine.unit import OrderMismatchError, Unit
+
+
+@dataclass
+class UnitStats:
+    """How many units hold full parameters (or an in-flight gather) now, and the peak."""
+
+    alive: int = 0
+    peak: int = 0
+    # The peak not counting the root unit, which is whole for the entire forward and backward.
+    peak_without_root: int = 0
+
+
+class ShardedModel:
+    """Shards `module`'s parameters 1/N over `group` and drives gather/reduce with hooks."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        wrap_policy: WrapPolicy = None,
+        prefetch: int = 1,
+        persistence_threshold: int = 0,
+        sync_module_states: bool = True,
+    ) -> None:
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead); got {prefetch!r}.")
+        if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
+            raise ValueError(f"persistence_threshold must be an int >= 0; got {persistence_threshold!r}.")
+        self.module = module
+        self.comm = Comm(group)
+        self.schedule = Schedule(prefetch)
+        self.unit_stats = UnitStats()
+        self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
+        if sync_module_states:
+            self._broadcast_from_rank0()
+        self.units: list[Unit] = []
+        self._by_param: dict[int, ShardedParam] = {}
+        for uid, unit_plan in enumerate(self.plan.units):
+            params = [self._shard(entry.param, entry.owners, entry.names) for entry in unit_plan.params]
+            self.units.append(
+                Unit(uid=uid, name=unit_plan.name, module=unit_plan.module, params=params,
+                     comm=self.comm, unit_name=self._unit_name)
+            )
+        self.persistent: list[nn.Parameter] = [entry.param for entry in self.plan.persistent]
+        self._live_calls = [0] * len(self.units)
+        self.hooks = HookDriver(self)
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _broadcast_from_rank0(self) -> None:
+        """Make every rank start from rank 0's values, as DDP does (one flat broadcast)."""
+        if self.comm.world_size == 1:
+            return
+        tensors = [p.data for p in dict.fromkeys(self.module.parameters())]
+        tensors += [b for b in self.module.buffers() if b is not None]
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.comm.broadcast(flat, src=0, what="initial model states")
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _shard(self, full: nn.Parameter, owners: list[tuple[nn.Module, str]], names: list[str]) -> ShardedParam:
+        shard = nn.Parameter(shard_slice(full, self.comm.rank, self.comm.world_size), requires_grad=full.requires_grad)
+        for module, attr in owners:
+            module._parameters[attr] = shard
+        sharded = ShardedParam(owners=owners, names=names, full_shape=full.shape, param=shard,
+                               world_size=self.comm.world_size, rank=self.comm.rank)
+        self._by_param[id(shard)] = sharded
+        return sharded
+
+    def _unit_name(self, uid: int) -> str:
+        return self.units[uid].name if 0 <= uid < len(self.units) else f"<unknown unit {uid}>"
+
+    # ---- lookups ----------------------------------------------------------------------------
+    @property
+    def sharded_params(self) -> list[ShardedParam]:
+        return [p for unit in self.units for p in unit.params]
+
+    def sharded_param(self, param: torch.Tensor) -> ShardedParam | None:
+        """The bookkeeping of a registered shard, or None for a persistent (whole) parameter."""
+        return self._by_param.get(id(param))
+
+    def full_numel(self, param: torch.Tensor) -> int:
+        """Elements of the whole parameter behind `param` (a shard or a persistent parameter)."""
+        sharded = self.sharded_param(param)
+        return sharded.numel if sharded is not None else param.numel()
+
+    @property
+    def stats(self) -> CommStats:
+        return self.comm.stats
+
+    # ---- accounting callbacks from the hooks ----------------------------------------------
+    def on_alive_change(self, unit: Unit | None, delta: int) -> None:
+        if unit is not None:
+            self._live_calls[unit.uid] += delta
+        alive = [u.uid for u in self.units if self._live_calls[u.uid] > 0 or u.gather_in_flight]
+        s = self.unit_stats
+        s.alive = len(alive)
+        s.peak = max(s.peak, s.alive)
+        s.peak_without_root = max(s.peak_without_root, len([uid for uid in alive if uid != 0]))
+
+    def on_backward_end(self) -> None:
+        if self.schedule.passes_recorded == 1:
+            self.check_order_across_ranks()
+
+    def reset_peaks(self) -> None:
+        self.unit_stats.peak = self.unit_stats.alive
+        self.unit_stats.peak_without_root = self.unit_stats.alive
+
+    # ---- cross-rank agreement -------------------------------------------------------------
+    def check_order_across_ranks(self) -> None:
+        """Raise, on every rank, if the recorded unit orders differ between ranks."""
+        mine = (self.schedule.forward_order or [], self.schedule.backward_order or [])
+        every = self.comm.all_gather_object(mine)
+        for phase, index in (("forward", 0), ("backward", 1)):
+            diff = first_difference([orders[index] for orders in every])
+            if diff is not None:
+                pos, rank, got = diff
+                ref = every[0][index]
+                expected = self._unit_name(ref[pos]) if pos < len(ref) else "<nothing>"
+                found = self._unit_name(got) if got >= 0 else "<nothing>"
+                raise OrderMismatchError(
+                    f"Ranks ran units in different {phase} orders: at position {pos} rank 0 ran "
+                    f"'{expected}' but rank {rank} ran '{found}'. Every rank must run the same units in "
+                    f"the same order; make data-dependent branches agree across ranks."
+                )
+
+    # ---- gradients of persistent parameters -----------------------------------------------
+    def reduce_persistent_grads(self) -> None:
+        """All-Reduce (average) the gradients of parameters kept whole on every rank."""
+        params = [p for p in self.persistent if p.requires_grad]
+        if not params or self.comm.world_size == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.comm.all_reduce(flat, what="gradients of persistent parameters")
+        flat.div_(self.comm.world_size)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    # ---- whole parameters outside forward -------------------------------------------------
+    @contextmanager
+    def gathered_parameters(
+        self, module: nn.Module | None = None, *, modifier_rank: int | None = None
+    ) -> Iterator[None]:
+        """Make the parameters under `module` (default: all) whole on every rank. The
+        registered parameters themselves hold the full data inside the block, so both
+        `module.weight` and `module.parameters()` see it. With `modifier_rank=r`, rank r's
+        values are broadcast on exit and every rank keeps its slice of them; otherwise changes
+        are discarded."""
+        scope = module if module is not None else self.module
+        in_scope = {id(p) for p in scope.parameters()}
+        chosen = [p for p in self.sharded_params if id(p.param) in in_scope]
+        persistent = [p for p in self.persistent if id(p) in in_scope]
+        units = [u for u in self.units if any(p in chosen for p in u.params)]
+        shards: dict[int, torch.Tensor] = {}
+        for unit in units:
+            for sharded, full in zip(unit.params, unit.gather()):
+                if sharded in chosen:
+                    shards[id(sharded)] = sharded.param.data
+                    sharded.param.data = full
+        try:
+            yield
+        finally:
+            for unit in units:
+                for sharded in unit.params:
+                    if id(sharded) not in shards:
+                        continue
+                    full = sharded.param.data
+                    sharded.param.data = shards[id(sharded)]
+                    if modifier_rank is not None:
+                        self.comm.broadcast(full, src=modifier_rank, what=f"'{sharded.name}' from rank {modifier_rank}")
+                        sharded.load_full(full)
+            if modifier_rank is not None:
+                for p in persistent:
+                    self.comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
+
+    # ---- state dicts ------------------------------------------------------------------------
+    def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
+        """The module's `state_dict()` with whole parameters, gathered one unit at a time. With
+        `to_rank`, only that rank keeps the gathered tensors (others get an empty dict)."""
+        keep = to_rank is None or self.comm.rank == to_rank
+        full_by_id: dict[int, torch.Tensor] = {}
+        state = self.module.state_dict()
+        for unit in self.units:
+            if not unit.params:
+                continue
+            fulls = unit.gather()
+            if keep:
+                for sharded, full in zip(unit.params, fulls):
+                    full_by_id[id(sharded.param)] = full.detach().cpu()
+            del fulls
+        if not keep:
+            return {}
+        by_name = {}
+        for sharded in self.sharded_params:
+            for name in sharded.names:
+                by_name[name] = full_by_id[id(sharded.param)]
+        return {key: by_name.get(key, value) for key, value in state.items()}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Load whole tensors (the same on every rank): each rank keeps its slice."""
+        shard_keys = {name for p in self.sharded_params for name in p.names}
+        rest = {k: v for k, v in state_dict.items() if k not in shard_keys}
+        missing = []
+        for sharded in self.sharded_params:
+            source = next((state_dict[n] for n in sharded.names if n in state_dict), None)
+            if source is None:
+                missing.append(sharded.name)
+                continue
+            sharded.load_full(source)
+        # Shard entries are handled above; torch loads buffers and persistent parameters.
+        result = self.module.load_state_dict(rest, strict=False)
+        if strict:
+            unexpected = [k for k in result.unexpected_keys]
+            absent = missing + [k for k in result.missing_keys if k not in shard_keys]
+            if unexpected or absent:
+                raise KeyError(
+                    f"State dict does not match the model: missing keys {absent[:10]}, unexpected keys "
+                    f"{unexpected[:10]}. Load a checkpoint of the same model or pass strict=False."
+                )
+
+    # ---- model-state accounting ----------------------------------------------------------
+    def model_state_bytes(self, optimizers: list[torch.optim.Optimizer] | None = None) -> dict[str, int]:
+        """Bytes of model state this rank holds between steps: parameter shards (and persistent
+        parameters), gradient shards, and optimizer state for them."""
+        params = [p.param for p in self.sharded_params] + self.persistent
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        optim_bytes = 0
+        mine = {id(p) for p in params}
+        for optimizer in optimizers or []:
+            for param, state in optimizer.state.items():
+                if id(param) not in mine:
+                    continue
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        optim_bytes += value.numel() * value.element_size()
+        return {
+            "param": param_bytes,
+            "grad": grad_bytes,
+            "optimizer": optim_bytes,
+            "total": param_bytes + grad_bytes + optim_bytes,
+        }
+
+    def expected_step_bytes(self) -> dict[str, int]:
+        """Payload bytes per training step that the design predicts (Note: flat layout):
+        All-Gather forward + All-Gather backward + Reduce-Scatter, each of the padded
+        parameters plus one tag element per rank per unit."""
+        n = self.comm.world_size
+        per_pass = 0
+        for unit in self.units:
+            if unit.params:
+                per_pass += n * (unit.shard_numel + 1) * unit.params[0].param.element_size()
+        return {"all_gather": 2 * per_pass, "reduce_scatter": per_pass}
+
+    def remove_hooks(self) -> None:
+        self.hooks.remove()

@@ -1,0 +1,52 @@
+"""Gradient norm and clipping over shards: the global norm needs one All-Reduce of a scalar."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from lightning_zero3.engine.model import ShardedModel
+
+
+def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the gradient of the whole (unsharded) model, the same on every rank.
+
+    Shard gradients are disjoint pieces of the full gradient (padding is zero), so their
+    p-th powers add up across ranks; a parameter kept whole is identical on every rank and
+    counts once (its share is divided by N before the sum)."""
+    grads_sharded: list[torch.Tensor] = []
+    grads_whole: list[torch.Tensor] = []
+    for p in parameters:
+        if p.grad is None:
+            continue
+        (grads_sharded if model.sharded_param(p) is not None else grads_whole).append(p.grad.detach())
+    device = next(iter(model.module.parameters())).device
+    n = model.comm.world_size
+    if norm_type == float("inf"):
+        local = torch.zeros((), device=device)
+        for g in grads_sharded + grads_whole:
+            local = torch.maximum(local, g.abs().max().float())
+        model.comm.all_reduce(local, what="gradient norm (max)", op="max")
+        return local
+    p = float(norm_type)
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads_sharded:
+        local += torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p
+    for g in grads_whole:
+        local += torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p / n
+    model.comm.all_reduce(local, what="gradient norm")
+    return (local ** (1.0 / p)).float()
+
+
+def clip_grad_norm_(
+    model: ShardedModel, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most `max_norm`; return the norm
+    before clipping (like `torch.nn.utils.clip_grad_norm_`)."""
+    params = [p for p in parameters if p.grad is not None]
+    total = grad_norm(model, params, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return total

@@ -1,0 +1,80 @@
+"""Execution-order recording and prefetch decisions.
+
+The first training step records the order in which units run forward and the order in which
+their backward starts. From then on, when unit k starts (forward) or its backward starts,
+the next `prefetch` units of the recorded order are gathered asynchronously so the All-Gather
+overlaps with unit k's compute. A pass that departs from the record stops prefetching for the
+rest of that pass (units are then gathered on demand) and becomes the new record: it is as
+correct as the record, only slower for one step. Ranks compare their records once, after the
+first backward, so a rank running a different order fails with the first differing unit named.
+"""
+
+from __future__ import annotations
+
+
+class Schedule:
+    def __init__(self, prefetch: int) -> None:
+        self.prefetch = prefetch
+        # Unit ids in the order they ran in the last recorded pass (None: nothing recorded).
+        self.forward_order: list[int] | None = None
+        self.backward_order: list[int] | None = None
+        # What the pass in progress has run so far.
+        self._forward_seen: list[int] = []
+        self._backward_seen: list[int] = []
+        # Whether the pass in progress still follows the record (prefetch only while it does).
+        self._forward_on_track = True
+        self._backward_on_track = True
+        self.passes_recorded = 0
+
+    def begin_forward(self) -> None:
+        self._forward_seen = []
+        self._forward_on_track = True
+
+    def begin_backward(self) -> None:
+        self._backward_seen = []
+        self._backward_on_track = True
+
+    @staticmethod
+    def _next(order: list[int] | None, seen: list[int], uid: int, on_track: bool, count: int) -> tuple[list[int], bool]:
+        position = len(seen)
+        seen.append(uid)
+        if order is None or not on_track or count == 0:
+            return [], on_track and order is not None
+        if position >= len(order) or order[position] != uid:
+            return [], False
+        return order[position + 1 : position + 1 + count], True
+
+    def on_forward(self, uid: int) -> list[int]:
+        """Record that unit `uid` starts forward; return the units to prefetch now."""
+        ahead, self._forward_on_track = self._next(
+            self.forward_order, self._forward_seen, uid, self._forward_on_track, self.prefetch
+        )
+        return ahead
+
+    def on_backward(self, uid: int) -> list[int]:
+        """Record that unit `uid` starts backward; return the units to prefetch now."""
+        ahead, self._backward_on_track = self._next(
+            self.backward_order, self._backward_seen, uid, self._backward_on_track, self.prefetch
+        )
+        return ahead
+
+    def end_backward(self) -> None:
+        """Adopt the pass just finished as the record if it differs from it."""
+        if self._forward_seen and self._forward_seen != self.forward_order:
+            self.forward_order = list(self._forward_seen)
+        if self._backward_seen and self._backward_seen != self.backward_order:
+            self.backward_order = list(self._backward_seen)
+        self.passes_recorded += 1
+
+
+def first_difference(orders: list[list[int]]) -> tuple[int, int, int] | None:
+    """(position, rank, that rank's unit id or -1) of the first place where some rank's order
+    differs from rank 0's, or None if all are equal."""
+    reference = orders[0]
+    for rank, order in enumerate(orders[1:], start=1):
+        for pos in range(max(len(reference), len(order))):
+            ref = reference[pos] if pos < len(reference) else -1
+            got = order[pos] if pos < len(order) else -1
+            if ref != got:
+                return pos, rank, got
+    return None

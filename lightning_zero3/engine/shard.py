@@ -1,0 +1,79 @@
+"""`ShardedParam`: one parameter's sharded bookkeeping.
+
+[Note: shard layout]
+A parameter of `numel` elements is flattened and cut into `world_size` contiguous pieces of
+`shard_numel = ceil(numel / world_size)` elements; the last pieces are padded with zeros. Rank r
+keeps elements [r * shard_numel, (r + 1) * shard_numel) as a 1-D `nn.Parameter`, registered on
+the module under the original name, so optimizers, param groups and `state_dict()` see shards.
+The padding stays zero: its gradient is zero, and every optimizer we know keeps a zero with
+a zero gradient at zero (weight decay of zero is zero).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements each rank keeps of a parameter of `numel` elements."""
+    return math.ceil(numel / world_size)
+
+
+def shard_slice(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's padded 1-D piece of `full` (a new tensor; `full` is not kept)."""
+    flat = full.detach().reshape(-1)
+    size = shard_numel(flat.numel(), world_size)
+    piece = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+    start = min(rank * size, flat.numel())
+    end = min(start + size, flat.numel())
+    piece[: end - start].copy_(flat[start:end])
+    return piece
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """One parameter that is kept as a shard and gathered whole for compute."""
+
+    # Every (module, attribute) that holds this parameter: more than one for tied weights.
+    owners: list[tuple[nn.Module, str]]
+    # Fully qualified names under the root module, in the same order as `owners`.
+    names: list[str]
+    full_shape: torch.Size
+    # The registered 1-D shard; what the optimizer steps on.
+    param: nn.Parameter
+    world_size: int
+    rank: int
+    numel: int = field(init=False)
+    shard_numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.numel = math.prod(self.full_shape)
+        self.shard_numel = shard_numel(self.numel, self.world_size)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+    def valid_numel(self, rank: int | None = None) -> int:
+        """Elements of rank `rank`'s shard that are real data rather than padding."""
+        r = self.rank if rank is None else rank
+        return max(0, min(self.shard_numel, self.numel - r * self.shard_numel))
+
+    def load_full(self, full: torch.Tensor) -> None:
+        """Overwrite this rank's shard from a full tensor (same on every rank)."""
+        if full.numel() != self.numel:
+            raise ValueError(
+                f"Parameter '{self.name}' has shape {tuple(self.full_shape)} but the tensor given has "
+                f"shape {tuple(full.shape)}; load a state dict of the same model."
+            )
+        with torch.no_grad():
+            piece = shard_slice(full.to(self.param.dtype), self.rank, self.world_size)
+            self.param.data.copy_(piece.to(self.param.device))

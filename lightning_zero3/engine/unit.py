@@ -1,0 +1,203 @@
+"""`Unit`: the parameters gathered by one collective, and the three things done to them:
+gather (All-Gather shards -> full tensors), release, and reduce_grads (Reduce-Scatter full
+gradients -> averaged shard gradients).
+
+[Note: flat layout and unit tag]
+Each rank sends one flat buffer: its shards of the unit's parameters back to back (shard i at
+offset o_i, `shard_numel_i` long), then one element holding the unit's tag (its id + 1). The
+gathered buffer is (world_size, S + 1), rank-major; parameter i's full flat data is column block
+[o_i, o_i + shard_numel_i) read row by row, cut to `numel_i`. The Reduce-Scatter input has the same
+layout, so each rank receives exactly the summed gradient of its own shards, and the tag column
+sums to world_size * tag. Checking the tag on arrival turns "ranks gathered different units of
+the same size" from silently mixed parameters into an error that names both units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lightning_zero3.engine.comm import CollectiveError, Comm
+from lightning_zero3.engine.shard import ShardedParam
+
+
+class OrderMismatchError(RuntimeError):
+    """Ranks ran different units at the same point of a step."""
+
+
+class Unit:
+    """The parameters of one module subtree that are gathered and reduced together."""
+
+    def __init__(
+        self,
+        *,
+        uid: int,
+        name: str,
+        module: nn.Module,
+        params: list[ShardedParam],
+        comm: Comm,
+        unit_name: Callable[[int], str],
+    ) -> None:
+        dtypes = {p.param.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"Unit '{name}' holds parameters of several dtypes {sorted(map(str, dtypes))}; a unit is "
+                f"gathered as one buffer. Cast the model to one dtype before sharding, or give the "
+                f"modules of each dtype their own unit through wrap_policy."
+            )
+        self.uid = uid
+        self.name = name
+        self.module = module
+        self.params = params
+        self.comm = comm
+        # Maps a tag read off the wire back to a unit name, for error messages.
+        self._unit_name = unit_name
+        self.tag = float(uid + 1)
+        self.offsets: list[int] = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.shard_numel
+        # Elements each rank contributes, without the tag.
+        self.shard_numel = total
+        # In-flight or finished-but-unread All-Gather: (work, gathered buffer).
+        self._pending: tuple[object, torch.Tensor] | None = None
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._pending is not None
+
+    @property
+    def numel(self) -> int:
+        """Full (unpadded) elements of all parameters of the unit."""
+        return sum(p.numel for p in self.params)
+
+    def _like(self) -> torch.Tensor:
+        return self.params[0].param
+
+    # ---- gather ---------------------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Issue the All-Gather asynchronously (prefetch). No-op if one is already pending."""
+        if self._pending is not None or not self.params:
+            return
+        like = self._like()
+        send = torch.empty(self.shard_numel + 1, dtype=like.dtype, device=like.device)
+        with torch.no_grad():
+            torch.cat([p.param.detach() for p in self.params], out=send[: self.shard_numel])
+            send[self.shard_numel] = self.tag
+        recv = torch.empty(self.world_size * (self.shard_numel + 1), dtype=like.dtype, device=like.device)
+        work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'")
+        self._pending = (work, recv)
+
+    def discard_gather(self) -> None:
+        """Drop a prefetch that the step did not use (the collective still completes)."""
+        if self._pending is not None:
+            work, _ = self._pending
+            self.comm.wait(work)
+            self._pending = None
+
+    def _take_gathered(self) -> torch.Tensor:
+        if self._pending is None:
+            self.start_gather()
+        assert self._pending is not None
+        work, recv = self._pending
+        self._pending = None
+        try:
+            self.comm.wait(work)
+        except RuntimeError as err:
+            raise CollectiveError(f"All-Gather of unit '{self.name}' failed on rank {self.comm.rank}: {err}") from err
+        gathered = recv.view(self.world_size, self.shard_numel + 1)  # (N, S + 1)
+        tags = gathered[:, self.shard_numel]
+        if not bool((tags == self.tag).all()):
+            self._raise_mismatch("All-Gather", [float(t) for t in tags])
+        return gathered
+
+    def _raise_mismatch(self, collective: str, tags: list[float]) -> None:
+        seen = ", ".join(f"rank {r}: '{self._unit_name(int(round(t)) - 1)}'" for r, t in enumerate(tags))
+        raise OrderMismatchError(
+            f"{collective} mismatch on rank {self.comm.rank}: this rank expected unit '{self.name}' but "
+            f"the ranks were at [{seen}]. Every rank must run the same units in the same order each "
+            f"step; data-dependent control flow (a block skipped on some ranks) is not supported "
+            f"under ZeRO-3. Make the branch decision identical on all ranks."
+        )
+
+    def gather(self, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Full parameters of the unit. With `into`, refill those tensors' (re-allocated)
+        storage in place instead of allocating new tensors, without bumping their version."""
+        gathered = self._take_gathered()
+        fulls: list[torch.Tensor] = []
+        for i, p in enumerate(self.params):
+            if into is None:
+                full = torch.empty(p.full_shape, dtype=gathered.dtype, device=gathered.device)
+            else:
+                full = into[i]
+                storage = full.untyped_storage()
+                if storage.size() == 0:
+                    storage.resize_(p.numel * full.element_size())
+                full = full.data  # `.data` does not share the autograd version counter
+            flat = full.view(-1)
+            s, o = p.shard_numel, self.offsets[i]
+            rows = p.numel // s  # ranks whose piece is entirely real data
+            with torch.no_grad():
+                flat[: rows * s].view(rows, s).copy_(gathered[:rows, o : o + s])
+                rest = p.numel - rows * s
+                if rest:
+                    flat[rows * s :].copy_(gathered[rows, o : o + rest])
+            fulls.append(into[i] if into is not None else full)
+        return fulls
+
+    @staticmethod
+    def release(fulls: list[torch.Tensor]) -> None:
+        """Free the storage of full parameters while keeping the tensor objects, which autograd
+        may have saved; `gather(into=fulls)` re-allocates and refills it."""
+        for full in fulls:
+            full.untyped_storage().resize_(0)
+
+    # ---- reduce ---------------------------------------------------------------------------
+    def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Reduce-Scatter full gradients; return this rank's averaged shard gradients (views of
+        one flat buffer). Parameters without a gradient contribute zeros and get None back."""
+        like = self._like()
+        n, width = self.world_size, self.shard_numel + 1
+        full = torch.empty(n, width, dtype=like.dtype, device=like.device)  # (N, S + 1)
+        with torch.no_grad():
+            for i, (p, grad) in enumerate(zip(self.params, grads)):
+                s, o = p.shard_numel, self.offsets[i]
+                block = full[:, o : o + s]
+                if grad is None:
+                    block.zero_()
+                    continue
+                flat = grad.reshape(-1).to(like.dtype)
+                rows = p.numel // s
+                block[:rows].copy_(flat[: rows * s].view(rows, s))
+                rest = p.numel - rows * s
+                if rows < n:
+                    block[rows:].zero_()
+                    if rest:
+                        block[rows, :rest].copy_(flat[rows * s :])
+            full[:, self.shard_numel] = self.tag
+        out = torch.empty(width, dtype=like.dtype, device=like.device)
+        self.comm.reduce_scatter(out, full, what=f"gradients of unit '{self.name}'")
+        tag_sum = float(out[self.shard_numel])
+        if tag_sum != self.tag * n:
+            raise OrderMismatchError(
+                f"Reduce-Scatter mismatch on rank {self.comm.rank}: this rank reduced unit '{self.name}' "
+                f"but the other ranks reduced a different unit of the same size (tag sum {tag_sum:g}, "
+                f"expected {self.tag * n:g}). Every rank must use the same units in the loss each step; "
+                f"a unit whose output reaches the loss on some ranks only is not supported."
+            )
+        out = out[: self.shard_numel]
+        out.div_(n)  # sum over ranks / N: the same average DDP takes
+        return [
+            None if grad is None else out[o : o + p.shard_numel]
+            for p, o, grad in zip(self.params, self.offsets, grads)
+        ]
