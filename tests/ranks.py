@@ -10,6 +10,8 @@ imported torch once, so a launch costs ~0.1 s after the first.
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_module
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -42,7 +44,8 @@ def _entry(
             result = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, True, result))
+        # By value: tensors sent through the queue as shared memory die with this process.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
@@ -54,7 +57,8 @@ def _mp_context() -> Any:
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "tests.ranks", "tests.models"])
+        preload = ["torch", "lightning.pytorch", "lightning_zero3", "tests.ranks", "tests.models"]
+        _context.set_forkserver_preload(preload)
     return _context
 
 
@@ -76,7 +80,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = DEFA
             for _ in range(world_size):
                 rank, ok, value = queue.get(timeout=deadline)
                 results[rank] = (ok, value)
-        except Exception as err:  # queue.Empty: some rank never reported
+        except queue_module.Empty as err:
             missing = sorted(set(range(world_size)) - set(results))
             raise RankFailure(f"ranks {missing} did not finish within {deadline:.0f} s") from err
         finally:
@@ -87,4 +91,4 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = DEFA
     failures = [f"--- rank {r} ---\n{value}" for r, (ok, value) in sorted(results.items()) if not ok]
     if failures:
         raise RankFailure("\n".join(failures))
-    return [results[r][1] for r in range(world_size)]
+    return [pickle.loads(results[r][1]) for r in range(world_size)]

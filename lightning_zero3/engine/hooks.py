@@ -142,6 +142,12 @@ class HookDriver:
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         uid = unit.uid
+        current = self._shadowing.get(uid)
+        if self._in_backward and current is not None and current.state is CallState.BACKWARD:
+            # Non-reentrant recomputation: reuse the re-gathered parameters. Its forward may be
+            # cut short (checkpoint stops once it has what backward needs), so no post-forward
+            # hook is owed: nothing is counted here.
+            return
         if self._active.get(uid, 0):
             self._active[uid] += 1  # re-entered (e.g. self(x) inside training_step): already whole
             return
@@ -149,9 +155,6 @@ class HookDriver:
         if self._depth == 0 and not self._in_backward:
             self._begin_pass()
         self._depth += 1
-        current = self._shadowing.get(uid)
-        if self._in_backward and current is not None and current.state is CallState.BACKWARD:
-            return  # non-reentrant recomputation: reuse the re-gathered parameters
         call = self._gather_call(unit)
         self._shadow(call)
         if torch.is_grad_enabled() and not self._in_backward:
@@ -160,13 +163,15 @@ class HookDriver:
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         uid = unit.uid
+        if not self._active.get(uid, 0):
+            return  # end of a recomputation (see _pre_forward): the backward owns these tensors
         self._active[uid] -= 1
         if self._active[uid]:
             return
         self._depth -= 1
         call = self._shadowing.get(uid)
-        if call is None or call.state is CallState.BACKWARD:
-            return  # recomputation inside backward: the backward owns these tensors
+        if call is None:
+            return
         self._unshadow(call)
         if call.state is CallState.REDUCED:
             return  # its backward already ran inside this forward (manual optimization)

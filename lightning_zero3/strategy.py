@@ -1,0 +1,477 @@
+"""`ZeRO3Strategy`: the Lightning glue around the framework-independent engine.
+
+It owns the setup order (shard after the model is on its device, build optimizers after
+sharding), the process group, the precision plugin's clipping, checkpoints and the accounting
+users read in `strategy.stats`. It never calls a collective on parameter data itself: the
+engine does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
+from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero3.engine import ShardedModel, clip_grad_norm_
+from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
+from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
+
+log = logging.getLogger(__name__)
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_STATE_DICT_TYPES = ("sharded", "full")
+
+
+class _RootCall(nn.Module):
+    """A thin wrapper so that Lightning's forward redirection (`training_step` etc. routed
+    through `wrapper(...)`) runs the LightningModule's forward hooks, which gather the root
+    unit for the whole step."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class ZeRO3Strategy(ParallelStrategy):
+    """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
+
+    Args:
+        wrap_policy: which modules form units (gathered together). None: each repeated child
+            of an ``nn.ModuleList``/``nn.Sequential`` that holds parameters; or a set of module
+            classes; or ``callable(module) -> bool``.
+        prefetch: units All-Gathered ahead of the one computing (0 turns prefetch off).
+        persistence_threshold: parameters with at most this many elements stay whole on every
+            rank; their gradients are All-Reduced.
+        state_dict_type: "sharded" or "full" checkpoints.
+        timeout: process-group timeout: a rank that never arrives fails the others after it.
+        start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
+            method ("spawn", "fork", "forkserver").
+    """
+
+    strategy_name = "zero3"
+
+    def __init__(
+        self,
+        *,
+        wrap_policy: WrapPolicy = None,
+        prefetch: int = 1,
+        persistence_threshold: int = 0,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"{type(self).__name__}(prefetch=...) must be an int >= 0, got {prefetch!r}.")
+        if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
+            raise ValueError(
+                f"{type(self).__name__}(persistence_threshold=...) must be an int >= 0 (elements), "
+                f"got {persistence_threshold!r}."
+            )
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise ValueError(
+                f"{type(self).__name__}(state_dict_type=...) must be one of {_STATE_DICT_TYPES}, "
+                f"got {state_dict_type!r}."
+            )
+        if start_method not in _START_METHODS:
+            raise ValueError(
+                f"{type(self).__name__}(start_method=...) must be one of {_START_METHODS}, got {start_method!r}."
+            )
+        if not isinstance(timeout, timedelta):
+            raise ValueError(f"{type(self).__name__}(timeout=...) must be a datetime.timedelta, got {timeout!r}.")
+        self.wrap_policy = validate_wrap_policy(wrap_policy)
+        self.prefetch = prefetch
+        self.persistence_threshold = persistence_threshold
+        self.state_dict_type = state_dict_type
+        self._timeout = timeout
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        # The engine that holds this run's shards; None outside setup..teardown.
+        self.sharded: ShardedModel | None = None
+        # A training batch whose communication is being counted.
+        self._counting_step = False
+        self._failed = False
+
+    # ---- what Lightning asks of a distributed strategy ------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning only knows its own strategies as distributed; without this no
+        # DistributedSampler is inserted and `self.log(..., sync_dist=True)` does nothing.
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the shards, after sharding and optimizer creation
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            # Teardown makes parameters whole again, so the launcher's copy of rank 0's
+            # state_dict back into the main process has full shapes.
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = self.global_rank
+
+    # ---- setup ------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self._failed = False
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._setup_model(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        _use_global_norm_clipping(self.precision_plugin, self._clip_grad_norm)
+        for callback in trainer.callbacks:
+            if isinstance(callback, ModelSummary):
+                callback._summary = self._full_size_summary  # shards would show 1/N of each layer
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        module = self.lightning_module
+        assert module is not None
+        self.sharded = ShardedModel(
+            module,
+            wrap_policy=self.wrap_policy,
+            prefetch=self.prefetch,
+            persistence_threshold=self.persistence_threshold,
+        )
+        return _RootCall(module)
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        sharded = {id(p.param) for p in self.sharded_model.sharded_params}
+        for optimizer in self.optimizers:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if params and not any(id(p) in sharded for p in params):
+                raise ValueError(
+                    f"The optimizer {type(optimizer).__name__} does not reference any parameter of the sharded "
+                    f"model. With {type(self).__name__}, create optimizers in `configure_optimizers()` from "
+                    f"`self.parameters()` (or `self.named_parameters()`), which returns the shards."
+                )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.to(self.root_device)
+
+    @property
+    def sharded_model(self) -> ShardedModel:
+        if self.sharded is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no sharded model yet: it is built in `Trainer.fit/validate/test/"
+                f"predict` setup. Call this from a LightningModule hook that runs after setup."
+            )
+        return self.sharded
+
+    # ---- per-step hooks -----------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._finish_counting()
+        self.sharded_model.stats.current.clear()  # count only this batch's traffic
+        self.sharded_model.stats.gather_wait_s = 0.0
+        self.sharded_model.reset_peaks()
+        self._counting_step = True
+
+    @override
+    def on_validation_start(self) -> None:
+        self._finish_counting()
+
+    @override
+    def on_train_end(self) -> None:
+        self._finish_counting()
+
+    def _finish_counting(self) -> None:
+        if self._counting_step and self.sharded is not None:
+            self.sharded.stats.end_step()
+            self._counting_step = False
+
+    def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return clip_grad_norm_(self.sharded_model, params, max_norm)
+
+    # ---- collectives Lightning uses for metrics/logging -----------------------------------
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---- whole parameters on demand -------------------------------------------------------
+    @contextmanager
+    def gathered_parameters(
+        self, module: nn.Module | None = None, *, modifier_rank: int | None = None
+    ) -> Generator[None, None, None]:
+        """Make `module`'s parameters (default: the whole LightningModule) whole on every rank
+        inside the block. With `modifier_rank=r`, what rank r wrote is kept on exit."""
+        with self.sharded_model.gathered_parameters(module, modifier_rank=modifier_rank):
+            yield
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, Any]:
+        """What this rank holds and sends: see docs/accounting.md."""
+        sharded = self.sharded_model
+        last = {kind: vars(b).copy() for kind, b in sharded.stats.last_step.items()}
+        full_params = sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent)
+        return {
+            "world_size": sharded.comm.world_size,
+            "full_parameters": full_params,
+            "last_step": last,
+            "expected_step_bytes": sharded.expected_step_bytes(),
+            "gather_wait_s": sharded.stats.last_step_gather_wait_s,
+            "units": len([u for u in sharded.units if u.params]),
+            "units_alive": sharded.unit_stats.alive,
+            "peak_units_alive": sharded.unit_stats.peak,
+            "peak_units_alive_without_root": sharded.unit_stats.peak_without_root,
+            "model_state_bytes": sharded.model_state_bytes(self.optimizers),
+        }
+
+    def _full_size_summary(self, trainer: Any, pl_module: Any) -> Summary:
+        callback = next(cb for cb in trainer.callbacks if isinstance(cb, ModelSummary))
+        return _FullSizeSummary(pl_module, max_depth=callback._max_depth, numel=self.sharded_model.full_numel)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.state_dict_type == "sharded":
+            _warn_sharded_not_ready()
+        return self.sharded_model.full_state_dict(to_rank=0)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return full_optimizer_state(self.sharded_model, optimizer, to_rank=0)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.sharded_model.load_full_state_dict(dict(checkpoint["state_dict"]), strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_full_optimizer_state(self.sharded_model, optimizer, state)
+
+    # ---- teardown ---------------------------------------------------------------------------
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # other ranks may be gone: no collective in teardown
+
+    @override
+    def teardown(self) -> None:
+        if self.sharded is not None:
+            if not self._failed:
+                _restore_whole_parameters(self.sharded)
+            self.sharded.remove_hooks()
+            self.sharded = None
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if "zero3" not in strategy_registry:
+            strategy_registry.register("zero3", cls, description="ZeRO stage 3 (lightning_zero3)")
+
+
+def _restore_whole_parameters(sharded: ShardedModel) -> None:
+    """Put whole parameters back on the modules (gathered one unit at a time), so the model is
+    an ordinary module again after fit/validate: usable, picklable, and ready to re-shard."""
+    for unit in sharded.units:
+        if not unit.params:
+            continue
+        for sp, full in zip(unit.params, unit.gather()):
+            whole = nn.Parameter(full.detach().clone(), requires_grad=sp.requires_grad)
+            for module, attr in sp.owners:
+                module._parameters[attr] = whole
+
+
+_warned_sharded = False
+
+
+def _warn_sharded_not_ready() -> None:
+    global _warned_sharded
+    if not _warned_sharded:
+        _warned_sharded = True
+        rank_zero_warn(
+            "ZeRO3Strategy(state_dict_type='sharded') checkpoints are not implemented yet: writing a full "
+            "checkpoint (whole parameters and optimizer state, gathered unit by unit to rank 0) instead."
+        )
+
+
+class _GlobalNormClipping:
+    """Mixed into the run's precision plugin: the norm of sharded gradients must be taken over
+    all ranks (one All-Reduce), not over the local shards as Lightning's plugin would."""
+
+    _zero3_clip: Callable[[Optimizer, float], Tensor]
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self._zero3_clip(optimizer, float(clip_val))
+
+
+def _use_global_norm_clipping(plugin: Precision, clip: Callable[[Optimizer, float], Tensor]) -> None:
+    if not isinstance(plugin, _GlobalNormClipping):
+        base = type(plugin)
+        plugin.__class__ = type(f"ZeRO3{base.__name__}", (_GlobalNormClipping, base), {})
+    plugin._zero3_clip = clip  # type: ignore[attr-defined]
+
+
+class _FullSizeSummary(Summary):
+    """Lightning's model summary counting whole parameters rather than this rank's shards."""
+
+    def __init__(self, model: Any, *, max_depth: int, numel: Callable[[Tensor], int]) -> None:
+        self._numel = numel
+        super().__init__(model, max_depth=max_depth)
+
+    @override
+    def summarize(self) -> dict[str, LayerSummary]:
+        numel = self._numel
+
+        class _Layer(LayerSummary):
+            @property
+            def num_parameters(self) -> int:
+                return sum(numel(p) for p in self._module.parameters())
+
+        summary = OrderedDict((name, _Layer(module)) for name, module in self.named_modules)
+        for layer in summary.values():
+            layer.detach_hook()
+        if self._max_depth >= 1:
+            for key in [k for k in summary if k.count(".") >= self._max_depth]:
+                del summary[key]
+        return summary
+
+    @property
+    @override
+    def total_parameters(self) -> int:
+        return sum(self._numel(p) for p in self._model.parameters())
+
+    @property
+    @override
+    def trainable_parameters(self) -> int:
+        return sum(self._numel(p) for p in self._model.parameters() if p.requires_grad)
+
+
+__all__ = ["ZeRO3Strategy"]
