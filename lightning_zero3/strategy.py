@@ -135,6 +135,8 @@ class ZeRO3Strategy(ParallelStrategy):
         self._num_nodes = 1
         # The engine that holds this run's shards; None outside setup..teardown.
         self.sharded: ShardedModel | None = None
+        # True after teardown put whole parameters back on the module.
+        self._whole = False
         # A training batch whose communication is being counted.
         self._counting_step = False
         self._failed = False
@@ -217,6 +219,7 @@ class ZeRO3Strategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         assert self.model is not None
         self._failed = False
+        self._whole = False
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.model = self._setup_model(self.model)
@@ -356,6 +359,8 @@ class ZeRO3Strategy(ParallelStrategy):
     # ---- checkpoints ------------------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._whole:
+            return super().lightning_module_state_dict()
         if self.state_dict_type == "sharded":
             _warn_sharded_not_ready()
         return self.sharded_model.full_state_dict(to_rank=0)
@@ -382,11 +387,12 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.sharded is not None:
+        if self.sharded is not None and not self._whole:
             if not self._failed:
                 _restore_whole_parameters(self.sharded)
             self.sharded.remove_hooks()
-            self.sharded = None
+            # Kept for `stats` and for saving the optimizer (its state is still sharded).
+            self._whole = True
             self.model = self.lightning_module
         super().teardown()
 
