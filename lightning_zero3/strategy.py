@@ -137,8 +137,6 @@ class ZeRO3Strategy(ParallelStrategy):
         self.sharded: ShardedModel | None = None
         # True after teardown put whole parameters back on the module.
         self._whole = False
-        # A training batch whose communication is being counted.
-        self._counting_step = False
         self._failed = False
 
     # ---- what Lightning asks of a distributed strategy ------------------------------------
@@ -272,27 +270,25 @@ class ZeRO3Strategy(ParallelStrategy):
             )
         return self.sharded
 
-    # ---- per-step hooks -----------------------------------------------------------------------
+    # ---- per-step accounting ------------------------------------------------------------
+    # `stats["last_step"]` is the traffic of the last optimizer step: every micro-batch's
+    # forward and backward since the step before it, and the step itself. Evaluation
+    # traffic is left out.
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._finish_counting()
-        self.sharded_model.stats.current.clear()  # count only this batch's traffic
-        self.sharded_model.stats.gather_wait_s = 0.0
+    def on_train_start(self) -> None:
+        self.sharded_model.stats.current.clear()
         self.sharded_model.reset_peaks()
-        self._counting_step = True
 
     @override
-    def on_validation_start(self) -> None:
-        self._finish_counting()
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.sharded_model.stats.end_step()
+        return output
 
     @override
-    def on_train_end(self) -> None:
-        self._finish_counting()
-
-    def _finish_counting(self) -> None:
-        if self._counting_step and self.sharded is not None:
-            self.sharded.stats.end_step()
-            self._counting_step = False
+    def on_validation_end(self) -> None:
+        if self.sharded is not None:
+            self.sharded.stats.current.clear()
 
     def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         params = [p for group in optimizer.param_groups for p in group["params"]]
