@@ -200,7 +200,16 @@ class ZeRO3Strategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        env = self.cluster_environment
+        try:
+            _init_dist_connection(env, self._process_group_backend, **kwargs)
+        except RuntimeError as err:  # torch's DistStoreError/DistNetworkError when a rank never arrives
+            raise RuntimeError(
+                f"{type(self).__name__}: the {env.world_size()} ranks did not all join the process group at "
+                f"{env.main_address}:{env.main_port} within timeout={self._timeout.total_seconds():g} s (this is "
+                f"global rank {env.global_rank()}). Check that every node runs the same command with the same "
+                f"num_nodes and devices, and that the main address and port are reachable. Cause: {err}"
+            ) from err
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
