@@ -103,3 +103,40 @@ def gpt_batch(seed: int, batch: int = 6, context: int = 8, vocab: int = 37) -> t
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (batch, context + 1), generator=g)
     return idx[:, :-1], idx[:, 1:]
+
+
+class RoutedMLP(MLP):
+    """An MLP whose forward runs only the blocks listed in `route`, in that order: a stand-in for
+    data-dependent control flow that a test can make differ between ranks."""
+
+    def __init__(self, dim: int = 13, depth: int = 3) -> None:
+        super().__init__(dim=dim, depth=depth)
+        self.route = list(range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for index in self.route:
+            h = self.blocks[index](h)
+        return self.head(h)
+
+
+def mlp_frozen_block() -> MLP:
+    """An MLP whose middle block is frozen (its unit has no trainable parameter)."""
+    model = MLP()
+    model.blocks[1].requires_grad_(False)
+    return model
+
+
+def mlp_frozen_input() -> MLP:
+    """An MLP whose input layer is frozen (the root unit mixes frozen and trainable parameters)."""
+    model = MLP()
+    model.inp.requires_grad_(False)
+    return model
+
+
+def mlp_biases_only() -> MLP:
+    """An MLP that trains only its biases and norm weights (BitFit-style fine-tuning)."""
+    model = MLP()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith("bias") or ".norm." in name)
+    return model

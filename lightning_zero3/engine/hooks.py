@@ -103,6 +103,12 @@ class HookDriver:
         owners = {id(m): m for p in root.params for m, _ in p.owners if m is not root.module}
         for module in owners.values():
             self.handles.append(module.register_forward_pre_hook(partial(self._refresh_if_stale, root)))
+        # Units start the backward bookkeeping only through a differentiable gather. When none
+        # runs (every trainable parameter is persistent, the sharded ones frozen), a persistent
+        # parameter's gradient must start it, or `_end_backward` never all-reduces their grads.
+        for param in model.persistent:
+            if param.requires_grad:
+                self.handles.append(param.register_post_accumulate_grad_hook(self._on_persistent_grad))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -158,8 +164,11 @@ class HookDriver:
         call = self._gather_call(unit)
         self._shadow(call)
         if torch.is_grad_enabled() and not self._in_backward:
+            on_track = self.schedule.forward_on_track
             for ahead in self.schedule.on_forward(uid):
                 self._prefetch(self.units[ahead])
+            if on_track and not self.schedule.forward_on_track:
+                self._release_stale_prefetches()
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         uid = unit.uid
@@ -203,6 +212,17 @@ class HookDriver:
         unit.start_gather()
         self.model.on_alive_change(unit, 0)
 
+    def _release_stale_prefetches(self) -> None:
+        """The pass just departed from the recorded order: drop the prefetches issued from the
+        record. A rank that departs alone must not keep one and skip re-issuing it later (its
+        collectives would then pair with different kinds of collectives on the other ranks and
+        hang until the timeout); without it, the first unit that differs meets the unit tag
+        check (Note: flat layout and unit tag) and fails with both units named."""
+        for unit in self.units:
+            if unit.gather_in_flight:
+                unit.discard_gather()
+        self.model.on_alive_change(None, 0)
+
     def _begin_pass(self) -> None:
         # Prefetches left from the previous pass may predate an optimizer step: drop them.
         for unit in self.units:
@@ -220,6 +240,9 @@ class HookDriver:
         self.schedule.begin_backward()
         Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _on_persistent_grad(self, param: torch.Tensor) -> None:
+        self._ensure_backward_started()
+
     def _pre_backward(self, call: UnitCall, grad: torch.Tensor) -> None:
         if call.state not in (CallState.RESHARDED, CallState.REDUCED) or not call.fulls:
             return
@@ -233,8 +256,11 @@ class HookDriver:
             call.state = CallState.BACKWARD
             if unit.uid not in self._shadowing:
                 self._shadow(call)
+            on_track = self.schedule.backward_on_track
             for ahead in self.schedule.on_backward(unit.uid):
                 self._prefetch(self.units[ahead])
+            if on_track and not self.schedule.backward_on_track:
+                self._release_stale_prefetches()
 
     def post_backward(self, call: UnitCall, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Called by `_GatherParams.backward` once autograd has every full gradient of the call."""

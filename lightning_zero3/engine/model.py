@@ -184,6 +184,9 @@ class ShardedModel:
         chosen = [p for p in self.sharded_params if id(p.param) in in_scope]
         persistent = [p for p in self.persistent if id(p) in in_scope]
         units = [u for u in self.units if any(p in chosen for p in u.params)]
+        # Persistent parameters are whole already; without a modifier, writes to them must be
+        # discarded like writes to gathered ones, or the ranks drift apart.
+        saved = [p.detach().clone() for p in persistent] if modifier_rank is None else []
         shards: dict[int, torch.Tensor] = {}
         for unit in units:
             for sharded, full in zip(unit.params, unit.gather()):
@@ -205,6 +208,10 @@ class ShardedModel:
             if modifier_rank is not None:
                 for p in persistent:
                     self.comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
+            else:
+                with torch.no_grad():
+                    for p, value in zip(persistent, saved):
+                        p.copy_(value)
 
     # ---- state dicts ------------------------------------------------------------------------
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:

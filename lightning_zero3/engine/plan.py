@@ -49,7 +49,8 @@ class Plan:
 
 def validate_wrap_policy(policy: object) -> WrapPolicy:
     """Check a user's `wrap_policy` at construction time."""
-    if policy is None or callable(policy) and not isinstance(policy, type):
+    # A module instance is callable too, but calling it runs its forward: not a policy.
+    if policy is None or callable(policy) and not isinstance(policy, (type, nn.Module)):
         return policy  # type: ignore[return-value]
     if isinstance(policy, (set, frozenset, list, tuple)) and all(
         isinstance(c, type) and issubclass(c, nn.Module) for c in policy

@@ -4,9 +4,10 @@ The first training step records the order in which units run forward and the ord
 their backward starts. From then on, when unit k starts (forward) or its backward starts,
 the next `prefetch` units of the recorded order are gathered asynchronously so the All-Gather
 overlaps with unit k's compute. A pass that departs from the record stops prefetching for the
-rest of that pass (units are then gathered on demand) and becomes the new record: it is as
-correct as the record, only slower for one step. Ranks compare their records once, after the
-first backward, so a rank running a different order fails with the first differing unit named.
+rest of that pass (units are then gathered on demand, and the prefetches already issued from the
+record are dropped) and becomes the new record: it is as correct as the record, only slower for
+one step. Ranks compare their records once, after the first backward, so a rank running a
+different order fails with the first differing unit named.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ class Schedule:
         self._forward_on_track = True
         self._backward_on_track = True
         self.passes_recorded = 0
+
+    @property
+    def forward_on_track(self) -> bool:
+        """Whether the forward pass in progress still follows the record."""
+        return self._forward_on_track
+
+    @property
+    def backward_on_track(self) -> bool:
+        """Whether the backward pass in progress still follows the record."""
+        return self._backward_on_track
 
     def begin_forward(self) -> None:
         self._forward_seen = []

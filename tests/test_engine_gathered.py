@@ -1,0 +1,85 @@
+"""`ShardedModel.gathered_parameters(module)`: the parameters under `module` are whole on every
+rank inside the block; with `modifier_rank=r`, rank r's writes are kept on every rank after it,
+and without it writes are discarded, so ranks can never drift apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zero3.engine import ShardedModel
+from tests.models import MLP, TinyGPT
+from tests.ranks import run_ranks
+
+FILL = 0.5
+
+
+def _inside_gathered(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    sharded = ShardedModel(model)
+    seen = {}
+    with sharded.gathered_parameters(model.blocks[1]):
+        for name, param in model.blocks[1].named_parameters():
+            ref = reference.blocks[1].get_parameter(name)
+            seen[name] = (tuple(param.shape) == tuple(ref.shape), float((param - ref).abs().max()))
+        outside = tuple(model.blocks[0].mlp[0].weight.shape)
+    with sharded.gathered_parameters(model.lm_head):  # tied to wte: gathered through either owner
+        tied = (tuple(model.lm_head.weight.shape), float((model.lm_head.weight - reference.wte.weight).abs().max()))
+    after = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shard_shapes = {sp.name: (sp.shard_numel,) for sp in sharded.sharded_params}
+    return {"seen": seen, "outside": outside, "tied": tied, "after": after, "shard_shapes": shard_shapes}
+
+
+def test_gathered_parameters_are_whole_and_equal_to_the_reference():
+    for result in run_ranks(_inside_gathered, 3):
+        for name, (same_shape, diff) in result["seen"].items():
+            assert same_shape, f"blocks.1.{name} is not whole inside gathered_parameters"
+            assert diff == 0.0, f"blocks.1.{name} differs from the reference by {diff:.3g}"
+        assert result["tied"] == ((37, 16), 0.0), f"tied lm_head.weight not whole: {result['tied']}"
+
+
+def test_gathered_parameters_leaves_other_modules_and_the_model_afterwards_sharded():
+    for result in run_ranks(_inside_gathered, 3):
+        assert len(result["outside"]) == 1, "a module outside the gathered scope was gathered too"
+        assert result["after"] == result["shard_shapes"], "parameters not back to their shards after the block"
+
+
+def _write_on_rank0(rank: int, world_size: int, modifier_rank: int | None, persistence_threshold: int) -> dict:
+    torch.manual_seed(0)
+    reference = MLP()
+    torch.manual_seed(0)
+    model = MLP()
+    sharded = ShardedModel(model, persistence_threshold=persistence_threshold)
+    written = ["blocks.1.fc1.weight", "blocks.1.fc1.bias", "head.bias"]  # the biases are small
+    with sharded.gathered_parameters(modifier_rank=modifier_rank):
+        if rank == 0:
+            with torch.no_grad():
+                for name in written:
+                    model.get_parameter(name).fill_(FILL)
+    full = sharded.full_state_dict(to_rank=None)
+    ref = reference.state_dict()
+    return {
+        "filled": {name: bool((full[name] == FILL).all()) for name in written},
+        "untouched": max(float((full[k] - ref[k]).abs().max()) for k in ref if k not in written),
+        "restored": {name: float((full[name] - ref[name]).abs().max()) for name in written},
+        "persistent": len(sharded.persistent),
+    }
+
+
+@pytest.mark.parametrize("persistence_threshold", [0, 64], ids=["all_sharded", "small_params_whole"])
+def test_writes_under_modifier_rank_are_kept_on_every_rank(persistence_threshold):
+    for rank, result in enumerate(run_ranks(_write_on_rank0, 3, 0, persistence_threshold)):
+        assert all(result["filled"].values()), f"rank {rank} did not keep rank 0's writes: {result['filled']}"
+        assert result["untouched"] == 0.0, f"rank {rank}: parameters nobody wrote changed"
+        assert (result["persistent"] > 0) == (persistence_threshold > 0)
+
+
+@pytest.mark.parametrize("persistence_threshold", [0, 64], ids=["all_sharded", "small_params_whole"])
+def test_writes_without_modifier_rank_are_discarded(persistence_threshold):
+    for rank, result in enumerate(run_ranks(_write_on_rank0, 3, None, persistence_threshold)):
+        assert max(result["restored"].values()) == 0.0, f"rank {rank} kept a write: {result['restored']}"
+        assert result["untouched"] == 0.0, f"rank {rank}: parameters nobody wrote changed"
+        assert (result["persistent"] > 0) == (persistence_threshold > 0)

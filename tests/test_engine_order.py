@@ -1,0 +1,115 @@
+"""Ranks that run different units (data-dependent control flow) get a clear error naming the
+unit, on every rank, quickly: never a hang until the collective timeout, never gradients of two
+same-size units silently mixed."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_zero3.engine import ShardedModel
+from tests.models import RoutedMLP, mlp_batch
+from tests.parity import local_slice
+from tests.ranks import RankFailure, run_ranks
+
+# Collective timeout of the process group in these tests. A mismatch that is only noticed when
+# a collective times out takes at least this long; a detected one takes a fraction of a second.
+TIMEOUT_S = 20
+ALL_BLOCKS = [0, 1, 2]
+
+
+def _train_routed(rank: int, world_size: int, prefetch: int, routes: list[list[list[int]]]) -> str:
+    """Train a RoutedMLP whose blocks run in `routes[step][rank]` order."""
+    torch.manual_seed(0)
+    model = RoutedMLP(depth=3)
+    ShardedModel(model, prefetch=prefetch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, per_rank in enumerate(routes):
+        model.route = per_rank[rank]
+        x, y = mlp_batch(step)
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return "finished"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _started_ranks():
+    """Start the rank launcher before any test measures how long it takes to fail."""
+    run_ranks(_noop, 2)
+
+
+def _noop(rank: int, world_size: int) -> None:
+    return None
+
+
+def _expect_clear_error(prefetch: int, routes: list[list[list[int]]]) -> str:
+    start = time.perf_counter()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_train_routed, 2, prefetch, routes, timeout_s=TIMEOUT_S)
+    elapsed = time.perf_counter() - start
+    text = str(failure.value)
+    assert elapsed < TIMEOUT_S / 2, f"the mismatch was only noticed after {elapsed:.1f} s (a timeout):\n{text}"
+    per_rank = re.split(r"--- rank \d+ ---\n", text)[1:]
+    assert len(per_rank) == 2, f"not every rank raised:\n{text}"
+    assert all(err.startswith("OrderMismatchError") for err in per_rank), f"not an OrderMismatchError:\n{text}"
+    return text
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_block_skipped_on_one_rank_at_step_two_raises_naming_the_unit(prefetch):
+    """Step 1 agrees (and is recorded); at step 2 rank 1 alone skips blocks.1."""
+    routes = [[ALL_BLOCKS, ALL_BLOCKS], [ALL_BLOCKS, [0, 2]]]
+    text = _expect_clear_error(prefetch, routes)
+    assert "'blocks.1'" in text, f"the error does not name the skipped unit:\n{text}"
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_same_size_blocks_run_in_different_orders_raise_instead_of_mixing_gradients(prefetch):
+    """blocks.0 and blocks.1 have the same size: without a check their parameters and gradients
+    would be exchanged with each other silently. At step 2 rank 1 runs them swapped. Where the
+    collectives first differ depends on what was prefetched, so the error names the units met
+    there, one of which is a swapped block."""
+    routes = [[ALL_BLOCKS, ALL_BLOCKS], [ALL_BLOCKS, [1, 0, 2]]]
+    text = _expect_clear_error(prefetch, routes)
+    assert "'blocks.0'" in text or "'blocks.1'" in text, f"the error does not name a swapped unit:\n{text}"
+
+
+def test_different_order_on_the_first_step_raises_naming_both_units():
+    routes = [[ALL_BLOCKS, [1, 0, 2]]]
+    text = _expect_clear_error(1, routes)
+    assert "'blocks.0'" in text and "'blocks.1'" in text, f"the error does not name both units:\n{text}"
+
+
+def _train_routed_against_reference(rank: int, world_size: int, prefetch: int, routes: list[list[int]]) -> float:
+    """Train a RoutedMLP whose route changes between steps, the same on every rank, next to a
+    single-process reference; return the largest parameter difference."""
+    torch.manual_seed(0)
+    reference = RoutedMLP(depth=3)
+    torch.manual_seed(0)
+    model = RoutedMLP(depth=3)
+    sharded = ShardedModel(model, prefetch=prefetch)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step, route in enumerate(routes):
+        reference.route = model.route = route
+        x, y = mlp_batch(step)
+        F.mse_loss(reference(x), y).backward()
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    full = sharded.full_state_dict(to_rank=None)
+    return max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_order_changed_on_every_rank_alike_is_followed_exactly(prefetch):
+    """Departing from the recorded order is fine when every rank departs alike: units are
+    gathered on demand, stale prefetches dropped, and the new order recorded."""
+    routes = [ALL_BLOCKS, [0, 2], [1, 0, 2], [1, 0, 2], ALL_BLOCKS]
+    for diff in run_ranks(_train_routed_against_reference, 3, prefetch, routes, timeout_s=TIMEOUT_S):
+        assert diff < 1e-5, f"parameters differ from the reference by {diff:.3g}"
