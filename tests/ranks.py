@@ -13,6 +13,7 @@ import os
 import pickle
 import queue as queue_module
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -75,14 +76,30 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = DEFA
         for p in procs:
             p.start()
         results: dict[int, tuple[bool, Any]] = {}
-        deadline = timeout_s * 3 + 30
+        deadline = time.monotonic() + timeout_s * 3 + 30
         try:
-            for _ in range(world_size):
-                rank, ok, value = queue.get(timeout=deadline)
-                results[rank] = (ok, value)
-        except queue_module.Empty as err:
-            missing = sorted(set(range(world_size)) - set(results))
-            raise RankFailure(f"ranks {missing} did not finish within {deadline:.0f} s") from err
+            while len(results) < world_size:
+                try:
+                    rank, ok, value = queue.get(timeout=0.5)
+                    results[rank] = (ok, value)
+                    continue
+                except queue_module.Empty:
+                    pass
+                # A rank that died without reporting (e.g. gloo aborting the process) fails the
+                # test now, with its exit code, instead of at the deadline.
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead and queue.empty():
+                    time.sleep(1.0)  # let the survivors report the error they saw
+                    while not queue.empty():
+                        rank, ok, value = queue.get()
+                        results[rank] = (ok, value)
+                    for r in dead:
+                        if r not in results:
+                            results[r] = (False, f"process exited with code {procs[r].exitcode} without reporting")
+                    break
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise RankFailure(f"ranks {missing} did not finish within {timeout_s * 3 + 30:.0f} s")
         finally:
             for p in procs:
                 p.join(timeout=10)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_zero3.engine import ShardedModel
-from tests.models import MLP, TinyGPT, gpt_batch, mlp_batch
+from tests.models import MLP, TinyGPT, gpt_batch, mlp_batch, mlp_frozen_block
 from tests.parity import lm_loss, local_slice
 from tests.ranks import run_ranks
 
@@ -19,6 +19,7 @@ MODELS = {
     "mlp": (MLP, mlp_batch, torch.nn.functional.mse_loss),
     "tiny_gpt": (TinyGPT, gpt_batch, lm_loss),
     "deep_mlp": (partial(MLP, depth=5), mlp_batch, torch.nn.functional.mse_loss),
+    "mlp_frozen_block": (mlp_frozen_block, mlp_batch, torch.nn.functional.mse_loss),
 }
 
 
@@ -85,8 +86,10 @@ def test_parameters_at_or_below_persistence_threshold_stay_whole():
 
 
 # ---- 3. communication per step ----------------------------------------------------------------
-def _step_bytes(rank: int, world_size: int, model_name: str, prefetch: int) -> dict:
-    _, sharded, _ = _train(model_name, rank, world_size, steps=2, prefetch=prefetch)
+def _step_bytes(rank: int, world_size: int, model_name: str, prefetch: int, persistence_threshold: int = 0) -> dict:
+    _, sharded, _ = _train(
+        model_name, rank, world_size, steps=2, prefetch=prefetch, persistence_threshold=persistence_threshold
+    )
     last = sharded.stats.last_step
     units = [
         {"padded": sum(math.ceil(p.numel / world_size) for p in u.params), "numel": u.numel, "params": len(u.params)}
@@ -123,6 +126,16 @@ def test_step_communication_is_two_gathers_and_one_reduce_scatter_of_every_unit(
         assert (gather_payload, reduce_payload) == (2 * per_pass, per_pass)
         assert gather_wire * n == gather_payload * (n - 1)
         assert reduce_wire * n == reduce_payload * (n - 1)
+
+
+def test_frozen_units_and_persistent_parameters_send_what_expected_step_bytes_says():
+    """A frozen block is gathered for forward only and never reduced; small persistent
+    parameters add one All-Reduce of their gradients. The formula accounts for both exactly."""
+    for result in run_ranks(_step_bytes, 2, "mlp_frozen_block", 1, 16):
+        measured = {kind: payload for kind, (_, payload, _) in result["kinds"].items()}
+        assert "all_reduce" in measured and measured == result["expected"]
+        gathers, reduces = result["kinds"]["all_gather"][0], result["kinds"]["reduce_scatter"][0]
+        assert (gathers, reduces) == (2 * len(result["units"]) - 1, len(result["units"]) - 1)
 
 
 def _comm_debug_counts(rank: int, world_size: int) -> dict:

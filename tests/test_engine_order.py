@@ -113,3 +113,16 @@ def test_order_changed_on_every_rank_alike_is_followed_exactly(prefetch):
     routes = [ALL_BLOCKS, [0, 2], [1, 0, 2], [1, 0, 2], ALL_BLOCKS]
     for diff in run_ranks(_train_routed_against_reference, 3, prefetch, routes, timeout_s=TIMEOUT_S):
         assert diff < 1e-5, f"parameters differ from the reference by {diff:.3g}"
+
+
+def test_last_block_skipped_on_one_rank_fails_fast_instead_of_hanging():
+    """Rank 1 skips blocks.2, so its next collective has another size than rank 0's: no tag can
+    be compared, gloo aborts the mismatched transfer. The test proves the run ends quickly with
+    the failed collective named, never waiting for the collective timeout."""
+    routes = [[ALL_BLOCKS, ALL_BLOCKS], [ALL_BLOCKS, [0, 1]]]
+    start = time.perf_counter()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_train_routed, 2, 0, routes, timeout_s=TIMEOUT_S)
+    assert time.perf_counter() - start < TIMEOUT_S / 2
+    text = str(failure.value)
+    assert "CollectiveError" in text or "OrderMismatchError" in text, text

@@ -61,6 +61,13 @@ class CollectiveError(RuntimeError):
     """A collective failed or returned data from a different unit on another rank."""
 
 
+# Appended to every failed collective: the error a rank sees is often the echo of another's.
+COLLECTIVE_HINT = (
+    " If another rank failed first, its log holds the cause. Ranks that run different units "
+    "(data-dependent control flow) also end this way when the units differ in size."
+)
+
+
 class Comm:
     """Collectives over one process group. With no process group (one process, no
     torch.distributed) every collective is a local copy, so the engine runs unchanged."""
@@ -71,6 +78,10 @@ class Comm:
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.stats = CommStats()
+
+    def failed(self, collective: str, what: str, err: BaseException) -> CollectiveError:
+        """The error to raise when `collective` of `what` failed on this rank."""
+        return CollectiveError(f"{collective} of {what} failed on rank {self.rank}: {err}.{COLLECTIVE_HINT}")
 
     def _count(self, kind: Collective, payload_bytes: int, ring_factor: float) -> None:
         n = self.world_size
@@ -86,7 +97,7 @@ class Comm:
         try:
             return dist.all_gather_single(output.view(-1), shard.view(-1), group=self.group, async_op=async_op)
         except RuntimeError as err:
-            raise CollectiveError(f"All-Gather of {what} failed on rank {self.rank}: {err}") from err
+            raise self.failed("All-Gather", what, err) from err
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str) -> None:
         """Sum `full` (world_size x chunk, rank-major) over ranks; this rank keeps its chunk."""
@@ -97,7 +108,7 @@ class Comm:
         try:
             dist.reduce_scatter_single(output.view(-1), full.reshape(-1), group=self.group)
         except RuntimeError as err:
-            raise CollectiveError(f"Reduce-Scatter of {what} failed on rank {self.rank}: {err}") from err
+            raise self.failed("Reduce-Scatter", what, err) from err
 
     def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum") -> None:
         """Reduce `tensor` over ranks in place (`op`: "sum" or "max")."""
@@ -107,7 +118,7 @@ class Comm:
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
         except RuntimeError as err:
-            raise CollectiveError(f"All-Reduce of {what} failed on rank {self.rank}: {err}") from err
+            raise self.failed("All-Reduce", what, err) from err
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, what: str) -> None:
         """Copy `tensor` from group rank `src` to every rank, in place."""
@@ -117,7 +128,7 @@ class Comm:
         try:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
         except RuntimeError as err:
-            raise CollectiveError(f"Broadcast of {what} failed on rank {self.rank}: {err}") from err
+            raise self.failed("Broadcast", what, err) from err
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order. For rare control messages only."""

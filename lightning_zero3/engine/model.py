@@ -282,15 +282,24 @@ class ShardedModel:
         }
 
     def expected_step_bytes(self) -> dict[str, int]:
-        """Payload bytes per training step that the design predicts (Note: flat layout):
-        All-Gather forward + All-Gather backward + Reduce-Scatter, each of the padded
-        parameters plus one tag element per rank per unit."""
+        """Payload bytes per training step that the design predicts (Note: flat layout): a
+        unit with trainable parameters is All-Gathered for forward and again for backward and
+        Reduce-Scattered once; a frozen unit is gathered for forward only (autograd keeps what
+        its backward needs). Sizes are the padded parameters plus one tag element per rank.
+        Trainable persistent parameters add one All-Reduce of their gradients."""
         n = self.comm.world_size
-        per_pass = 0
+        expected = {"all_gather": 0, "reduce_scatter": 0}
         for unit in self.units:
-            if unit.params:
-                per_pass += n * (unit.shard_numel + 1) * unit.params[0].param.element_size()
-        return {"all_gather": 2 * per_pass, "reduce_scatter": per_pass}
+            if not unit.params:
+                continue
+            size = n * (unit.shard_numel + 1) * unit.params[0].param.element_size()
+            trainable = any(p.requires_grad for p in unit.params)
+            expected["all_gather"] += size * (2 if trainable else 1)
+            expected["reduce_scatter"] += size if trainable else 0
+        reduced = sum(p.numel() * p.element_size() for p in self.persistent if p.requires_grad)
+        if reduced and n > 1:
+            expected["all_reduce"] = reduced
+        return expected
 
     def remove_hooks(self) -> None:
         self.hooks.remove()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_zero3.engine.comm import CollectiveError, Comm
+from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.shard import ShardedParam
 
 
@@ -114,7 +114,7 @@ class Unit:
         try:
             self.comm.wait(work)
         except RuntimeError as err:
-            raise CollectiveError(f"All-Gather of unit '{self.name}' failed on rank {self.comm.rank}: {err}") from err
+            raise self.comm.failed("All-Gather", f"unit '{self.name}'", err) from err
         gathered = recv.view(self.world_size, self.shard_numel + 1)  # (N, S + 1)
         tags = gathered[:, self.shard_numel]
         if not bool((tags == self.tag).all()):
