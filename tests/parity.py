@@ -118,7 +118,7 @@ how far the reference parameters moved in training, so a test can check that it 
             if ref_grad is None or param.grad is None:
                 assert (ref_grad is None) == (param.grad is None), f"gradient presence differs for {name}"
                 continue
-            expected = shard_slice(ref_grad, rank, world_size) if sp is not None else ref_grad
+            expected = shard_slice(ref_grad, sp.rank, sp.world_size) if sp is not None else ref_grad
             worst["grad"] = max(worst["grad"], float((param.grad - expected).abs().max()))
         ref_opt.step()
         opt.step()

@@ -146,3 +146,31 @@ class Comm:
         start = time.perf_counter()
         work.wait()
         self.stats.gather_wait_s += time.perf_counter() - start
+
+
+def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Split the world into groups of `shard_size` consecutive ranks that shard the model (one
+    group per node, when `shard_size` is the processes per node) and groups of the ranks at
+    the same position in each of them, which hold the same shards and average gradients.
+    Returns (shard group, replicate group); (None, None) means the whole world shards.
+    Every rank must call it (creating a group is a collective)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1 or world % shard_size:
+        raise ValueError(
+            f"shard_size must be a positive int that divides the world size {world} (e.g. the processes "
+            f"per node); got {shard_size!r}."
+        )
+    if shard_size == world:
+        return None, None
+    rank = dist.get_rank()
+    shard_group = replicate_group = None
+    for start in range(0, world, shard_size):
+        group = dist.new_group(list(range(start, start + shard_size)))
+        if start <= rank < start + shard_size:
+            shard_group = group
+    for offset in range(shard_size):
+        group = dist.new_group(list(range(offset, world, shard_size)))
+        if rank % shard_size == offset:
+            replicate_group = group
+    return shard_group, replicate_group
+

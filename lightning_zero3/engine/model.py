@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero3.engine.comm import Comm, CommStats
+from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
@@ -42,6 +42,7 @@ class ShardedModel:
         module: nn.Module,
         *,
         group: dist.ProcessGroup | None = None,
+        shard_size: int | None = None,
         wrap_policy: WrapPolicy = None,
         prefetch: int = 1,
         persistence_threshold: int = 0,
@@ -52,7 +53,17 @@ class ShardedModel:
         if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0; got {persistence_threshold!r}.")
         self.module = module
+        replicate_group = None
+        if shard_size is not None:
+            if group is not None:
+                raise ValueError("Pass either group or shard_size to ShardedModel, not both.")
+            group, replicate_group = hybrid_groups(shard_size)
+        # Collectives on parameter data run in the shard group (the whole world by default);
+        # with hierarchical sharding, gradients are also averaged across `replicate_comm`.
         self.comm = Comm(group)
+        self.replicate_comm = Comm(replicate_group) if replicate_group is not None else None
+        # Control traffic that must reach every rank: initial broadcast, order check, edits.
+        self.world_comm = Comm(None)
         self.schedule = Schedule(prefetch)
         self.unit_stats = UnitStats()
         self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
@@ -64,7 +75,7 @@ class ShardedModel:
             params = [self._shard(entry.param, entry.owners, entry.names) for entry in unit_plan.params]
             self.units.append(
                 Unit(uid=uid, name=unit_plan.name, module=unit_plan.module, params=params,
-                     comm=self.comm, unit_name=self._unit_name)
+                     comm=self.comm, unit_name=self._unit_name, replicate=self.replicate_comm)
             )
         self.persistent: list[nn.Parameter] = [entry.param for entry in self.plan.persistent]
         self._live_calls = [0] * len(self.units)
@@ -73,7 +84,7 @@ class ShardedModel:
     # ---- setup ------------------------------------------------------------------------------
     def _broadcast_from_rank0(self) -> None:
         """Make every rank start from rank 0's values, as DDP does (one flat broadcast)."""
-        if self.comm.world_size == 1:
+        if self.world_comm.world_size == 1:
             return
         tensors = [p.data for p in dict.fromkeys(self.module.parameters())]
         tensors += [b for b in self.module.buffers() if b is not None]
@@ -82,7 +93,7 @@ class ShardedModel:
             by_dtype.setdefault((t.dtype, t.device), []).append(t)
         for group in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in group])
-            self.comm.broadcast(flat, src=0, what="initial model states")
+            self.world_comm.broadcast(flat, src=0, what="initial model states")
             offset = 0
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -116,7 +127,23 @@ class ShardedModel:
 
     @property
     def stats(self) -> CommStats:
+        """Traffic inside the shard group (the whole world unless `shard_size` is set)."""
         return self.comm.stats
+
+    @property
+    def replicate_stats(self) -> CommStats | None:
+        """Traffic across shard groups (hierarchical sharding only)."""
+        return self.replicate_comm.stats if self.replicate_comm is not None else None
+
+    def end_step(self) -> None:
+        """Close the step's traffic accounting: `stats.last_step` becomes this step's."""
+        self.comm.stats.end_step()
+        if self.replicate_comm is not None:
+            self.replicate_comm.stats.end_step()
+
+    @property
+    def global_rank(self) -> int:
+        return self.world_comm.rank
 
     # ---- accounting callbacks from the hooks ----------------------------------------------
     def on_alive_change(self, unit: Unit | None, delta: int) -> None:
@@ -140,7 +167,7 @@ class ShardedModel:
     def check_order_across_ranks(self) -> None:
         """Raise, on every rank, if the recorded unit orders differ between ranks."""
         mine = (self.schedule.forward_order or [], self.schedule.backward_order or [])
-        every = self.comm.all_gather_object(mine)
+        every = self.world_comm.all_gather_object(mine)
         for phase, index in (("forward", 0), ("backward", 1)):
             diff = first_difference([orders[index] for orders in every])
             if diff is not None:
@@ -158,12 +185,16 @@ class ShardedModel:
     def reduce_persistent_grads(self) -> None:
         """All-Reduce (average) the gradients of parameters kept whole on every rank."""
         params = [p for p in self.persistent if p.requires_grad]
-        if not params or self.comm.world_size == 1:
+        total = self.world_comm.world_size
+        if not params or total == 1:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.all_reduce(flat, what="gradients of persistent parameters")
-        flat.div_(self.comm.world_size)
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(flat, what="gradients of persistent parameters")
+        if self.replicate_comm is not None:
+            self.replicate_comm.all_reduce(flat, what="gradients of persistent parameters across shard groups")
+        flat.div_(total)
         offset = 0
         for p in params:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
@@ -203,11 +234,12 @@ class ShardedModel:
                     full = sharded.param.data
                     sharded.param.data = shards[id(sharded)]
                     if modifier_rank is not None:
-                        self.comm.broadcast(full, src=modifier_rank, what=f"'{sharded.name}' from rank {modifier_rank}")
+                        what = f"'{sharded.name}' from rank {modifier_rank}"
+                        self.world_comm.broadcast(full, src=modifier_rank, what=what)
                         sharded.load_full(full)
             if modifier_rank is not None:
                 for p in persistent:
-                    self.comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
+                    self.world_comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
             else:
                 with torch.no_grad():
                     for p, value in zip(persistent, saved):
@@ -217,7 +249,7 @@ class ShardedModel:
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
         """The module's `state_dict()` with whole parameters, gathered one unit at a time. With
         `to_rank`, only that rank keeps the gathered tensors (others get an empty dict)."""
-        keep = to_rank is None or self.comm.rank == to_rank
+        keep = to_rank is None or self.global_rank == to_rank
         full_by_id: dict[int, torch.Tensor] = {}
         state = self.module.state_dict()
         for unit in self.units:
@@ -281,24 +313,32 @@ class ShardedModel:
             "total": param_bytes + grad_bytes + optim_bytes,
         }
 
-    def expected_step_bytes(self) -> dict[str, int]:
+    def expected_step_bytes(self, *, across_groups: bool = False) -> dict[str, int]:
         """Payload bytes per training step that the design predicts (Note: flat layout): a
         unit with trainable parameters is All-Gathered for forward and again for backward and
         Reduce-Scattered once; a frozen unit is gathered for forward only (autograd keeps what
         its backward needs). Sizes are the padded parameters plus one tag element per rank.
-        Trainable persistent parameters add one All-Reduce of their gradients."""
+        Trainable persistent parameters add one All-Reduce of their gradients. With
+        `across_groups` (hierarchical sharding): what crosses between shard groups, one
+        All-Reduce of each rank's reduced shard gradients (1/G of the gradient)."""
         n = self.comm.world_size
+        persistent = sum(p.numel() * p.element_size() for p in self.persistent if p.requires_grad)
+        trainable_units = [u for u in self.units if u.params and any(p.requires_grad for p in u.params)]
+        if across_groups:
+            if self.replicate_comm is None:
+                return {}
+            shards = sum((u.shard_numel + 1) * u.params[0].param.element_size() for u in trainable_units)
+            return {"all_reduce": shards + persistent}
         expected = {"all_gather": 0, "reduce_scatter": 0}
         for unit in self.units:
             if not unit.params:
                 continue
             size = n * (unit.shard_numel + 1) * unit.params[0].param.element_size()
-            trainable = any(p.requires_grad for p in unit.params)
+            trainable = unit in trainable_units
             expected["all_gather"] += size * (2 if trainable else 1)
             expected["reduce_scatter"] += size if trainable else 0
-        reduced = sum(p.numel() * p.element_size() for p in self.persistent if p.requires_grad)
-        if reduced and n > 1:
-            expected["all_reduce"] = reduced
+        if persistent and n > 1:
+            expected["all_reduce"] = persistent
         return expected
 
     def remove_hooks(self) -> None:

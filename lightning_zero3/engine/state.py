@@ -32,7 +32,7 @@ def _params_in_state_dict_order(optimizer: torch.optim.Optimizer) -> list[torch.
 def full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer, *, to_rank: int | None = 0) -> dict:
     """`optimizer.state_dict()` with every shard-shaped state tensor gathered to the full
     parameter shape. Every rank must call it; with `to_rank`, only that rank gets the result."""
-    keep = to_rank is None or model.comm.rank == to_rank
+    keep = to_rank is None or model.global_rank == to_rank
     packed = optimizer.state_dict()
     state: dict[int, Any] = {}
     for index, param in enumerate(_params_in_state_dict_order(optimizer)):

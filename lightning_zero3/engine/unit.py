@@ -39,6 +39,7 @@ class Unit:
         params: list[ShardedParam],
         comm: Comm,
         unit_name: Callable[[int], str],
+        replicate: Comm | None = None,
     ) -> None:
         dtypes = {p.param.dtype for p in params}
         if len(dtypes) > 1:
@@ -52,6 +53,8 @@ class Unit:
         self.module = module
         self.params = params
         self.comm = comm
+        # Hierarchical sharding: the ranks holding the same shards in the other shard groups.
+        self.replicate = replicate
         # Maps a tag read off the wire back to a unit name, for error messages.
         self._unit_name = unit_name
         self.tag = float(uid + 1)
@@ -187,6 +190,10 @@ class Unit:
             full[:, self.shard_numel] = self.tag
         out = torch.empty(width, dtype=like.dtype, device=like.device)
         self.comm.reduce_scatter(out, full, what=f"gradients of unit '{self.name}'")
+        if self.replicate is not None:
+            # Only this rank's 1/G of the gradient crosses to the other groups.
+            self.replicate.all_reduce(out, what=f"gradients of unit '{self.name}' across shard groups")
+            n *= self.replicate.world_size
         tag_sum = float(out[self.shard_numel])
         if tag_sum != self.tag * n:
             raise OrderMismatchError(
@@ -196,7 +203,7 @@ class Unit:
                 f"a unit whose output reaches the loss on some ranks only is not supported."
             )
         out = out[: self.shard_numel]
-        out.div_(n)  # sum over ranks / N: the same average DDP takes
+        out.div_(n)  # sum over all ranks / N: the same average DDP takes
         return [
             None if grad is None else out[o : o + p.shard_numel]
             for p, o, grad in zip(self.params, self.offsets, grads)
