@@ -6,10 +6,12 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero3.checkpoint import CheckpointError
+from lightning_zero3.consolidate import consolidate_checkpoint
 from lightning_zero3.engine import OrderMismatchError, ShardedModel
 from lightning_zero3.strategy import ZeRO3Strategy
 
-__all__ = ["OrderMismatchError", "ShardedModel", "ZeRO3Strategy"]
+__all__ = ["CheckpointError", "OrderMismatchError", "ShardedModel", "ZeRO3Strategy", "consolidate_checkpoint"]
 __version__ = "0.1.0"
 
 # Lightning has no entry-point discovery for strategies: register on import (once).

@@ -9,15 +9,17 @@ engine does.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -28,22 +30,37 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero3.engine import ShardedModel, clip_grad_norm_
+from lightning_zero3.checkpoint import (
+    CheckpointError,
+    ShardedOptimizerStates,
+    ShardedStateDict,
+    atomic_torch_save,
+    check_loadable,
+    check_state_dict_loadable,
+    load_full_file,
+    load_sharded_model,
+    load_sharded_optimizers,
+    open_sharded,
+    remove_checkpoint,
+    run_and_agree,
+    save_sharded,
+    sharded_optimizer_state,
+)
+from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_norm_
 from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 
@@ -76,6 +93,18 @@ class ZeRO3Strategy(ParallelStrategy):
         prefetch: units All-Gathered ahead of the one computing (0 turns prefetch off).
         persistence_threshold: parameters with at most this many elements stay whole on every
             rank; their gradients are All-Reduced.
+        shard_size: hierarchical sharding: shard within groups of this many consecutive ranks
+            (e.g. the processes of one node) and replicate across groups. Gathers stay inside a
+            group; only 1/shard_size of each gradient crosses between groups. Model state per
+            rank is 16Ψ/shard_size bytes. None (default): shard over the whole world.
+        param_dtype: dtype parameters are gathered and computed in (e.g. "bf16"). Default: what
+            the Trainer's precision implies ("bf16-mixed" -> bf16, "16-mixed" -> fp16), else the
+            model's dtype. The shards, the optimizer's master copy, keep the model's dtype.
+        reduce_dtype: dtype gradients are reduce-scattered in. Default fp32 (exact); "bf16"
+            halves the gradient traffic.
+        param_init_fn: initialises one module's own parameters when the model was built on the
+            meta device (in ``configure_model`` or ``trainer.init_module(empty_init=True)``).
+            Default: the module's ``reset_parameters()``.
         state_dict_type: "sharded" or "full" checkpoints.
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
@@ -90,6 +119,10 @@ class ZeRO3Strategy(ParallelStrategy):
         wrap_policy: WrapPolicy = None,
         prefetch: int = 1,
         persistence_threshold: int = 0,
+        shard_size: int | None = None,
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -128,6 +161,17 @@ class ZeRO3Strategy(ParallelStrategy):
         self.wrap_policy = validate_wrap_policy(wrap_policy)
         self.prefetch = prefetch
         self.persistence_threshold = persistence_threshold
+        if shard_size is not None and (type(shard_size) is not int or shard_size < 1):
+            raise ValueError(
+                f"{type(self).__name__}(shard_size=...) must be None (whole world) or a positive int that divides "
+                f"the number of ranks, e.g. the devices per node; got {shard_size!r}."
+            )
+        self.shard_size = shard_size
+        self.param_dtype = _as_dtype(param_dtype, "param_dtype")
+        self.reduce_dtype = _as_dtype(reduce_dtype, "reduce_dtype")
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ValueError(f"{type(self).__name__}(param_init_fn=...) must be callable; got {param_init_fn!r}.")
+        self.param_init_fn = param_init_fn
         self.state_dict_type = state_dict_type
         self._timeout = timeout
         self._start_method = start_method
@@ -249,7 +293,19 @@ class ZeRO3Strategy(ParallelStrategy):
             wrap_policy=self.wrap_policy,
             prefetch=self.prefetch,
             persistence_threshold=self.persistence_threshold,
+            shard_size=self.shard_size if self.shard_size != self.world_size else None,
+            param_dtype=self.param_dtype or _mixed_precision_dtype(self.precision_plugin),
+            reduce_dtype=self.reduce_dtype,
+            param_init_fn=self.param_init_fn,
+            device=self.root_device,
         )
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            old = plugin.scaler  # same settings, but every rank takes the same skip decision
+            plugin.scaler = AgreeingGradScaler(
+                self.sharded, device=old._device, init_scale=old._init_scale, growth_factor=old._growth_factor,
+                backoff_factor=old._backoff_factor, growth_interval=old._growth_interval, enabled=old._enabled,
+            )  # fmt: skip
         return _RootCall(module)
 
     @override
@@ -265,10 +321,27 @@ class ZeRO3Strategy(ParallelStrategy):
                     f"`self.parameters()` (or `self.named_parameters()`), which returns the shards."
                 )
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # empty_init: build on the meta device; setup materialises, initialises and shards one
+        # module at a time (engine/materialize.py), so no rank ever holds the whole model.
+        with torch.device("meta") if empty_init else self.root_device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # What `configure_model` builds starts on the meta device, for the same reason.
+        with torch.device("meta"):
+            yield
+
     @override
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
-        self.lightning_module.to(self.root_device)
+        device = self.root_device
+        # Tensors still on the meta device are materialised on `device` while sharding.
+        self.lightning_module._apply(lambda t: t if t.is_meta else t.to(device))
 
     @property
     def sharded_model(self) -> ShardedModel:
@@ -286,18 +359,22 @@ class ZeRO3Strategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         self.sharded_model.stats.current.clear()
+        if self.sharded_model.replicate_stats is not None:
+            self.sharded_model.replicate_stats.current.clear()
         self.sharded_model.reset_peaks()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.sharded_model.stats.end_step()
+        self.sharded_model.end_step()
         return output
 
     @override
     def on_validation_end(self) -> None:
         if self.sharded is not None:
             self.sharded.stats.current.clear()
+            if self.sharded.replicate_stats is not None:
+                self.sharded.replicate_stats.current.clear()
 
     def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -344,8 +421,14 @@ class ZeRO3Strategy(ParallelStrategy):
         sharded = self.sharded_model
         last = {kind: vars(b).copy() for kind, b in sharded.stats.last_step.items()}
         full_params = sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent)
+        across = sharded.replicate_stats
         return {
-            "world_size": sharded.comm.world_size,
+            "world_size": sharded.world_comm.world_size,
+            "shard_size": sharded.comm.world_size,
+            "param_dtype": str(sharded.units[-1].param_dtype).removeprefix("torch."),
+            "reduce_dtype": str(sharded.units[-1].reduce_dtype).removeprefix("torch."),
+            "last_step_across_groups": {k: vars(b).copy() for k, b in across.last_step.items()} if across else {},
+            "expected_step_bytes_across_groups": sharded.expected_step_bytes(across_groups=True),
             "full_parameters": full_params,
             "last_step": last,
             "expected_step_bytes": sharded.expected_step_bytes(),
@@ -362,28 +445,97 @@ class ZeRO3Strategy(ParallelStrategy):
         return _FullSizeSummary(pl_module, max_depth=callback._max_depth, numel=self.sharded_model.full_numel)
 
     # ---- checkpoints ------------------------------------------------------------------------
+    # "sharded": every rank writes its own shards into a directory, nothing is gathered (see
+    # checkpoint.py). "full": gathered unit by unit to rank 0, one ordinary Lightning file.
+    # Loading takes either, at any world size; ranks agree that a checkpoint is readable and
+    # fits the model before any collective that loads it.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._whole:
-            return super().lightning_module_state_dict()
-        if self.state_dict_type == "sharded":
-            _warn_sharded_not_ready()
+        if self.state_dict_type == "sharded" or self._whole:
+            return super().lightning_module_state_dict()  # this rank's shards (whole after teardown)
         return self.sharded_model.full_state_dict(to_rank=0)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self.state_dict_type == "sharded":
+            return sharded_optimizer_state(self.sharded_model, optimizer)
         return full_optimizer_state(self.sharded_model, optimizer, to_rank=0)
 
     @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the "
+                f"checkpoint is written by {type(self).__name__}, not by a CheckpointIO plugin."
+            )
+        path = Path(self.broadcast(os.fspath(filepath)))
+        if self.state_dict_type == "sharded":
+            save_sharded(path, self.sharded_model, checkpoint, whole=self._whole)
+            return
+
+        def write() -> None:
+            if not self.is_global_zero:
+                return
+            if type(self.checkpoint_io) is TorchCheckpointIO:
+                atomic_torch_save(checkpoint, path)
+            else:
+                self.checkpoint_io.save_checkpoint(checkpoint, path)
+
+        context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
+        run_and_agree(self.sharded_model.world_comm, write, context=context)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        model = self.sharded_model
+        strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
+        context = f"Cannot load the checkpoint {path}"
+        if path.is_dir():
+            comm = model.world_comm
+            ckpt = open_sharded(path, comm=comm)
+            run_and_agree(comm, lambda: _raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
+            return run_and_agree(comm, lambda: ckpt.lightning_dict(weights_only=weights_only), context=context)
+
+        def read() -> dict[str, Any]:
+            if type(self.checkpoint_io) is TorchCheckpointIO:
+                checkpoint = load_full_file(path, weights_only=weights_only)
+            else:
+                checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            _raise_if(check_state_dict_loadable(path, checkpoint["state_dict"], model, strict=strict))
+            return checkpoint
+
+        return run_and_agree(model.world_comm, read, context=context)
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.sharded_model.load_full_state_dict(dict(checkpoint["state_dict"]), strict=strict)
+        state_dict = checkpoint["state_dict"]
+        if isinstance(state_dict, ShardedStateDict):
+            load_sharded_model(state_dict.checkpoint, self.sharded_model)
+        else:
+            self.sharded_model.load_full_state_dict(dict(state_dict), strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        states = checkpoint["optimizer_states"]
+        if isinstance(states, ShardedOptimizerStates):
+            load_sharded_optimizers(states.checkpoint, self.sharded_model, list(self.optimizers))
+            return
+        if len(states) != len(self.optimizers):
+            raise CheckpointError(
+                f"The checkpoint has state for {len(states)} optimizers but `configure_optimizers` returned "
+                f"{len(self.optimizers)}; resume with the same optimizers."
+            )
+        for optimizer, state in zip(self.optimizers, states):
             load_full_optimizer_state(self.sharded_model, optimizer, state)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            remove_checkpoint(filepath)  # a sharded directory, a file, or a link to either
 
     # ---- teardown ---------------------------------------------------------------------------
     @override
@@ -408,29 +560,46 @@ class ZeRO3Strategy(ParallelStrategy):
             strategy_registry.register("zero3", cls, description="ZeRO stage 3 (lightning_zero3)")
 
 
+_DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "32": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64, "64": torch.float64,
+}  # fmt: skip
+
+
+def _as_dtype(value: torch.dtype | str | None, option: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise ValueError(
+        f"ZeRO3Strategy({option}=...) must be a floating torch.dtype or one of {sorted(_DTYPES)}; got {value!r}."
+    )
+
+
+def _mixed_precision_dtype(plugin: Precision) -> torch.dtype | None:
+    """The gather dtype a Trainer precision flag implies: 16-bit for the "-mixed" flags."""
+    if isinstance(plugin, MixedPrecision):
+        return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+    return None
+
+
 def _restore_whole_parameters(sharded: ShardedModel) -> None:
     """Put whole parameters back on the modules (gathered one unit at a time), so the model is
     an ordinary module again after fit/validate: usable, picklable, and ready to re-shard."""
     for unit in sharded.units:
         if not unit.params:
             continue
-        for sp, full in zip(unit.params, unit.gather()):
+        for sp, full in zip(unit.params, unit.gather(dtype=unit.shard_dtype)):
             whole = nn.Parameter(full.detach().clone(), requires_grad=sp.requires_grad)
             for module, attr in sp.owners:
                 module._parameters[attr] = whole
 
 
-_warned_sharded = False
-
-
-def _warn_sharded_not_ready() -> None:
-    global _warned_sharded
-    if not _warned_sharded:
-        _warned_sharded = True
-        rank_zero_warn(
-            "ZeRO3Strategy(state_dict_type='sharded') checkpoints are not implemented yet: writing a full "
-            "checkpoint (whole parameters and optimizer state, gathered unit by unit to rank 0) instead."
-        )
+def _raise_if(problem: str | None) -> None:
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 class _GlobalNormClipping:

@@ -43,8 +43,11 @@ def param_groups(module: torch.nn.Module, weight_decay: float = 0.1) -> list[dic
 
 
 class LitMLP(pl.LightningModule):
-    def __init__(self, *, manual: bool = False, lr: float = 0.01, checkpointing: str | None = None) -> None:
+    def __init__(
+        self, *, manual: bool = False, lr: float = 0.01, checkpointing: str | None = None, sgd: bool = False
+    ) -> None:
         super().__init__()
+        self.sgd = sgd
         self.net = models.MLP(checkpointing=checkpointing)
         self.automatic_optimization = not manual
         self.lr = lr
@@ -78,6 +81,8 @@ class LitMLP(pl.LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.sgd:
+            return torch.optim.SGD(self.parameters(), lr=10 * self.lr)
         return torch.optim.AdamW(param_groups(self), lr=self.lr)
 
 
@@ -104,9 +109,12 @@ def reference_fit(
     accumulate: int = 1,
     clip_norm: float | None = None,
     clip_value: float | None = None,
+    autocast: torch.dtype | None = None,
+    input_dtype: torch.dtype | None = None,
 ) -> list[float]:
     """Train `model` in one process on the global batches Lightning's shuffled
-    DistributedSampler gives N ranks together; return the loss of each optimizer step."""
+    DistributedSampler gives N ranks together; return the loss of each optimizer step.
+    `autocast`: run forward and loss (only, as Lightning's mixed precision does) under it."""
     data = dataset()
     opt = model.configure_optimizers()
     losses, steps = [], 0
@@ -117,7 +125,10 @@ def reference_fit(
         batches = [order[i : i + GLOBAL_BATCH] for i in range(0, len(order), GLOBAL_BATCH)]
         for i, idx in enumerate(batches):
             x, y = data[idx]
-            loss = F.mse_loss(model(x), y)
+            if input_dtype is not None:  # like Lightning's "-true" precisions
+                x, y = x.to(input_dtype), y.to(input_dtype)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = F.mse_loss(model(x), y)
             (loss / accumulate).backward()
             losses.append(float(loss.detach()))
             if (i + 1) % accumulate:

@@ -258,3 +258,31 @@ def test_zero3_is_registered_and_bad_options_raise_clear_errors() -> None:
     with pytest.raises(TypeError):
         lightning_zero3.ZeRO3Strategy(1)  # keyword arguments only
     assert GLOBAL_BATCH % 6 == 0
+
+
+def _hybrid(rank: int, world_size: int) -> Any:
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    class _Probe(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            self.stats = trainer.strategy.stats
+
+    probe = _Probe()
+    torch.manual_seed(0)
+    model = LitMLP()
+    trainer(ZeRO3Strategy(shard_size=2), world_size, max_steps=3, callbacks=[probe]).fit(model, loader(world_size))
+    return probe.stats, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_hierarchical_sharding_trains_exactly_and_reports_traffic_inside_and_across_groups() -> None:
+    torch.manual_seed(0)
+    reference = LitMLP()
+    reference_fit(reference, max_steps=3)
+    for stats, state in run_ranks(_hybrid, 4):
+        assert max_difference(state, reference.state_dict()) < TOL
+        assert (stats["world_size"], stats["shard_size"]) == (4, 2)
+        assert stats["last_step"]["all_gather"]["payload_bytes"] == stats["expected_step_bytes"]["all_gather"]
+        across = stats["last_step_across_groups"]["all_reduce"]["payload_bytes"]
+        assert across == stats["expected_step_bytes_across_groups"]["all_reduce"]
+        assert across <= 0.51 * stats["expected_step_bytes"]["reduce_scatter"]  # 1/G of the gradient crosses

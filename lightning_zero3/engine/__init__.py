@@ -3,11 +3,12 @@ imports Lightning."""
 
 from lightning_zero3.engine.comm import CollectiveBytes, CollectiveError, CommStats
 from lightning_zero3.engine.model import ShardedModel, UnitStats
-from lightning_zero3.engine.optim import clip_grad_norm_, grad_norm
+from lightning_zero3.engine.optim import AgreeingGradScaler, clip_grad_norm_, grad_norm
 from lightning_zero3.engine.shard import ShardedParam, shard_numel
 from lightning_zero3.engine.unit import OrderMismatchError
 
 __all__ = [
+    "AgreeingGradScaler",
     "CollectiveBytes",
     "CollectiveError",
     "CommStats",

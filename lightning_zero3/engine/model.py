@@ -18,10 +18,21 @@ from torch import nn
 
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
+from lightning_zero3.engine.materialize import ParamInitFn, shard_parameters
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
-from lightning_zero3.engine.shard import ShardedParam, shard_slice
+from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import OrderMismatchError, Unit
+
+
+def _device_of(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    """Where meta tensors are materialised: `device`, else where the module's real tensors are."""
+    if device is not None:
+        return torch.device(device)
+    for t in [*module.parameters(), *module.buffers()]:
+        if not t.is_meta:
+            return t.device
+    return torch.device("cpu")
 
 
 @dataclass
@@ -46,6 +57,10 @@ class ShardedModel:
         wrap_policy: WrapPolicy = None,
         prefetch: int = 1,
         persistence_threshold: int = 0,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        param_init_fn: ParamInitFn | None = None,
+        device: torch.device | str | None = None,
         sync_module_states: bool = True,
     ) -> None:
         if not isinstance(prefetch, int) or prefetch < 0:
@@ -67,46 +82,23 @@ class ShardedModel:
         self.schedule = Schedule(prefetch)
         self.unit_stats = UnitStats()
         self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
-        if sync_module_states:
-            self._broadcast_from_rank0()
+        shards = shard_parameters(
+            module, self.plan, comm=self.comm, world_comm=self.world_comm, device=_device_of(module, device),
+            param_init_fn=param_init_fn, sync_module_states=sync_module_states,
+        )  # fmt: skip
         self.units: list[Unit] = []
-        self._by_param: dict[int, ShardedParam] = {}
+        self._by_param: dict[int, ShardedParam] = {id(s.param): s for s in shards.values()}
         for uid, unit_plan in enumerate(self.plan.units):
-            params = [self._shard(entry.param, entry.owners, entry.names) for entry in unit_plan.params]
+            params = [shards[id(entry)] for entry in unit_plan.params]
             self.units.append(
                 Unit(uid=uid, name=unit_plan.name, module=unit_plan.module, params=params,
-                     comm=self.comm, unit_name=self._unit_name, replicate=self.replicate_comm)
+                     comm=self.comm, unit_name=self._unit_name, replicate=self.replicate_comm,
+                     param_dtype=param_dtype, reduce_dtype=reduce_dtype)
             )
-        self.persistent: list[nn.Parameter] = [entry.param for entry in self.plan.persistent]
+        # Read from the module: materialising may have replaced the parameter objects.
+        self.persistent: list[nn.Parameter] = [m._parameters[a] for m, a in (e.owners[0] for e in self.plan.persistent)]
         self._live_calls = [0] * len(self.units)
         self.hooks = HookDriver(self)
-
-    # ---- setup ------------------------------------------------------------------------------
-    def _broadcast_from_rank0(self) -> None:
-        """Make every rank start from rank 0's values, as DDP does (one flat broadcast)."""
-        if self.world_comm.world_size == 1:
-            return
-        tensors = [p.data for p in dict.fromkeys(self.module.parameters())]
-        tensors += [b for b in self.module.buffers() if b is not None]
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault((t.dtype, t.device), []).append(t)
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            self.world_comm.broadcast(flat, src=0, what="initial model states")
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-    def _shard(self, full: nn.Parameter, owners: list[tuple[nn.Module, str]], names: list[str]) -> ShardedParam:
-        shard = nn.Parameter(shard_slice(full, self.comm.rank, self.comm.world_size), requires_grad=full.requires_grad)
-        for module, attr in owners:
-            module._parameters[attr] = shard
-        sharded = ShardedParam(owners=owners, names=names, full_shape=full.shape, param=shard,
-                               world_size=self.comm.world_size, rank=self.comm.rank)
-        self._by_param[id(shard)] = sharded
-        return sharded
 
     def _unit_name(self, uid: int) -> str:
         return self.units[uid].name if 0 <= uid < len(self.units) else f"<unknown unit {uid}>"
@@ -220,7 +212,7 @@ class ShardedModel:
         saved = [p.detach().clone() for p in persistent] if modifier_rank is None else []
         shards: dict[int, torch.Tensor] = {}
         for unit in units:
-            for sharded, full in zip(unit.params, unit.gather()):
+            for sharded, full in zip(unit.params, unit.gather(dtype=unit.shard_dtype)):
                 if sharded in chosen:
                     shards[id(sharded)] = sharded.param.data
                     sharded.param.data = full
@@ -255,7 +247,7 @@ class ShardedModel:
         for unit in self.units:
             if not unit.params:
                 continue
-            fulls = unit.gather()
+            fulls = unit.gather(dtype=unit.shard_dtype)
             if keep:
                 for sharded, full in zip(unit.params, fulls):
                     full_by_id[id(sharded.param)] = full.detach().cpu()
@@ -327,16 +319,16 @@ class ShardedModel:
         if across_groups:
             if self.replicate_comm is None:
                 return {}
-            shards = sum((u.shard_numel + 1) * u.params[0].param.element_size() for u in trainable_units)
+            shards = sum((u.shard_numel + 1) * u.reduce_dtype.itemsize for u in trainable_units)
             return {"all_reduce": shards + persistent}
         expected = {"all_gather": 0, "reduce_scatter": 0}
         for unit in self.units:
             if not unit.params:
                 continue
-            size = n * (unit.shard_numel + 1) * unit.params[0].param.element_size()
+            gather = n * (unit.shard_numel + unit.tag_numel) * unit.param_dtype.itemsize
             trainable = unit in trainable_units
-            expected["all_gather"] += size * (2 if trainable else 1)
-            expected["reduce_scatter"] += size if trainable else 0
+            expected["all_gather"] += gather * (2 if trainable else 1)
+            expected["reduce_scatter"] += n * (unit.shard_numel + 1) * unit.reduce_dtype.itemsize if trainable else 0
         if persistent and n > 1:
             expected["all_reduce"] = persistent
         return expected

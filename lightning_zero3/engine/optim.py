@@ -50,3 +50,19 @@ def clip_grad_norm_(
     for p in params:
         p.grad.detach().mul_(coef.to(p.grad.dtype))
     return total
+
+
+class AgreeingGradScaler(torch.amp.GradScaler):
+    """A GradScaler whose skip decision is the same on every rank: after unscaling, whether any
+    rank found an inf/NaN in its gradient shards is All-Reduced (max). Without it, a rank whose
+    shards overflowed skips the step while the others take it, and the shards drift apart."""
+
+    def __init__(self, model: ShardedModel, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.sharded_model = model
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        for flag in found.values():
+            self.sharded_model.world_comm.all_reduce(flag, what="GradScaler inf/NaN flag", op="max")

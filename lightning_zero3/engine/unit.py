@@ -4,12 +4,21 @@ gradients -> averaged shard gradients).
 
 [Note: flat layout and unit tag]
 Each rank sends one flat buffer: its shards of the unit's parameters back to back (shard i at
-offset o_i, `shard_numel_i` long), then one element holding the unit's tag (its id + 1). The
-gathered buffer is (world_size, S + 1), rank-major; parameter i's full flat data is column block
-[o_i, o_i + shard_numel_i) read row by row, cut to `numel_i`. The Reduce-Scatter input has the same
-layout, so each rank receives exactly the summed gradient of its own shards, and the tag column
-sums to world_size * tag. Checking the tag on arrival turns "ranks gathered different units of
-the same size" from silently mixed parameters into an error that names both units.
+offset o_i, `shard_numel_i` long), then the unit's tag (its id + 1) stored as the 32 bits of an
+int32 in `tag_numel` elements (one element of 32 bits or more, two of a 16-bit dtype). The
+gathered buffer is (world_size, S + tag_numel), rank-major; parameter i's full flat data is
+column block [o_i, o_i + shard_numel_i) read row by row, cut to `numel_i`. The Reduce-Scatter input
+is (world_size, S + 1) with the same column layout, so each rank receives exactly the summed
+gradient of its own shards, and its last column, holding the tag as a number, sums to
+world_size * tag. Checking the tag on arrival turns "ranks gathered different units of the same
+size" from silently mixed parameters into an error that names both units.
+
+[Note: dtypes]
+Shards (the optimizer's master copy) keep the model's dtype. Gathers run in `param_dtype`
+(e.g. bf16: half the bytes of fp32), so the full parameters and the compute are in it.
+Gradients arrive in `param_dtype` and are reduced in `reduce_dtype` (default: fp32, or the
+shard dtype when wider), then cast to the shard dtype. A 16-bit reduction cannot hold large
+integers exactly, so there the tag column carries 1 and only counts the ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ class Unit:
         comm: Comm,
         unit_name: Callable[[int], str],
         replicate: Comm | None = None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         dtypes = {p.param.dtype for p in params}
         if len(dtypes) > 1:
@@ -57,7 +68,15 @@ class Unit:
         self.replicate = replicate
         # Maps a tag read off the wire back to a unit name, for error messages.
         self._unit_name = unit_name
-        self.tag = float(uid + 1)
+        self.tag = uid + 1
+        shard_dtype = params[0].param.dtype if params else torch.float32
+        self.shard_dtype = shard_dtype
+        self.param_dtype = param_dtype or shard_dtype
+        wide = shard_dtype if shard_dtype.itemsize >= 4 else torch.float32
+        self.reduce_dtype = reduce_dtype or wide
+        self.tag_numel = self._tag_numel(self.param_dtype)
+        # What the Reduce-Scatter's tag column must sum to per rank (see Note: dtypes).
+        self._reduce_tag = float(self.tag) if self.reduce_dtype.itemsize >= 4 else 1.0
         self.offsets: list[int] = []
         total = 0
         for p in params:
@@ -65,8 +84,8 @@ class Unit:
             total += p.shard_numel
         # Elements each rank contributes, without the tag.
         self.shard_numel = total
-        # In-flight or finished-but-unread All-Gather: (work, gathered buffer).
-        self._pending: tuple[object, torch.Tensor] | None = None
+        # In-flight or finished-but-unread All-Gather: (work, gathered buffer, its dtype).
+        self._pending: tuple[object, torch.Tensor, torch.dtype] | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
@@ -88,44 +107,58 @@ class Unit:
         return self.params[0].param
 
     # ---- gather ---------------------------------------------------------------------------
-    def start_gather(self) -> None:
-        """Issue the All-Gather asynchronously (prefetch). No-op if one is already pending."""
+    @staticmethod
+    def _tag_numel(dtype: torch.dtype) -> int:
+        return max(1, 4 // dtype.itemsize)  # elements that hold 32 bits
+
+    def start_gather(self, dtype: torch.dtype | None = None) -> None:
+        """Issue the All-Gather asynchronously (prefetch), in `dtype` (default `param_dtype`).
+        No-op if one is already pending."""
         if self._pending is not None or not self.params:
             return
+        dtype = dtype or self.param_dtype
         like = self._like()
-        send = torch.empty(self.shard_numel + 1, dtype=like.dtype, device=like.device)
+        width = self.shard_numel + self._tag_numel(dtype)
+        send = torch.empty(width, dtype=dtype, device=like.device)
         with torch.no_grad():
-            torch.cat([p.param.detach() for p in self.params], out=send[: self.shard_numel])
-            send[self.shard_numel] = self.tag
-        recv = torch.empty(self.world_size * (self.shard_numel + 1), dtype=like.dtype, device=like.device)
+            if dtype == like.dtype:
+                torch.cat([p.param.detach() for p in self.params], out=send[: self.shard_numel])
+            else:
+                for p, offset in zip(self.params, self.offsets):
+                    send[offset : offset + p.shard_numel].copy_(p.param.detach())  # casts
+            bits = torch.tensor([self.tag], dtype=torch.int32).view(dtype)  # the tag's 32 bits, as `dtype`
+            send[self.shard_numel :].copy_(bits[: send.numel() - self.shard_numel])
+        recv = torch.empty(self.world_size * width, dtype=dtype, device=like.device)
         work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'")
-        self._pending = (work, recv)
+        self._pending = (work, recv, dtype)
 
     def discard_gather(self) -> None:
         """Drop a prefetch that the step did not use (the collective still completes)."""
         if self._pending is not None:
-            work, _ = self._pending
+            work = self._pending[0]
             self.comm.wait(work)
             self._pending = None
 
-    def _take_gathered(self) -> torch.Tensor:
+    def _take_gathered(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._pending is not None and self._pending[2] != dtype:
+            self.discard_gather()
         if self._pending is None:
-            self.start_gather()
+            self.start_gather(dtype)
         assert self._pending is not None
-        work, recv = self._pending
+        work, recv, _ = self._pending
         self._pending = None
         try:
             self.comm.wait(work)
         except RuntimeError as err:
             raise self.comm.failed("All-Gather", f"unit '{self.name}'", err) from err
-        gathered = recv.view(self.world_size, self.shard_numel + 1)  # (N, S + 1)
-        tags = gathered[:, self.shard_numel]
+        gathered = recv.view(self.world_size, self.shard_numel + self._tag_numel(dtype))  # (N, S + tag)
+        tags = gathered[:, self.shard_numel :].contiguous().view(torch.int32)[:, 0]  # (N,)
         if not bool((tags == self.tag).all()):
-            self._raise_mismatch("All-Gather", [float(t) for t in tags])
+            self._raise_mismatch("All-Gather", [int(t) for t in tags])
         return gathered
 
-    def _raise_mismatch(self, collective: str, tags: list[float]) -> None:
-        seen = ", ".join(f"rank {r}: '{self._unit_name(int(round(t)) - 1)}'" for r, t in enumerate(tags))
+    def _raise_mismatch(self, collective: str, tags: list[int]) -> None:
+        seen = ", ".join(f"rank {r}: '{self._unit_name(t - 1)}'" for r, t in enumerate(tags))
         raise OrderMismatchError(
             f"{collective} mismatch on rank {self.comm.rank}: this rank expected unit '{self.name}' but "
             f"the ranks were at [{seen}]. Every rank must run the same units in the same order each "
@@ -133,10 +166,11 @@ class Unit:
             f"under ZeRO-3. Make the branch decision identical on all ranks."
         )
 
-    def gather(self, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Full parameters of the unit. With `into`, refill those tensors' (re-allocated)
+    def gather(self, into: list[torch.Tensor] | None = None, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Full parameters of the unit, in `dtype` (default `param_dtype`; pass `shard_dtype`
+        for the exact master values). With `into`, refill those tensors' (re-allocated)
         storage in place instead of allocating new tensors, without bumping their version."""
-        gathered = self._take_gathered()
+        gathered = self._take_gathered(dtype or self.param_dtype)
         fulls: list[torch.Tensor] = []
         for i, p in enumerate(self.params):
             if into is None:
@@ -167,11 +201,12 @@ class Unit:
 
     # ---- reduce ---------------------------------------------------------------------------
     def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Reduce-Scatter full gradients; return this rank's averaged shard gradients (views of
-        one flat buffer). Parameters without a gradient contribute zeros and get None back."""
+        """Reduce-Scatter full gradients; return this rank's averaged shard gradients in the
+        shard dtype (views of one flat buffer). Parameters without a gradient contribute zeros
+        and get None back."""
         like = self._like()
         n, width = self.world_size, self.shard_numel + 1
-        full = torch.empty(n, width, dtype=like.dtype, device=like.device)  # (N, S + 1)
+        full = torch.empty(n, width, dtype=self.reduce_dtype, device=like.device)  # (N, S + 1)
         with torch.no_grad():
             for i, (p, grad) in enumerate(zip(self.params, grads)):
                 s, o = p.shard_numel, self.offsets[i]
@@ -179,31 +214,33 @@ class Unit:
                 if grad is None:
                     block.zero_()
                     continue
-                flat = grad.reshape(-1).to(like.dtype)
+                flat = grad.reshape(-1)
                 rows = p.numel // s
-                block[:rows].copy_(flat[: rows * s].view(rows, s))
+                block[:rows].copy_(flat[: rows * s].view(rows, s))  # casts to reduce_dtype
                 rest = p.numel - rows * s
                 if rows < n:
                     block[rows:].zero_()
                     if rest:
                         block[rows, :rest].copy_(flat[rows * s :])
-            full[:, self.shard_numel] = self.tag
-        out = torch.empty(width, dtype=like.dtype, device=like.device)
+            full[:, self.shard_numel] = self._reduce_tag
+        out = torch.empty(width, dtype=self.reduce_dtype, device=like.device)
         self.comm.reduce_scatter(out, full, what=f"gradients of unit '{self.name}'")
         if self.replicate is not None:
             # Only this rank's 1/G of the gradient crosses to the other groups.
             self.replicate.all_reduce(out, what=f"gradients of unit '{self.name}' across shard groups")
             n *= self.replicate.world_size
         tag_sum = float(out[self.shard_numel])
-        if tag_sum != self.tag * n:
+        if tag_sum != self._reduce_tag * n:
             raise OrderMismatchError(
                 f"Reduce-Scatter mismatch on rank {self.comm.rank}: this rank reduced unit '{self.name}' "
                 f"but the other ranks reduced a different unit of the same size (tag sum {tag_sum:g}, "
-                f"expected {self.tag * n:g}). Every rank must use the same units in the loss each step; "
-                f"a unit whose output reaches the loss on some ranks only is not supported."
+                f"expected {self._reduce_tag * n:g}). Every rank must use the same units in the loss each "
+                f"step; a unit whose output reaches the loss on some ranks only is not supported."
             )
         out = out[: self.shard_numel]
         out.div_(n)  # sum over all ranks / N: the same average DDP takes
+        if out.dtype != like.dtype:
+            out = out.to(like.dtype)
         return [
             None if grad is None else out[o : o + p.shard_numel]
             for p, o, grad in zip(self.params, self.offsets, grads)

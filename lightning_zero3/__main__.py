@@ -1,0 +1,104 @@
+"""`python -m lightning_zero3 consolidate SRC DST`: one ordinary checkpoint file from a sharded
+checkpoint directory, offline. See docs/checkpoints.md."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TextIO
+
+from lightning_zero3.checkpoint import CheckpointError
+from lightning_zero3.consolidate import DTYPES, Progress, consolidate_checkpoint
+
+
+class ProgressLine:
+    """Tensors and bytes done of the total, rewritten in place on a terminal (at most 10 times a
+    second); nothing when `stream` is not a terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.enabled = stream.isatty()
+        self._last = 0.0
+
+    def __call__(self, p: Progress) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self._last < 0.1 and p.tensors_done < p.tensors_total):
+            return
+        self._last = now
+        percent = 100 * p.bytes_done / p.bytes_total if p.bytes_total else 100.0
+        self.stream.write(
+            f"\r{p.tensors_done}/{p.tensors_total} tensors, {p.bytes_done / 2**20:.1f}/"
+            f"{p.bytes_total / 2**20:.1f} MiB ({percent:.0f}%)"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self._last:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightning_zero3", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint directory as one ordinary checkpoint file",
+        description="Write the sharded checkpoint SRC (a directory saved with ZeRO3Strategy(state_dict_type="
+        "'sharded')) as one Lightning checkpoint file DST, loadable with torch.load and "
+        "LightningModule.load_from_checkpoint at any world size. Streams one tensor at a time.",
+    )
+    consolidate.add_argument("src", help="sharded checkpoint directory")
+    consolidate.add_argument("dst", help="file to write")
+    consolidate.add_argument(
+        "--weights-only", action="store_true", help="leave out optimizer states, LR schedulers and callback states"
+    )
+    consolidate.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="cast the floating-point tensors of the state dict"
+    )
+    consolidate.add_argument(
+        "--safetensors", action="store_true", help="write a safetensors file of the state dict instead"
+    )
+    consolidate.add_argument("--no-verify", action="store_true", help="skip the CRC-32 check of the shard files")
+    return parser
+
+
+def _return_freed_tensors_to_the_os() -> None:
+    """glibc keeps freed blocks up to a threshold that it raises as large blocks are freed, so a
+    process that reads and frees one tensor after another keeps several tensors' worth of pages.
+    A fixed 1 MiB mmap threshold gives each freed tensor back at once: peak memory stays about
+    one tensor (Note: streaming consolidation). No-op where mallopt does not exist."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _return_freed_tensors_to_the_os()
+    progress = ProgressLine(sys.stderr)
+    try:
+        summary = consolidate_checkpoint(
+            args.src,
+            args.dst,
+            weights_only=args.weights_only,
+            dtype=args.dtype,
+            safetensors=args.safetensors,
+            verify=not args.no_verify,
+            progress=progress,
+        )
+    except (CheckpointError, OSError) as err:
+        progress.close()
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    progress.close()
+    print(summary.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Turn a module's parameters into shards one module at a time, so that no rank ever holds
+the whole model: not when it was built whole (each module's tensors are broadcast from rank 0
+and sliced), and not when it was built on the meta device (each module is materialised,
+initialised, broadcast, sliced and freed before the next one).
+
+[Note: one consistent full tensor]
+Every rank's shard must be a slice of the same full tensor. Ranks may have built or
+initialised their copies differently (no common seed), so rank 0's values are broadcast before
+slicing, one module's own tensors at a time: DDP's start-from-rank-0 rule, with a peak of one
+module's parameters instead of the whole model. On the meta device, each module is materialised
+with `param_init_fn(module)` (default: the module's `reset_parameters()`), on every rank, then
+rank 0's result is broadcast: the seeds of the ranks need not agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.plan import ParamEntry, Plan
+from lightning_zero3.engine.shard import ShardedParam, shard_slice
+
+ParamInitFn = Callable[[nn.Module], None]
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """The default `param_init_fn`: the module's own `reset_parameters()`."""
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        names = [n for n, p in module.named_parameters(recurse=False)]
+        raise ValueError(
+            f"{type(module).__name__} has parameters {names} on the meta device but no reset_parameters() to "
+            f"initialise them. Pass param_init_fn=callable(module) that initialises a module's own parameters."
+        )
+    reset()
+
+
+def _is_meta(module: nn.Module) -> bool:
+    tensors = [*module._parameters.values(), *module._buffers.values()]
+    return any(t is not None and t.is_meta for t in tensors)
+
+
+def shard_parameters(
+    root: nn.Module,
+    plan: Plan,
+    *,
+    comm: Comm,
+    world_comm: Comm,
+    device: torch.device,
+    param_init_fn: ParamInitFn | None = None,
+    sync_module_states: bool = True,
+) -> dict[int, ShardedParam]:
+    """Replace every planned parameter of `root` by this rank's shard, module by module.
+    Returns the shards by `id(entry.param)` of the plan entries."""
+    init = param_init_fn or reset_parameters
+    entry_of: dict[tuple[int, str], ParamEntry] = {}
+    for unit in plan.units:
+        for entry in unit.params:
+            for module, attr in entry.owners:
+                entry_of[(id(module), attr)] = entry
+    persistent = {(id(m), a) for entry in plan.persistent for m, a in entry.owners}
+    shards: dict[int, ShardedParam] = {}
+    for module in root.modules():
+        if _is_meta(module):
+            tied = [a for a, p in module._parameters.items() if p is not None and not p.is_meta]
+            if tied:
+                raise ValueError(
+                    f"{type(module).__name__} has parameters on the meta device and also {tied}, already "
+                    f"initialised through another module (tied weights). Tie the weights after sharding's "
+                    f"initialisation, or build this model off the meta device."
+                )
+            module.to_empty(device=device, recurse=False)
+            with torch.no_grad():
+                init(module)
+        # This module's own tensors that are still whole (a tied parameter is sharded once).
+        whole = [
+            (attr, p)
+            for attr, p in module._parameters.items()
+            if p is not None and ((id(module), attr) in persistent or _key(entry_of, module, attr) not in shards)
+        ]
+        buffers = [b for b in module._buffers.values() if b is not None]
+        if sync_module_states and world_comm.world_size > 1:
+            _broadcast_from_rank0([p.data for _, p in whole] + buffers, world_comm)
+        for attr, full in whole:
+            entry = entry_of.get((id(module), attr))
+            if entry is None:
+                continue  # persistent: stays whole on every rank
+            shards[id(entry)] = _shard(full, entry, comm)
+    missing = [e.names[0] for u in plan.units for e in u.params if id(e) not in shards]
+    assert not missing, f"parameters not reached while sharding: {missing}"
+    return shards
+
+
+def _key(entry_of: dict[tuple[int, str], ParamEntry], module: nn.Module, attr: str) -> int:
+    return id(entry_of.get((id(module), attr)))
+
+
+def _broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for group in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        comm.broadcast(flat, src=0, what="initial model states")
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _shard(full: torch.Tensor, entry: ParamEntry, comm: Comm) -> ShardedParam:
+    shard = nn.Parameter(shard_slice(full, comm.rank, comm.world_size), requires_grad=full.requires_grad)
+    for module, attr in entry.owners:
+        module._parameters[attr] = shard
+    entry.param = shard  # the plan must not keep the whole tensor alive
+    return ShardedParam(owners=entry.owners, names=entry.names, full_shape=full.shape, param=shard,
+                        world_size=comm.world_size, rank=comm.rank)  # fmt: skip

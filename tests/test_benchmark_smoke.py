@@ -1,0 +1,54 @@
+"""`benchmarks/compare.py --smoke` runs every backend end to end (a subprocess, ~15-30 s on 2
+cores) and writes a JSON in which every number is finite and ZeRO-3's losses are DDP's."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ["ddp", "fsdp2", "lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2", "engine-p1"]
+
+
+def _numbers(obj: object) -> list[float]:
+    if isinstance(obj, bool):
+        return []
+    if isinstance(obj, (int, float)):
+        return [float(obj)]
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _numbers(v)]
+    if isinstance(obj, list):
+        return [x for v in obj for x in _numbers(v)]
+    return []
+
+
+def test_benchmark_smoke_reports_every_backend(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert (tmp_path / "compare.md").read_text().startswith("Command:")
+
+    backends = result["backends"]
+    assert list(backends) == BACKENDS
+    for name, entry in backends.items():
+        numbers = _numbers(entry)
+        assert numbers and all(math.isfinite(x) for x in numbers), f"{name}: non-finite value in {entry}"
+        assert entry["median_step_s"] > 0 and entry["tokens_per_s"] > 0, name
+        assert entry["model_state_bytes"]["total"] > 0, name
+        assert entry["step_bytes"], name
+
+    ddp = backends["ddp"]["losses"]
+    for name in ("zero3-p0", "zero3-p1", "zero3-p2", "engine-p1", "fsdp2", "lightning-ddp"):
+        losses = backends[name]["losses"]
+        assert len(losses) == len(ddp) == 4
+        assert max(abs(a - b) for a, b in zip(losses, ddp)) < 1e-5, (name, losses, ddp)
+
+    zero3 = backends["zero3-p1"]
+    counted = {k: v["payload_bytes"] for k, v in zero3["step_bytes"].items()}
+    assert counted == zero3["expected_step_bytes"]
+    n, psi = result["config"]["world_size"], result["psi"]
+    assert zero3["model_state_bytes"]["total"] <= 1.01 * 16 * psi / n

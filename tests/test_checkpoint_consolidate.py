@@ -1,0 +1,158 @@
+"""Consolidation writes one ordinary checkpoint file from a sharded directory, offline, one
+tensor at a time: plain torch.load reads it, tied weights are present under every name, and
+peak memory does not grow with the size of the output."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_zero3 import consolidate_checkpoint
+from lightning_zero3.__main__ import ProgressLine, main
+from lightning_zero3.consolidate import Progress
+from tests.ranks import run_ranks
+from tests.test_checkpoint_sharded import save_trained_gpt
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[dict, dict]]:
+    """A TinyGPT checkpoint from 3 ranks (uneven shards) and the whole model and optimizer state."""
+    path = tmp_path_factory.mktemp("consolidate") / "gpt.ckpt"
+    expected = run_ranks(save_trained_gpt, 3, str(path))[0]
+    return path, expected
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_consolidated_file_is_an_ordinary_checkpoint_with_whole_tensors(saved, tmp_path, mmap):
+    path, (model, optimizer) = saved
+    summary = consolidate_checkpoint(path, tmp_path / "gpt.pt")
+    loaded = torch.load(summary.dst, weights_only=True, mmap=mmap)
+    assert list(loaded) == ["epoch", "state_dict", "optimizer_states", "note"]  # the order it was saved in
+    assert loaded["epoch"] == 3 and loaded["note"] == "kept"
+    assert list(loaded["state_dict"]) == list(model)  # the module's own keys, in its order
+    for key, value in model.items():
+        assert loaded["state_dict"][key].shape == value.shape and torch.equal(loaded["state_dict"][key], value), key
+    state = loaded["optimizer_states"][0]
+    assert state["param_groups"] == optimizer["param_groups"]
+    for index, entry in optimizer["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(state["state"][index][key], value), (index, key)
+    assert summary.world_size == 3 and summary.file_bytes == summary.dst.stat().st_size
+
+
+def test_tied_weights_are_present_under_every_name_sharing_one_storage(saved, tmp_path):
+    path, _ = saved
+    state_dict = torch.load(consolidate_checkpoint(path, tmp_path / "gpt.pt").dst, weights_only=True)["state_dict"]
+    assert state_dict["lm_head.weight"].data_ptr() == state_dict["wte.weight"].data_ptr()
+
+
+def test_weights_only_leaves_out_optimizer_state_and_dtype_casts_the_weights(saved, tmp_path):
+    path, (model, _) = saved
+    loaded = torch.load(consolidate_checkpoint(path, tmp_path / "w.pt", weights_only=True, dtype="bf16").dst)
+    assert "optimizer_states" not in loaded
+    for key, value in model.items():
+        assert loaded["state_dict"][key].dtype == torch.bfloat16
+        assert torch.equal(loaded["state_dict"][key], value.to(torch.bfloat16)), key
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A reader written from the format's specification, so the test does not need the package."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    metadata = header.pop("__metadata__")
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    body = data[8 + length :]
+    assert max(end for _, end in (h["data_offsets"] for h in header.values())) == len(body)
+    tensors = {}
+    for name, h in header.items():
+        start, end = h["data_offsets"]
+        raw = torch.frombuffer(bytearray(body[start:end]), dtype=torch.uint8)
+        tensors[name] = raw.view(dtypes[h["dtype"]]).reshape(h["shape"])
+    return tensors, metadata
+
+
+def test_safetensors_output_holds_the_state_dict_under_every_name(saved, tmp_path):
+    path, (model, _) = saved
+    out = consolidate_checkpoint(path, tmp_path / "gpt.safetensors", safetensors=True, dtype="fp16").dst
+    tensors, metadata = _read_safetensors(out)
+    assert metadata["format"] == "pt" and metadata["epoch"] == "3"
+    assert set(tensors) == set(model)
+    for key, value in model.items():
+        assert torch.equal(tensors[key], value.to(torch.float16)), key
+    safetensors = pytest.importorskip("safetensors.torch")  # the reference reader, when installed
+    loaded = safetensors.load_file(out)
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
+
+def test_cli_prints_one_summary_line(saved, tmp_path, capsys):
+    path, _ = saved
+    assert main(["consolidate", str(path), str(tmp_path / "gpt.pt"), "--weights-only"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1 and out.startswith(f"Consolidated {path} (3 ranks) into {tmp_path / 'gpt.pt'}: ")
+    assert err == ""  # no progress when stderr is not a terminal
+
+
+def test_progress_on_a_terminal_shows_tensors_and_bytes_done_of_the_total():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    line = ProgressLine(stream)
+    line(Progress(tensors_done=1, tensors_total=4, bytes_done=2**20, bytes_total=4 * 2**20))
+    line(Progress(tensors_done=4, tensors_total=4, bytes_done=4 * 2**20, bytes_total=4 * 2**20))
+    line.close()
+    assert stream.getvalue() == "\r1/4 tensors, 1.0/4.0 MiB (25%)\r4/4 tensors, 4.0/4.0 MiB (100%)\n"
+
+
+LAYERS, WIDTH = 12, 2048  # 12 parameters of 16 MiB: a 192 MiB output
+
+
+def _save_large_model(rank: int, world_size: int, path: str) -> None:
+    from lightning_zero3 import ShardedModel
+    from lightning_zero3.checkpoint import save_sharded
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    save_sharded(path, ShardedModel(model), {"state_dict": model.state_dict()})
+
+
+# The CLI's own code path, run in a fresh process that reports its peak RSS (VmHWM) before and
+# after consolidating, so the imports (torch, lightning) are not counted as consolidation memory.
+_MEASURED_CLI = """
+import sys
+def peak():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+from lightning_zero3.__main__ import main
+before = peak()
+code = main(sys.argv[1:])
+print(before, peak())
+sys.exit(code)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
+def test_consolidation_peak_memory_is_about_one_parameter_not_the_output(tmp_path):
+    path = tmp_path / "large.ckpt"
+    run_ranks(_save_large_model, 2, str(path), timeout_s=120)
+    out = tmp_path / "large.pt"
+    result = subprocess.run(
+        [sys.executable, "-c", _MEASURED_CLI, "consolidate", str(path), str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    before, after = map(int, result.stdout.splitlines()[-1].split())
+    parameter, output = WIDTH * WIDTH * 4, out.stat().st_size
+    assert output > LAYERS * parameter
+    growth = after - before
+    mib = 2**20
+    message = f"consolidating {output / mib:.0f} MiB of {parameter / mib:.0f} MiB tensors took {growth / mib:.0f} MiB"
+    assert growth < 2.5 * parameter, message
+    assert growth < output / 4, message

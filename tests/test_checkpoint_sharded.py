@@ -1,0 +1,189 @@
+"""Sharded checkpoints on the bare engine: every rank writes only its shards, and a checkpoint
+loads exactly (parameters, optimizer state, param groups) at any world size."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lightning_zero3
+from lightning_zero3 import ShardedModel
+from lightning_zero3 import checkpoint as ckpt
+from lightning_zero3.engine.state import full_optimizer_state
+from tests.models import MLP, TinyGPT, gpt_batch
+from tests.ranks import run_ranks
+
+
+def trained_gpt(seed: int = 0, *, steps: int = 2, **shard_options: Any) -> tuple[TinyGPT, ShardedModel, Any]:
+    """TinyGPT (tied lm_head/wte) sharded over this process group, trained `steps` AdamW steps
+    with two param groups; `seed` changes the initial weights."""
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    sharded = ShardedModel(model, **shard_options)
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=0.01)
+    for step in range(steps):
+        x, y = gpt_batch(step)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, sharded, optimizer
+
+
+def whole_state(sharded: ShardedModel, optimizer: Any) -> tuple[dict, dict]:
+    """The model's full state dict and the optimizer's full state dict, on every rank."""
+    return sharded.full_state_dict(to_rank=None), full_optimizer_state(sharded, optimizer, to_rank=None)
+
+
+def save_trained_gpt(
+    rank: int, world_size: int, path: str, threshold: int = 0, shard_size: int | None = None
+) -> tuple[dict, dict]:
+    model, sharded, optimizer = trained_gpt(persistence_threshold=threshold, shard_size=shard_size)
+    optimizer_states = [ckpt.sharded_optimizer_state(sharded, optimizer)]
+    checkpoint = {"epoch": 3, "state_dict": model.state_dict(), "optimizer_states": optimizer_states, "note": "kept"}
+    ckpt.save_sharded(path, sharded, checkpoint)
+    return whole_state(sharded, optimizer)
+
+
+def load_into_fresh_gpt(
+    rank: int, world_size: int, path: str, threshold: int = 0, shard_size: int | None = None
+) -> tuple[dict, dict, dict]:
+    # Different weights and optimizer state than the saved ones: everything must come from the file.
+    model, sharded, optimizer = trained_gpt(seed=1, steps=1, persistence_threshold=threshold, shard_size=shard_size)
+    extra = ckpt.load_sharded(path, sharded, optimizers=[optimizer])
+    return (*whole_state(sharded, optimizer), extra)
+
+
+def assert_same_state(got: tuple[dict, dict], expected: tuple[dict, dict]) -> None:
+    (model, optim), (ref_model, ref_optim) = got, expected
+    assert list(model) == list(ref_model)
+    for key in ref_model:
+        assert torch.equal(model[key], ref_model[key]), key
+    assert optim["param_groups"] == ref_optim["param_groups"]
+    assert optim["state"].keys() == ref_optim["state"].keys()
+    for index, entry in ref_optim["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(optim["state"][index][key], value), (index, key)
+
+
+@pytest.fixture(scope="module")
+def saved_at_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[dict, dict]]:
+    path = tmp_path_factory.mktemp("sharded") / "gpt.ckpt"
+    expected = run_ranks(save_trained_gpt, 2, str(path))[0]
+    return path, expected
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_checkpoint_from_2_ranks_loads_exactly_at_1_2_and_3_ranks(saved_at_2, world_size):
+    path, expected = saved_at_2
+    for rank_result in run_ranks(load_into_fresh_gpt, world_size, str(path)):
+        model, optim, extra = rank_result
+        assert_same_state((model, optim), expected)
+        assert extra == {"epoch": 3, "note": "kept"}
+
+
+def test_checkpoint_from_3_ranks_loads_exactly_at_2(tmp_path):
+    path = str(tmp_path / "gpt.ckpt")
+    expected = run_ranks(save_trained_gpt, 3, path)[0]
+    assert_same_state(run_ranks(load_into_fresh_gpt, 2, path)[0][:2], expected)
+
+
+def test_one_process_without_a_process_group_saves_and_loads(tmp_path):
+    path = tmp_path / "gpt.ckpt"
+    expected = save_trained_gpt(0, 1, str(path))
+    assert_same_state(load_into_fresh_gpt(0, 1, str(path))[:2], expected)
+
+
+def test_parameters_kept_whole_in_one_run_load_as_shards_in_another(tmp_path):
+    """A different persistence_threshold: small parameters saved whole load into shards, and back."""
+    whole = str(tmp_path / "whole.ckpt")
+    expected = run_ranks(save_trained_gpt, 2, whole, 100)[0]
+    assert_same_state(run_ranks(load_into_fresh_gpt, 3, whole)[0][:2], expected)
+    sharded = str(tmp_path / "sharded.ckpt")
+    expected = run_ranks(save_trained_gpt, 2, sharded)[0]
+    assert_same_state(run_ranks(load_into_fresh_gpt, 2, sharded, 100)[0][:2], expected)
+
+
+def test_hierarchical_sharding_saves_each_chunk_once_and_loads_at_any_layout(tmp_path):
+    """4 ranks as 2 shard groups of 2: the two groups hold the same shards, written once; the
+    checkpoint loads at 3 ranks, and a 3-rank one loads into 2 groups of 2."""
+    hybrid = str(tmp_path / "hybrid.ckpt")
+    expected = run_ranks(save_trained_gpt, 4, hybrid, 0, 2)[0]
+    meta = json.loads(Path(hybrid, "meta.json").read_text())
+    assert (meta["world_size"], meta["shard_size"]) == (4, 2)
+    import torch.distributed.checkpoint as dcp
+
+    chunks = dcp.FileSystemReader(hybrid).read_metadata().state_dict_metadata["state_dict/wte.weight"].chunks
+    assert [(c.offsets[0], c.sizes[0]) for c in chunks] == [(0, 296), (296, 296)]
+    assert_same_state(run_ranks(load_into_fresh_gpt, 3, hybrid)[0][:2], expected)
+    plain = str(tmp_path / "plain.ckpt")
+    expected = run_ranks(save_trained_gpt, 3, plain)[0]
+    for result in run_ranks(load_into_fresh_gpt, 4, plain, 0, 2):
+        assert_same_state(result[:2], expected)
+
+
+def test_directory_holds_meta_json_and_one_shard_file_per_rank(saved_at_2):
+    path, _ = saved_at_2
+    names = sorted(os.listdir(path))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "trainer_state.pt"]
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["format"] == "lightning_zero3.sharded" and meta["format_version"] == 1
+    assert meta["world_size"] == 2
+    assert meta["parameters"]["blocks.0.mlp.0.weight"] == {"shape": [64, 16], "dtype": "float32"}
+    assert meta["fingerprint"].startswith("sha256:")
+    entries = {e["key"]: e for e in meta["state_dict"]}
+    assert entries["lm_head.weight"] == {"key": "lm_head.weight", "kind": "alias", "of": "wte.weight"}  # tied: once
+    assert entries["wte.weight"]["kind"] == "sharded" and entries["wte.weight"]["shape"] == [37, 16]
+    assert {f["rank"] for f in meta["files"].values() if "rank" in f} == {0, 1}
+    assert all(len(f["crc32"]) == 8 for f in meta["files"].values())
+
+
+def test_shards_are_stored_with_their_global_offsets(saved_at_2):
+    """Each rank's piece is a chunk at offset r * ceil(numel / N) of the flattened parameter."""
+    path, _ = saved_at_2
+    import torch.distributed.checkpoint as dcp
+
+    index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    chunks = index["state_dict/wte.weight"].chunks  # 37 * 16 = 592 elements over 2 ranks
+    assert [(c.offsets[0], c.sizes[0]) for c in chunks] == [(0, 296), (296, 296)]
+    exp_avg = index["optimizer_states/0/blocks.0.ln1.bias/exp_avg"]
+    assert tuple(exp_avg.size) == (16,) and len(exp_avg.chunks) == 2
+
+
+def _gathers_during_save(rank: int, world_size: int, path: str) -> int:
+    model, sharded, optimizer = trained_gpt()
+    before = sharded.stats.current["all_gather"].calls
+    optimizer_states = [ckpt.sharded_optimizer_state(sharded, optimizer)]
+    ckpt.save_sharded(path, sharded, {"state_dict": model.state_dict(), "optimizer_states": optimizer_states})
+    return sharded.stats.current["all_gather"].calls - before
+
+
+def test_saving_gathers_no_parameter(tmp_path):
+    assert run_ranks(_gathers_during_save, 2, str(tmp_path / "gpt.ckpt")) == [0, 0]
+
+
+def test_checkpoint_modules_never_import_lightning():
+    package = Path(lightning_zero3.__file__).parent
+    for name in ("checkpoint.py", "consolidate.py"):
+        tree = ast.parse((package / name).read_text())
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imported += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [m for m in imported if m.split(".")[0] in {"lightning", "pytorch_lightning"}], name
+
+
+def test_a_model_of_another_shape_is_refused_naming_the_difference(saved_at_2):
+    path, _ = saved_at_2
+    other = ShardedModel(MLP())
+    problem = ckpt.check_loadable(ckpt.open_sharded(path), other, strict=True)
+    assert str(path) in problem and "not in the checkpoint" in problem and "'blocks.0.fc1.weight'" in problem
+    wider = ShardedModel(TinyGPT(dim=24))
+    problem = ckpt.check_loadable(ckpt.open_sharded(path), wider, strict=False)
+    assert "'wte.weight' has shape (37, 16) in the checkpoint but (37, 24) in the model" in problem

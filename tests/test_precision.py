@@ -1,0 +1,163 @@
+"""Mixed precision: 16-bit gathers (half the bytes), a configurable reduce dtype, fp32 master
+shards, and a GradScaler whose skip decision every rank shares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_zero3.engine import AgreeingGradScaler, ShardedModel
+from lightning_zero3.engine.shard import shard_slice
+from tests import models
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
+from tests.parity import local_slice
+from tests.ranks import run_ranks
+
+
+def _train_autocast(rank: int, world_size: int, param_dtype: Any, reduce_dtype: Any, steps: int = 3) -> dict:
+    """Sharded model with 16-bit gathers vs a single-process reference, both under bf16 autocast."""
+    torch.manual_seed(0)
+    reference = models.MLP()
+    torch.manual_seed(0)
+    model = models.MLP()
+    sharded = ShardedModel(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    seen_dtypes: set[torch.dtype] = set()
+    model.blocks[0].fc1.register_forward_pre_hook(lambda m, a: seen_dtypes.add(m.weight.dtype))
+    # SGD: parameter differences stay proportional to gradient differences (AdamW would turn
+    # bf16 rounding noise in near-zero gradients into full-size steps).
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    worst_loss = 0.0
+    for step in range(steps):
+        x, y = models.mlp_batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = F.mse_loss(reference(x).float(), y)
+            loss = F.mse_loss(model(local_slice(x, rank, world_size)).float(), local_slice(y, rank, world_size))
+        ref_loss.backward()
+        loss.backward()
+        grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+        mean = loss.detach().clone()
+        sharded.comm.all_reduce(mean, what="test loss")
+        worst_loss = max(worst_loss, abs(float(mean) / world_size - float(ref_loss.detach())))
+        for opt_ in (ref_opt, opt):
+            opt_.step()
+            opt_.zero_grad()
+        sharded.end_step()
+    full = sharded.full_state_dict(to_rank=None)
+    last = sharded.stats.last_step
+    return {
+        "loss": worst_loss,
+        "param": max_difference(full, reference.state_dict()),
+        "gathered": seen_dtypes,
+        "shard_dtypes": {p.dtype for p in model.parameters()},
+        "grad_dtypes": grad_dtypes,
+        "bytes": {k: b.payload_bytes for k, b in last.items()},
+        "expected": sharded.expected_step_bytes(),
+    }
+
+
+def test_bf16_gathers_compute_in_bf16_and_stay_close_to_single_process_autocast() -> None:
+    for result in run_ranks(_train_autocast, 2, torch.bfloat16, None):
+        assert result["gathered"] == {torch.bfloat16}  # what is sent (and computed with) is bf16
+        assert result["shard_dtypes"] == {torch.float32} and result["grad_dtypes"] == {torch.float32}
+        assert result["loss"] < 2e-2 and result["param"] < 2e-2
+        assert {k: result["bytes"][k] for k in ("all_gather", "reduce_scatter")} == result["expected"]
+
+
+def test_bf16_gathers_move_half_the_bytes_of_fp32_and_reduce_dtype_is_configurable() -> None:
+    fp32 = run_ranks(_train_autocast, 2, None, None)[0]["bytes"]
+    bf16 = run_ranks(_train_autocast, 2, torch.bfloat16, None)[0]["bytes"]
+    bf16_reduce = run_ranks(_train_autocast, 2, torch.bfloat16, torch.bfloat16)[0]["bytes"]
+    units = 4  # root + 3 blocks; the tag takes 4 bytes per rank per unit in either dtype
+    assert bf16["all_gather"] == fp32["all_gather"] // 2 + 2 * 2 * units * 2
+    assert bf16["reduce_scatter"] == fp32["reduce_scatter"]  # fp32 reduction by default
+    assert bf16_reduce["reduce_scatter"] == fp32["reduce_scatter"] // 2
+
+
+def _scaler_skips_everywhere(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = models.MLP()
+    sharded = ShardedModel(model, param_dtype=torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = AgreeingGradScaler(sharded, device="cpu", init_scale=2.0**10)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = models.mlp_batch(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(local_slice(x, rank, world_size)).float(), local_slice(y, rank, world_size))
+    if rank == 1:
+        loss = loss * float("inf")  # only rank 1 overflows
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters())
+    return {"moved": moved, "scale": scaler.get_scale()}
+
+
+def test_grad_scaler_skip_decision_is_the_same_on_every_rank() -> None:
+    for result in run_ranks(_scaler_skips_everywhere, 2):
+        assert result["moved"] == 0.0  # rank 0's finite shards were not stepped either
+        assert result["scale"] == 2.0**9  # and every rank backed off
+
+
+def _lightning_bf16(rank: int, world_size: int) -> Any:
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    class _Probe(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            self.stats = trainer.strategy.stats
+
+    probe = _Probe()
+    torch.manual_seed(0)
+    model = LitMLP(sgd=True)  # SGD: parameter differences track gradient differences
+    t = trainer(ZeRO3Strategy(), world_size, max_steps=3, precision="bf16-mixed", callbacks=[probe])
+    t.fit(model, loader(world_size))
+    return probe.stats, model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_trainer_bf16_mixed_gathers_in_bf16_and_stays_close_to_single_process() -> None:
+    torch.manual_seed(0)
+    reference = LitMLP(sgd=True)
+    losses = reference_fit(reference, max_steps=3, autocast=torch.bfloat16)
+    for stats, step_losses, state in run_ranks(_lightning_bf16, 2):
+        assert (stats["param_dtype"], stats["reduce_dtype"]) == ("bfloat16", "float32")
+        assert stats["last_step"]["all_gather"]["payload_bytes"] == stats["expected_step_bytes"]["all_gather"]
+        assert max(abs(a - b) for a, b in zip(step_losses, losses)) < 2e-2
+        assert max_difference(state, reference.state_dict()) < 2e-2
+        assert all(v.dtype == torch.float32 for v in state.values())  # fp32 master weights
+
+
+def _bf16_true(rank: int, world_size: int) -> Any:
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    torch.manual_seed(0)
+    model = LitMLP(sgd=True)
+    trainer(ZeRO3Strategy(), world_size, max_steps=3, precision="bf16-true").fit(model, loader(world_size))
+    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_bf16_true_holds_bf16_shards_and_trains_like_a_bf16_single_process() -> None:
+    torch.manual_seed(0)
+    reference = LitMLP(sgd=True).to(torch.bfloat16)
+    losses = reference_fit(reference, max_steps=3, input_dtype=torch.bfloat16)
+    for step_losses, state in run_ranks(_bf16_true, 2):
+        assert all(v.dtype == torch.bfloat16 for v in state.values())
+        assert max(abs(a - b) for a, b in zip(step_losses, losses)) < 2e-2
+        assert max_difference(state, reference.state_dict()) < 2e-2
+
+
+@pytest.mark.parametrize("value", ["int8", 3, torch.int32])
+def test_bad_dtype_options_raise_clear_errors(value: Any) -> None:
+    from lightning_zero3 import ZeRO3Strategy
+
+    with pytest.raises(ValueError, match="param_dtype"):
+        ZeRO3Strategy(param_dtype=value)
+
+
+def test_shard_slice_of_a_bf16_tensor_keeps_its_dtype() -> None:
+    assert shard_slice(torch.ones(5, dtype=torch.bfloat16), 1, 2).dtype == torch.bfloat16
