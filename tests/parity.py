@@ -100,7 +100,7 @@ how far the reference parameters moved in training, so a test can check that it 
             loss = recipe.loss(out, local_slice(y, rank, world_size)) / recipe.accumulate
             loss.backward()
             mean_loss = loss.detach().clone()
-            sharded.comm.all_reduce(mean_loss, what="test loss")
+            sharded.world_comm.all_reduce(mean_loss, what="test loss")
             worst["loss"] = max(worst["loss"], abs(float(mean_loss) / world_size - float(ref_loss.detach())))
         if recipe.clip_norm is not None:
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), recipe.clip_norm)

@@ -20,7 +20,7 @@ TOL = 1e-5
 def test_two_groups_of_two_train_exactly_like_one_process(world_size: int) -> None:
     recipe = Recipe(model=models.MLP, batch=models.mlp_batch, optimizer=adamw, sharded_kwargs={"shard_size": 2})
     for worst in run_ranks(run_parity, world_size, recipe):
-        assert worst["param"] < TOL and worst["grad"] < TOL
+        assert worst["param"] < TOL and worst["grad"] < TOL and worst["loss"] < TOL
 
 
 def gpt_batch_of_12(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +35,7 @@ def test_tied_gpt_with_persistent_params_in_two_groups_is_exact() -> None:
         sharded_kwargs={"shard_size": 2, "persistence_threshold": 40},
     )
     for worst in run_ranks(run_parity, 4, recipe):
-        assert worst["param"] < TOL and worst["grad"] < TOL
+        assert worst["param"] < TOL and worst["grad"] < TOL and worst["loss"] < TOL
 
 
 def _traffic(rank: int, world_size: int) -> dict:
