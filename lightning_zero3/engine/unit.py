@@ -84,8 +84,10 @@ class Unit:
             total += p.shard_numel
         # Elements each rank contributes, without the tag.
         self.shard_numel = total
-        # In-flight or finished-but-unread All-Gather: (work, gathered buffer, its dtype).
-        self._pending: tuple[object, torch.Tensor, torch.dtype] | None = None
+        # In-flight or finished-but-unread All-Gather: (work, gathered buffer, its dtype, send
+        # buffer). The send buffer is kept until the wait: with NCCL the collective reads it on
+        # its own stream after `start_gather` returns.
+        self._pending: tuple[object, torch.Tensor, torch.dtype, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
@@ -130,7 +132,7 @@ class Unit:
             send[self.shard_numel :].copy_(bits[: send.numel() - self.shard_numel])
         recv = torch.empty(self.world_size * width, dtype=dtype, device=like.device)
         work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'")
-        self._pending = (work, recv, dtype)
+        self._pending = (work, recv, dtype, send)
 
     def discard_gather(self) -> None:
         """Drop a prefetch that the step did not use (the collective still completes)."""
@@ -145,7 +147,7 @@ class Unit:
         if self._pending is None:
             self.start_gather(dtype)
         assert self._pending is not None
-        work, recv, _ = self._pending
+        work, recv, _, _ = self._pending
         self._pending = None
         try:
             self.comm.wait(work)
