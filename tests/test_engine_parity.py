@@ -111,3 +111,13 @@ def test_prefetch_depth_does_not_change_results(prefetch):
     options = {"prefetch": prefetch}
     recipe = Recipe(model=partial(MLP, depth=4), batch=mlp_batch, optimizer=adamw, sharded_kwargs=options)
     parity(recipe, 2)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reductions_left_in_flight_during_backward_do_not_change_results(world_size):
+    """Reduce-Scatters overlapping the next units' backward (up to 2 in flight), with tied
+    weights, accumulation and a module called twice: gradients are added in when waited for."""
+    options = {"reductions_in_flight": 2}
+    parity(Recipe(model=TinyGPT, batch=gpt_batch, loss=lm_loss, optimizer=sgd, sharded_kwargs=options), world_size)
+    parity(Recipe(model=MLP, batch=mlp_batch, optimizer=adamw, accumulate=3, sharded_kwargs=options), world_size)
+    parity(Recipe(model=ReusedBlockModel, batch=mlp_batch, optimizer=adamw, sharded_kwargs=options), world_size)

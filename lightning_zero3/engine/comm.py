@@ -99,14 +99,14 @@ class Comm:
         except RuntimeError as err:
             raise self.failed("All-Gather", what, err) from err
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str) -> None:
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False) -> Any:
         """Sum `full` (world_size x chunk, rank-major) over ranks; this rank keeps its chunk."""
         self._count(Collective.REDUCE_SCATTER, full.numel() * full.element_size(), 1.0)
         if not self.distributed:
             output.copy_(full.view_as(output))
-            return
+            return None
         try:
-            dist.reduce_scatter_single(output.view(-1), full.reshape(-1), group=self.group)
+            return dist.reduce_scatter_single(output.view(-1), full.reshape(-1), group=self.group, async_op=async_op)
         except RuntimeError as err:
             raise self.failed("Reduce-Scatter", what, err) from err
 

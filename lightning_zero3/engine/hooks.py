@@ -8,9 +8,21 @@ on the modules as instance attributes that shadow the registered shard parameter
 after forward; their storage is freed but the tensor objects survive inside autograd's saved
 tensors. A hook on the unit's outputs fires when their gradient arrives, before the unit's own
 backward runs, and gathers again into the same storage. When autograd has every full
-parameter's gradient it calls `_GatherParams.backward`, which Reduce-Scatters them and returns
-each rank's averaged shard gradient: autograd accumulates that into `shard.grad` itself, which is
-what makes accumulation, tied weights and modules called twice exact without special cases.
+parameter's gradient it calls `_GatherParams.backward`, which Reduce-Scatters them; each rank's
+averaged shard gradient is added into `shard.grad` (Note: asynchronous reduction). One call, one
+reduction, added up: that is what makes accumulation, tied weights and modules called twice
+exact without special cases.
+
+[Note: asynchronous reduction]
+`_GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient to autograd;
+the backward of the next unit computes while it is in flight. The reduced shard gradients are
+added into `shard.grad` by the engine when the reduction is waited for: once more than
+`ShardedModel(reductions_in_flight=k)` are pending (default 0: at once), and for all of them in
+the callback that ends backward, so `.grad` is complete when `backward()` returns. With k > 0
+a rank that runs different units than the others (data-dependent control flow) may meet a
+collective of another size before a tag check, which gloo answers by aborting that process;
+the other ranks still raise the error naming the unit. Adding (rather than assigning) keeps
+accumulation, tied weights and modules called twice exact.
 
 [Note: recomputation]
 Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
@@ -22,6 +34,7 @@ the inner backward that follows reduces it.
 
 from __future__ import annotations
 
+from collections import deque
 from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -31,7 +44,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from lightning_zero3.engine.unit import Unit
+from lightning_zero3.engine.unit import PendingReduce, Unit
 
 if TYPE_CHECKING:
     from lightning_zero3.engine.model import ShardedModel
@@ -88,6 +101,8 @@ class HookDriver:
         self._shadowing: dict[int, UnitCall] = {}
         # Calls of this pass that may still get a backward.
         self._pending: list[UnitCall] = []
+        # Reduce-Scatters in flight, oldest first (Note: asynchronous reduction).
+        self._reductions: deque[tuple[Unit, PendingReduce]] = deque()
         self._depth = 0  # units currently inside forward
         self._in_backward = False
         self.handles: list[Any] = []
@@ -263,11 +278,16 @@ class HookDriver:
                 self._release_stale_prefetches()
 
     def post_backward(self, call: UnitCall, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Called by `_GatherParams.backward` once autograd has every full gradient of the call."""
+        """Called by `_GatherParams.backward` once autograd has every full gradient of the call.
+        Starts the Reduce-Scatter and returns no gradient to autograd (Note: asynchronous
+        reduction)."""
         self._ensure_backward_started()
         unit = call.unit
         with torch.profiler.record_function(f"ZeRO3::reduce_grads({unit.name})"):
-            shard_grads = unit.reduce_grads(grads)
+            grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
+            self._reductions.append((unit, unit.start_reduce(grads)))
+            while len(self._reductions) > self.model.reductions_in_flight:
+                self._finish_reduction()
         if call.state is CallState.BACKWARD:
             self._unshadow(call)
             Unit.release(call.fulls)
@@ -279,9 +299,24 @@ class HookDriver:
         call.state = CallState.REDUCED
         if call in self._pending:
             self._pending.remove(call)
-        return [g if p.requires_grad else None for g, p in zip(shard_grads, unit.params)]
+        return [None] * len(unit.params)
+
+    def _finish_reduction(self) -> None:
+        """Wait for the oldest Reduce-Scatter and add its shard gradients into `.grad`."""
+        unit, pending = self._reductions.popleft()
+        with torch.profiler.record_function(f"ZeRO3::wait_reduce({unit.name})"):
+            shard_grads = unit.finish_reduce(pending)
+        for sharded, grad in zip(unit.params, shard_grads):
+            if grad is None:
+                continue
+            if sharded.param.grad is None:
+                sharded.param.grad = grad  # a view of the unit's reduced buffer: no copy
+            else:
+                sharded.param.grad.add_(grad)
 
     def _end_backward(self) -> None:
+        while self._reductions:
+            self._finish_reduction()
         # Calls whose outputs never reached the loss: free what a pre-backward re-gathered.
         for call in self._pending:
             if call.state is CallState.BACKWARD:

@@ -61,13 +61,19 @@ class ShardedModel:
         reduce_dtype: torch.dtype | None = None,
         param_init_fn: ParamInitFn | None = None,
         device: torch.device | str | None = None,
+        reductions_in_flight: int = 0,
         sync_module_states: bool = True,
     ) -> None:
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead); got {prefetch!r}.")
         if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0; got {persistence_threshold!r}.")
+        if not isinstance(reductions_in_flight, int) or reductions_in_flight < 0:
+            raise ValueError(f"reductions_in_flight must be an int >= 0; got {reductions_in_flight!r}.")
         self.module = module
+        # Reduce-Scatters left running while backward continues (see hooks.py, Note:
+        # asynchronous reduction); each holds one unit's full gradient buffer.
+        self.reductions_in_flight = reductions_in_flight
         replicate_group = None
         if shard_size is not None:
             if group is not None:

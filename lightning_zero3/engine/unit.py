@@ -24,6 +24,7 @@ integers exactly, so there the tag column carries 1 and only counts the ranks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -202,10 +203,9 @@ class Unit:
             full.untyped_storage().resize_(0)
 
     # ---- reduce ---------------------------------------------------------------------------
-    def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Reduce-Scatter full gradients; return this rank's averaged shard gradients in the
-        shard dtype (views of one flat buffer). Parameters without a gradient contribute zeros
-        and get None back."""
+    def start_reduce(self, grads: list[torch.Tensor | None]) -> PendingReduce:
+        """Issue the Reduce-Scatter of full gradients asynchronously (None: no gradient, sent as
+        zeros); `finish_reduce` waits and returns the shard gradients."""
         like = self._like()
         n, width = self.world_size, self.shard_numel + 1
         full = torch.empty(n, width, dtype=self.reduce_dtype, device=like.device)  # (N, S + 1)
@@ -226,7 +226,18 @@ class Unit:
                         block[rows, :rest].copy_(flat[rows * s :])
             full[:, self.shard_numel] = self._reduce_tag
         out = torch.empty(width, dtype=self.reduce_dtype, device=like.device)
-        self.comm.reduce_scatter(out, full, what=f"gradients of unit '{self.name}'")
+        work = self.comm.reduce_scatter(out, full, what=f"gradients of unit '{self.name}'", async_op=True)
+        return PendingReduce(work=work, out=out, full=full, present=[g is not None for g in grads])
+
+    def finish_reduce(self, pending: PendingReduce) -> list[torch.Tensor | None]:
+        """Wait for `start_reduce`'s collective; return this rank's averaged shard gradients in
+        the shard dtype (views of one flat buffer), None where no gradient was given."""
+        try:
+            if pending.work is not None:
+                pending.work.wait()
+        except RuntimeError as err:
+            raise self.comm.failed("Reduce-Scatter", f"gradients of unit '{self.name}'", err) from err
+        out, n = pending.out, self.world_size
         if self.replicate is not None:
             # Only this rank's 1/G of the gradient crosses to the other groups.
             self.replicate.all_reduce(out, what=f"gradients of unit '{self.name}' across shard groups")
@@ -241,9 +252,23 @@ class Unit:
             )
         out = out[: self.shard_numel]
         out.div_(n)  # sum over all ranks / N: the same average DDP takes
-        if out.dtype != like.dtype:
-            out = out.to(like.dtype)
+        if out.dtype != self.shard_dtype:
+            out = out.to(self.shard_dtype)
         return [
-            None if grad is None else out[o : o + p.shard_numel]
-            for p, o, grad in zip(self.params, self.offsets, grads)
+            out[o : o + p.shard_numel] if present else None
+            for p, o, present in zip(self.params, self.offsets, pending.present)
         ]
+
+    def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """`start_reduce` and `finish_reduce` in one call."""
+        return self.finish_reduce(self.start_reduce(grads))
+
+
+@dataclass
+class PendingReduce:
+    """A Reduce-Scatter in flight. `full` is kept until the wait (NCCL reads it on its stream)."""
+
+    work: object
+    out: torch.Tensor
+    full: torch.Tensor
+    present: list[bool]
