@@ -5,6 +5,8 @@
     python examples/train_gpt.py --accelerator gpu --devices 2    # NCCL (not yet run on GPUs)
     python examples/train_gpt.py --size tiny --steps 20 --save runs/gpt       # sharded checkpoint
     python examples/train_gpt.py --size tiny --steps 40 --resume runs/gpt --devices 3
+    python examples/train_gpt.py --size tiny --steps 20 --precision bf16-mixed   # 16-bit gathers
+    python examples/train_gpt.py --size tiny --steps 20 --devices 4 --shard-size 2   # 2 groups of 2
 
 The text is Python's own help topics (`pydoc_data.topics`, shipped with every CPython), so
 nothing is downloaded. The model is nanoGPT-shaped: token + position embedding, pre-LN causal
@@ -14,7 +16,7 @@ children of a ModuleList); the embeddings, final LayerNorm and tied head form th
 
 At the end, rank 0 prints what the strategy measured: model-state bytes per rank against DDP's
 16 bytes per parameter, and the bytes each collective moved in the last training step against
-the formula in docs/accounting.md.
+the formula in docs/accounting.md (with `--shard-size`, also what crossed between the groups).
 """
 
 from __future__ import annotations
@@ -272,23 +274,34 @@ def sample(model: GPT, tokenizer: CharTokenizer, prompt: str, length: int) -> st
 
 def report(stats: dict, *, prefetch: int, steps: int, wall_s: float, module: CharGPT, val: float | None) -> None:
     n = stats["world_size"]
+    g = stats["shard_size"]  # ranks one copy of the model is sharded over: N, or G with --shard-size
     psi = stats["full_parameters"]
-    b = stats["bytes_per_element"]  # of parameters, gradients and AdamW state: 4 in fp32
+    b = stats["bytes_per_element"]  # of the shards, their gradients and AdamW state: 4 in fp32
     print(f"\n=== ZeRO-3 report: rank 0 of {n}, {steps} steps, fit took {wall_s:.1f} s ===")
     val_text = f", val loss (mean over ranks) {val:.3f}" if val is not None else ""
     losses, first = module.train_losses, module.first_step + 1
     print(f"train loss (rank 0): step {first} {losses[0]:.3f} -> step {steps} {losses[-1]:.3f}{val_text}")
     print(f"full parameters: Ψ = {psi:,}; b = {b} bytes per element; units: {stats['units']} (blocks + root)")
+    shard_dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
+    if {stats["param_dtype"], stats["reduce_dtype"]} != {shard_dtype}:
+        print(
+            f"dtypes: shards (the optimizer's master copy) {shard_dtype}, gathers {stats['param_dtype']}, "
+            f"gradients reduced in {stats['reduce_dtype']}"
+        )
+    if g != n:
+        print(f"hierarchical sharding: {n // g} groups of {g} ranks; each group holds one sharded copy")
 
     # DDP keeps everything whole on every rank: in fp32, 4 (param) + 4 (grad) + 8 (AdamW m, v) = 16Ψ.
     state = stats["model_state_bytes"]
     print("\nmodel state between steps, bytes         this rank   DDP (every rank)   ratio")
     for key, ddp in (("param", b * psi), ("grad", b * psi), ("optimizer", 2 * b * psi), ("total", 4 * b * psi)):
         print(f"  {key:<36}{state[key]:>12,}{ddp:>19,}{state[key] / ddp:>8.3f}")
-    print(f"  (1/N = {1 / n:.3f}; above it only by the padding of each parameter to ceil(numel/N))")
+    over = "N" if g == n else "G"
+    print(f"  (1/{over} = {1 / g:.3f}; above it only by the padding of each parameter to ceil(numel/{over}))")
 
     last = stats["last_step"]
-    print("\ncommunication in the last full training step, this rank:")
+    where = "" if g == n else f" inside this rank's group of {g}"
+    print(f"\ncommunication in the last full training step, this rank{where}:")
     print(f"  {'collective':<16}{'calls':>6}{'payload bytes':>16}{'wire bytes':>14}")
     for kind, count in sorted(last.items()):
         print(f"  {kind:<16}{count['calls']:>6}{count['payload_bytes']:>16,}{count['wire_bytes']:>14,}")
@@ -296,14 +309,24 @@ def report(stats: dict, *, prefetch: int, steps: int, wall_s: float, module: Cha
     payload = sum(last.get(k, {}).get("payload_bytes", 0) for k in ("all_gather", "reduce_scatter"))
     wire = sum(last.get(k, {}).get("wire_bytes", 0) for k in ("all_gather", "reduce_scatter"))
     ddp_wire = 2 * (n - 1) / n * psi * b
+    # The unit tag is 32 bits: one element of a 32-bit dtype, two of a 16-bit one (engine/unit.py).
+    tag = "1 tag element" if stats["param_dtype"] in ("float32", "float64") else "a 32-bit tag (2 elements)"
     print(
-        f"  formula (padded shards + 1 tag element per rank per unit): all_gather "
+        f"  formula (padded shards + {tag} per rank per unit): all_gather "
         f"{expected['all_gather']:,}, reduce_scatter {expected['reduce_scatter']:,}"
     )
     print(
         f"  All-Gather x2 + Reduce-Scatter payload {payload:,} = {payload / (psi * b):.3f} Ψb "
         f"(DDP: one All-Reduce of Ψb = {psi * b:,})"
     )
+    across = stats["last_step_across_groups"]
+    if across:
+        print(f"\nacross the {n // g} groups (one All-Reduce per unit of this rank's 1/{g} of the gradient):")
+        for kind, count in sorted(across.items()):
+            print(f"  {kind:<16}{count['calls']:>6}{count['payload_bytes']:>16,}{count['wire_bytes']:>14,}")
+        expected_across = stats["expected_step_bytes_across_groups"]["all_reduce"]
+        print(f"  formula (shard gradients + 1 tag element per unit, in {stats['reduce_dtype']}): {expected_across:,}")
+        wire += sum(count["wire_bytes"] for count in across.values())
     if n > 1:
         print(f"  sent on a ring {wire:,} = {wire / ddp_wire:.3f}x DDP's 2(N-1)/N·Ψb = {ddp_wire:,.0f}")
     print(
@@ -325,6 +348,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per rank per step; default 32")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate; default 3e-3")
     parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed; default 32-true")
+    parser.add_argument("--shard-size", type=int, help="shard within groups of this many ranks; default: all ranks")
+    parser.add_argument("--param-dtype", help="gather dtype, e.g. bf16; default: what --precision implies")
+    parser.add_argument("--reduce-dtype", help="gradient reduction dtype, e.g. bf16; default fp32")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--save", metavar="PATH", help="write a sharded checkpoint (a directory) at the end")
     parser.add_argument("--resume", metavar="PATH", help="resume from a checkpoint, saved at any number of ranks")
@@ -351,7 +377,12 @@ def main() -> None:
 
     module = CharGPT(config, lr=args.lr, weight_decay=0.1)
     trainer = L.Trainer(
-        strategy=ZeRO3Strategy(prefetch=args.prefetch),
+        strategy=ZeRO3Strategy(
+            prefetch=args.prefetch,
+            shard_size=args.shard_size,
+            param_dtype=args.param_dtype,
+            reduce_dtype=args.reduce_dtype,
+        ),
         accelerator=args.accelerator,
         devices=args.devices,
         precision=args.precision,

@@ -6,8 +6,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero3.checkpoint import CheckpointError
-from lightning_zero3.consolidate import consolidate_checkpoint
+from lightning_zero3.checkpoint import CheckpointError, consolidate_checkpoint
 from lightning_zero3.engine import OrderMismatchError, ShardedModel
 from lightning_zero3.strategy import ZeRO3Strategy
 

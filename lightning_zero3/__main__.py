@@ -8,8 +8,8 @@ import sys
 import time
 from typing import TextIO
 
-from lightning_zero3.checkpoint import CheckpointError
-from lightning_zero3.consolidate import DTYPES, Progress, consolidate_checkpoint
+from lightning_zero3.checkpoint import CheckpointError, Progress, consolidate_checkpoint
+from lightning_zero3.checkpoint.consolidate import DTYPES
 
 
 class ProgressLine:

@@ -446,9 +446,9 @@ class ZeRO3Strategy(ParallelStrategy):
 
     # ---- checkpoints ------------------------------------------------------------------------
     # "sharded": every rank writes its own shards into a directory, nothing is gathered (see
-    # checkpoint.py). "full": gathered unit by unit to rank 0, one ordinary Lightning file.
-    # Loading takes either, at any world size; ranks agree that a checkpoint is readable and
-    # fits the model before any collective that loads it.
+    # lightning_zero3/checkpoint/). "full": gathered unit by unit to rank 0, one ordinary
+    # Lightning file. Loading takes either, at any world size; ranks agree that a checkpoint is
+    # readable and fits the model before any collective that loads it.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.state_dict_type == "sharded" or self._whole:

@@ -16,7 +16,7 @@ import torch
 
 from lightning_zero3 import consolidate_checkpoint
 from lightning_zero3.__main__ import ProgressLine, main
-from lightning_zero3.consolidate import Progress
+from lightning_zero3.checkpoint import Progress
 from tests.ranks import run_ranks
 from tests.test_checkpoint_sharded import save_trained_gpt
 
@@ -60,6 +60,21 @@ def test_weights_only_leaves_out_optimizer_state_and_dtype_casts_the_weights(sav
     for key, value in model.items():
         assert loaded["state_dict"][key].dtype == torch.bfloat16
         assert torch.equal(loaded["state_dict"][key], value.to(torch.bfloat16)), key
+
+
+def test_a_checkpoint_saved_without_optimizer_state_consolidates_without_it(tmp_path):
+    """A weights-only save (ModelCheckpoint(save_weights_only=True)), here from one process."""
+    from lightning_zero3 import ShardedModel
+    from lightning_zero3.checkpoint import save_sharded
+    from tests.models import MLP
+
+    model = MLP()
+    sharded = ShardedModel(model)
+    save_sharded(tmp_path / "mlp.ckpt", sharded, {"epoch": 1, "state_dict": model.state_dict()})
+    expected = sharded.full_state_dict(to_rank=None)
+    loaded = torch.load(consolidate_checkpoint(tmp_path / "mlp.ckpt", tmp_path / "mlp.pt").dst, weights_only=True)
+    assert list(loaded) == ["epoch", "state_dict"]
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in expected.items())
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

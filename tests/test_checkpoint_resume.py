@@ -143,6 +143,26 @@ def test_full_and_consolidated_checkpoints_load_without_lightning_zero3(saved_at
         assert max_difference(model.state_dict(), reference.state_dict()) < TOL
 
 
+def _validate(rank: int, world_size: int, path: str) -> float:
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    torch.manual_seed(1)
+    (metrics,) = trainer(ZeRO3Strategy(), world_size).validate(LitMLP(), loader(world_size), ckpt_path=path)
+    return metrics["val_loss"]
+
+
+def test_validate_with_a_sharded_checkpoint_uses_its_weights(saved_at):
+    torch.manual_seed(0)
+    reference = LitMLP()
+    reference_fit(reference, epochs=1)
+    x, y = loader(1).dataset.tensors
+    with torch.no_grad():
+        expected = float(torch.nn.functional.mse_loss(reference(x), y))
+    for val_loss in run_ranks(_validate, 3, str(saved_at(2) / "sharded.ckpt")):
+        assert abs(val_loss - expected) < TOL
+
+
 def _ddp_fit_one_epoch_and_save(rank: int, world_size: int, directory: str) -> None:
     become_lightning_rank(rank, world_size)
     torch.manual_seed(0)

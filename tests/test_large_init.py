@@ -170,3 +170,38 @@ def test_configure_model_builds_on_meta_and_trains_exactly_from_param_init_fn() 
 def _reference_losses(model: _LitConfigured) -> list[float]:
     assert len(dataset()) == 48
     return reference_fit(model, max_steps=3)  # type: ignore[arg-type]
+
+
+def _stream_pretrained(rank: int, world_size: int, path: str) -> dict:
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # see _peak_setup_bytes
+
+    def private_bytes() -> int:  # anonymous memory; mapped file pages are page cache
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    with torch.device("meta"):
+        model = _Wide()
+    sharded = ShardedModel(model, device="cpu", param_init_fn=lambda m: None)  # weights come from the file
+    start = private_bytes()
+    state = torch.load(path, mmap=True, weights_only=True)  # nothing read yet
+    sharded.load_full_state_dict(state)
+    grown = private_bytes() - start
+    del state
+    full = sharded.full_state_dict(to_rank=0)
+    expected = torch.load(path, weights_only=True) if rank == 0 else {}
+    return {
+        "grown": grown,
+        "model": sum(p.numel * 4 for p in sharded.sharded_params),
+        "equal": rank != 0 or max_difference(full, expected) == 0.0,
+    }
+
+
+def test_pretrained_full_weights_stream_into_a_meta_built_model_without_a_private_copy(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    path = str(tmp_path / "pretrained.pt")
+    torch.save(_Wide().state_dict(), path)
+    for result in run_ranks(_stream_pretrained, 2, path):
+        assert result["equal"]
+        # Each rank copies its slice of each memory-mapped tensor into its shard: no private
+        # copy of the model (the file's pages are shared page cache, reclaimable).
+        assert result["grown"] < 0.05 * result["model"], result

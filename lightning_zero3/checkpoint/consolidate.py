@@ -31,16 +31,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_zero3.checkpoint import (
-    CheckpointError,
-    ShardedCheckpoint,
-    _remove_path,
-    _sibling,
-    dtype_of,
-    in_saved_order,
-    open_sharded,
-    replace_path,
-)
+from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
+from lightning_zero3.checkpoint.files import PARTIAL_SUFFIX, fsync_file, remove_path, replace_path, sibling
+from lightning_zero3.checkpoint.format import ShardedCheckpoint, dtype_of, in_saved_order, open_sharded
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -175,15 +168,7 @@ def _stream_torch_save(obj: Any, file: Path, on_tensor: Callable[[int], None]) -
     finally:
         if stream is not None:
             stream.close()
-    _fsync_file(file)
-
-
-def _fsync_file(file: Path) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(file)
 
 
 _SAFETENSORS_DTYPES = {
@@ -245,7 +230,7 @@ class _Reader(dcp.FileSystemReader):
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load({key: target}, storage_reader=self, no_dist=True)
         except (Exception, dcp.CheckpointException) as err:
-            raise CheckpointError(f"reading '{key}' from {self.path} failed: {type(err).__name__}: {err}") from err
+            raise CheckpointError(f"reading '{key}' from {self.path} failed: {describe_error(err)}") from err
         return target
 
 
@@ -346,7 +331,7 @@ def consolidate_checkpoint(
     if dst.is_dir():
         raise CheckpointError(f"cannot write {dst}: it is a directory")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    partial = _sibling(dst, ".zero3-partial")
+    partial = sibling(dst, PARTIAL_SUFFIX)
     try:
         if safetensors:
             _stream_safetensors(tensors, partial, meta, on_tensor)
@@ -354,7 +339,7 @@ def consolidate_checkpoint(
             _stream_torch_save(output, partial, on_tensor)
         replace_path(partial, dst)
     except BaseException:
-        _remove_path(partial)
+        remove_path(partial)
         raise
     return ConsolidationSummary(
         src=src, dst=dst, world_size=ckpt.world_size, tensors=done.tensors_done, bytes=done.bytes_done,

@@ -1,0 +1,60 @@
+"""`CheckpointError`, and how ranks agree on one before any collective that depends on it.
+
+[Note: no hang on a bad checkpoint]
+Every step that can fail on some ranks only (reading files, checksums, a full disk) is followed by
+`agree`: one all_gather_object of each rank's error (or None); then every rank raises the same
+`CheckpointError` or every rank goes on. Collectives on data (DCP's own) only run after that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from lightning_zero3.engine.comm import Comm
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved, read or loaded; the message names the path and the problem."""
+
+
+def agree(comm: Comm | None, error: str | None, *, context: str | None) -> None:
+    """Raise the same `CheckpointError` on every rank if any rank reports an error. Without
+    `comm` (one process) the error is raised as it is; with it, prefixed by `context`."""
+    errors = comm.all_gather_object(error) if comm is not None else [error]
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    if len(errors) == 1:
+        detail = failed[0][1]
+    elif len({e for _, e in failed}) == 1:
+        detail = f"{failed[0][1]} (on rank {', '.join(str(r) for r, _ in failed)})"
+    else:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+    raise CheckpointError(f"{context}: {detail}" if context is not None and comm is not None else detail)
+
+
+def error_of(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """Run `fn`; return (result, None) or (None, message) so the error can be agreed on."""
+    try:
+        return fn(), None
+    except Exception as err:  # noqa: BLE001 - reported to every rank by `agree`
+        return None, describe_error(err)
+
+
+def describe_error(err: BaseException) -> str:
+    if isinstance(err, CheckpointError):
+        return str(err)
+    if isinstance(err, dcp.CheckpointException):  # DCP's agreed failure: each rank's exception
+        return "; ".join(f"rank {rank}: {describe_error(exc)}" for rank, (exc, _) in sorted(err.failures.items()))
+    return f"{type(err).__name__}: {err}"
+
+
+def run_and_agree(comm: Comm | None, fn: Callable[[], Any], *, context: str) -> Any:
+    """Run `fn` on every rank, then agree (Note: no hang on a bad checkpoint): every rank
+    returns its result, or every rank raises `CheckpointError` naming `context`."""
+    result, error = error_of(fn)
+    agree(comm, error, context=context)
+    return result

@@ -1,0 +1,179 @@
+"""Files of a checkpoint on a local filesystem: checksums, synced writes, and atomic replace and
+remove (a checkpoint at a path is either the old one or the new one, never a mix)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PARTIAL_SUFFIX = ".zero3-partial"
+_TRASH_SUFFIX = ".zero3-trash"
+_CHUNK = 1 << 20  # bytes read at a time for checksums
+META_FILE = "meta.json"
+
+
+def crc32(file: Path) -> str:
+    value = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
+
+
+def checksums(directory: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in names:
+        file = directory / name
+        info: dict[str, Any] = {"bytes": file.stat().st_size, "crc32": crc32(file)}
+        if name.startswith("__") and name.endswith(".distcp"):
+            info["rank"] = int(name[2:].split("_", 1)[0])
+        out[name] = info
+    return out
+
+
+def sibling(path: Path, suffix: str) -> Path:
+    """A hidden name next to `path` (same directory, hence same filesystem for renames)."""
+    return path.with_name(f".{path.name}{suffix}")
+
+
+def fresh_directory(path: Path) -> None:
+    remove_path(path)
+    path.mkdir(parents=True)
+
+
+def fsync_file(file: Path) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_directory(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomically(obj: dict[str, Any], file: Path) -> None:
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(_json_one_entry_per_line(obj))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+
+
+def _json_one_entry_per_line(obj: dict[str, Any]) -> str:
+    """JSON with each top-level key on a line, and each entry of a top-level table on its own."""
+    lines = []
+    for key, value in obj.items():
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            inner = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            lines.append(f" {json.dumps(key)}: {{\n{inner}\n }}")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            inner = ",\n".join(f"  {json.dumps(v)}" for v in value)
+            lines.append(f" {json.dumps(key)}: [\n{inner}\n ]")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def fsynced_torch_save(obj: Any, file: Path) -> None:
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """`torch.save(obj, path)` that never leaves a partial file at `path`: written under a
+    temporary name, synced, then swapped in (replacing a file or a sharded directory)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = sibling(path, PARTIAL_SUFFIX)
+    remove_path(partial)
+    try:
+        fsynced_torch_save(obj, partial)
+        replace_path(partial, path)
+    except BaseException:
+        remove_path(partial)
+        raise
+
+
+def replace_path(new: Path, path: Path) -> None:
+    """Move `new` (a file or directory) to `path`, replacing whatever is there. Atomic where
+    the kernel can exchange two names (Linux renameat2); otherwise the old one is moved aside
+    first, so a crash leaves either the old or the new checkpoint, never a mix."""
+    if os.path.lexists(path) and not (path.is_file() and new.is_file() and not path.is_symlink()):
+        if _exchange(new, path):
+            remove_path(new)  # now the old one
+            fsync_directory(path.parent)
+            return
+        trash = sibling(path, _TRASH_SUFFIX)
+        remove_path(trash)
+        os.rename(path, trash)
+        os.rename(new, path)
+        remove_path(trash)
+    else:
+        os.replace(new, path)  # atomic for a file over a file, or onto a free name
+    fsync_directory(path.parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, link or checkpoint directory; meta.json first, so that a removal cut
+    short never leaves something that looks like a complete checkpoint."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        (path / META_FILE).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Remove a checkpoint (a file, a link to one, or a sharded directory). A directory is first
+    renamed to a hidden name, so it disappears from `path` at once."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        trash = sibling(path, _TRASH_SUFFIX)
+        remove_path(trash)
+        os.rename(path, trash)
+        remove_path(trash)
+    else:
+        remove_path(path)

@@ -1,0 +1,232 @@
+"""Loading into a live model at this run's world size: checks first (agreed by every rank),
+then one DCP load in which each rank reads only the chunks that overlap its new shards."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of
+from lightning_zero3.checkpoint.format import (
+    Pieces,
+    ShardedCheckpoint,
+    TensorInfo,
+    describe_mismatch,
+    dtype_name,
+    dtype_of,
+    few,
+    model_tensors,
+    open_sharded,
+    optimizer_param_names,
+    sharded_by_name,
+)
+from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.model import ShardedModel
+from lightning_zero3.engine.shard import ShardedParam
+
+
+def check_loadable(ckpt: ShardedCheckpoint, model: ShardedModel, *, strict: bool) -> str | None:
+    """Why `ckpt` cannot load into `model` (names or shapes), or None."""
+    return describe_mismatch(ckpt.path, ckpt.tensors(), model_tensors(model), strict=strict)
+
+
+def check_state_dict_loadable(
+    path: str | os.PathLike, state_dict: Mapping[str, Any], model: ShardedModel, *, strict: bool
+) -> str | None:
+    """Why a full state dict (whole tensors) read from `path` cannot load into `model`, or None."""
+    tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    saved = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
+    return describe_mismatch(path, saved, model_tensors(model), strict=strict)
+
+
+def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
+    """Load the module's state dict from `ckpt` in place, at this run's world size: each rank
+    reads only the chunks that overlap its new shards. Collective: check first (`open_sharded`,
+    `check_loadable`) so that every rank gets here. Tensors of the model that the checkpoint
+    lacks (allowed by strict=False) keep their values."""
+    loads = _Loads(model, ckpt)
+    sharded = sharded_by_name(model)
+    with torch.no_grad():
+        for sp in model.sharded_params:
+            key = ckpt.stored_key(sp.names)
+            if key is not None:
+                loads.into_shard(f"state_dict/{key}", ckpt.kind(key), sp, sp.param.data)
+        for key, value in model.module.state_dict().items():
+            if key not in sharded and isinstance(value, torch.Tensor) and ckpt.kind(key) in ("tensor", "sharded"):
+                loads.into_whole(f"state_dict/{key}", ckpt.kind(key), value)  # a view of the module's tensor
+        loads.run()
+        objects = [e["key"] for e in ckpt.entries() if e["kind"] == "object"]
+        if objects:
+            saved = ckpt.trainer_state()["state_dict"]
+            model.module.load_state_dict({k: saved[k] for k in objects}, strict=False)
+
+
+class _Loads:
+    """The tensors one DCP load fills, and the copies to make after it when a parameter is
+    sharded in this run but was whole in the saved one (or the reverse: a different
+    persistence_threshold)."""
+
+    def __init__(self, model: ShardedModel, ckpt: ShardedCheckpoint) -> None:
+        self.model = model
+        self.ckpt = ckpt
+        self.pieces = Pieces(model)
+        self.targets: dict[str, torch.Tensor] = {}
+        self.after: list[Callable[[], None]] = []
+
+    def into_shard(self, key: str, kind: str, sp: ShardedParam, shard: torch.Tensor) -> None:
+        """Fill this rank's `shard` (padded, 1-D) of parameter `sp` from `key`."""
+        if kind == "sharded":
+            self.targets[key] = self.pieces.sharded(shard[: sp.valid_numel()], sp.numel)
+            return
+        full = self.targets[key] = torch.empty(sp.full_shape, dtype=shard.dtype)
+        start, valid = sp.rank * sp.shard_numel, sp.valid_numel()
+        self.after.append(lambda: shard[:valid].copy_(full.reshape(-1)[start : start + valid]))
+
+    def into_whole(self, key: str, kind: str, tensor: torch.Tensor) -> None:
+        """Fill a tensor every rank holds whole (a buffer, a persistent parameter)."""
+        self.targets[key] = tensor.reshape(-1) if kind == "sharded" else tensor
+
+    def run(self) -> None:
+        _dcp_load(self.targets, self.ckpt, self.model.world_comm)
+        for copy in self.after:
+            copy()
+
+
+def load_sharded_optimizers(
+    ckpt: ShardedCheckpoint, model: ShardedModel, optimizers: list[torch.optim.Optimizer]
+) -> None:
+    """Load optimizer state from `ckpt`, each rank keeping its slice of the sharded state for
+    this run's world size. Parameters are matched by name, so the optimizers must have the
+    same param groups (by name) as the ones saved."""
+    by_name = sharded_by_name(model)
+    whole_params = dict(model.module.named_parameters(remove_duplicate=False))
+
+    def plan() -> tuple[_Loads, list[dict[str, Any]]]:
+        saved_meta = ckpt.meta["optimizers"]
+        if saved_meta is None:
+            raise CheckpointError(f"checkpoint {ckpt.path} was saved with weights only: it has no optimizer state")
+        saved_objects = ckpt.trainer_state()["optimizers"]
+        if len(saved_meta) != len(optimizers):
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} has state for {len(saved_meta)} optimizers but this run configured "
+                f"{len(optimizers)}"
+            )
+        loads = _Loads(model, ckpt)
+        packed_all = []
+        for index, (optimizer, meta, objs) in enumerate(zip(optimizers, saved_meta, saved_objects)):
+            groups = optimizer_param_names(model, optimizer)
+            _check_groups(ckpt.path, index, [g["params"] for g in objs["param_groups"]], groups)
+            order = {name: i for i, name in enumerate(name for group in groups for name in group)}
+            state: dict[int, dict[str, Any]] = {}
+            for name in set(meta["state"]) | set(objs["state"]):
+                entry = state.setdefault(order[name], dict(objs["state"].get(name, {})))
+                for k, info in meta["state"].get(name, {}).items():
+                    key, dtype = f"optimizer_states/{index}/{name}/{k}", dtype_of(info["dtype"])
+                    sp = by_name.get(name)
+                    # Shard-shaped in this run: saved sharded, or saved whole with the parameter's shape.
+                    shard_now = sp is not None and (
+                        info["kind"] == "sharded" or tuple(info["shape"]) == tuple(sp.full_shape)
+                    )
+                    if shard_now:
+                        entry[k] = torch.zeros(sp.shard_numel, dtype=dtype, device=sp.param.device)
+                        loads.into_shard(key, info["kind"], sp, entry[k])
+                    elif info["kind"] == "sharded":  # a parameter this run keeps whole
+                        entry[k] = torch.empty(whole_params[name].shape, dtype=dtype)
+                        loads.into_whole(key, "sharded", entry[k])
+                    else:
+                        entry[k] = torch.empty(info["shape"], dtype=dtype)
+                        loads.into_whole(key, "tensor", entry[k])
+            param_groups = [
+                {**saved_group, "params": [order[n] for n in names]}
+                for saved_group, names in zip(objs["param_groups"], groups)
+            ]
+            packed_all.append({"state": state, "param_groups": param_groups})
+        return loads, packed_all
+
+    planned, error = error_of(plan)
+    agree(model.world_comm, error, context=f"Cannot load the optimizer state of {ckpt.path}")
+    loads, packed_all = planned
+    loads.run()
+    for optimizer, packed in zip(optimizers, packed_all):
+        optimizer.load_state_dict(packed)
+
+
+def _check_groups(path: Path, index: int, saved: list[list[str]], current: list[list[str]]) -> None:
+    if len(saved) != len(current):
+        raise CheckpointError(
+            f"checkpoint {path}: optimizer {index} had {len(saved)} param groups, this run's has {len(current)}"
+        )
+    for g, (old, new) in enumerate(zip(saved, current)):
+        if set(old) != set(new):
+            gone, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+            raise CheckpointError(
+                f"checkpoint {path}: param group {g} of optimizer {index} differs: only in the checkpoint "
+                f"{few(gone)}; only in this run {few(added)}"
+            )
+
+
+def _dcp_load(targets: dict[str, torch.Tensor], ckpt: ShardedCheckpoint, comm: Comm) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                targets,
+                storage_reader=dcp.FileSystemReader(ckpt.path),
+                process_group=comm.group,
+                no_dist=not comm.distributed,
+            )
+    except (Exception, dcp.CheckpointException) as err:
+        raise CheckpointError(f"Loading {ckpt.path} failed: {describe_error(err)}") from err
+
+
+def load_sharded(
+    path: str | os.PathLike,
+    model: ShardedModel,
+    *,
+    optimizers: list[torch.optim.Optimizer] | tuple = (),
+    strict: bool = True,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Check and load a sharded checkpoint into `model` (and `optimizers`) at this run's world
+    size; return the other entries of the checkpoint dict it was saved from. Every rank calls it."""
+    ckpt = open_sharded(path, comm=model.world_comm, verify=verify)
+    problem = check_loadable(ckpt, model, strict=strict)
+    agree(model.world_comm, problem, context=f"Cannot load the checkpoint {path}")
+    load_sharded_model(ckpt, model)
+    if optimizers:
+        load_sharded_optimizers(ckpt, model, list(optimizers))
+    return dict(ckpt.trainer_state()["extra"])
+
+
+def load_full_file(path: str | os.PathLike, *, weights_only: bool | None = None) -> dict[str, Any]:
+    """A full (single-file) checkpoint, memory-mapped where the file allows it, so that every
+    rank reading it shares the page cache rather than holding its own copy."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory: open it with `open_sharded`")
+    try:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        except RuntimeError as err:
+            if "zipfile" not in str(err) and "mmap" not in str(err):
+                raise
+            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as err:
+        raise CheckpointError(f"{path} is not a checkpoint torch can read: {describe_error(err)}") from err
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        tensors_only = isinstance(checkpoint, dict) and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
+        if checkpoint and tensors_only:
+            raise CheckpointError(
+                f"{path} is a plain state dict, not a Lightning checkpoint: to fine-tune from it, load it into the "
+                f"model before fit (`model.load_state_dict(torch.load(path))`)"
+            )
+        raise CheckpointError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'")
+    return checkpoint

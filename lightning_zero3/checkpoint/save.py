@@ -1,0 +1,215 @@
+"""Saving a sharded checkpoint: every rank writes its own pieces (nothing is gathered) into a
+temporary directory, which rank 0 swaps into place once every rank's part is on disk."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of
+from lightning_zero3.checkpoint.files import (
+    PARTIAL_SUFFIX,
+    checksums,
+    fresh_directory,
+    fsync_directory,
+    fsynced_torch_save,
+    remove_path,
+    replace_path,
+    sibling,
+    write_json_atomically,
+)
+from lightning_zero3.checkpoint.format import (
+    DCP_INDEX_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    TRAINER_STATE_FILE,
+    Pieces,
+    TensorInfo,
+    dtype_name,
+    fingerprint,
+    model_parameter_shapes,
+    model_parameters,
+    optimizer_param_names,
+    sharded_by_name,
+)
+from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.model import ShardedModel
+from lightning_zero3.engine.shard import ShardedParam
+
+_TENSOR_KEYS = ("state_dict", "optimizer_states")  # the entries of a checkpoint dict stored by DCP
+
+
+def sharded_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer.state_dict()` with parameters named instead of numbered; shard-shaped state
+    stays this rank's shard. No collective."""
+    packed = optimizer.state_dict()
+    groups = optimizer_param_names(model, optimizer)
+    order = [name for group in groups for name in group]
+    state = {order[index]: dict(entry) for index, entry in packed["state"].items()}
+    param_groups = [{**group, "params": names} for group, names in zip(packed["param_groups"], groups)]
+    return {"state": state, "param_groups": param_groups}
+
+
+def _is_shard_state(value: Any, sp: ShardedParam) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == sp.shard_numel
+
+
+def _local_piece(sp: ShardedParam, value: torch.Tensor, *, whole: bool, key: str) -> torch.Tensor:
+    """This rank's unpadded piece of `value` (a shard, or the whole tensor after teardown)."""
+    start, valid = sp.rank * sp.shard_numel, sp.valid_numel()
+    if whole:
+        if value.numel() != sp.numel:
+            raise CheckpointError(f"'{key}' has {value.numel()} elements but the parameter has {sp.numel}")
+        return value.detach().reshape(-1)[start : start + valid]
+    if value.numel() != sp.shard_numel:
+        raise CheckpointError(f"'{key}' has {value.numel()} elements but this rank's shard has {sp.shard_numel}")
+    return value.detach().reshape(-1)[:valid]
+
+
+def _plan_save(
+    model: ShardedModel,
+    state_dict: Mapping[str, Any],
+    optimizer_states: list[Mapping[str, Any]] | None,
+    *,
+    whole: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(tensors for DCP, objects for trainer_state.pt, tensor inventory for meta.json)."""
+    pieces = Pieces(model)
+    sharded = sharded_by_name(model)
+    tensors: dict[str, torch.Tensor] = {}
+    entries: list[dict[str, Any]] = []
+    state_objects: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        sp = sharded.get(key)
+        if not isinstance(value, torch.Tensor):
+            state_objects[key] = value
+            entries.append({"key": key, "kind": "object"})
+        elif sp is not None and key != sp.name:
+            entries.append({"key": key, "kind": "alias", "of": sp.name})
+        elif sp is not None:
+            piece = _local_piece(sp, value, whole=whole, key=key)
+            tensors[f"state_dict/{key}"] = pieces.sharded(piece, sp.numel)
+            info = TensorInfo(tuple(sp.full_shape), dtype_name(value.dtype))
+            entries.append({"key": key, "kind": "sharded", **info.as_json()})
+        else:
+            tensors[f"state_dict/{key}"] = value.detach()
+            info = TensorInfo(tuple(value.shape), dtype_name(value.dtype))
+            entries.append({"key": key, "kind": "tensor", **info.as_json()})
+    optimizers_meta, optimizers_objects = [], []
+    by_first_name = {sp.name: sp for sp in model.sharded_params}
+    for index, optim_state in enumerate(optimizer_states or []):
+        state_meta: dict[str, dict[str, Any]] = {}
+        state_objs: dict[str, dict[str, Any]] = {}
+        for name, entry in optim_state["state"].items():
+            sp = by_first_name.get(name)
+            for k, v in entry.items():
+                if not isinstance(v, torch.Tensor):
+                    state_objs.setdefault(name, {})[k] = v
+                    continue
+                dcp_key = f"optimizer_states/{index}/{name}/{k}"
+                if sp is not None and _is_shard_state(v, sp):
+                    tensors[dcp_key] = pieces.sharded(v.detach()[: sp.valid_numel()], sp.numel)
+                    info = TensorInfo(tuple(sp.full_shape), dtype_name(v.dtype))
+                    state_meta.setdefault(name, {})[k] = {"kind": "sharded", **info.as_json()}
+                else:
+                    tensors[dcp_key] = v.detach()
+                    info = TensorInfo(tuple(v.shape), dtype_name(v.dtype))
+                    state_meta.setdefault(name, {})[k] = {"kind": "tensor", **info.as_json()}
+        optimizers_meta.append({"state": state_meta})
+        optimizers_objects.append({"param_groups": optim_state["param_groups"], "state": state_objs})
+    meta = {"state_dict": entries, "optimizers": optimizers_meta if optimizer_states is not None else None}
+    objects = {"state_dict": state_objects, "optimizers": optimizers_objects}
+    return tensors, objects, meta
+
+
+def save_sharded(
+    path: str | os.PathLike, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False
+) -> None:
+    """Write `checkpoint` as a sharded checkpoint directory at `path`; every rank calls it with
+    the same path.
+
+    `checkpoint["state_dict"]` is the module's state dict on this rank (shards, or whole tensors
+    if `whole`), `checkpoint["optimizer_states"]` (optional: a weights-only checkpoint has none)
+    a list of `sharded_optimizer_state`s; every other entry is kept as it is (Lightning's epoch,
+    loops, ...). The directory is written under a temporary name and renamed to `path` only once
+    every rank's part is on disk; on any failure the previous checkpoint at `path` is left as it
+    was and every rank raises `CheckpointError`."""
+    state_dict, optimizer_states = checkpoint["state_dict"], checkpoint.get("optimizer_states")
+    extra = {"keys": list(checkpoint), "extra": {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}}
+    path = Path(path)
+    comm = model.world_comm
+    partial = sibling(path, PARTIAL_SUFFIX)
+    context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
+    try:
+        _, error = error_of(lambda: fresh_directory(partial) if comm.rank == 0 else None)
+        agree(comm, error, context=context)
+        planned, error = error_of(lambda: _plan_save(model, state_dict, optimizer_states, whole=whole))
+        agree(comm, error, context=context)
+        tensors, objects, inventory = planned
+        writer = dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True, thread_count=1)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed)
+        except (Exception, dcp.CheckpointException) as err:
+            raise CheckpointError(f"{context}: writing the shards failed: {describe_error(err)}") from err
+        mine, error = error_of(lambda: checksums(partial, _rank_files(partial, comm.rank)))
+        agree(comm, error, context=context)
+        every = comm.all_gather_object(mine)
+        if comm.rank == 0:
+            files = {name: info for part in every for name, info in part.items()}
+            _, error = error_of(lambda: _finish(path, partial, files, objects, inventory, model, extra, comm))
+        else:
+            error = None
+        agree(comm, error, context=context)
+    except BaseException:
+        if comm.rank == 0:
+            remove_path(partial)
+        raise
+
+
+def _finish(
+    path: Path,
+    partial: Path,
+    files: dict[str, dict[str, Any]],
+    objects: dict[str, Any],
+    inventory: dict[str, Any],
+    model: ShardedModel,
+    extra: dict[str, Any],
+    comm: Comm,
+) -> None:
+    """Rank 0, once every rank's shards are on disk: the pickled remainder, then meta.json,
+    then the atomic swap into `path`."""
+    indexed = {info.relative_path for info in dcp.FileSystemReader(partial).read_metadata().storage_data.values()}
+    missing = sorted(indexed - set(files))
+    if missing:
+        raise CheckpointError(f"the DCP index names files no rank reported: {missing}")
+    fsynced_torch_save({**extra, **objects}, partial / TRAINER_STATE_FILE)
+    files.update(checksums(partial, [DCP_INDEX_FILE, TRAINER_STATE_FILE]))
+    lightning = extra["extra"]
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "world_size": comm.world_size,
+        "shard_size": model.comm.world_size,
+        "torch_version": torch.__version__,
+        "fingerprint": fingerprint(model_parameter_shapes(model)),
+        "parameters": model_parameters(model),
+        "lightning": {k: lightning[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in lightning},
+        **inventory,
+        "files": files,
+    }
+    write_json_atomically(meta, partial / META_FILE)
+    fsync_directory(partial)
+    replace_path(partial, path)
+
+
+def _rank_files(directory: Path, rank: int) -> list[str]:
+    return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
