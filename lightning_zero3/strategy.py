@@ -142,7 +142,7 @@ class ZeRO3Strategy(ParallelStrategy):
         )
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"{type(self).__name__}(prefetch=...) must be an int >= 0, got {prefetch!r}.")
-        if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
+        if type(persistence_threshold) is not int or persistence_threshold < 0:
             raise ValueError(
                 f"{type(self).__name__}(persistence_threshold=...) must be an int >= 0 (elements), "
                 f"got {persistence_threshold!r}."
@@ -288,6 +288,13 @@ class ZeRO3Strategy(ParallelStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:
         module = self.lightning_module
         assert module is not None
+        narrow = self.param_dtype is not None and self.param_dtype.itemsize < 4
+        if narrow and type(self.precision_plugin) is Precision:
+            raise ValueError(
+                f"{type(self).__name__}(param_dtype={self.param_dtype}) computes in 16 bits, but the Trainer's "
+                f"precision is 32-true, so inputs stay fp32 and the first layer fails on mixed dtypes. Use "
+                f"Trainer(precision='bf16-mixed') (autocast; param_dtype then defaults to bf16) or cast inputs."
+            )
         self.sharded = ShardedModel(
             module,
             wrap_policy=self.wrap_policy,
@@ -428,6 +435,8 @@ class ZeRO3Strategy(ParallelStrategy):
             "param_dtype": str(sharded.units[-1].param_dtype).removeprefix("torch."),
             "reduce_dtype": str(sharded.units[-1].reduce_dtype).removeprefix("torch."),
             "last_step_across_groups": {k: vars(b).copy() for k, b in across.last_step.items()} if across else {},
+            # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
+            "last_step_control": {k: vars(b).copy() for k, b in sharded.world_comm.stats.last_step.items()},
             "expected_step_bytes_across_groups": sharded.expected_step_bytes(across_groups=True),
             "full_parameters": full_params,
             "last_step": last,

@@ -205,3 +205,29 @@ def test_pretrained_full_weights_stream_into_a_meta_built_model_without_a_privat
         # Each rank copies its slice of each memory-mapped tensor into its shard: no private
         # copy of the model (the file's pages are shared page cache, reclaimable).
         assert result["grown"] < 0.05 * result["model"], result
+
+
+class _WithCausalMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)))
+
+    def reset_parameters(self) -> None:  # initialises the parameters but not the mask
+        pass
+
+
+def _meta_buffer_warning(rank: int, world_size: int) -> list[str]:
+    import warnings
+
+    with torch.device("meta"):
+        model = _WithCausalMask()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ShardedModel(model, device="cpu")
+    return [str(w.message) for w in caught]
+
+
+def test_buffers_left_uninitialised_after_meta_init_are_reported() -> None:
+    for messages in run_ranks(_meta_buffer_warning, 2):
+        assert any("['mask']" in m and "uninitialised" in m for m in messages), messages

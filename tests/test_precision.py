@@ -161,3 +161,45 @@ def test_bad_dtype_options_raise_clear_errors(value: Any) -> None:
 
 def test_shard_slice_of_a_bf16_tensor_keeps_its_dtype() -> None:
     assert shard_slice(torch.ones(5, dtype=torch.bfloat16), 1, 2).dtype == torch.bfloat16
+
+
+def _sixteen_bit_without_autocast(rank: int, world_size: int) -> str:
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    try:
+        trainer(ZeRO3Strategy(param_dtype="bf16"), world_size, max_steps=1).fit(LitMLP(), loader(world_size))
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def test_sixteen_bit_param_dtype_under_fp32_precision_raises_a_clear_error() -> None:
+    for message in run_ranks(_sixteen_bit_without_autocast, 2):
+        assert "precision='bf16-mixed'" in message and "param_dtype" in message
+
+
+def _fp16_mixed_with_scaler(rank: int, world_size: int) -> Any:
+    become_lightning_rank(rank, world_size)
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_zero3 import ZeRO3Strategy
+
+    class _Probe(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            self.stats = trainer.strategy.stats
+            self.scaler = type(trainer.precision_plugin.scaler).__name__
+
+    probe = _Probe()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    t = trainer(ZeRO3Strategy(), world_size, max_steps=2, plugins=[plugin], callbacks=[probe])
+    t.fit(LitMLP(), loader(world_size))
+    return probe.scaler, probe.stats
+
+
+def test_trainer_16_mixed_loss_scaling_agrees_on_skips_and_counts_the_flag() -> None:
+    for scaler, stats in run_ranks(_fp16_mixed_with_scaler, 2):
+        assert scaler == "AgreeingGradScaler"
+        assert stats["param_dtype"] == "float16"
+        assert stats["last_step_control"]["all_reduce"]["calls"] == 1  # the inf/NaN flag, once per step

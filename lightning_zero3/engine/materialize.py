@@ -14,6 +14,7 @@ rank 0's result is broadcast: the seeds of the ranks need not agree.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -30,10 +31,11 @@ def reset_parameters(module: nn.Module) -> None:
     """The default `param_init_fn`: the module's own `reset_parameters()`."""
     reset = getattr(module, "reset_parameters", None)
     if not callable(reset):
-        names = [n for n, p in module.named_parameters(recurse=False)]
+        names = [n for n, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
         raise ValueError(
-            f"{type(module).__name__} has parameters {names} on the meta device but no reset_parameters() to "
-            f"initialise them. Pass param_init_fn=callable(module) that initialises a module's own parameters."
+            f"{type(module).__name__} has tensors {names} on the meta device but no reset_parameters() to "
+            f"initialise them. Pass param_init_fn=callable(module) that initialises a module's own parameters "
+            f"and buffers."
         )
     reset()
 
@@ -72,9 +74,19 @@ def shard_parameters(
                     f"initialised through another module (tied weights). Tie the weights after sharding's "
                     f"initialisation, or build this model off the meta device."
                 )
+            meta_buffers = {n: b for n, b in module._buffers.items() if b is not None and b.is_meta}
             module.to_empty(device=device, recurse=False)
+            versions = {n: module._buffers[n]._version for n in meta_buffers}
             with torch.no_grad():
                 init(module)
+            untouched = [n for n in meta_buffers if module._buffers[n]._version == versions[n]]
+            if untouched:
+                warnings.warn(
+                    f"{type(module).__name__}: buffers {untouched} were created on the meta device and the "
+                    f"initialisation did not write them, so they hold uninitialised memory. Recreate them in "
+                    f"param_init_fn (e.g. a rotary inv_freq or a causal mask computed in __init__).",
+                    stacklevel=2,
+                )
         # This module's own tensors that are still whole (a tied parameter is sharded once).
         whole = [
             (attr, p)
@@ -103,6 +115,9 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for group in by_kind.values():
+        if len(group) == 1 and group[0].is_contiguous():
+            comm.broadcast(group[0], src=0, what="initial model states")  # in place: no copy
+            continue
         flat = torch.cat([t.reshape(-1) for t in group])
         comm.broadcast(flat, src=0, what="initial model states")
         offset = 0

@@ -64,9 +64,9 @@ class ShardedModel:
         reductions_in_flight: int = 0,
         sync_module_states: bool = True,
     ) -> None:
-        if not isinstance(prefetch, int) or prefetch < 0:
+        if type(prefetch) is not int or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead); got {prefetch!r}.")
-        if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
+        if type(persistence_threshold) is not int or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0; got {persistence_threshold!r}.")
         if not isinstance(reductions_in_flight, int) or reductions_in_flight < 0:
             raise ValueError(f"reductions_in_flight must be an int >= 0; got {reductions_in_flight!r}.")
@@ -138,6 +138,8 @@ class ShardedModel:
         self.comm.stats.end_step()
         if self.replicate_comm is not None:
             self.replicate_comm.stats.end_step()
+        if self.world_comm is not self.comm:
+            self.world_comm.stats.end_step()
 
     @property
     def global_rank(self) -> int:

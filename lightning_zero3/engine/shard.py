@@ -75,5 +75,5 @@ class ShardedParam:
                 f"shape {tuple(full.shape)}; load a state dict of the same model."
             )
         with torch.no_grad():
-            piece = shard_slice(full.to(self.param.dtype), self.rank, self.world_size)
-            self.param.data.copy_(piece.to(self.param.device))
+            piece = shard_slice(full, self.rank, self.world_size)  # slice first: no whole-tensor copy
+            self.param.data.copy_(piece)  # casts to the shard's dtype and device
