@@ -80,6 +80,21 @@ def test_two_torchrun_nodes_train_like_one_process(tmp_path: Path, nproc_per_nod
     _check_parity(tmp_path, 2 * nproc_per_node, "TorchElasticEnvironment")
 
 
+def _lightning_node(node_rank: int, port: int, out: Path) -> subprocess.Popen:
+    """One "node" started by hand; Lightning's own launcher starts its second process."""
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node_rank))
+    cmd = [sys.executable, JOB, "--out", str(out), "--num-nodes", "2", "--devices", "2"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_lightning_launcher_on_each_of_two_nodes_trains_like_one_process(tmp_path: Path) -> None:
+    port = _free_port()
+    procs = [_lightning_node(node, port, tmp_path) for node in (0, 1)]
+    for code, output in _wait(procs):
+        assert code == 0, output[-3000:]
+    _check_parity(tmp_path, 4, "LightningEnvironment")
+
+
 def _slurm_task(rank: int, ntasks: int, port: int, out: Path, *extra: str, timeout: float = 60) -> subprocess.Popen:
     env = _env(
         SLURM_NTASKS=str(ntasks), SLURM_NTASKS_PER_NODE="1", SLURM_NNODES=str(ntasks),
