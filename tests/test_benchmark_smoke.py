@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BACKENDS = ["ddp", "fsdp2", "lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2", "engine-p1"]
+BACKENDS = ["ddp", "fsdp2", "lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2", "engine-p1", "engine-p1-async"]
 
 
 def _numbers(obj: object) -> list[float]:
@@ -42,7 +42,7 @@ def test_benchmark_smoke_reports_every_backend(tmp_path: Path) -> None:
         assert entry["step_bytes"], name
 
     ddp = backends["ddp"]["losses"]
-    for name in ("zero3-p0", "zero3-p1", "zero3-p2", "engine-p1", "fsdp2", "lightning-ddp"):
+    for name in BACKENDS[1:]:
         losses = backends[name]["losses"]
         assert len(losses) == len(ddp) == 4
         assert max(abs(a - b) for a, b in zip(losses, ddp)) < 1e-5, (name, losses, ddp)

@@ -1,0 +1,253 @@
+"""The training loops compared, one per backend, run inside each rank process.
+
+Every backend builds the same GPT from the same seed, trains it with the same AdamW on the same
+batches (rank r of step s gets windows[s, r]) and records each step's time between the start of
+the step (after the batch is on the device) and the end of the optimizer step, synchronised with
+the device. Setup, launch and data loading are outside the timed region.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.measure import DistCounter, StepRecorder, model_state_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks.model import build_model, count_parameters, lm_loss, make_config
+
+# name -> (label, prefetch or None). Order: the order of a round.
+BACKENDS: dict[str, tuple[str, int | None]] = {
+    "ddp": ("PyTorch DDP", None),
+    "fsdp2": ("PyTorch FSDP2 (fully_shard)", None),
+    "lightning-ddp": ('Lightning strategy="ddp"', None),
+    "zero3-p0": ('Lightning strategy="zero3", prefetch=0', 0),
+    "zero3-p1": ('Lightning strategy="zero3", prefetch=1', 1),
+    "zero3-p2": ('Lightning strategy="zero3", prefetch=2', 2),
+    "engine-p1": ("ShardedModel without Lightning, prefetch=1", 1),
+    "engine-p1-async": ("ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", 1),
+}
+DEFAULT_BACKENDS = list(BACKENDS)
+
+
+@dataclass
+class RunSpec:
+    backend: str
+    size: str
+    vocab_size: int
+    windows: torch.Tensor  # (steps, world_size, batch_size, block_size + 1)
+    warmup: int  # leading steps trained but left out of the timings
+    seed: int
+    lr: float
+    accelerator: str  # "cpu" or "gpu"
+    profile_step: int | None = None  # index of a step to run under torch.profiler (rank 0)
+
+
+def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+class _Profiler:
+    """torch.profiler around one chosen step on rank 0; its top ops as a table afterwards."""
+
+    def __init__(self, rank: int, step: int | None) -> None:
+        self.step = step if rank == 0 else None
+        self.prof: torch.profiler.profile | None = None
+        self.table = ""
+        self.labels: dict[str, float] = {}
+
+    def begin(self, index: int) -> None:
+        if index == self.step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.start()
+
+    def end(self, index: int) -> None:
+        if index != self.step or self.prof is None:
+            return
+        self.prof.stop()
+        events = self.prof.key_averages()
+        self.table = events.table(sort_by="self_cpu_time_total", row_limit=30)
+        self.labels = {e.key: e.cpu_time_total / 1e6 for e in events if e.key.startswith(("ZeRO3::", "FSDP::"))}
+
+
+def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
+    reset_peak_rss()
+    base_rss = rss_bytes()
+    device = torch.device("cuda", rank) if spec.accelerator == "gpu" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls; MFU is against the TF32 peak
+        torch.cuda.reset_peak_memory_stats(device)
+    counter = DistCounter()
+    counter.install()
+    recorder = StepRecorder(world_size, device, counter)
+    profiler = _Profiler(rank, spec.profile_step)
+    config = make_config(spec.size, spec.vocab_size)
+    model = build_model(config, seed=spec.seed, device=device)
+    psi = count_parameters(model)
+    batches = [
+        (w[rank, :, :-1].contiguous().to(device), w[rank, :, 1:].contiguous().to(device)) for w in spec.windows
+    ]  # (B, T) inputs and targets of this rank, per step
+    try:
+        if spec.backend.startswith(("lightning-", "zero3-")):
+            extra = _run_lightning(rank, world_size, spec, model, batches, recorder, profiler)
+        else:
+            extra = _run_raw(spec, model, batches, recorder, profiler, device)
+    finally:
+        counter.uninstall()
+    result = {
+        "rank": rank,
+        "psi": psi,
+        "steps": recorder.steps,
+        "base_rss_bytes": base_rss,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "profile_table": profiler.table,
+        "profile_labels": profiler.labels,
+        **extra,
+    }
+    if device.type == "cuda":
+        result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["device_name"] = torch.cuda.get_device_name(device)
+    return result
+
+
+# ---- raw PyTorch and the engine without Lightning ------------------------------------------
+
+
+def _run_raw(
+    spec: RunSpec,
+    model: nn.Module,
+    batches: list,
+    recorder: StepRecorder,
+    profiler: _Profiler,
+    device: torch.device,
+) -> dict[str, Any]:
+    sharded = None
+    if spec.backend == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    elif spec.backend == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.h:
+            fully_shard(block)
+        fully_shard(model)
+    elif spec.backend.startswith("engine-"):
+        from lightning_zero3.engine import ShardedModel
+
+        extra = {"reductions_in_flight": 1} if spec.backend.endswith("-async") else {}
+        sharded = ShardedModel(model, prefetch=BACKENDS[spec.backend][1], **extra)
+    else:
+        raise ValueError(f"unknown backend {spec.backend!r}")
+    optimizer = make_optimizer(model.parameters(), spec.lr)
+    wait = (lambda: sharded.stats.last_step_gather_wait_s) if sharded is not None else None
+    for index, (x, y) in enumerate(batches):
+        profiler.begin(index)
+        recorder.start()
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        optimizer.step()
+        if sharded is not None:
+            sharded.stats.end_step()
+        recorder.stop(loss, wait)
+        profiler.end(index)
+    extra: dict[str, Any] = {"model_state_bytes": model_state_bytes(model.parameters(), [optimizer])}
+    if sharded is not None:
+        extra["model_state_bytes"] = sharded.model_state_bytes([optimizer])
+        extra["peak_units_alive"] = sharded.unit_stats.peak
+        extra["engine_step_bytes"] = {k: vars(v).copy() for k, v in sharded.stats.last_step.items()}
+        extra["expected_step_bytes"] = sharded.expected_step_bytes()
+    return extra
+
+
+# ---- Lightning -------------------------------------------------------------------------------
+
+
+def _run_lightning(
+    rank: int,
+    world_size: int,
+    spec: RunSpec,
+    model: nn.Module,
+    batches: list,
+    recorder: StepRecorder,
+    profiler: _Profiler,
+) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_zero3 import ZeRO3Strategy
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return lm_loss(self, x, y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return make_optimizer(self.parameters(), spec.lr)
+
+    found: dict[str, Any] = {}
+
+    class StepTimer(Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            profiler.begin(batch_idx)
+            recorder.start()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            strategy = trainer.strategy
+            wait = None
+            if isinstance(strategy, ZeRO3Strategy):
+                wait = lambda: strategy.stats["gather_wait_s"]
+            recorder.stop(outputs["loss"], wait)
+            profiler.end(batch_idx)
+            if batch_idx == len(batches) - 1:  # after the last optimizer step, before teardown
+                if isinstance(strategy, ZeRO3Strategy):
+                    stats = strategy.stats
+                    found["model_state_bytes"] = stats["model_state_bytes"]
+                    found["peak_units_alive"] = stats["peak_units_alive"]
+                    found["engine_step_bytes"] = stats["last_step"]
+                    found["expected_step_bytes"] = stats["expected_step_bytes"]
+                else:
+                    found["model_state_bytes"] = model_state_bytes(module.parameters(), trainer.optimizers)
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    # Lightning uses the process group already initialised by the launcher (as under torchrun).
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size))
+    strategy: Any = "ddp" if spec.backend == "lightning-ddp" else ZeRO3Strategy(prefetch=BACKENDS[spec.backend][1])
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator=spec.accelerator,
+        devices=world_size,
+        max_steps=len(batches),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        use_distributed_sampler=False,  # every rank gets its own slice of the global batch, as in the raw loops
+        callbacks=[StepTimer()],
+    )
+    cpu_batches = [(x.cpu(), y.cpu()) for x, y in batches]  # Lightning moves each batch to the device
+    loader = torch.utils.data.DataLoader(cpu_batches, batch_size=None)
+    trainer.fit(LitGPT(), loader)
+    assert dist.is_initialized()
+    return found

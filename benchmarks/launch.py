@@ -1,0 +1,137 @@
+"""Start N rank processes joined in one process group, run a function in each, return results.
+
+Processes come from a forkserver that has imported torch, Lightning and the benchmark once, so a
+launch costs a fraction of a second after the first and every run starts from a fresh process
+(peak RSS is per run). Launch and process-group setup are outside every timed region.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_module
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+_PRELOAD = ["torch", "lightning.pytorch", "lightning_zero3", "benchmarks.backends"]
+_context: Any = None
+
+
+class RankFailure(RuntimeError):
+    """A rank raised or died; the message holds every failed rank's traceback."""
+
+
+def _set_mmap_threshold(nbytes: int) -> None:
+    """glibc: serve allocations >= nbytes with mmap (returned to the OS on free) and turn off the
+    dynamic threshold, which otherwise rises after the first large free so that later large
+    buffers come from the heap, whose freed space the process keeps (its RSS only grows)."""
+    import ctypes
+
+    m_mmap_threshold = -3
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, nbytes)
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    backend: str,
+    threads: int,
+    mmap_threshold: int,
+    fn: Callable,
+    args: tuple,
+    queue: Any,
+) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        if mmap_threshold:
+            _set_mmap_threshold(mmap_threshold)
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(store_path, world_size)
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300), **kwargs
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+
+def _mp_context() -> Any:
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    threads: int = 1,
+    mmap_threshold: int = 0,
+    timeout_s: float = 1800,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results in rank order."""
+    ctx = _mp_context()
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_entry, args=(rank, world_size, store_path, backend, threads, mmap_threshold, fn, args, queue)
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(results) < world_size:
+                try:
+                    rank, ok, value = queue.get(timeout=0.5)
+                    results[rank] = (ok, value)
+                    continue
+                except queue_module.Empty:
+                    pass
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead and queue.empty():
+                    time.sleep(1.0)  # let the survivors report the error they saw
+                    while not queue.empty():
+                        rank, ok, value = queue.get()
+                        results[rank] = (ok, value)
+                    for r in dead:
+                        results.setdefault(r, (False, f"process exited with code {procs[r].exitcode}"))
+                    break
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    failures = [f"--- rank {r} ---\n{value}" for r, (ok, value) in sorted(results.items()) if not ok]
+    if failures:
+        raise RankFailure("\n".join(failures))
+    return [pickle.loads(results[r][1]) for r in range(world_size)]

@@ -1,0 +1,172 @@
+"""What a rank measures: step times, collective bytes at the torch.distributed API, model-state
+bytes, peak RSS. Everything here runs inside a rank process and returns plain data."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Ring factor of each collective: what one rank sends is factor * (N-1)/N * payload.
+_RING = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0}
+# torch.distributed functions that FSDP2 and the ZeRO-3 engine call (as `dist.<name>`), and how
+# to read the payload (the full tensor produced or consumed) off their arguments.
+_WATCHED: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {
+    "all_gather_single": ("all_gather", lambda output, *a, **k: output),
+    "all_gather_into_tensor": ("all_gather", lambda output, *a, **k: output),
+    "reduce_scatter_single": ("reduce_scatter", lambda output=None, input=None, *a, **k: input),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda output, input, *a, **k: input),
+    "all_reduce": ("all_reduce", lambda tensor, *a, **k: tensor),
+    "broadcast": ("broadcast", lambda tensor, *a, **k: tensor),
+}
+
+
+class DistCounter:
+    """Counts calls and bytes of the collectives called through `torch.distributed.<name>`.
+
+    This sees FSDP2 and the ZeRO-3 engine (both call the Python API) but not DDP, whose C++
+    reducer all-reduces its buckets directly: DDP's figures are the formula instead. Installed
+    in a benchmark rank process only; nothing in the package is touched."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0})
+        self._originals: dict[str, Any] = {}
+
+    def install(self) -> None:
+        for name, (kind, payload_of) in _WATCHED.items():
+            original = getattr(dist, name)
+            self._originals[name] = original
+            setattr(dist, name, self._wrap(original, kind, payload_of))
+
+    def uninstall(self) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def _wrap(self, original: Callable, kind: str, payload_of: Callable[..., torch.Tensor]) -> Callable:
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tensor = payload_of(*args, **kwargs)
+            entry = self.counts[kind]
+            entry["calls"] += 1
+            entry["payload_bytes"] += tensor.numel() * tensor.element_size()
+            return original(*args, **kwargs)
+
+        return counted
+
+    def take(self, world_size: int) -> dict[str, dict[str, int]]:
+        """The counts since the last `take`, with wire bytes; resets them."""
+        out = {}
+        for kind, entry in self.counts.items():
+            wire = int(round(_RING[kind] * (world_size - 1) / world_size * entry["payload_bytes"]))
+            out[kind] = {**entry, "wire_bytes": wire}
+        self.counts.clear()
+        return out
+
+
+def ddp_step_bytes(psi: int, bytes_per_element: int, world_size: int) -> dict[str, dict[str, int]]:
+    """DDP's traffic per step (its reducer is C++, invisible to `DistCounter`): the gradients,
+    Ψ elements, all-reduced once; a ring sends 2(N-1)/N of them."""
+    payload = psi * bytes_per_element
+    wire = int(round(2 * (world_size - 1) / world_size * payload))
+    return {"all_reduce": {"calls": 0, "payload_bytes": payload, "wire_bytes": wire}}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor -> this rank's shard
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def model_state_bytes(params: Iterable[torch.Tensor], optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
+    """Bytes this rank holds of parameters, their gradients and the optimizer state tensors
+    (0-d step counters left out), as the ZeRO-3 engine's `model_state_bytes` counts them."""
+    params = list(dict.fromkeys(params))
+    param_bytes = sum(_nbytes(p) for p in params)
+    grad_bytes = sum(_nbytes(p.grad) for p in params if p.grad is not None)
+    mine = {id(p) for p in params}
+    optim_bytes = 0
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            if id(param) in mine:
+                optim_bytes += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {
+        "param": param_bytes,
+        "grad": grad_bytes,
+        "optimizer": optim_bytes,
+        "total": param_bytes + grad_bytes + optim_bytes,
+    }
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> None:
+    """Restart the kernel's peak-RSS mark at the current RSS (Linux >= 4.0), so a rank's peak
+    is its own and not the forkserver's it was forked from."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+class StepRecorder:
+    """Times steps (device-synchronised) and collects per-step figures."""
+
+    def __init__(self, world_size: int, device: torch.device, counter: DistCounter) -> None:
+        self.world_size = world_size
+        self.device = device
+        self.counter = counter
+        self.steps: list[dict[str, Any]] = []
+        self._t0 = 0.0
+        self._cpu0 = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self.counter.take(self.world_size)
+        self._t0 = time.perf_counter()
+        self._cpu0 = time.process_time()
+
+    def stop(self, loss: torch.Tensor, gather_wait_s: Callable[[], float] | None = None) -> None:
+        value = float(loss.detach().item())
+        self._sync()
+        elapsed = time.perf_counter() - self._t0
+        # CPU seconds of this process, all threads (gloo's included): what the step cost the
+        # machine, nearly blind to other processes competing for the cores.
+        cpu = time.process_time() - self._cpu0
+        step: dict[str, Any] = {
+            "time_s": elapsed,
+            "cpu_s": cpu,
+            "loss": value,
+            "comm": self.counter.take(self.world_size),
+        }
+        step["peak_rss_bytes"] = peak_rss_bytes()  # the process's high-water mark so far
+        if gather_wait_s is not None:
+            step["gather_wait_s"] = gather_wait_s()
+        self.steps.append(step)

@@ -1,0 +1,229 @@
+"""Markdown tables and PNG charts from the summaries in `summary.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.backends import BACKENDS
+
+MB = 1e6
+MIB = 2**20
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _label(name: str) -> str:
+    return BACKENDS[name][0] if name in BACKENDS else name
+
+
+_SHORT = {
+    "ddp": "PyTorch DDP",
+    "fsdp2": "PyTorch FSDP2",
+    "lightning-ddp": "Lightning ddp",
+    "zero3-p0": "Lightning zero3 p=0",
+    "zero3-p1": "Lightning zero3 p=1",
+    "zero3-p2": "Lightning zero3 p=2",
+    "engine-p1": "ShardedModel p=1",
+    "engine-p1-async": "ShardedModel p=1 async RS",
+}
+
+
+def _short(name: str) -> str:
+    return _SHORT.get(name, name)
+
+
+def _ratio(entry: dict[str, Any], other: str, names: list[str]) -> str:
+    return f"{entry['ratio_vs'][other]:.3f}" if other in names and other in entry["ratio_vs"] else "-"
+
+
+def time_table(backends: dict[str, dict[str, Any]]) -> str:
+    names = list(backends)
+    mfu = any("mfu" in e for e in backends.values())
+    head = [
+        "backend",
+        "step median (s)",
+        "p10 (s)",
+        "p90 (s)",
+        "÷ DDP",
+        "÷ FSDP2",
+        "÷ Lightning DDP",
+        "tokens/s",
+        "CPU s / step",
+        "CPU ÷ Lightning DDP",
+        "gather wait / step (ms)",
+    ] + (["MFU"] if mfu else [])
+    rows = []
+    for name, e in backends.items():
+        wait = f"{e['gather_wait_s_median'] * 1e3:.1f}" if "gather_wait_s_median" in e else "-"
+        row = [
+            _label(name),
+            f"{e['median_step_s']:.3f}",
+            f"{e['p10_step_s']:.3f}",
+            f"{e['p90_step_s']:.3f}",
+            _ratio(e, "ddp", names),
+            _ratio(e, "fsdp2", names),
+            _ratio(e, "lightning-ddp", names),
+            f"{e['tokens_per_s']:,.0f}",
+            f"{e['median_cpu_s']:.3f}",
+            f"{e['cpu_ratio_vs']['lightning-ddp']:.3f}" if "lightning-ddp" in e["cpu_ratio_vs"] else "-",
+            wait,
+        ]
+        if mfu:
+            row.append(f"{e['mfu'] * 100:.1f}%" if "mfu" in e else "-")
+        rows.append(row)
+    return _table(head, rows)
+
+
+def memory_table(backends: dict[str, dict[str, Any]]) -> str:
+    head = [
+        "backend",
+        "model state / rank (MB)",
+        "÷ 16Ψ/N",
+        "peak RSS (MiB)",
+        "All-Gather (MB)",
+        "Reduce-Scatter (MB)",
+        "All-Reduce (MB)",
+        "wire (MB)",
+        "bytes from",
+        "peak units alive",
+        "max \\|Δloss\\| vs DDP",
+    ]
+    device = any("peak_device_bytes" in e for e in backends.values())
+    if device:
+        head.insert(4, "peak device memory (MiB)")
+    rows = []
+    for name, e in backends.items():
+        sb = e["step_bytes"]
+        payload = {kind: f"{sb[kind]['payload_bytes'] / MB:.2f}" if kind in sb else "-" for kind in _KINDS}
+        wire = sum(v["wire_bytes"] for v in sb.values()) / MB
+        diff = next((v for k, v in e.items() if k.startswith("loss_max_diff_vs_")), None)
+        row = [
+            _label(name),
+            f"{e['model_state_bytes']['total'] / MB:.2f}",
+            f"{e['model_state_vs_16psi_over_n']:.4f}",
+            f"{e['peak_rss_bytes'] / MIB:,.0f}",
+            payload["all_gather"],
+            payload["reduce_scatter"],
+            payload["all_reduce"],
+            f"{wire:.2f}",
+            "formula" if "formula" in e["step_bytes_source"] else "counted",
+            str(e.get("peak_units_alive", "-")),
+            "-" if diff is None else f"{diff:.1e}",
+        ]
+        if device:
+            row.insert(4, f"{e['peak_device_bytes'] / MIB:,.0f}" if "peak_device_bytes" in e else "-")
+        rows.append(row)
+    return _table(head, rows)
+
+
+def targets_list(targets: list[dict[str, Any]]) -> str:
+    return "\n".join(f"- {'met' if t['met'] else '**MISSED**'}: {t['target']} ({t['detail']})" for t in targets)
+
+
+def scaling_table(scaling: list[dict[str, Any]]) -> str:
+    head = [
+        "backend",
+        "N",
+        "model state / rank (MB)",
+        "16Ψ/N (MB)",
+        "÷ 16Ψ/N",
+        "step median (s)",
+        "threads / rank",
+        "peak RSS (MiB)",
+    ]
+    rows = [
+        [
+            _label(s["backend"]),
+            str(s["world_size"]),
+            f"{s['model_state_bytes'] / MB:.2f}",
+            f"{s['sixteen_psi_over_n'] / MB:.2f}",
+            f"{s['model_state_bytes'] / s['sixteen_psi_over_n']:.4f}",
+            f"{s['median_step_s']:.3f}",
+            str(s.get("threads_per_rank", "-")),
+            f"{s['peak_rss_bytes'] / MIB:,.0f}",
+        ]
+        for s in scaling
+    ]
+    return _table(head, rows)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---- charts ------------------------------------------------------------------------------
+
+
+def plot(result: dict[str, Any], out: Path) -> list[Path]:
+    """PNG charts of what `result` holds; [] with a message when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed; no charts written. Install it with: pip install -e '.[bench]'")
+        return []
+    written = []
+    if result.get("backends"):
+        backends = result["backends"]
+        names = list(backends)
+        ref = next((r for r in ("lightning-ddp", "ddp") if r in names), names[0])
+        fig, ax = plt.subplots(figsize=(9, 0.55 * len(names) + 1.6))
+        medians = [backends[n]["median_step_s"] for n in names]
+        p90 = [backends[n]["p90_step_s"] - backends[n]["median_step_s"] for n in names]
+        ax.barh([_short(n) for n in names], medians, xerr=[[0] * len(names), p90], color="tab:blue", capsize=3)
+        for i, n in enumerate(names):
+            for value in backends[n]["round_medians_s"]:
+                ax.plot(value, i, "k.", markersize=4)
+            ratio = backends[n]["ratio_vs"].get(ref, float("nan"))
+            ax.text(
+                medians[i] * 0.02,
+                i,
+                f"{medians[i]:.3f} s  ({ratio:.3f}x {_short(ref)})",
+                va="center",
+                color="white",
+                fontsize=8,
+            )
+        ax.invert_yaxis()
+        cfg = result["config"]
+        ax.set_xlabel(
+            "step time (s): bar median, whisker p90, dots per-round medians; ratio = median of per-round ratios"
+        )
+        ax.set_title(f"GPT {cfg['size']} (Ψ = {result['psi']:,}), {cfg['world_size']} ranks, {cfg['accelerator']}")
+        fig.tight_layout()
+        path = out / "step_time.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    if result.get("scaling"):
+        scaling = result["scaling"]
+        psi = result["psi"]
+        ns = sorted({s["world_size"] for s in scaling})
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+        styles = ["o-", "s--", "^:", "d-.", "v-"]
+        for i, name in enumerate(dict.fromkeys(s["backend"] for s in scaling)):
+            pts = [s for s in scaling if s["backend"] == name]
+            x = [s["world_size"] for s in pts]
+            style = styles[i % len(styles)]
+            left.plot(x, [s["model_state_bytes"] / MB for s in pts], style, label=_label(name), markersize=7 - i)
+            right.plot(x, [s["peak_rss_bytes"] / MIB for s in pts], style, label=_label(name), markersize=7 - i)
+        left.plot(ns, [16 * psi / n / MB for n in ns], "k", alpha=0.3, linewidth=6, label="16Ψ/N", zorder=0)
+        left.set_ylabel("MB per rank")
+        left.set_title("model state: params + grads + AdamW (exact)")
+        right.set_ylabel("MiB per rank")
+        right.set_title("peak RSS of the rank process (whole process)")
+        for ax in (left, right):
+            ax.set_xticks(ns)
+            ax.set_xlabel("ranks N")
+            ax.set_ylim(bottom=0)
+        left.legend(fontsize=8)
+        fig.suptitle(f"GPT {result['config']['size']} (Ψ = {psi:,}), fp32, {result['config']['accelerator']}")
+        fig.tight_layout()
+        path = out / "memory_scaling.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,208 @@
+"""From the per-rank results of every run to one summary per backend: medians, ratios, bytes,
+and the issue's targets. Pure functions on plain data (the JSON file holds their input too)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from benchmarks.measure import ddp_step_bytes
+
+# Peak dense throughput per device in TFLOP/s, (TF32 tensor cores, BF16), for MFU on GPUs. A name
+# not listed here needs --peak-tflops.
+PEAK_TFLOPS = {"H200": (494.7, 989.4), "H100": (494.7, 989.4), "A100": (156.0, 312.0), "L40S": (183.0, 362.0)}
+LOSS_TOL = 1e-4  # |loss - DDP's loss| at any step that still counts as "float rounding"
+ANALYTIC = ("ddp", "lightning-ddp")  # traffic from the formula: DDP's reducer is C++
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize_run(backend: str, ranks: list[dict[str, Any]], *, warmup: int) -> dict[str, Any]:
+    """One launch of one backend: step times (the slowest rank's, per step), global losses
+    (mean of the ranks' equal-sized batch losses), per-rank maxima of memory."""
+    n = len(ranks)
+    steps = len(ranks[0]["steps"])
+    times = [max(r["steps"][i]["time_s"] for r in ranks) for i in range(warmup, steps)]
+    cpu = [max(r["steps"][i]["cpu_s"] for r in ranks) for i in range(warmup, steps)]
+    losses = [sum(r["steps"][i]["loss"] for r in ranks) / n for i in range(steps)]
+    out: dict[str, Any] = {
+        "step_times_s": times,
+        "median_s": statistics.median(times),
+        "cpu_s": cpu,
+        "median_cpu_s": statistics.median(cpu),
+        "losses": losses,
+        "model_state_bytes": max((r["model_state_bytes"] for r in ranks), key=lambda s: s["total"]),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        "base_rss_bytes": max(r["base_rss_bytes"] for r in ranks),
+        # The high-water mark after each step (all steps): growth here is the allocator keeping freed memory.
+        "peak_rss_after_step_bytes": [max(r["steps"][i].get("peak_rss_bytes", 0) for r in ranks) for i in range(steps)],
+    }
+    psi = ranks[0]["psi"]
+    if backend in ANALYTIC:
+        out["step_bytes"] = ddp_step_bytes(psi, 4, n)
+        out["step_bytes_source"] = "formula (DDP's C++ reducer)"
+    else:
+        out["step_bytes"] = ranks[0]["steps"][-1]["comm"]
+        out["step_bytes_source"] = "counted at torch.distributed"
+    if "gather_wait_s" in ranks[0]["steps"][0]:
+        out["gather_wait_s"] = [sum(r["steps"][i]["gather_wait_s"] for r in ranks) / n for i in range(warmup, steps)]
+    for key in ("peak_units_alive",):
+        if key in ranks[0]:
+            out[key] = max(r[key] for r in ranks)
+    for key in ("engine_step_bytes", "expected_step_bytes", "device_name"):
+        if key in ranks[0]:
+            out[key] = ranks[0][key]
+    if "peak_device_bytes" in ranks[0]:
+        out["peak_device_bytes"] = max(r["peak_device_bytes"] for r in ranks)
+    return out
+
+
+def _reference(names: list[str]) -> str | None:
+    return next((b for b in ("ddp", "lightning-ddp") if b in names), None)
+
+
+def summarize_backends(
+    runs: list[dict[str, Any]], *, psi: int, world_size: int, tokens_per_step: int, peak_tflops: float | None
+) -> dict[str, dict[str, Any]]:
+    """Pool the rounds of each backend. Ratios are per round (adjacent runs), then the median."""
+    names = list(dict.fromkeys(r["backend"] for r in runs))
+    rounds = sorted({r["round"] for r in runs})
+    by = {(r["backend"], r["round"]): r["summary"] for r in runs}
+    ref = _reference(names)
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        mine = [by[(name, k)] for k in rounds if (name, k) in by]
+        times = [t for s in mine for t in s["step_times_s"]]
+        median = statistics.median(times)
+        first = mine[0]
+        entry: dict[str, Any] = {
+            "median_step_s": median,
+            "p10_step_s": percentile(times, 0.1),
+            "p90_step_s": percentile(times, 0.9),
+            "round_medians_s": [s["median_s"] for s in mine],
+            "median_cpu_s": statistics.median(c for s in mine for c in s["cpu_s"]),
+            "tokens_per_s": tokens_per_step / median,
+            "losses": first["losses"],
+            "loss_max_diff_between_rounds": max(
+                (abs(a - b) for s in mine for a, b in zip(s["losses"], first["losses"])), default=0.0
+            ),
+            "model_state_bytes": first["model_state_bytes"],
+            "model_state_vs_16psi_over_n": first["model_state_bytes"]["total"] / (16 * psi / world_size),
+            "peak_rss_bytes": max(s["peak_rss_bytes"] for s in mine),
+            "peak_rss_growth_bytes": max(s["peak_rss_bytes"] - s["base_rss_bytes"] for s in mine),
+            "step_bytes": first["step_bytes"],
+            "step_bytes_source": first["step_bytes_source"],
+        }
+        for key in ("peak_units_alive", "engine_step_bytes", "expected_step_bytes", "device_name", "peak_device_bytes"):
+            if key in first:
+                entry[key] = first[key]
+        if "gather_wait_s" in first:
+            entry["gather_wait_s_median"] = statistics.median(w for s in mine for w in s["gather_wait_s"])
+        if ref is not None:
+            entry["loss_max_diff_vs_" + ref] = max(
+                abs(a - b) for a, b in zip(first["losses"], by[(ref, rounds[0])]["losses"])
+            )
+        if peak_tflops:
+            entry["mfu"] = 6 * psi * entry["tokens_per_s"] / (peak_tflops * 1e12 * world_size)
+        ratios: dict[str, float] = {}
+        for other in names:
+            per_round = [
+                by[(name, k)]["median_s"] / by[(other, k)]["median_s"]
+                for k in rounds
+                if (name, k) in by and (other, k) in by
+            ]
+            if per_round:
+                ratios[other] = statistics.median(per_round)
+        entry["ratio_vs"] = ratios
+        entry["cpu_ratio_vs"] = {
+            other: statistics.median(
+                by[(name, k)]["median_cpu_s"] / by[(other, k)]["median_cpu_s"]
+                for k in rounds
+                if (name, k) in by and (other, k) in by
+            )
+            for other in ratios
+        }
+        out[name] = entry
+    return out
+
+
+def check_targets(backends: dict[str, dict[str, Any]], *, psi: int, world_size: int) -> list[dict[str, Any]]:
+    """The issue's targets for zero3 (prefetch=1), each with the numbers behind the verdict."""
+    targets: list[dict[str, Any]] = []
+    z = backends.get("zero3-p1")
+    if z is None:
+        return targets
+
+    def add(name: str, met: bool, detail: str) -> None:
+        targets.append({"target": name, "met": bool(met), "detail": detail})
+
+    def p10(other: str) -> str:
+        # The least-disturbed steps (other processes only ever add time) and the CPU time of
+        # the rank processes, which contention barely changes.
+        return (
+            f"; p10 step times {z['p10_step_s']:.3f} / {backends[other]['p10_step_s']:.3f} s; "
+            f"CPU time per step ratio {z['cpu_ratio_vs'][other]:.3f}"
+        )
+
+    if "fsdp2" in backends:
+        r = z["ratio_vs"]["fsdp2"]
+        add("step time <= 1.0x raw FSDP2", r <= 1.0, f"median of per-round ratios {r:.3f}" + p10("fsdp2"))
+    if "lightning-ddp" in backends:
+        r = z["ratio_vs"]["lightning-ddp"]
+        add(
+            "step time <= 1.10x Lightning DDP",
+            r <= 1.10,
+            f"median of per-round ratios {r:.3f}" + p10("lightning-ddp"),
+        )
+    if "zero3-p0" in backends:
+        r = z["ratio_vs"]["zero3-p0"]
+        w0, w1 = backends["zero3-p0"]["gather_wait_s_median"], z["gather_wait_s_median"]
+        add("prefetch=1 faster than prefetch=0", r < 1.0, f"median of per-round ratios p1/p0 {r:.3f}" + p10("zero3-p0"))
+        add(
+            "overlap visible in gather wait",
+            w1 < w0,
+            f"gather wait per step p0 {w0 * 1e3:.1f} ms, p1 {w1 * 1e3:.1f} ms",
+        )
+    limit = 1.01 * 16 * psi / world_size
+    total = z["model_state_bytes"]["total"]
+    add(
+        "model state per rank <= 1.01 x 16Ψ/N",
+        total <= limit,
+        f"{total:,} B = {total / (16 * psi / world_size):.4f} x 16Ψ/N",
+    )
+    expected = z.get("expected_step_bytes", {})
+    counted = {k: v["payload_bytes"] for k, v in z["step_bytes"].items() if k in ("all_gather", "reduce_scatter")}
+    engine = {k: v["payload_bytes"] for k, v in z.get("engine_step_bytes", {}).items() if k in counted}
+    same = counted == {k: expected.get(k) for k in counted} == engine
+    payload = sum(counted.values())
+    add(
+        "bytes per step = formula",
+        same and set(counted) == {"all_gather", "reduce_scatter"},
+        f"counted {counted}, engine {engine}, formula {expected}; {payload / (psi * 4):.4f} Ψb (3 by design)",
+    )
+    key = next((k for k in z if k.startswith("loss_max_diff_vs_")), None)
+    if key is not None:
+        add(
+            "loss = DDP's up to float rounding",
+            z[key] <= LOSS_TOL,
+            f"max |Δloss| over steps {z[key]:.2e} (tolerance {LOSS_TOL:g})",
+        )
+    return targets
+
+
+def peak_tflops_for(device_name: str | None, override: float | None) -> float | None:
+    if override:
+        return override
+    if not device_name:
+        return None
+    for key, (tf32, _bf16) in PEAK_TFLOPS.items():
+        if key in device_name:
+            return tf32
+    return None
