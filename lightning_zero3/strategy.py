@@ -447,6 +447,8 @@ class ZeRO3Strategy(ParallelStrategy):
             "peak_units_alive": sharded.unit_stats.peak,
             "peak_units_alive_without_root": sharded.unit_stats.peak_without_root,
             "model_state_bytes": sharded.model_state_bytes(self.optimizers),
+            # Free gather/reduction buffers kept for reuse (at most 1 + prefetch units' worth).
+            "buffer_pool_bytes": sharded.pool.cached_bytes,
         }
 
     def _full_size_summary(self, trainer: Any, pl_module: Any) -> Summary:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from lightning_zero3.engine.buffers import return_free_host_memory
 from lightning_zero3.engine.unit import PendingReduce, Unit
 
 if TYPE_CHECKING:
@@ -329,6 +330,8 @@ class HookDriver:
             if unit.gather_in_flight:
                 unit.discard_gather()
         self.model.reduce_persistent_grads()
+        if self.model.host_memory_slack is not None:
+            return_free_host_memory(self.model.host_memory_slack)
         self.schedule.end_backward()
         self._in_backward = False
         self.model.on_backward_end()

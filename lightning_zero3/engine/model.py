@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.materialize import ParamInitFn, shard_parameters
@@ -62,6 +63,7 @@ class ShardedModel:
         param_init_fn: ParamInitFn | None = None,
         device: torch.device | str | None = None,
         reductions_in_flight: int = 0,
+        trim_host_memory: bool = True,
         sync_module_states: bool = True,
     ) -> None:
         if type(prefetch) is not int or prefetch < 0:
@@ -92,6 +94,16 @@ class ShardedModel:
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=_device_of(module, device),
             param_init_fn=param_init_fn, sync_module_states=sync_module_states,
         )  # fmt: skip
+        self.pool = BufferPool()
+        # CPU parameters: free heap beyond this is given back to the OS after a backward
+        # (buffers.py). Large enough that trimming (and faulting the pages back in) happens
+        # every few steps rather than every step.
+        on_cpu = trim_host_memory and all(s.param.device.type == "cpu" for s in shards.values())
+        largest = max(
+            (sum(shards[id(e)].numel * shards[id(e)].param.element_size() for e in u.params) for u in self.plan.units),
+            default=0,
+        )
+        self.host_memory_slack: int | None = max(256 * 2**20, 4 * largest) if on_cpu else None
         self.units: list[Unit] = []
         self._by_param: dict[int, ShardedParam] = {id(s.param): s for s in shards.values()}
         for uid, unit_plan in enumerate(self.plan.units):
@@ -99,7 +111,7 @@ class ShardedModel:
             self.units.append(
                 Unit(uid=uid, name=unit_plan.name, module=unit_plan.module, params=params,
                      comm=self.comm, unit_name=self._unit_name, replicate=self.replicate_comm,
-                     param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                     param_dtype=param_dtype, reduce_dtype=reduce_dtype, pool=self.pool)
             )
         # Read from the module: materialising may have replaced the parameter objects.
         self.persistent: list[nn.Parameter] = [m._parameters[a] for m, a in (e.owners[0] for e in self.plan.persistent)]

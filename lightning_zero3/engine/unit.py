@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.shard import ShardedParam
 
@@ -52,6 +53,7 @@ class Unit:
         replicate: Comm | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        pool: BufferPool | None = None,
     ) -> None:
         dtypes = {p.param.dtype for p in params}
         if len(dtypes) > 1:
@@ -65,6 +67,8 @@ class Unit:
         self.module = module
         self.params = params
         self.comm = comm
+        # Send, receive and reduction buffers come from here and go back after each use.
+        self.pool = pool or BufferPool()
         # Hierarchical sharding: the ranks holding the same shards in the other shard groups.
         self.replicate = replicate
         # Maps a tag read off the wire back to a unit name, for error messages.
@@ -122,7 +126,7 @@ class Unit:
         dtype = dtype or self.param_dtype
         like = self._like()
         width = self.shard_numel + self._tag_numel(dtype)
-        send = torch.empty(width, dtype=dtype, device=like.device)
+        send = self.pool.take(width, dtype, like.device)
         with torch.no_grad():
             if dtype == like.dtype:
                 torch.cat([p.param.detach() for p in self.params], out=send[: self.shard_numel])
@@ -131,29 +135,33 @@ class Unit:
                     send[offset : offset + p.shard_numel].copy_(p.param.detach())  # casts
             bits = torch.tensor([self.tag], dtype=torch.int32).view(dtype)  # the tag's 32 bits, as `dtype`
             send[self.shard_numel :].copy_(bits[: send.numel() - self.shard_numel])
-        recv = torch.empty(self.world_size * width, dtype=dtype, device=like.device)
+        recv = self.pool.take(self.world_size * width, dtype, like.device)
         work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'")
         self._pending = (work, recv, dtype, send)
 
     def discard_gather(self) -> None:
         """Drop a prefetch that the step did not use (the collective still completes)."""
         if self._pending is not None:
-            work = self._pending[0]
+            work, recv, _, send = self._pending
             self.comm.wait(work)
             self._pending = None
+            self.pool.give(recv)
+            self.pool.give(send)
 
     def _take_gathered(self, dtype: torch.dtype) -> torch.Tensor:
+        """The gathered (N, S + tag) buffer; give it back to the pool when done with it."""
         if self._pending is not None and self._pending[2] != dtype:
             self.discard_gather()
         if self._pending is None:
             self.start_gather(dtype)
         assert self._pending is not None
-        work, recv, _, _ = self._pending
+        work, recv, _, send = self._pending
         self._pending = None
         try:
             self.comm.wait(work)
         except RuntimeError as err:
             raise self.comm.failed("All-Gather", f"unit '{self.name}'", err) from err
+        self.pool.give(send)
         gathered = recv.view(self.world_size, self.shard_numel + self._tag_numel(dtype))  # (N, S + tag)
         tags = gathered[:, self.shard_numel :].contiguous().view(torch.int32)[:, 0]  # (N,)
         if not bool((tags == self.tag).all()):
@@ -193,6 +201,7 @@ class Unit:
                 if rest:
                     flat[rows * s :].copy_(gathered[rows, o : o + rest])
             fulls.append(into[i] if into is not None else full)
+        self.pool.give(gathered.view(-1))
         return fulls
 
     @staticmethod
@@ -208,7 +217,7 @@ class Unit:
         zeros); `finish_reduce` waits and returns the shard gradients."""
         like = self._like()
         n, width = self.world_size, self.shard_numel + 1
-        full = torch.empty(n, width, dtype=self.reduce_dtype, device=like.device)  # (N, S + 1)
+        full = self.pool.take(n * width, self.reduce_dtype, like.device).view(n, width)  # (N, S + 1)
         with torch.no_grad():
             for i, (p, grad) in enumerate(zip(self.params, grads)):
                 s, o = p.shard_numel, self.offsets[i]
@@ -237,6 +246,7 @@ class Unit:
                 pending.work.wait()
         except RuntimeError as err:
             raise self.comm.failed("Reduce-Scatter", f"gradients of unit '{self.name}'", err) from err
+        self.pool.give(pending.full.view(-1))
         out, n = pending.out, self.world_size
         if self.replicate is not None:
             # Only this rank's 1/G of the gradient crosses to the other groups.

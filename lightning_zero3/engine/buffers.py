@@ -1,0 +1,74 @@
+"""`BufferPool`: reuse of the large transient buffers of gathers and reductions.
+
+Every All-Gather needs a send buffer (this rank's shards) and a receive buffer (the whole unit),
+and every Reduce-Scatter an input buffer as large as the unit's full gradient. Allocating them
+anew each time makes the process's memory grow step after step with glibc's allocator (freed
+blocks of a few MB stay in the heap, fragmented, instead of returning to the OS), although no
+tensor is leaked. Units of a model mostly share sizes (identical blocks), so a pool keyed by
+(size, dtype, device) keeps a handful of buffers: at most as many of each size as were in use
+at once, i.e. the 1 + prefetch (+ reductions in flight) transient units the design allows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+
+class BufferPool:
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer of `numel` elements with undefined contents."""
+        free = self._free.get((numel, dtype, device))
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return a buffer from `take` once nothing (no collective either) uses it any more."""
+        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes held by free buffers, waiting to be reused."""
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+    )]  # fmt: skip
+
+
+def _load_glibc() -> tuple[object, object] | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        return libc.malloc_trim, libc.mallinfo2
+    except (OSError, AttributeError):  # not glibc (or older than 2.33): nothing to trim
+        return None
+
+
+_glibc = _load_glibc()
+
+
+def return_free_host_memory(slack_bytes: int) -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`) once more than
+    `slack_bytes` of it are free. Returns whether it trimmed.
+
+    Full parameters are allocated and freed unit by unit, twice per step. On the CPU, glibc
+    keeps freed blocks below 32 MiB in its heap, where buffers that live on (shard gradients)
+    fragment it, so the process's memory would grow by about one parameter copy per step
+    although no tensor is kept (measured in docs/performance.md). Trimming every step costs
+    ~10% of a small model's step (the next step faults its pages in again), so it only happens
+    when the free part of the heap exceeds the slack. GPU memory is not concerned."""
+    if _glibc is None:
+        return False
+    malloc_trim, mallinfo2 = _glibc
+    if mallinfo2().fordblks <= slack_bytes:  # type: ignore[operator, attr-defined]
+        return False
+    malloc_trim(0)  # type: ignore[operator]
+    return True
