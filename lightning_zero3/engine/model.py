@@ -270,7 +270,7 @@ class ShardedModel:
             fulls = unit.gather(dtype=unit.shard_dtype)
             if keep:
                 for sharded, full in zip(unit.params, fulls):
-                    full_by_id[id(sharded.param)] = full.detach().cpu()
+                    full_by_id[id(sharded.param)] = full.detach().clone().cpu()  # own storage, not the unit's
             del fulls
         if not keep:
             return {}

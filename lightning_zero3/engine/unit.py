@@ -183,15 +183,18 @@ class Unit:
         storage in place instead of allocating new tensors, without bumping their version."""
         gathered = self._take_gathered(dtype or self.param_dtype)
         fulls: list[torch.Tensor] = []
+        # All full parameters of one gather share one allocation (one block per unit and pass
+        # rather than one per parameter: the CPU heap fragments much less).
+        base = torch.empty(self.numel, dtype=gathered.dtype, device=gathered.device) if into is None else None
+        if into is not None and into[0].untyped_storage().size() == 0:
+            into[0].untyped_storage().resize_(self.numel * into[0].element_size())
+        start = 0
         for i, p in enumerate(self.params):
-            if into is None:
-                full = torch.empty(p.full_shape, dtype=gathered.dtype, device=gathered.device)
+            if base is not None:
+                full = base[start : start + p.numel].view(p.full_shape)
+                start += p.numel
             else:
-                full = into[i]
-                storage = full.untyped_storage()
-                if storage.size() == 0:
-                    storage.resize_(p.numel * full.element_size())
-                full = full.data  # `.data` does not share the autograd version counter
+                full = into[i].data  # `.data` does not share the autograd version counter
             flat = full.view(-1)
             s, o = p.shard_numel, self.offsets[i]
             rows = p.numel // s  # ranks whose piece is entirely real data
