@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue as queue_module
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,12 +17,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from tests.ranks import collect_results
+
 _PRELOAD = ["torch", "lightning.pytorch", "lightning_zero3", "benchmarks.backends"]
 _context: Any = None
-
-
-class RankFailure(RuntimeError):
-    """A rank raised or died; the message holds every failed rank's traceback."""
 
 
 def _set_mmap_threshold(nbytes: int) -> None:
@@ -104,34 +100,5 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
-        results: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(results) < world_size:
-                try:
-                    rank, ok, value = queue.get(timeout=0.5)
-                    results[rank] = (ok, value)
-                    continue
-                except queue_module.Empty:
-                    pass
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
-                if dead and queue.empty():
-                    time.sleep(1.0)  # let the survivors report the error they saw
-                    while not queue.empty():
-                        rank, ok, value = queue.get()
-                        results[rank] = (ok, value)
-                    for r in dead:
-                        results.setdefault(r, (False, f"process exited with code {procs[r].exitcode}"))
-                    break
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(results))
-                    raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-    failures = [f"--- rank {r} ---\n{value}" for r, (ok, value) in sorted(results.items()) if not ok]
-    if failures:
-        raise RankFailure("\n".join(failures))
-    return [pickle.loads(results[r][1]) for r in range(world_size)]
+        return collect_results(procs, queue, timeout_s)
+

@@ -193,11 +193,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
             "step time (s): bar median, whisker p90, dots per-round medians; ratio = median of per-round ratios"
         )
         ax.set_title(f"GPT {cfg['size']} (Ψ = {result['psi']:,}), {cfg['world_size']} ranks, {cfg['accelerator']}")
-        fig.tight_layout()
-        path = out / "step_time.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / "step_time.png"))
     if result.get("scaling"):
         scaling = result["scaling"]
         psi = result["psi"]
@@ -221,9 +217,15 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
             ax.set_ylim(bottom=0)
         left.legend(fontsize=8)
         fig.suptitle(f"GPT {result['config']['size']} (Ψ = {psi:,}), fp32, {result['config']['accelerator']}")
-        fig.tight_layout()
-        path = out / "memory_scaling.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / "memory_scaling.png"))
     return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+

@@ -68,6 +68,30 @@ def local_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return t[rank * size : (rank + 1) * size]
 
 
+def step_side_by_side(
+    reference: nn.Module,
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    rank: int,
+    world_size: int,
+) -> None:
+    """One MSE training step: the reference on the whole batch, the sharded model on this
+    rank's slice, then every optimizer steps and zeroes its gradients."""
+    x, y = batch
+    F.mse_loss(reference(x), y).backward()
+    F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def max_param_difference(sharded: ShardedModel, reference: nn.Module) -> float:
+    """The largest difference between the sharded model's whole parameters and the reference's."""
+    full = sharded.full_state_dict(to_rank=None)
+    return max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items())
+
+
 def _optimizer(recipe: Recipe, module: nn.Module) -> torch.optim.Optimizer:
     params = recipe.param_groups(module) if recipe.param_groups is not None else module.parameters()
     return recipe.optimizer(params)

@@ -75,37 +75,45 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = DEFA
         ]
         for p in procs:
             p.start()
-        results: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout_s * 3 + 30
-        try:
-            while len(results) < world_size:
-                try:
-                    rank, ok, value = queue.get(timeout=0.5)
+        return collect_results(procs, queue, timeout_s * 3 + 30)
+
+
+def collect_results(procs: list[Any], queue: Any, timeout_s: float) -> list[Any]:
+    """Wait for each started rank process to put (rank, ok, pickled result or traceback) on
+    `queue`; return the results in rank order, or raise `RankFailure` with every failed rank's
+    traceback under a `--- rank k ---` header. A rank that dies without reporting (e.g. gloo
+    aborting the process) fails the run at once, with its exit code, not at the deadline. The
+    processes are joined (killed if still running) before returning."""
+    world_size = len(procs)
+    results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+                results[rank] = (ok, value)
+                continue
+            except queue_module.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+            if dead and queue.empty():
+                time.sleep(1.0)  # let the survivors report the error they saw
+                while not queue.empty():
+                    rank, ok, value = queue.get()
                     results[rank] = (ok, value)
-                    continue
-                except queue_module.Empty:
-                    pass
-                # A rank that died without reporting (e.g. gloo aborting the process) fails the
-                # test now, with its exit code, instead of at the deadline.
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
-                if dead and queue.empty():
-                    time.sleep(1.0)  # let the survivors report the error they saw
-                    while not queue.empty():
-                        rank, ok, value = queue.get()
-                        results[rank] = (ok, value)
-                    for r in dead:
-                        if r not in results:
-                            results[r] = (False, f"process exited with code {procs[r].exitcode} without reporting")
-                    break
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(results))
-                    raise RankFailure(f"ranks {missing} did not finish within {timeout_s * 3 + 30:.0f} s")
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
+                for r in dead:
+                    results.setdefault(r, (False, f"process exited with code {procs[r].exitcode} without reporting"))
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
     failures = [f"--- rank {r} ---\n{value}" for r, (ok, value) in sorted(results.items()) if not ok]
     if failures:
         raise RankFailure("\n".join(failures))
     return [pickle.loads(results[r][1]) for r in range(world_size)]
+

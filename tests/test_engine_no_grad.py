@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel
 from tests.models import MLP, TinyGPT, gpt_batch, mlp_batch
-from tests.parity import local_slice
+from tests.parity import local_slice, max_param_difference, step_side_by_side
 from tests.ranks import run_ranks
 
 MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
@@ -91,16 +91,10 @@ def _train_around_evaluations(rank: int, world_size: int, mode: str) -> float:
     sharded = ShardedModel(model, prefetch=1)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (reference, model)]
     for step in range(3):
-        x, y = mlp_batch(step)
-        F.mse_loss(reference(x), y).backward()
-        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+        step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
         with MODES[mode]():
-            model(x)
-    full = sharded.full_state_dict(to_rank=None)
-    return max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items())
+            model(mlp_batch(step)[0])
+    return max_param_difference(sharded, reference)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

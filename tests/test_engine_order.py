@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel
 from tests.models import RoutedMLP, mlp_batch
-from tests.parity import local_slice
+from tests.parity import local_slice, max_param_difference, step_side_by_side
 from tests.ranks import RankFailure, run_ranks
 
 # Collective timeout of the process group in these tests. A mismatch that is only noticed when
@@ -96,14 +96,8 @@ def _train_routed_against_reference(rank: int, world_size: int, prefetch: int, r
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
     for step, route in enumerate(routes):
         reference.route = model.route = route
-        x, y = mlp_batch(step)
-        F.mse_loss(reference(x), y).backward()
-        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    full = sharded.full_state_dict(to_rank=None)
-    return max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items())
+        step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
+    return max_param_difference(sharded, reference)
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])

@@ -1,5 +1,5 @@
 """`Unit`: the parameters gathered by one collective, and the three things done to them:
-gather (All-Gather shards -> full tensors), release, and reduce_grads (Reduce-Scatter full
+gather (All-Gather shards -> full tensors), release, and start_reduce/finish_reduce (Reduce-Scatter full
 gradients -> averaged shard gradients).
 
 [Note: flat layout and unit tag]
@@ -271,11 +271,6 @@ class Unit:
             out[o : o + p.shard_numel] if present else None
             for p, o, present in zip(self.params, self.offsets, pending.present)
         ]
-
-    def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """`start_reduce` and `finish_reduce` in one call."""
-        return self.finish_reduce(self.start_reduce(grads))
-
 
 @dataclass
 class PendingReduce:
