@@ -8,16 +8,14 @@ launch costs a fraction of a second after the first and every run starts from a 
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.multiprocessing as mp
 
-from tests.ranks import collect_results
+from tests.ranks import call_in_group, collect_results, report
 
 _PRELOAD = ["torch", "lightning.pytorch", "lightning_zero3", "benchmarks.backends"]
 _context: Any = None
@@ -45,7 +43,8 @@ def _entry(
     queue: Any,
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    try:
+
+    def work() -> Any:
         if mmap_threshold:
             _set_mmap_threshold(mmap_threshold)
         import torch
@@ -61,13 +60,9 @@ def _entry(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300), **kwargs
         )
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        queue.put((rank, True, pickle.dumps(result)))
-    except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
-        queue.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        return call_in_group(fn, rank, world_size, args)
+
+    report(queue, rank, work)
 
 
 def _mp_context() -> Any:

@@ -33,7 +33,8 @@ def _entry(
     rank: int, world_size: int, store_path: str, timeout_s: float, fn: Callable, args: tuple, queue: Any
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
+
+    def work() -> Any:
         import torch
 
         torch.set_num_threads(1)
@@ -41,11 +42,25 @@ def _entry(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        # By value: tensors sent through the queue as shared memory die with this process.
+        return call_in_group(fn, rank, world_size, args)
+
+    report(queue, rank, work)
+
+
+def call_in_group(fn: Callable, rank: int, world_size: int, args: tuple) -> Any:
+    """`fn(rank, world_size, *args)`, then leave the process group whatever happened."""
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def report(queue: Any, rank: int, work: Callable[[], Any]) -> None:
+    """Run `work()` in a rank process and put (rank, ok, pickled result or traceback) on `queue`,
+    what `collect_results` reads. Results go by value: tensors sent as shared memory would die
+    with this process."""
+    try:
+        result = work()
         queue.put((rank, True, pickle.dumps(result)))
     except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
