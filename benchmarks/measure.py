@@ -23,6 +23,8 @@ _WATCHED: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {
     "reduce_scatter_tensor": ("reduce_scatter", lambda output, input, *a, **k: input),
     "all_reduce": ("all_reduce", lambda tensor, *a, **k: tensor),
     "broadcast": ("broadcast", lambda tensor, *a, **k: tensor),
+    "isend": ("send", lambda tensor, *a, **k: tensor),
+    "irecv": ("recv", lambda tensor, *a, **k: tensor),
 }
 
 
@@ -59,13 +61,36 @@ class DistCounter:
 
         return counted
 
-    def take(self, world_size: int) -> dict[str, dict[str, int]]:
-        """The counts since the last `take`, with wire bytes; resets them."""
-        out = {}
-        for kind, entry in self.counts.items():
-            wire = int(round(_RING[kind] * (world_size - 1) / world_size * entry["payload_bytes"]))
-            out[kind] = {**entry, "wire_bytes": wire}
+    def take(self, world_size: int, *, gloo: bool) -> dict[str, dict[str, Any]]:
+        """The counts since the last `take`, with wire bytes; resets them.
+
+        Under gloo, `reduce_scatter_tensor` is an All-Reduce of the whole input (then a copy of
+        this rank's chunk), so its wire bytes are the All-Reduce's. lightning_zero3 on gloo
+        gathers with one broadcast per rank and reduces with sends and receives (its comm.py,
+        Note: gloo): the broadcasts are reported as the All-Gather they make up (calls: one per
+        N broadcasts) and the sends as a Reduce-Scatter whose payload is what a ring
+        Reduce-Scatter of the same rows would consume, N/(N-1) x the bytes sent, and whose wire
+        bytes are exactly the bytes sent."""
+        n = world_size
+        counts = {kind: dict(entry) for kind, entry in self.counts.items()}
         self.counts.clear()
+        out: dict[str, dict[str, Any]] = {}
+        for kind, entry in counts.items():
+            if kind in ("send", "recv"):
+                continue
+            factor = 2.0 if kind == "reduce_scatter" and gloo else _RING[kind]
+            out[kind] = {**entry, "wire_bytes": int(round(factor * (n - 1) / n * entry["payload_bytes"]))}
+        if gloo and "broadcast" in out and "all_gather" not in out and n > 1:
+            entry = out.pop("broadcast")
+            out["all_gather"] = {**entry, "calls": entry["calls"] // n, "via": "broadcast"}
+        sent = counts.get("send")
+        if sent and n > 1:
+            out["reduce_scatter"] = {
+                "calls": sent["calls"] // (n - 1),
+                "payload_bytes": sent["payload_bytes"] * n // (n - 1),
+                "wire_bytes": sent["payload_bytes"],
+                "via": "send/recv",
+            }
         return out
 
 
@@ -139,6 +164,7 @@ class StepRecorder:
         self.world_size = world_size
         self.device = device
         self.counter = counter
+        self._gloo = device.type == "cpu"  # the benchmark runs CPU ranks on gloo, GPUs on NCCL
         self.steps: list[dict[str, Any]] = []
         self._t0 = 0.0
         self._cpu0 = 0.0
@@ -149,7 +175,7 @@ class StepRecorder:
 
     def start(self) -> None:
         self._sync()
-        self.counter.take(self.world_size)
+        self.counter.take(self.world_size, gloo=self._gloo)
         self._t0 = time.perf_counter()
         self._cpu0 = time.process_time()
 
@@ -164,7 +190,7 @@ class StepRecorder:
             "time_s": elapsed,
             "cpu_s": cpu,
             "loss": value,
-            "comm": self.counter.take(self.world_size),
+            "comm": self.counter.take(self.world_size, gloo=self._gloo),
         }
         step["peak_rss_bytes"] = peak_rss_bytes()  # the process's high-water mark so far
         if gather_wait_s is not None:

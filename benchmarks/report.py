@@ -12,6 +12,13 @@ MIB = 2**20
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
+def _bytes_from(entry: dict) -> str:
+    if "formula" in entry["step_bytes_source"]:
+        return "formula"
+    via = [f"{kind.replace('_', '-')} as {v['via']}" for kind, v in entry["step_bytes"].items() if "via" in v]
+    return "counted" + (f" ({'; '.join(via)})" if via else "")
+
+
 def _label(name: str) -> str:
     return BACKENDS[name][0] if name in BACKENDS else name
 
@@ -106,7 +113,7 @@ def memory_table(backends: dict[str, dict[str, Any]]) -> str:
             payload["reduce_scatter"],
             payload["all_reduce"],
             f"{wire:.2f}",
-            "formula" if "formula" in e["step_bytes_source"] else "counted",
+            _bytes_from(e),
             str(e.get("peak_units_alive", "-")),
             "-" if diff is None else f"{diff:.1e}",
         ]

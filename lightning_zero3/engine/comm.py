@@ -6,6 +6,17 @@ Bytes are counted two ways per collective:
   gathered output; Reduce-Scatter: the unreduced input; All-Reduce: the tensor);
 - wire: what one rank sends with the ring algorithm, (N-1)/N of the payload for All-Gather and
   Reduce-Scatter and 2(N-1)/N for All-Reduce. It is zero on one rank.
+
+[Note: gloo]
+gloo's All-Gather receives into a temporary buffer and copies it out, and its Reduce-Scatter
+clones the whole input, All-Reduces it (twice the bytes on the wire) and copies this rank's
+chunk out: allocations and copies as large as the unit, every time. On CPU tensors under gloo
+both are therefore built from torch.distributed operations that work in place: the All-Gather
+is one broadcast per rank, each rank the source of its own row of the output; the
+Reduce-Scatter sends every other rank its row and receives theirs (send/recv), then sums the
+rows in rank order. Each rank sends (N-1)/N of the payload either way, as the ring would, and
+the measured step time drops (docs/performance.md). NCCL (and anything else) gets the native
+collectives.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_zero3.engine.buffers import BufferPool
 
 
 class Collective(str, Enum):
@@ -72,12 +85,21 @@ class Comm:
     """Collectives over one process group. With no process group (one process, no
     torch.distributed) every collective is a local copy, so the engine runs unchanged."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, pool: BufferPool | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.stats = CommStats()
+        # Receive buffers of the send/recv Reduce-Scatter (Note: gloo).
+        self.pool = pool or BufferPool()
+        self._gloo = self.distributed and "gloo" in str(dist.get_backend(self.group))
+        # Global rank of each group rank: point-to-point calls and broadcasts name global ranks.
+        self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)] if self.distributed else []
+
+    def _in_place(self, tensor: torch.Tensor) -> bool:
+        """Whether collectives on `tensor` are built from in-place operations (Note: gloo)."""
+        return self._gloo and tensor.device.type == "cpu" and self.world_size > 1
 
     def failed(self, collective: str, what: str, err: BaseException) -> CollectiveError:
         """The error to raise when `collective` of `what` failed on this rank."""
@@ -89,26 +111,68 @@ class Comm:
         self.stats.current[kind.value].add(payload_bytes, wire)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
-        """Gather `shard` (same numel on every rank) into `output` (world_size x shard), rank-major."""
+        """Gather `shard` (same numel on every rank) into `output` (world_size x shard), rank-major.
+        `shard` may be this rank's row of `output` itself (in place: nothing is copied)."""
         self._count(Collective.ALL_GATHER, output.numel() * output.element_size(), 1.0)
+        rows = output.view(self.world_size, -1)
+        if shard.data_ptr() != rows[self.rank].data_ptr():
+            rows[self.rank].copy_(shard.view(-1))
         if not self.distributed:
-            output.copy_(shard.view_as(output))
             return None
         try:
-            return dist.all_gather_single(output.view(-1), shard.view(-1), group=self.group, async_op=async_op)
+            if self._in_place(output):
+                work = Works([
+                    dist.broadcast(rows[r], src=self._global[r], group=self.group, async_op=True)
+                    for r in range(self.world_size)
+                ])  # fmt: skip
+            else:
+                work = dist.all_gather_single(output.view(-1), rows[self.rank], group=self.group, async_op=True)
+            if not async_op:
+                work.wait()
+                return None
+            return work
         except RuntimeError as err:
             raise self.failed("All-Gather", what, err) from err
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False) -> Any:
-        """Sum `full` (world_size x chunk, rank-major) over ranks; this rank keeps its chunk."""
+        """Sum `full` (world_size x chunk, rank-major) over ranks; this rank keeps its chunk in
+        `output`. `full` must not change until the returned work is waited for."""
         self._count(Collective.REDUCE_SCATTER, full.numel() * full.element_size(), 1.0)
+        rows = full.view(self.world_size, -1)
         if not self.distributed:
-            output.copy_(full.view_as(output))
+            output.copy_(rows[0])
             return None
         try:
-            return dist.reduce_scatter_single(output.view(-1), full.reshape(-1), group=self.group, async_op=async_op)
+            if self._in_place(full):
+                work = self._send_recv_reduce_scatter(output, rows)
+            else:
+                work = dist.reduce_scatter_single(output.view(-1), full.reshape(-1), group=self.group, async_op=True)
+            if not async_op:
+                work.wait()
+                return None
+            return work
         except RuntimeError as err:
             raise self.failed("Reduce-Scatter", what, err) from err
+
+    def _send_recv_reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> Works:
+        """Reduce-Scatter from point-to-point calls (Note: gloo): row j goes to rank j, the
+        other ranks' rows for this rank arrive in a pooled buffer; the wait sums them."""
+        n, me = self.world_size, self.rank
+        chunk = rows.shape[1]
+        received = self.pool.take((n - 1) * chunk, rows.dtype, rows.device).view(n - 1, chunk)
+        peers = [r for r in range(n) if r != me]
+        works = [dist.irecv(received[i], src=self._global[r], group=self.group) for i, r in enumerate(peers)]
+        works += [dist.isend(rows[r], dst=self._global[r], group=self.group) for r in peers]
+
+        def add_up() -> None:
+            # Rank order, so the rounding does not depend on which rank sums.
+            parts = [rows[me] if r == me else received[i if r < me else i - 1] for i, r in enumerate(range(n))]
+            output.view(-1).copy_(parts[0])
+            for part in parts[1:]:
+                output.view(-1).add_(part)
+            self.pool.give(received.view(-1))
+
+        return Works(works, then=add_up)
 
     def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum") -> None:
         """Reduce `tensor` over ranks in place (`op`: "sum" or "max")."""
@@ -146,6 +210,22 @@ class Comm:
         start = time.perf_counter()
         work.wait()
         self.stats.gather_wait_s += time.perf_counter() - start
+
+
+class Works:
+    """Several works waited for as one, then an optional completion step."""
+
+    def __init__(self, works: list[Any], then: Any = None) -> None:
+        self.works = works
+        self.then = then
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return True
 
 
 def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

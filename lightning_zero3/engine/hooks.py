@@ -204,7 +204,7 @@ class HookDriver:
             call.fulls = []  # no backward will need them from us (autograd keeps what it saved)
             self.model.on_alive_change(unit, -1)
             return
-        Unit.release(call.fulls)
+        call.unit.release(call.fulls)
         self.model.on_alive_change(unit, -1)
         call.state = CallState.RESHARDED
         self._pending.append(call)
@@ -291,7 +291,7 @@ class HookDriver:
                 self._finish_reduction()
         if call.state is CallState.BACKWARD:
             self._unshadow(call)
-            Unit.release(call.fulls)
+            call.unit.release(call.fulls)
             self.model.on_alive_change(unit, -1)
         elif call.state is CallState.FORWARD:
             # Backward inside the unit's own forward: keep the tensors on the modules until the
@@ -322,7 +322,7 @@ class HookDriver:
         for call in self._pending:
             if call.state is CallState.BACKWARD:
                 self._unshadow(call)
-                Unit.release(call.fulls)
+                call.unit.release(call.fulls)
                 self.model.on_alive_change(call.unit, -1)
             call.state = CallState.REDUCED
         self._pending = []

@@ -83,8 +83,10 @@ class ShardedModel:
             group, replicate_group = hybrid_groups(shard_size)
         # Collectives on parameter data run in the shard group (the whole world by default);
         # with hierarchical sharding, gradients are also averaged across `replicate_comm`.
-        self.comm = Comm(group)
-        self.replicate_comm = Comm(replicate_group) if replicate_group is not None else None
+        # Transient buffers (gathers, reductions, full parameters) are reused from here.
+        self.pool = BufferPool()
+        self.comm = Comm(group, pool=self.pool)
+        self.replicate_comm = Comm(replicate_group, pool=self.pool) if replicate_group is not None else None
         # Control traffic that must reach every rank: initial broadcast, order check, edits.
         self.world_comm = Comm(None)
         self.schedule = Schedule(prefetch)
@@ -94,7 +96,6 @@ class ShardedModel:
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=_device_of(module, device),
             param_init_fn=param_init_fn, sync_module_states=sync_module_states,
         )  # fmt: skip
-        self.pool = BufferPool()
         # CPU parameters: free heap beyond this is given back to the OS after a backward
         # (buffers.py). Large enough that trimming (and faulting the pages back in) happens
         # every few steps rather than every step.

@@ -19,6 +19,15 @@ Shards (the optimizer's master copy) keep the model's dtype. Gathers run in `par
 Gradients arrive in `param_dtype` and are reduced in `reduce_dtype` (default: fp32, or the
 shard dtype when wider), then cast to the shard dtype. A 16-bit reduction cannot hold large
 integers exactly, so there the tag column carries 1 and only counts the ranks.
+
+[Note: full-parameter blocks]
+The full parameters of one gather are views of one block of `numel` elements taken from the
+unit's `BufferPool`. Autograd keeps those tensors (or views of them) from forward to backward,
+so `release` cannot drop them: it moves the block's memory out of their storage and back into
+the pool (`UntypedStorage._swap_data_ptr_`), leaving the storage empty, and the backward's
+re-gather moves a pooled block in again. The few blocks the pool holds are then reused step
+after step: no allocation, no page faults on fresh memory and no heap fragmentation from full
+parameters, although autograd holds every unit's (empty) tensors until its backward.
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ from torch import nn
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.shard import ShardedParam
+
+# Moving a block of memory between two storages (Note: full-parameter blocks); older torch
+# releases without it free and re-allocate instead.
+_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class OrderMismatchError(RuntimeError):
@@ -89,10 +102,10 @@ class Unit:
             total += p.shard_numel
         # Elements each rank contributes, without the tag.
         self.shard_numel = total
-        # In-flight or finished-but-unread All-Gather: (work, gathered buffer, its dtype, send
-        # buffer). The send buffer is kept until the wait: with NCCL the collective reads it on
+        # In-flight or finished-but-unread All-Gather: (work, gathered buffer, its dtype). The
+        # buffer goes back to the pool only after the wait: with NCCL the collective uses it on
         # its own stream after `start_gather` returns.
-        self._pending: tuple[object, torch.Tensor, torch.dtype, torch.Tensor] | None = None
+        self._pending: tuple[object, torch.Tensor, torch.dtype] | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
@@ -126,7 +139,9 @@ class Unit:
         dtype = dtype or self.param_dtype
         like = self._like()
         width = self.shard_numel + self._tag_numel(dtype)
-        send = self.pool.take(width, dtype, like.device)
+        recv = self.pool.take(self.world_size * width, dtype, like.device)
+        # This rank's row of the output is its send buffer (an in-place All-Gather).
+        send = recv[self.comm.rank * width : (self.comm.rank + 1) * width]
         with torch.no_grad():
             if dtype == like.dtype:
                 torch.cat([p.param.detach() for p in self.params], out=send[: self.shard_numel])
@@ -135,18 +150,16 @@ class Unit:
                     send[offset : offset + p.shard_numel].copy_(p.param.detach())  # casts
             bits = torch.tensor([self.tag], dtype=torch.int32).view(dtype)  # the tag's 32 bits, as `dtype`
             send[self.shard_numel :].copy_(bits[: send.numel() - self.shard_numel])
-        recv = self.pool.take(self.world_size * width, dtype, like.device)
         work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'")
-        self._pending = (work, recv, dtype, send)
+        self._pending = (work, recv, dtype)
 
     def discard_gather(self) -> None:
         """Drop a prefetch that the step did not use (the collective still completes)."""
         if self._pending is not None:
-            work, recv, _, send = self._pending
+            work, recv, _ = self._pending
             self.comm.wait(work)
             self._pending = None
             self.pool.give(recv)
-            self.pool.give(send)
 
     def _take_gathered(self, dtype: torch.dtype) -> torch.Tensor:
         """The gathered (N, S + tag) buffer; give it back to the pool when done with it."""
@@ -155,13 +168,12 @@ class Unit:
         if self._pending is None:
             self.start_gather(dtype)
         assert self._pending is not None
-        work, recv, _, send = self._pending
+        work, recv, _ = self._pending
         self._pending = None
         try:
             self.comm.wait(work)
         except RuntimeError as err:
             raise self.comm.failed("All-Gather", f"unit '{self.name}'", err) from err
-        self.pool.give(send)
         gathered = recv.view(self.world_size, self.shard_numel + self._tag_numel(dtype))  # (N, S + tag)
         tags = gathered[:, self.shard_numel :].contiguous().view(torch.int32)[:, 0]  # (N,)
         if not bool((tags == self.tag).all()):
@@ -179,23 +191,24 @@ class Unit:
 
     def gather(self, into: list[torch.Tensor] | None = None, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Full parameters of the unit, in `dtype` (default `param_dtype`; pass `shard_dtype`
-        for the exact master values). With `into`, refill those tensors' (re-allocated)
-        storage in place instead of allocating new tensors, without bumping their version."""
+        for the exact master values). With `into` (full tensors that `release` emptied), refill
+        those tensors' storage in place instead of allocating new tensors, without bumping their
+        version (Note: full-parameter blocks)."""
         gathered = self._take_gathered(dtype or self.param_dtype)
-        fulls: list[torch.Tensor] = []
-        # All full parameters of one gather share one allocation (one block per unit and pass
-        # rather than one per parameter: the CPU heap fragments much less).
-        base = torch.empty(self.numel, dtype=gathered.dtype, device=gathered.device) if into is None else None
-        if into is not None and into[0].untyped_storage().size() == 0:
-            into[0].untyped_storage().resize_(self.numel * into[0].element_size())
-        start = 0
-        for i, p in enumerate(self.params):
-            if base is not None:
-                full = base[start : start + p.numel].view(p.full_shape)
+        if into is None:
+            base = self.pool.take(self.numel, gathered.dtype, gathered.device)
+            fulls = []
+            start = 0
+            for p in self.params:
+                fulls.append(base[start : start + p.numel].view(p.full_shape))
                 start += p.numel
-            else:
-                full = into[i].data  # `.data` does not share the autograd version counter
-            flat = full.view(-1)
+        else:
+            storage = into[0].untyped_storage()
+            if storage.size() == 0:
+                self._refill(storage, into[0].dtype)
+            fulls = list(into)
+        for i, p in enumerate(self.params):
+            flat = fulls[i].data.view(-1)  # `.data` does not share the autograd version counter
             s, o = p.shard_numel, self.offsets[i]
             rows = p.numel // s  # ranks whose piece is entirely real data
             with torch.no_grad():
@@ -203,16 +216,32 @@ class Unit:
                 rest = p.numel - rows * s
                 if rest:
                     flat[rows * s :].copy_(gathered[rows, o : o + rest])
-            fulls.append(into[i] if into is not None else full)
         self.pool.give(gathered.view(-1))
         return fulls
 
-    @staticmethod
-    def release(fulls: list[torch.Tensor]) -> None:
-        """Free the storage of full parameters while keeping the tensor objects, which autograd
-        may have saved; `gather(into=fulls)` re-allocates and refills it."""
-        for full in fulls:
-            full.untyped_storage().resize_(0)
+    def _refill(self, storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
+        """Give an emptied full-parameter storage a block of memory again."""
+        if _SWAP_STORAGE:
+            block = self.pool.take(self.numel, dtype, storage.device)
+            storage._swap_data_ptr_(block.untyped_storage())  # the block's memory moves into `storage`
+        else:
+            storage.resize_(self.numel * dtype.itemsize)
+
+    def release(self, fulls: list[torch.Tensor]) -> None:
+        """Empty the storage of full parameters from `gather` while keeping the tensor objects,
+        which autograd may have saved; `gather(into=fulls)` refills it. The memory goes back to
+        the pool (Note: full-parameter blocks)."""
+        if not fulls:
+            return
+        storage = fulls[0].untyped_storage()  # all full parameters of a gather share it
+        if storage.size() == 0:
+            return
+        if _SWAP_STORAGE and storage.size() == self.numel * fulls[0].element_size():
+            holder = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device)
+            holder.untyped_storage()._swap_data_ptr_(storage)  # `storage` is left empty
+            self.pool.give(holder.set_(holder.untyped_storage(), 0, (self.numel,)))
+        else:
+            storage.resize_(0)
 
     # ---- reduce ---------------------------------------------------------------------------
     def start_reduce(self, grads: list[torch.Tensor | None]) -> PendingReduce:
