@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--no-trim", action="store_true", help="ShardedModel(trim_host_memory=False)")
     args = parser.parse_args()
-    marks = sorted({0, 9, 19, 29, args.steps - 1} & set(range(args.steps)))
+    marks = sorted({0, 9, 19, 29, 39, 79, 119, args.steps - 1} & set(range(args.steps)))
     for rank, (median, peaks) in enumerate(run_ranks(_train, 2, args.steps, not args.no_trim, timeout_s=600)):
         shown = ", ".join(f"{i + 1}: {peaks[i]}" for i in marks)
         print(f"rank {rank}: median step {median:.3f} s; peak RSS (MiB) after step {shown}")

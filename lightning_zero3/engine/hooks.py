@@ -24,6 +24,13 @@ collective of another size before a tag check, which gloo answers by aborting th
 the other ranks still raise the error naming the unit. Adding (rather than assigning) keeps
 accumulation, tied weights and modules called twice exact.
 
+[Note: call lifetime]
+A `UnitCall` is held by the driver while its pass may still need it (`_shadowing`, `_pending`)
+and by the hooks on the unit's outputs for as long as autograd's graph lives (so backward, and
+a second backward with retain_graph, find it). `_GatherParams` only keeps a weak reference:
+the call owns the full tensors, whose grad_fn owns the ctx, and a strong reference from ctx to
+the call would close a cycle through C++ that Python's garbage collector cannot break.
+
 [Note: recomputation]
 Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
 unit's output hook has already re-gathered it (state BACKWARD), so the recomputed forward reuses
@@ -34,6 +41,7 @@ the inner backward that follows reduces it.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from enum import Enum
 from functools import partial
@@ -75,7 +83,10 @@ class _GatherParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, driver: HookDriver, call: UnitCall, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.driver, ctx.call = driver, call
+        # The call holds the outputs (call.fulls) and their grad_fn holds ctx: a strong
+        # reference back to the call would be a cycle through autograd's C++ graph, which
+        # Python's garbage collector cannot see, leaking every call (Note: call lifetime).
+        ctx.driver, ctx.call = driver, weakref.ref(call)
         ctx.set_materialize_grads(False)
         fulls = call.unit.gather()
         frozen = [full for full, shard in zip(fulls, shards) if not shard.requires_grad]
@@ -85,7 +96,14 @@ class _GatherParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        shard_grads = ctx.driver.post_backward(ctx.call, list(grads))
+        call = ctx.call()
+        if call is None:
+            raise RuntimeError(
+                "ZeRO-3 backward reached the parameters of a unit whose forward belongs to an earlier "
+                "pass: every forward pass releases the previous pass's gathered parameters. Run "
+                "backward before the next forward of the model."
+            )
+        shard_grads = ctx.driver.post_backward(call, list(grads))
         return (None, None, *shard_grads)
 
 
