@@ -93,13 +93,15 @@ class Comm:
         self.stats = CommStats()
         # Receive buffers of the send/recv Reduce-Scatter (Note: gloo).
         self.pool = pool or BufferPool()
-        self._gloo = self.distributed and "gloo" in str(dist.get_backend(self.group))
+        # Build CPU collectives from in-place operations (Note: gloo); tests turn it off to run
+        # the native collectives, the path NCCL takes.
+        self.gloo_in_place = self.distributed and "gloo" in str(dist.get_backend(self.group))
         # Global rank of each group rank: point-to-point calls and broadcasts name global ranks.
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)] if self.distributed else []
 
     def _in_place(self, tensor: torch.Tensor) -> bool:
         """Whether collectives on `tensor` are built from in-place operations (Note: gloo)."""
-        return self._gloo and tensor.device.type == "cpu" and self.world_size > 1
+        return self.gloo_in_place and tensor.device.type == "cpu" and self.world_size > 1
 
     def failed(self, collective: str, what: str, err: BaseException) -> CollectiveError:
         """The error to raise when `collective` of `what` failed on this rank."""
