@@ -3,6 +3,7 @@ memory stays flat (it should: nothing is kept between steps but shards and optim
 
     python benchmarks/heap_growth.py                       # 40 steps, heap trimming on (default)
     python benchmarks/heap_growth.py --no-trim --steps 40  # without the slack-based malloc_trim
+    python benchmarks/heap_growth.py --ddp                 # the same loop under PyTorch DDP
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ def _peak_rss_mib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) // 1024
 
 
-def _train(rank: int, world_size: int, steps: int, trim: bool) -> tuple[float, list[int]]:
+def _train(rank: int, world_size: int, steps: int, trim: bool, ddp: bool) -> tuple[float, list[int]]:
     from train_gpt import GPT, GPTConfig
 
     from lightning_zero3.engine import ShardedModel
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=96, block_size=128, n_layer=6, n_head=8, n_embd=256))  # ~5M parameters
-    ShardedModel(model, prefetch=1, trim_host_memory=trim)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        ShardedModel(model, prefetch=1, trim_host_memory=trim)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
     times, peaks = [], []
@@ -52,9 +56,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--no-trim", action="store_true", help="ShardedModel(trim_host_memory=False)")
+    parser.add_argument("--ddp", action="store_true", help="PyTorch DDP instead of the ZeRO-3 engine")
     args = parser.parse_args()
     marks = sorted({0, 9, 19, 29, 39, 79, 119, args.steps - 1} & set(range(args.steps)))
-    for rank, (median, peaks) in enumerate(run_ranks(_train, 2, args.steps, not args.no_trim, timeout_s=600)):
+    for rank, (median, peaks) in enumerate(run_ranks(_train, 2, args.steps, not args.no_trim, args.ddp, timeout_s=900)):
         shown = ", ".join(f"{i + 1}: {peaks[i]}" for i in marks)
         print(f"rank {rank}: median step {median:.3f} s; peak RSS (MiB) after step {shown}")
 

@@ -1,12 +1,12 @@
 """`BufferPool`: reuse of the large transient buffers of gathers and reductions.
 
-Every All-Gather needs a send buffer (this rank's shards) and a receive buffer (the whole unit),
-and every Reduce-Scatter an input buffer as large as the unit's full gradient. Allocating them
-anew each time makes the process's memory grow step after step with glibc's allocator (freed
-blocks of a few MB stay in the heap, fragmented, instead of returning to the OS), although no
-tensor is leaked. Units of a model mostly share sizes (identical blocks), so a pool keyed by
-(size, dtype, device) keeps a handful of buffers: at most as many of each size as were in use
-at once, i.e. the 1 + prefetch (+ reductions in flight) transient units the design allows.
+Every All-Gather needs a receive buffer (the whole unit; this rank's row of it is the send
+buffer), every Reduce-Scatter an input buffer as large as the unit's full gradient, and every
+gather a block for the full parameters (unit.py, Note: full-parameter blocks). Allocating them
+anew each time makes the C heap fragment and the process's memory grow step after step. Units
+of a model mostly share sizes (identical blocks), so a pool keyed by (size, dtype, device) keeps
+a handful of buffers: at most as many of each size as were in use at once, i.e. the
+1 + prefetch (+ reductions in flight) transient units the design allows.
 """
 
 from __future__ import annotations
@@ -59,12 +59,11 @@ def return_free_host_memory(slack_bytes: int) -> bool:
     """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`) once more than
     `slack_bytes` of it are free. Returns whether it trimmed.
 
-    Full parameters are allocated and freed unit by unit, twice per step. On the CPU, glibc
-    keeps freed blocks below 32 MiB in its heap, where buffers that live on (shard gradients)
-    fragment it, so the process's memory would grow by about one parameter copy per step
-    although no tensor is kept (measured in docs/performance.md). Trimming every step costs
-    ~10% of a small model's step (the next step faults its pages in again), so it only happens
-    when the free part of the heap exceeds the slack. GPU memory is not concerned."""
+    A bound, not the mechanism: the engine's own large buffers are pooled, so after the first
+    steps its process memory stays flat (docs/performance.md). What the model allocates
+    (activations, gradients) can still leave glibc holding freed memory it cannot reuse;
+    trimming every step would cost time (the next step faults its pages in again), so it only
+    happens when the free part of the heap exceeds the slack. GPU memory is not concerned."""
     if _glibc is None:
         return False
     malloc_trim, mallinfo2 = _glibc

@@ -119,8 +119,8 @@ class Comm:
         rows = output.view(self.world_size, -1)
         if shard.data_ptr() != rows[self.rank].data_ptr():
             rows[self.rank].copy_(shard.view(-1))
-        if not self.distributed:
-            return None
+        if not self.distributed or self.world_size == 1:
+            return None  # one rank: its row is the whole output
         try:
             if self._in_place(output):
                 work = Works([
@@ -141,8 +141,8 @@ class Comm:
         `output`. `full` must not change until the returned work is waited for."""
         self._count(Collective.REDUCE_SCATTER, full.numel() * full.element_size(), 1.0)
         rows = full.view(self.world_size, -1)
-        if not self.distributed:
-            output.copy_(rows[0])
+        if not self.distributed or self.world_size == 1:
+            output.view(-1).copy_(rows[0])  # one rank: nothing to sum
             return None
         try:
             if self._in_place(full):
