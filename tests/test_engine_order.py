@@ -120,3 +120,35 @@ def test_last_block_skipped_on_one_rank_fails_fast_instead_of_hanging():
     assert time.perf_counter() - start < TIMEOUT_S / 2
     text = str(failure.value)
     assert "CollectiveError" in text or "OrderMismatchError" in text, text
+
+
+def _stall_in_backward(rank: int, world_size: int, stall_s: float) -> tuple[str, float]:
+    """Rank 1 stalls inside backward, between blocks' gradients; what does rank 0 see?"""
+    from tests.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    ShardedModel(model, prefetch=1)
+
+    def stall(module, args, output):
+        output.register_hook(lambda grad: time.sleep(stall_s))
+
+    if rank == 1:
+        model.blocks[0].register_forward_hook(stall)
+    start = time.perf_counter()
+    try:
+        model(torch.randn(4, 7)).sum().backward()
+    except Exception as err:  # what a rank raises is the result here
+        return f"{type(err).__name__}: {err}", time.perf_counter() - start
+    return "finished", time.perf_counter() - start
+
+
+def test_rank_stalled_inside_backward_fails_the_others_after_the_timeout_naming_the_unit():
+    """A rank that stops answering (alive, but stuck) while the others wait in a Reduce-Scatter
+    (send/recv on gloo) must not hang them: they fail when the process group's timeout expires,
+    with the unit named."""
+    timeout_s, stall_s = 2, 6
+    waiting, stalled = run_ranks(_stall_in_backward, 2, stall_s, timeout_s=timeout_s)
+    message, seconds = waiting
+    assert message.startswith("CollectiveError: Reduce-Scatter of gradients of unit 'blocks.0'"), message
+    assert timeout_s - 0.5 < seconds < stall_s - 1, seconds
