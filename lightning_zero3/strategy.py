@@ -447,7 +447,7 @@ class ZeRO3Strategy(ParallelStrategy):
             "peak_units_alive": sharded.unit_stats.peak,
             "peak_units_alive_without_root": sharded.unit_stats.peak_without_root,
             "model_state_bytes": sharded.model_state_bytes(self.optimizers),
-            # Free gather/reduction buffers kept for reuse (at most 1 + prefetch units' worth).
+            # Free gather/reduction buffers and full-parameter blocks kept for reuse (buffers.py).
             "buffer_pool_bytes": sharded.pool.cached_bytes,
         }
 
