@@ -41,7 +41,9 @@ class DistCounter:
 
     def install(self) -> None:
         for name, (kind, payload_of) in _WATCHED.items():
-            original = getattr(dist, name)
+            original = getattr(dist, name, None)
+            if original is None:  # e.g. the *_single names, which older torch releases lack
+                continue
             self._originals[name] = original
             setattr(dist, name, self._wrap(original, kind, payload_of))
 

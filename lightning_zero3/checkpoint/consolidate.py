@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
 from lightning_zero3.checkpoint.files import PARTIAL_SUFFIX, fsync_file, remove_path, replace_path, sibling
-from lightning_zero3.checkpoint.format import ShardedCheckpoint, dtype_of, in_saved_order, open_sharded
+from lightning_zero3.checkpoint.format import ShardedCheckpoint, dcp_no_dist, dtype_of, in_saved_order, open_sharded
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -228,7 +228,7 @@ class _Reader(dcp.FileSystemReader):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({key: target}, storage_reader=self, no_dist=True)
+                dcp.load({key: target}, storage_reader=self, **dcp_no_dist(dcp.load, True))
         except (Exception, dcp.CheckpointException) as err:
             raise CheckpointError(f"reading '{key}' from {self.path} failed: {describe_error(err)}") from err
         return target

@@ -29,6 +29,7 @@ written once.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -377,3 +378,10 @@ def _check_file(directory: Path, name: str, expected: Mapping[str, Any], *, crc:
 
 def _dcp_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.glob("__*_*.distcp"))
+
+
+def dcp_no_dist(fn: Any, no_dist: bool) -> dict[str, bool]:
+    """The `no_dist=` keyword for `dcp.save` / `dcp.load` where torch accepts it. torch 2.6 has
+    no such keyword and decides from whether a process group exists, which is the same answer
+    everywhere but in consolidation run inside a distributed program."""
+    return {"no_dist": no_dist} if "no_dist" in inspect.signature(fn).parameters else {}

@@ -17,6 +17,7 @@ from lightning_zero3.checkpoint.format import (
     Pieces,
     ShardedCheckpoint,
     TensorInfo,
+    dcp_no_dist,
     describe_mismatch,
     dtype_name,
     dtype_of,
@@ -179,7 +180,7 @@ def _dcp_load(targets: dict[str, torch.Tensor], ckpt: ShardedCheckpoint, comm: C
                 targets,
                 storage_reader=dcp.FileSystemReader(ckpt.path),
                 process_group=comm.group,
-                no_dist=not comm.distributed,
+                **dcp_no_dist(dcp.load, not comm.distributed),
             )
     except (Exception, dcp.CheckpointException) as err:
         raise CheckpointError(f"Loading {ckpt.path} failed: {describe_error(err)}") from err

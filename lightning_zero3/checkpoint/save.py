@@ -32,6 +32,7 @@ from lightning_zero3.checkpoint.format import (
     TRAINER_STATE_FILE,
     Pieces,
     TensorInfo,
+    dcp_no_dist,
     dtype_name,
     fingerprint,
     model_parameter_shapes,
@@ -157,7 +158,8 @@ def save_sharded(
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.save(tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed)
+                no_dist = dcp_no_dist(dcp.save, not comm.distributed)
+                dcp.save(tensors, storage_writer=writer, process_group=comm.group, **no_dist)
         except (Exception, dcp.CheckpointException) as err:
             raise CheckpointError(f"{context}: writing the shards failed: {describe_error(err)}") from err
         mine, error = error_of(lambda: checksums(partial, _rank_files(partial, comm.rank)))
