@@ -381,7 +381,7 @@ def _dcp_files(directory: Path) -> list[str]:
 
 
 def dcp_no_dist(fn: Any, no_dist: bool) -> dict[str, bool]:
-    """The `no_dist=` keyword for `dcp.save` / `dcp.load` where torch accepts it. torch 2.6 has
-    no such keyword and decides from whether a process group exists, which is the same answer
-    everywhere but in consolidation run inside a distributed program."""
+    """The `no_dist=` keyword for `dcp.save` / `dcp.load` where torch accepts it. Releases
+    before the supported range (e.g. 2.6) have no such keyword and decide from whether a process
+    group exists: the same answer everywhere but in consolidation inside a distributed program."""
     return {"no_dist": no_dist} if "no_dist" in inspect.signature(fn).parameters else {}

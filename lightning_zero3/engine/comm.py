@@ -219,9 +219,9 @@ class Comm:
 
 
 def _native(name: str, before: str) -> Any:
-    """torch.distributed's function `name`, or its older name `before` (torch 2.6, the oldest
-    release we accept, has only the older spellings). Looked up at each call, so wrappers
-    installed on `dist` (tests, the benchmark's counter) see it."""
+    """torch.distributed's function `name`, or its older name `before` (releases before the
+    supported range, e.g. 2.6, have only those). Looked up at each call, so wrappers installed on
+    `dist` (tests, the benchmark's counter) see it."""
     return getattr(dist, name, None) or getattr(dist, before)
 
 
