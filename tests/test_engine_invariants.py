@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from functools import partial
 
 import pytest
@@ -137,41 +138,57 @@ def test_frozen_units_and_persistent_parameters_send_what_expected_step_bytes_sa
         assert (gathers, reduces) == (2 * len(result["units"]) - 1, len(result["units"]) - 1)
 
 
-def _torch_distributed_calls(rank: int, world_size: int) -> dict:
-    """What one step asks of torch.distributed, counted by wrapping its functions (not by us)."""
+# torch.distributed functions the engine may call per step, and what each does. The native
+# collectives under either name (older releases, e.g. torch 2.6, have only the second spelling).
+_PER_STEP_CALLS = {
+    "broadcast": "in-place gather", "isend": "in-place reduce", "irecv": "in-place reduce",
+    "all_reduce": "all-reduce",
+    "all_gather_single": "native gather", "all_gather_into_tensor": "native gather",
+    "reduce_scatter_single": "native reduce", "reduce_scatter_tensor": "native reduce",
+}  # fmt: skip
+
+
+@contextmanager
+def _recording_dist_calls():
+    """Record (name, bytes of the first tensor argument) of every call to the functions in
+    `_PER_STEP_CALLS`, by wrapping them on torch.distributed: a count that is not the engine's."""
     import torch.distributed as dist
 
-    model, sharded, optimizer = _train("mlp", rank, world_size, steps=1, prefetch=1)
-    x, y = mlp_batch(1)
-    calls: dict[str, list[int]] = {}
-    originals = {name: getattr(dist, name) for name in ("broadcast", "isend", "irecv", "all_reduce")}
+    calls: list[tuple[str, int]] = []
+    originals = {name: getattr(dist, name) for name in _PER_STEP_CALLS if hasattr(dist, name)}
 
-    def counting(name, fn):
+    def recording(name, fn):
         def wrapper(tensor, *args, **kwargs):
-            calls.setdefault(name, []).append(tensor.numel() * tensor.element_size())
+            calls.append((name, tensor.numel() * tensor.element_size()))
             return fn(tensor, *args, **kwargs)
+
         return wrapper
 
     for name, fn in originals.items():
-        setattr(dist, name, counting(name, fn))
+        setattr(dist, name, recording(name, fn))
     try:
-        out = model(local_slice(x, rank, world_size))
-        torch.nn.functional.mse_loss(out, local_slice(y, rank, world_size)).backward()
-        optimizer.step()
+        yield calls
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def _torch_distributed_calls(rank: int, world_size: int) -> dict:
+    """What one step asks of torch.distributed: {name: (calls, bytes)}."""
+    model, sharded, optimizer = _train("mlp", rank, world_size, steps=1, prefetch=1)
+    x, y = mlp_batch(1)
+    with _recording_dist_calls() as calls:
+        out = model(local_slice(x, rank, world_size))
+        torch.nn.functional.mse_loss(out, local_slice(y, rank, world_size)).backward()
+        optimizer.step()
     units = [u for u in sharded.units if u.params]
-    payload = {
-        "all_gather": sum(world_size * (u.shard_numel + 1) * 4 for u in units),
-        "reduce_scatter": sum(world_size * (u.shard_numel + 1) * 4 for u in units),
-    }
-    return {
-        "calls": {name: (len(sizes), sum(sizes)) for name, sizes in calls.items()},
-        "units": len(units),
-        "payload": payload,
-        "counted": {kind: c.payload_bytes for kind, c in sharded.comm.stats.last_step.items()},
-    }
+    by_name: dict[str, tuple[int, int]] = {}
+    for name, size in calls:
+        count, total = by_name.get(name, (0, 0))
+        by_name[name] = (count + 1, total + size)
+    # Both collectives move the (N, S + 1) fp32 buffer of every unit (S + tag column).
+    payload = sum(world_size * (u.shard_numel + 1) * 4 for u in units)
+    return {"calls": by_name, "units": len(units), "payload": payload}
 
 
 def test_on_gloo_a_gather_is_one_broadcast_per_rank_and_a_reduce_scatter_sends_each_peer_its_row():
@@ -183,8 +200,8 @@ def test_on_gloo_a_gather_is_one_broadcast_per_rank_and_a_reduce_scatter_sends_e
         for result in run_ranks(_torch_distributed_calls, n):
             units, payload = result["units"], result["payload"]
             assert set(result["calls"]) == {"broadcast", "isend", "irecv"}, result["calls"]
-            assert result["calls"]["broadcast"] == (2 * units * n, 2 * payload["all_gather"])
-            sent = payload["reduce_scatter"] * (n - 1) // n
+            assert result["calls"]["broadcast"] == (2 * units * n, 2 * payload)
+            sent = payload * (n - 1) // n
             assert result["calls"]["isend"] == (units * (n - 1), sent)
             assert result["calls"]["irecv"] == (units * (n - 1), sent)
 
@@ -255,26 +272,15 @@ def _trained_with(rank: int, world_size: int, model_name: str, gloo_in_place: bo
     # SGD: Adam would scale the rounding noise of gradients that are zero in exact arithmetic
     # (the attention's key bias) up to steps of size lr.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    import torch.distributed as dist
-
-    native_calls = []
-    # The native calls by either name (torch 2.6 has only all_gather_into_tensor and
-    # reduce_scatter_tensor).
-    names = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
-    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
-    for name, fn in originals.items():
-        setattr(dist, name, lambda *a, _fn=fn, _name=name, **k: native_calls.append(_name) or _fn(*a, **k))
-    try:
+    with _recording_dist_calls() as calls:
         for step in range(3):
             optimizer.zero_grad()
             x, y = batch(step)
             loss_fn(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
             optimizer.step()
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-    kinds = {name.split("_")[0] for name in native_calls}  # "all" (gathers) and "reduce"
-    assert kinds == (set() if gloo_in_place else {"all", "reduce"}), native_calls
+    used = {_PER_STEP_CALLS[name] for name, _ in calls}
+    expected = {"in-place gather", "in-place reduce"} if gloo_in_place else {"native gather", "native reduce"}
+    assert used == expected, used
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},

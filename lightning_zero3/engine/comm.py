@@ -172,7 +172,7 @@ class Comm:
 
         def add_up() -> None:
             # Rank order, so the rounding does not depend on which rank sums.
-            parts = [rows[me] if r == me else received[i if r < me else i - 1] for i, r in enumerate(range(n))]
+            parts = [rows[me] if r == me else received[r if r < me else r - 1] for r in range(n)]
             output.view(-1).copy_(parts[0])
             for part in parts[1:]:
                 output.view(-1).add_(part)
