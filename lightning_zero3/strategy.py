@@ -544,9 +544,12 @@ class ZeRO3Strategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self.sharded is not None and not self._whole:
-            if not self._failed:
-                _restore_whole_parameters(self.sharded)
-            self.sharded.remove_hooks()
+            if self._failed:
+                self.sharded.remove_hooks()  # other ranks may be gone: the module stays sharded
+            else:
+                # Whole parameters in host memory, one unit at a time, as Lightning moves
+                # every model to the CPU at teardown anyway (engine: restore_module).
+                self.sharded.restore_module(device="cpu")
             # Kept for `stats` and for saving the optimizer (its state is still sharded).
             self._whole = True
             self.model = self.lightning_module
@@ -575,18 +578,6 @@ def _as_dtype(value: torch.dtype | str | None, option: str) -> torch.dtype | Non
     raise ValueError(
         f"ZeRO3Strategy({option}=...) must be a floating torch.dtype or one of {sorted(_DTYPES)}; got {value!r}."
     )
-
-
-def _restore_whole_parameters(sharded: ShardedModel) -> None:
-    """Put whole parameters back on the modules (gathered one unit at a time), so the model is
-    an ordinary module again after fit/validate: usable, picklable, and ready to re-shard."""
-    for unit in sharded.units:
-        if not unit.params:
-            continue
-        for sp, full in zip(unit.params, unit.gather(dtype=unit.shard_dtype)):
-            whole = nn.Parameter(full.detach().clone(), requires_grad=sp.requires_grad)
-            for module, attr in sp.owners:
-                module._parameters[attr] = whole
 
 
 def _raise_if(problem: str | None) -> None:

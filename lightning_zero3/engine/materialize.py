@@ -1,7 +1,8 @@
 """Turn a module's parameters into shards one module at a time, so that no rank ever holds
 the whole model: not when it was built whole (each module's tensors are broadcast from rank 0
 and sliced), and not when it was built on the meta device (each module is materialised,
-initialised, broadcast, sliced and freed before the next one).
+initialised, broadcast, sliced and freed before the next one). And back: `restore_whole` puts
+whole parameters on the modules one unit at a time, on a device of the caller's choice.
 
 [Note: one consistent full tensor]
 Every rank's shard must be a slice of the same full tensor. Ranks may have built or
@@ -23,6 +24,7 @@ from torch import nn
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.plan import ParamEntry, Plan
 from lightning_zero3.engine.shard import ShardedParam, shard_slice
+from lightning_zero3.engine.unit import Unit
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -134,3 +136,23 @@ def _shard(full: torch.Tensor, entry: ParamEntry, comm: Comm) -> ShardedParam:
     entry.param = shard  # the plan must not keep the whole tensor alive
     return ShardedParam(owners=entry.owners, names=entry.names, full_shape=full.shape, param=shard,
                         world_size=comm.world_size, rank=comm.rank)  # fmt: skip
+
+
+def restore_whole(units: list[Unit], *, device: torch.device) -> None:
+    """Register whole parameters on the modules in place of the shards, built on `device`.
+
+    [Note: restoring unit by unit]
+    One unit at a time is gathered (on the shards' device, in their dtype) and copied out to
+    `device`, so the shards' device holds at most one unit's gathered parameters beyond what it
+    held before: at the end of `fit` on a GPU, the whole model goes to host memory rather than
+    next to the optimizer's shards on the GPU. Every rank must call it (one All-Gather per unit).
+    The shards themselves stay alive while the optimizer references them."""
+    for unit in units:
+        if not unit.params:
+            continue
+        fulls = unit.gather(dtype=unit.shard_dtype)
+        for sharded, full in zip(unit.params, fulls):
+            whole = nn.Parameter(full.detach().to(device, copy=True), requires_grad=sharded.requires_grad)
+            for module, attr in sharded.owners:
+                module.register_parameter(attr, whole)  # tied weights stay tied
+        del fulls  # this unit's gathered block is freed before the next one is gathered
