@@ -57,6 +57,7 @@ from lightning_zero3.checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero3.precision import mixed_precision_dtype, sharded_precision
@@ -327,16 +328,18 @@ class ZeRO3Strategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # empty_init: build on the meta device; setup materialises, initialises and shards one
-        # module at a time (engine/materialize.py), so no rank ever holds the whole model.
-        with torch.device("meta") if empty_init else self.root_device, self.precision_plugin.tensor_init_context():
+        # empty_init: parameters on the meta device, other tensors (buffers, metric states) real;
+        # setup materialises, initialises and shards one module at a time (engine/materialize.py,
+        # Note: only parameters on meta), so no rank ever holds the whole model.
+        device = self.root_device
+        with parameters_on_meta(device) if empty_init else device, self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        # What `configure_model` builds starts on the meta device, for the same reason.
-        with torch.device("meta"):
+        # What `configure_model` builds has its parameters on the meta device, for the same reason.
+        with parameters_on_meta(self.root_device):
             yield
 
     @override

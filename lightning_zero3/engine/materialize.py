@@ -16,7 +16,8 @@ rank 0's result is broadcast: the seeds of the ranks need not agree.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -40,6 +41,35 @@ def reset_parameters(module: nn.Module) -> None:
             f"and buffers."
         )
     reset()
+
+
+@contextmanager
+def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
+    """Build modules inside this block with their parameters on the meta device (no memory; the
+    sharding materialises them one module at a time) and every other tensor on `device`.
+
+    [Note: only parameters on meta]
+    Under a plain `torch.device("meta")`, every tensor made while building is meta, and the
+    values of those that are not parameters are lost: buffers computed in `__init__` (rotary
+    frequencies, masks) and plain tensor attributes such as torchmetrics' metric states and
+    their `_defaults`, which nothing re-creates ("Tensor.item() cannot be called on meta
+    tensors"). Here tensors are made on `device` with their real values, and a parameter is
+    moved to meta the moment a module registers it (torch's global parameter registration
+    hook), so its storage, created empty and never written, is freed at once: only parameters,
+    the bulk of a model, are deferred; they are then initialised by `param_init_fn` (default:
+    `reset_parameters()`) as before. A parameter registered twice (tied weights) stays one."""
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.is_meta or isinstance(param, nn.parameter.UninitializedParameter):
+            return None  # keep it as it is (already deferred, or lazy)
+        return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        handle.remove()
 
 
 def _is_meta(module: nn.Module) -> bool:
@@ -77,7 +107,7 @@ def shard_parameters(
                     f"initialisation, or build this model off the meta device."
                 )
             meta_buffers = {n: b for n, b in module._buffers.items() if b is not None and b.is_meta}
-            module.to_empty(device=device, recurse=False)
+            _materialize_meta_tensors(module, device)
             versions = {n: module._buffers[n]._version for n in meta_buffers}
             with torch.no_grad():
                 init(module)
@@ -106,6 +136,17 @@ def shard_parameters(
     missing = [e.names[0] for u in plan.units for e in u.params if id(e) not in shards]
     assert not missing, f"parameters not reached while sharding: {missing}"
     return shards
+
+
+def _materialize_meta_tensors(module: nn.Module, device: torch.device) -> None:
+    """Give `module`'s own meta parameters and buffers (uninitialised) memory on `device`; its real
+    tensors keep their values (`to_empty` would replace them too)."""
+    for name, param in list(module._parameters.items()):
+        if param is not None and param.is_meta:
+            setattr(module, name, nn.Parameter(torch.empty_like(param, device=device), param.requires_grad))
+    for name, buffer in list(module._buffers.items()):
+        if buffer is not None and buffer.is_meta:
+            setattr(module, name, torch.empty_like(buffer, device=device))
 
 
 def _key(entry_of: dict[tuple[int, str], ParamEntry], module: nn.Module, attr: str) -> int:
