@@ -5,8 +5,6 @@ restoring unit by unit). On CPU, "meta" stands in for "host memory while the sha
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import nn
 
@@ -36,9 +34,7 @@ def _reset_peak() -> int:
 
 
 def _restore(rank: int, world_size: int, device: str) -> dict:
-    # Blocks of a few MB go back to the OS when freed only with a fixed mmap threshold (as for
-    # the tensors of real models, which are above glibc's adjustable ceiling of 32 MiB).
-    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    # glibc's default allocator settings, as users run (no mallopt).
     with torch.device("meta"):
         model = _Wide()
     sharded = ShardedModel(model, device="cpu")
@@ -62,11 +58,11 @@ def test_restore_to_another_device_holds_one_unit_on_the_shards_device_not_the_m
     for result in run_ranks(_restore, 2, "meta"):
         assert result["devices"] == {"meta"}
         assert result["hooks_left"] == 0
-        # one unit gathered (its gather buffer and its full block) at a time; nothing kept here
+        # one unit gathered (its gather buffer and a staging block) at a time; nothing kept here
         assert result["peak"] < 3 * result["unit"] + 8 * MB, {k: result[k] for k in ("peak", "unit", "model")}
 
 
 def test_restore_to_the_cpu_builds_the_whole_model_exactly_with_one_unit_of_overhead() -> None:
     for result in run_ranks(_restore, 2, "cpu"):
         assert result["devices"] == {"cpu"} and result["shapes_whole"] and result["equal"]
-        assert result["peak"] < result["model"] + 3 * result["unit"] + 8 * MB, result
+        assert result["peak"] < result["model"] + 2 * result["unit"] + 8 * MB, result
