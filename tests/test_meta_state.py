@@ -50,6 +50,21 @@ def test_the_parameter_hook_is_gone_after_the_block() -> None:
     assert not nn.Linear(2, 2).weight.is_meta
 
 
+def _shard_built_under_plain_meta(rank: int, world_size: int) -> str:
+    with torch.device("meta"):
+        module = _WithState()
+    try:
+        ShardedModel(module, device="cpu")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_metric_state_left_on_meta_by_a_plain_meta_device_is_refused_on_every_rank() -> None:
+    for message in run_ranks(_shard_built_under_plain_meta, 2):
+        assert "max_seen.max_value" in message and "init_module(empty_init=True)" in message, message
+
+
 class _ScaledLinear(nn.Linear):
     """A module with both a parameter and a buffer that `reset_parameters()` does not write."""
 

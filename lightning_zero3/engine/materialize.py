@@ -69,8 +69,8 @@ def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
     `reset_parameters()`) as before. A parameter registered twice (tied weights) stays one."""
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-        if param is None or param.is_meta or isinstance(param, nn.parameter.UninitializedParameter):
-            return None  # keep it as it is (already deferred, or lazy)
+        if param is None or param.is_meta or type(param) is not nn.Parameter:
+            return None  # keep it as it is: already deferred, or a subclass (lazy, quantised) we cannot rebuild
         return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
     handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
@@ -98,6 +98,7 @@ def shard_parameters(
 ) -> dict[int, ShardedParam]:
     """Replace every planned parameter of `root` by this rank's shard, module by module.
     Returns the shards by `id(entry.param)` of the plan entries."""
+    _raise_if_meta_state(root)  # before any collective: every rank has the same model
     init = param_init_fn or reset_parameters
     entry_of: dict[tuple[int, str], ParamEntry] = {}
     for unit in plan.units:
@@ -155,6 +156,28 @@ def shard_parameters(
     missing = [e.names[0] for u in plan.units for e in u.params if id(e) not in shards]
     assert not missing, f"parameters not reached while sharding: {missing}"
     return shards
+
+
+def _raise_if_meta_state(root: nn.Module) -> None:
+    """Meta tensors that are neither parameters nor buffers (torchmetrics' states, plain tensor
+    attributes, in lists or dicts one level deep) have no initialiser: their values are lost."""
+    found = []
+    for name, module in root.named_modules():
+        for attr, value in vars(module).items():
+            if attr in ("_parameters", "_buffers"):
+                continue
+            values = list(value.values()) if isinstance(value, dict) else value
+            values = values if isinstance(values, list | tuple) else [values]
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                found.append(f"{name}.{attr}" if name else attr)
+    if found:
+        raise ValueError(
+            f"{found[:5]} are tensors on the meta device that are neither parameters nor buffers (e.g. "
+            f"torchmetrics states), so their values cannot be restored when the model is sharded. Build the "
+            f"model in configure_model() or under trainer.init_module(empty_init=True), which defer only "
+            f"parameters (or under lightning_zero3.engine.materialize.parameters_on_meta), not under "
+            f'torch.device("meta").'
+        )
 
 
 def _materialize_meta_tensors(module: nn.Module, device: torch.device) -> None:
