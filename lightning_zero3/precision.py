@@ -18,6 +18,8 @@ before. Other plugin types are refused with a message: their clipping would be p
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
@@ -72,10 +74,11 @@ def sharded_precision(plugin: Precision, sharded: ShardedModel, *, device: torch
         scaler = plugin.scaler
         if scaler is not None:
             scaler = AgreeingGradScaler.like(scaler, sharded, device=device.type)
-        new = ZeRO3MixedPrecision(plugin.precision, str(plugin.device), scaler)
+        flag: Literal["bf16-mixed", "16-mixed"] = "bf16-mixed" if plugin.precision == "bf16-mixed" else "16-mixed"
+        new = ZeRO3MixedPrecision(flag, plugin.device, scaler)
     elif kind in (HalfPrecision, ZeRO3HalfPrecision):
         assert isinstance(plugin, HalfPrecision)
-        new = ZeRO3HalfPrecision(plugin.precision)
+        new = ZeRO3HalfPrecision("bf16-true" if plugin.precision == "bf16-true" else "16-true")
     elif kind in (DoublePrecision, ZeRO3DoublePrecision):
         new = ZeRO3DoublePrecision()
     elif kind in (Precision, ZeRO3Precision):
@@ -95,3 +98,13 @@ def mixed_precision_dtype(plugin: Precision) -> torch.dtype | None:
     if isinstance(plugin, MixedPrecision):
         return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
     return None
+
+
+__all__ = [
+    "ZeRO3DoublePrecision",
+    "ZeRO3HalfPrecision",
+    "ZeRO3MixedPrecision",
+    "ZeRO3Precision",
+    "mixed_precision_dtype",
+    "sharded_precision",
+]

@@ -66,7 +66,7 @@ class FullSizeSummary(Summary):
             def num_parameters(self) -> int:
                 return sum(numel(p) for p in self._module.parameters())
 
-        summary = OrderedDict((name, _Layer(module)) for name, module in self.named_modules)
+        summary: dict[str, LayerSummary] = OrderedDict((name, _Layer(module)) for name, module in self.named_modules)
         for layer in summary.values():
             layer.detach_hook()
         if self._max_depth >= 1:
@@ -83,3 +83,6 @@ class FullSizeSummary(Summary):
     @override
     def trainable_parameters(self) -> int:
         return sum(self._numel(p) for p in self._model.parameters() if p.requires_grad)
+
+
+__all__ = ["FullSizeSummary", "FullSizeSummaryBuilder", "count_full_parameters"]

@@ -73,7 +73,8 @@ def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
             return None  # keep it as it is: already deferred, or a subclass (lazy, quantised) we cannot rebuild
         return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
-    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    # torch annotates the hook as returning None; a returned Parameter replaces the registered one.
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
     try:
         with torch.device(device):
             yield
@@ -128,10 +129,10 @@ def shard_parameters(
                 )
             meta_buffers = {n: b for n, b in module._buffers.items() if b is not None and b.is_meta}
             _materialize_meta_tensors(module, device)
-            versions = {n: module._buffers[n]._version for n in meta_buffers}
+            versions = {n: _version(module, n) for n in meta_buffers}
             with torch.no_grad():
                 init(module)
-            untouched = [n for n in meta_buffers if module._buffers[n]._version == versions[n]]
+            untouched = [n for n in meta_buffers if _version(module, n) == versions[n]]
             if untouched:
                 warnings.warn(
                     f"{type(module).__name__}: buffers {untouched} were created on the meta device and the "
@@ -149,13 +150,19 @@ def shard_parameters(
         if sync_module_states and world_comm.world_size > 1:
             _broadcast_from_rank0([p.data for _, p in whole] + buffers, world_comm)
         for attr, full in whole:
-            entry = entry_of.get((id(module), attr))
-            if entry is None:
+            planned = entry_of.get((id(module), attr))
+            if planned is None:
                 continue  # persistent: stays whole on every rank
-            shards[id(entry)] = _shard(full, entry, comm, into=storage.pop(id(entry)))
+            shards[id(planned)] = _shard(full, planned, comm, into=storage.pop(id(planned)))
     missing = [e.names[0] for u in plan.units for e in u.params if id(e) not in shards]
     assert not missing, f"parameters not reached while sharding: {missing}"
     return shards
+
+
+def _version(module: nn.Module, buffer: str) -> int:
+    tensor = module._buffers[buffer]
+    assert tensor is not None
+    return tensor._version
 
 
 def _raise_if_meta_state(root: nn.Module) -> None:

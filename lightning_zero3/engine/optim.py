@@ -29,14 +29,14 @@ def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type
             local = torch.maximum(local, g.abs().max().float())
         model.comm.all_reduce(local, what="gradient norm (max)", op="max")
         return local
-    p = float(norm_type)
+    order = float(norm_type)
     local = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads_sharded:
-        local += torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p
+        local += torch.linalg.vector_norm(g, order, dtype=torch.float64) ** order
     for g in grads_whole:
-        local += torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p / n
+        local += torch.linalg.vector_norm(g, order, dtype=torch.float64) ** order / n
     model.comm.all_reduce(local, what="gradient norm")
-    return (local ** (1.0 / p)).float()
+    return (local ** (1.0 / order)).float()
 
 
 def clip_grad_norm_(
@@ -48,6 +48,7 @@ def clip_grad_norm_(
     total = grad_norm(model, params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
+        assert p.grad is not None
         p.grad.detach().mul_(coef.to(p.grad.dtype))
     return total
 
