@@ -194,8 +194,14 @@ def read_dcp_index(file: Path, *, trusted: bool) -> dcp_metadata.Metadata:
     if not isinstance(index, dcp_metadata.Metadata) or not isinstance(index.storage_data, dict):
         raise CheckpointError(f"{file} is not a DCP index: it holds a {type(index).__name__}")
     stored = index.state_dict_metadata
-    if not isinstance(stored, dict) or not all(isinstance(v, TensorStorageMetadata) for v in stored.values()):
-        raise CheckpointError(f"{file} is corrupted: a lightning_zero3 checkpoint stores only tensors")
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{file} is corrupted: it has no table of stored items")
+    for key, item in stored.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointError(
+                f"{file} is not a lightning_zero3 checkpoint: it stores {key!r} as a {type(item).__name__}, and "
+                f"a lightning_zero3 checkpoint stores only tensors"
+            )
     for info in index.storage_data.values():
         check_plain_name(file.parent, getattr(info, "relative_path", None), str(file))
     return index
