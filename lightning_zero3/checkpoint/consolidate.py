@@ -363,14 +363,32 @@ def consolidate_checkpoint(
             _stream_torch_save(output, partial, on_tensor)
         replace_path(partial, dst)
     except BaseException as err:
+        cause = _write_failure_cause(partial, err) if isinstance(err, RuntimeError) else None
         remove_path(partial)
         if isinstance(err, Exception) and not isinstance(err, CheckpointError):
-            raise CheckpointError(f"writing {dst} failed: {describe_error(err)} (nothing was written there)") from err
+            detail = f"{cause} ({describe_error(err)})" if cause else describe_error(err)
+            raise CheckpointError(f"writing {dst} failed: {detail}; nothing was written there") from err
         raise
     return ConsolidationSummary(
         src=src, dst=dst, world_size=ckpt.world_size, tensors=done.tensors_done, bytes=done.bytes_done,
         file_bytes=dst.stat().st_size, seconds=time.perf_counter() - start,
     )  # fmt: skip
+
+
+def _write_failure_cause(file: Path, err: RuntimeError) -> str | None:
+    """The operating system's reason for a failed write that torch's zip writer reports only as
+    "iostream error": one more write at the end of the partial file shows it (a full disk, a
+    file size limit, an I/O error); None if that write succeeds or the error was another one."""
+    if "iostream error" not in str(err) and "file write failed" not in str(err):
+        return None
+    try:
+        with open(file, "ab") as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe:
+        return f"[Errno {probe.errno}] {probe.strerror}"
+    return None
 
 
 def _check_destination(src: Path, dst: Path) -> None:
