@@ -179,7 +179,9 @@ class ZeRO3Strategy(ParallelStrategy):
             raise ValueError(f"{type(self).__name__}(param_init_fn=...) must be callable; got {param_init_fn!r}.")
         self.param_init_fn = param_init_fn
         self.state_dict_type = state_dict_type
-        self.trust_checkpoint = bool(trust_checkpoint)
+        if not isinstance(trust_checkpoint, bool):
+            raise ValueError(f"{type(self).__name__}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
+        self.trust_checkpoint = trust_checkpoint
         self._timeout = timeout
         self._start_method = start_method
         self._process_group_backend = process_group_backend

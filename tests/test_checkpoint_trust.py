@@ -168,6 +168,9 @@ def _load_crafted_under_lightning(rank: int, world_size: int, directory: str) ->
             except ckpt.CheckpointError as err:
                 error = str(err)
             results[(name, entry)] = (error, str(crafted / name), marker.exists())
+    t = trainer(ZeRO3Strategy(trust_checkpoint=True), world_size, max_epochs=2)
+    t.fit(LitMLP(), loader(world_size), ckpt_path=Path(directory, "crafted.metadata"))
+    results["trusted"] = (t.global_step, Path(directory, "ran.metadata").exists())
     return results
 
 
@@ -182,6 +185,11 @@ def test_a_crafted_pickle_is_refused_unrun_by_ckpt_path(lightning_loads, name, e
     error, file, ran = lightning_loads[(name, entry)]
     assert error is not None and file in error and FORBIDDEN[name] in error
     assert not ran
+
+
+def test_trust_checkpoint_on_the_strategy_unpickles_as_before(lightning_loads):
+    steps, ran = lightning_loads["trusted"]
+    assert ran and 1 < steps < 8  # trained on from the checkpoint (a fresh run takes 8 steps)
 
 
 # ---- file names -----------------------------------------------------------------------------

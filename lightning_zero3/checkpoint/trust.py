@@ -180,8 +180,9 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def read_dcp_index(file: Path, *, trusted: bool) -> dcp_metadata.Metadata:
-    """DCP's index at `file`, unpickled by `RestrictedUnpickler` unless `trusted`, and checked:
-    a `Metadata` whose entries are tensors stored in plain-named files of its directory."""
+    """DCP's index at `file`, unpickled by `RestrictedUnpickler` unless `trusted`, and checked
+    (trusted or not): a `Metadata` whose entries are tensors stored in plain-named files of its
+    directory."""
     try:
         data = file.read_bytes()
         index = pickle.loads(data) if trusted else RestrictedUnpickler(io.BytesIO(data), source=file).load()
@@ -189,8 +190,6 @@ def read_dcp_index(file: Path, *, trusted: bool) -> dcp_metadata.Metadata:
         raise
     except Exception as err:
         raise CheckpointError(f"cannot read {file}: {describe_error(err)}") from err
-    if trusted:
-        return index
     if not isinstance(index, dcp_metadata.Metadata) or not isinstance(index.storage_data, dict):
         raise CheckpointError(f"{file} is not a DCP index: it holds a {type(index).__name__}")
     stored = index.state_dict_metadata
