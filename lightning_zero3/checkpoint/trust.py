@@ -129,7 +129,7 @@ def _admitted() -> dict[tuple[str, str], Any]:
     """The globals DCP's index pickle refers to (found by unpickling indexes torch 2.13 wrote,
     recording every `find_class`). Note: `_MEM_FORMAT_ENCODING` and `_StorageInfo` are private
     to torch, but torch's own pickle names them; a release that renames them makes loading
-    refuse the index with the name it used (tried: torch 2.13, 2.14)."""
+    refuse the index with the name it used (tried: torch 2.13.0)."""
     admitted: dict[tuple[str, str], Any] = {}
     for cls in (
         dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.StorageMeta,
