@@ -71,9 +71,9 @@ def test_frozen_units_hold_no_full_weights_between_forward_and_backward(frozen_n
     """After forward, the storages reachable from autograd's saved tensors are the activations
     only (a few KiB), not the frozen layers' full weights (4 x 1 MiB); gradients stay exact."""
     for result in run_ranks(_frozen_step, 2, frozen_name):
-        assert result["gathers"] == GATHERS[frozen_name], f"{result['gathers']} All-Gathers in the step"
         kept = result["saved_after_forward"]
         assert kept < LAYER_BYTES // 4, f"autograd keeps {kept / 2**20:.2f} MiB of storage after forward"
+        assert result["gathers"] == GATHERS[frozen_name], f"{result['gathers']} All-Gathers in the step"
         assert result["grad_diff"] < 1e-5, f"shard gradients differ from the reference by {result['grad_diff']:.3g}"
         assert result["alive"] == 0, "a unit still holds full parameters after backward"
 
