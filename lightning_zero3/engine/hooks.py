@@ -329,7 +329,12 @@ class HookDriver:
         if not slot.depth:
             return  # end of a recomputation (see _pre_forward), or a pre-forward that raised
         slot.depth -= 1
-        if slot.depth or slot.call is None:
+        if slot.depth:
+            return
+        if not self._in_backward and not any(s.depth for s in self._slots):
+            # The pass's forward is over (or raised): a prefetch it did not use is stale.
+            self._release_stale_prefetches()
+        if slot.call is None:
             return
         call = slot.call
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
