@@ -150,6 +150,39 @@ def test_steps_after_an_exception_inside_a_unit_match_single_process():
         assert result["param"] < TOL, f"steps after the exception differ by {result['param']:.3g}"
 
 
+def _raise_oom(grad: torch.Tensor) -> None:
+    raise SimulatedOOM("out of memory (simulated)")
+
+
+def _steps_after_a_caught_backward_exception(rank: int, world_size: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    reference = MLP()
+    torch.manual_seed(0)
+    model = MLP()
+    sharded = ShardedModel(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    step_side_by_side(reference, model, optimizers, mlp_batch(0), rank, world_size)
+    hidden = model.blocks[0](model.inp(mlp_batch(1)[0]))
+    hidden.register_hook(_raise_oom)  # backward raises after blocks 2 and 1 were reduced
+    try:
+        model.head(model.blocks[2](model.blocks[1](hidden))).sum().backward()
+    except SimulatedOOM:
+        pass
+    for optimizer in optimizers:
+        optimizer.zero_grad()
+    for step in range(1, 4):
+        step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
+    return {"param": max_param_difference(sharded, reference), "alive": sharded.unit_stats.alive}
+
+
+def test_steps_after_an_exception_inside_backward_match_single_process():
+    """A backward that raises halfway: once the gradients are zeroed, the next steps equal the
+    reference's and no unit stays whole."""
+    for result in run_ranks(_steps_after_a_caught_backward_exception, 2):
+        assert result["param"] < TOL, f"steps after the exception differ by {result['param']:.3g}"
+        assert result["alive"] == 0, "a unit still holds full parameters"
+
+
 # ---- persistent parameters no rank used -----------------------------------------------------
 class MLPWithUnusedLayer(MLP):
     """An MLP with a small layer its forward never calls (e.g. a head for another task)."""

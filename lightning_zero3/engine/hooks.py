@@ -43,7 +43,14 @@ unit like one that returns (Note: exceptions).
 A forward that raises (out of memory in a block, caught by a `try`) still runs the post-forward
 hooks of every unit it was inside: their calls go to DONE and free their tensors, and the next
 pass starts from sharded units. A pre-forward hook that raises (an order mismatch) opens
-nothing, so its post-forward hook finds the unit closed and does nothing.
+nothing, so its post-forward hook finds the unit closed and does nothing. A backward that
+raises never runs the callback that ends it; the next forward that starts outside autograd's
+engine finds the backward still open and closes it (`_abandon_backward`): it waits for the
+Reduce-Scatters in flight without adding them and frees what was re-gathered; `.grad` holds
+what the finished units added, as a single process keeps what its finished nodes accumulated:
+zero it. Whether autograd's engine is running comes from `torch._C._current_graph_task_id()`
+(private; torch's own checkpoint and FSDP2 use it; tried on torch 2.13). Where it is missing,
+the engine trusts its flag as before, and a backward that raised stays open.
 
 [Note: inference mode]
 A tensor allocated under `torch.inference_mode()` can never be updated in place outside it, so
@@ -190,6 +197,12 @@ class _AfterBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _autograd_running() -> bool:
+    """Whether autograd's engine is executing a backward on this thread (Note: exceptions)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is None or task_id() != -1
+
+
 class _Slot:
     """Per unit: the call whose full tensors are on the modules, and the open forward hooks."""
 
@@ -298,6 +311,8 @@ class HookDriver:
                 self._move(current, S.DONE)
                 self._gather_call(unit)
             return None
+        if self._in_backward and not _autograd_running():
+            self._abandon_backward()
         if not self._in_backward and not any(s.depth for s in self._slots):
             self._begin_pass()
         call = self._gather_call(unit)
@@ -440,6 +455,21 @@ class HookDriver:
                 sharded.param.grad = grad  # a view of the unit's reduced buffer: no copy
             else:
                 sharded.param.grad.add_(grad)
+
+    def _abandon_backward(self) -> None:
+        """Close a backward that raised (Note: exceptions)."""
+        while self._reductions:
+            unit, pending = self._reductions.popleft()
+            unit.finish_reduce(pending)  # the collective completes; its gradients are dropped
+        for call in self._pending:
+            if call.state in (S.BACKWARD, S.RESHARDED):
+                self._move(call, S.DONE)
+        for slot in self._slots:
+            if slot.call is not None and slot.call.state is S.BACKWARD:
+                self._move(slot.call, S.DONE)
+        self._pending = []
+        self._release_stale_prefetches()
+        self._in_backward = False
 
     def _end_backward(self) -> None:
         while self._reductions:
