@@ -4,12 +4,15 @@ for its backward when its input needs a gradient, and trains exactly like one pr
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch import nn
 
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.shard import shard_slice
+from tests.models import MLP, gpt_batch, mlp_batch
 from tests.parity import Recipe, adamw, lm_loss, local_slice, run_parity
 from tests.ranks import run_ranks
 
@@ -99,9 +102,41 @@ def test_lora_on_hf_gpt2_matches_single_process():
     """peft's LoRA on transformers' GPT-2: frozen root (embeddings, tied head), blocks mixing
     frozen base weights and trainable adapters; only the adapters get gradients and move."""
     pytest.importorskip("peft")
-    from tests.models import gpt_batch
-
     results = run_ranks(run_parity, 2, Recipe(model=tiny_lora_gpt2, batch=gpt_batch, loss=hf_lm_loss, optimizer=adamw))
     for worst in results:
         assert max(worst["param"], worst["grad"], worst["loss"]) < 1e-5, f"LoRA run differs: {worst}"
         assert worst["moved"] > 1e-3, "the adapters did not train: parity would hold trivially"
+
+
+def _greedy_generate(rank: int, world_size: int) -> tuple[list, list]:
+    torch.manual_seed(0)
+    reference = tiny_lora_gpt2()
+    torch.manual_seed(0)
+    model = tiny_lora_gpt2()
+    ShardedModel(model)
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+        tokens = [m.generate(input_ids=prompt, **options) for m in (model, reference)]
+    return tokens[0].tolist(), tokens[1].tolist()
+
+
+def test_generate_on_a_sharded_lora_model_gives_the_reference_tokens():
+    """HF `generate` calls the model repeatedly outside any training step."""
+    pytest.importorskip("peft")
+    for got, expected in run_ranks(_greedy_generate, 2):
+        assert got == expected
+
+
+def mlp_frozen_checkpointed(mode: str) -> MLP:
+    model = MLP(checkpointing=mode)
+    model.blocks[1].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_frozen_block_under_activation_checkpointing_matches_single_process(mode):
+    """The frozen block's forward runs again inside backward, where it is gathered once more."""
+    recipe = Recipe(model=partial(mlp_frozen_checkpointed, mode), batch=mlp_batch, optimizer=adamw)
+    for worst in run_ranks(run_parity, 2, recipe):
+        assert max(worst["param"], worst["grad"], worst["loss"]) < 1e-5, f"differs from the reference: {worst}"
