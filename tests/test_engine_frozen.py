@@ -53,6 +53,13 @@ def _frozen_step(rank: int, world_size: int, frozen_name: str) -> dict:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4 * world_size, WIDTH, generator=g), torch.randn(4 * world_size, WIDTH, generator=g)
     saved: list[torch.Tensor] = []
+    in_backward: list[int] = []  # measured when layer 0's output gets its gradient: layers 1.. are done
+
+    def measure_in_backward(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(lambda grad: in_backward.append(_saved_storage_bytes(saved)))
+
+    model.layers[0].register_forward_hook(measure_in_backward)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = (model(local_slice(x, rank, world_size)) - local_slice(y, rank, world_size)).pow(2).mean()
     after_forward = _saved_storage_bytes(saved)
@@ -65,17 +72,25 @@ def _frozen_step(rank: int, world_size: int, frozen_name: str) -> dict:
             sp = sharded.sharded_param(param)
             grad_diff = max(grad_diff, float((param.grad - shard_slice(ref.grad, sp.rank, world_size)).abs().max()))
     gathers = sharded.stats.current["all_gather"].calls
-    return {"saved_after_forward": after_forward, "grad_diff": grad_diff, "alive": sharded.unit_stats.alive,
-            "gathers": gathers}  # fmt: skip
+    return {
+        "saved_after_forward": after_forward,
+        "saved_in_backward": in_backward,
+        "grad_diff": grad_diff,
+        "alive": sharded.unit_stats.alive,
+        "gathers": gathers,
+    }
 
 
 @pytest.mark.parametrize("frozen_name", list(FROZEN))
 def test_frozen_units_hold_no_full_weights_between_forward_and_backward(frozen_name):
     """After forward, the storages reachable from autograd's saved tensors are the activations
-    only (a few KiB), not the frozen layers' full weights (4 x 1 MiB); gradients stay exact."""
+    only (a few KiB), not the frozen layers' full weights (4 x 1 MiB); in backward, a frozen
+    layer's weights are freed as soon as its backward is over; gradients stay exact."""
     for result in run_ranks(_frozen_step, 2, frozen_name):
         kept = result["saved_after_forward"]
         assert kept < LAYER_BYTES // 4, f"autograd keeps {kept / 2**20:.2f} MiB of storage after forward"
+        kept = max(result["saved_in_backward"], default=0)
+        assert kept < LAYER_BYTES // 4, f"units done with backward still hold {kept / 2**20:.2f} MiB"
         assert result["gathers"] == GATHERS[frozen_name], f"{result['gathers']} All-Gathers in the step"
         assert result["grad_diff"] < 1e-5, f"shard gradients differ from the reference by {result['grad_diff']:.3g}"
         assert result["alive"] == 0, "a unit still holds full parameters after backward"
@@ -138,5 +153,30 @@ def mlp_frozen_checkpointed(mode: str) -> MLP:
 def test_frozen_block_under_activation_checkpointing_matches_single_process(mode):
     """The frozen block's forward runs again inside backward, where it is gathered once more."""
     recipe = Recipe(model=partial(mlp_frozen_checkpointed, mode), batch=mlp_batch, optimizer=adamw)
+    for worst in run_ranks(run_parity, 2, recipe):
+        assert max(worst["param"], worst["grad"], worst["loss"]) < 1e-5, f"differs from the reference: {worst}"
+
+
+class InPlaceBlock(nn.Module):
+    """A block that modifies its input in place, as some models' blocks do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(13, 13)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.5)
+        return self.fc(x) + x
+
+
+class MLPWithInPlaceFrozenBlocks(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(InPlaceBlock() for _ in range(3))
+        self.blocks[1].requires_grad_(False)
+
+
+def test_frozen_block_that_modifies_its_input_in_place_matches_single_process():
+    recipe = Recipe(model=MLPWithInPlaceFrozenBlocks, batch=mlp_batch, optimizer=adamw)
     for worst in run_ranks(run_parity, 2, recipe):
         assert max(worst["param"], worst["grad"], worst["loss"]) < 1e-5, f"differs from the reference: {worst}"

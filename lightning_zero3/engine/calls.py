@@ -1,5 +1,5 @@
-"""What one unit call is: its state, and the two autograd Functions that mark where its
-backward begins and ends. `hooks.py` drives them (Note: one unit call there).
+"""What one unit call is: its state, and the autograd Function whose backward Reduce-Scatters
+it. `hooks.py` drives them (Note: one unit call there).
 
 [Note: call states]
 Every `UnitCall` is in one `CallState` and changes state only in `HookDriver._move` (hooks.py), which
@@ -23,7 +23,8 @@ unit like one that returns (hooks.py, Note: exceptions).
 A `UnitCall` is held by the driver while its pass may still need it (`Slot.call`, `_pending`)
 and by the hooks on the unit's outputs for as long as autograd's graph lives (so backward, and
 a second backward with retain_graph, find it). The autograd Functions only keep a weak
-reference: the call owns the full tensors, whose grad_fn owns the ctx, and a strong reference
+reference (and so does the hook on a frozen unit's inputs, hooks.py, Note: frozen units):
+the call owns the full tensors, whose grad_fn owns the ctx, and a strong reference
 from ctx to the call would close a cycle through C++ that Python's garbage collector cannot
 break.
 """
@@ -108,23 +109,6 @@ class GatherParams(torch.autograd.Function):
             )
         shard_grads = ctx.driver.post_backward(call, list(grads))
         return (None, None, *shard_grads)
-
-
-class AfterBackward(torch.autograd.Function):
-    """Identity on a frozen unit's inputs; its backward marks the end of the unit's backward."""
-
-    @staticmethod
-    def forward(ctx: Any, driver: HookDriver, call: UnitCall, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.driver, ctx.call = driver, weakref.ref(call)
-        ctx.set_materialize_grads(False)
-        return tuple(x.view_as(x) for x in inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        call = ctx.call()
-        if call is not None and call.state is CallState.BACKWARD:
-            ctx.driver.finish_call(call)
-        return (None, None, *grads)
 
 
 def autograd_running() -> bool:

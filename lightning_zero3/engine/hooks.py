@@ -18,11 +18,13 @@ accumulation, tied weights and modules called twice exact without special cases.
 A unit without a trainable parameter still runs backward whenever its input needs a gradient
 (LoRA, partial fine-tuning), and autograd saves its full weights for that. It is released after
 forward and re-gathered by the output hook like any other unit, but no `GatherParams.backward`
-tells when its backward is over, so its tensor inputs that need a gradient pass through
-`AfterBackward`, an identity whose backward runs once autograd has the unit's input gradients,
-i.e. after every node of the unit that reads the weights; it releases them. No Reduce-Scatter.
-A frozen unit whose outputs need a gradient that its inputs do not (the root unit fed token ids)
-is released by the callback that ends backward.
+tells when its backward is over. A hook on its tensor inputs that need a gradient does
+(`torch.autograd.graph.register_multi_grad_hook`): it fires once autograd has their gradients,
+i.e. after every node of the unit that reads the weights, and releases them; no Reduce-Scatter.
+The inputs are hooked, not wrapped (an identity Function's outputs could not be modified in
+place by the module). An input also used after the unit (a skip connection over several units)
+delays the release to its last use. A frozen unit whose outputs need a gradient that its inputs
+do not (the root unit fed token ids) is released by the callback that ends backward.
 
 [Note: exceptions]
 A forward that raises (out of memory in a block, caught by a `try`) still runs the post-forward
@@ -71,6 +73,7 @@ the inner backward that follows reduces it.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -78,13 +81,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 
 from lightning_zero3.engine.buffers import return_free_host_memory
 from lightning_zero3.engine.calls import (
     HOLDING,
     LEGAL,
-    AfterBackward,
     CallState,
     GatherParams,
     Slot,
@@ -210,20 +213,20 @@ class HookDriver:
             if on_track and not self.schedule.forward_on_track:
                 self._release_stale_prefetches()
         if not call.reduces and torch.is_grad_enabled():
-            return self._mark_inputs(call, args, kwargs)
+            self._hook_inputs(call, args, kwargs)
         return None
 
-    def _mark_inputs(self, call: UnitCall, args: Any, kwargs: Any) -> Any:
-        """Route a frozen unit's inputs that need a gradient through `AfterBackward` (Note:
-        frozen units)."""
-        leaves, spec = tree_flatten((args, kwargs))
-        where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not where:
-            return None
-        marked = AfterBackward.apply(self, call, *(leaves[i] for i in where))
-        for i, tensor in zip(where, marked):
-            leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
+    def _hook_inputs(self, call: UnitCall, args: Any, kwargs: Any) -> None:
+        """Release a frozen unit's call once its inputs have their gradients (Note: frozen
+        units). The hook holds the call weakly (calls.py, Note: call lifetime)."""
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, partial(self._after_input_grads, weakref.ref(call)), mode="all")
+
+    def _after_input_grads(self, call_ref: weakref.ref[UnitCall], grads: Any) -> None:
+        call = call_ref()
+        if call is not None:
+            self.finish_call(call)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         slot = self._slots[unit.uid]
@@ -325,7 +328,8 @@ class HookDriver:
         return [None] * len(unit.params)
 
     def finish_call(self, call: UnitCall) -> None:
-        """The call's backward is over: release what its pre-backward gathered."""
+        """The call's backward is over: release what its pre-backward gathered. Nothing to do
+        for a call whose tensors were never gathered again (its outputs got no gradient)."""
         if call.state is S.BACKWARD:
             self._move(call, S.DONE)
 
