@@ -195,6 +195,8 @@ class HookDriver:
         if self._depth == 0 and not self._in_backward:
             self._begin_pass()
         self._depth += 1
+        if torch.is_grad_enabled() and not self._in_backward:
+            self.model.before_gather(unit, backward=False)  # [gpu] tags.py: departure notice
         call = self._gather_call(unit)
         self._shadow(call)
         if torch.is_grad_enabled() and not self._in_backward:
@@ -258,6 +260,7 @@ class HookDriver:
         self.model.on_alive_change(None, 0)
 
     def _begin_pass(self) -> None:
+        self.model.begin_pass_checks()  # [gpu] tags left by a pass without backward
         # Prefetches left from the previous pass may predate an optimizer step: drop them.
         for unit in self.units:
             if unit.gather_in_flight:
@@ -285,6 +288,7 @@ class HookDriver:
         self._ensure_backward_started()
         unit = call.unit
         with torch.profiler.record_function(f"ZeRO3::pre_backward({unit.name})"):
+            self.model.before_gather(unit, backward=True)  # [gpu] tags.py: departure notice
             unit.gather(into=call.fulls)
             self.model.on_alive_change(unit, +1)
             call.state = CallState.BACKWARD
@@ -336,6 +340,7 @@ class HookDriver:
     def _end_backward(self) -> None:
         while self._reductions:
             self._finish_reduction()
+        self.model.check_tags()  # [gpu] the step's one host sync, before the optimizer step
         # Calls whose outputs never reached the loss: free what a pre-backward re-gathered.
         for call in self._pending:
             if call.state is CallState.BACKWARD:
