@@ -195,11 +195,11 @@ class HookDriver:
         if self._depth == 0 and not self._in_backward:
             self._begin_pass()
         self._depth += 1
-        if torch.is_grad_enabled() and not self._in_backward:
+        if not self._in_backward:  # [gpu] evaluation passes prefetch too
             self.model.before_gather(unit, backward=False)  # [gpu] tags.py: departure notice
         call = self._gather_call(unit)
         self._shadow(call)
-        if torch.is_grad_enabled() and not self._in_backward:
+        if not self._in_backward:  # [gpu] evaluation passes prefetch too
             on_track = self.schedule.forward_on_track
             for ahead in self.schedule.on_forward(uid):
                 self._prefetch(self.units[ahead])
