@@ -148,7 +148,8 @@ def check_b(dry: bool) -> None:
         ("reductions_in_flight=2, 3 ranks", 3, {"reductions_in_flight": 2}, 1e-5),
     ]
     if FAST:
-        cases = [("shard_size=2 + reductions_in_flight=2, 4 ranks", 4, {"shard_size": 2, "reductions_in_flight": 2}, 1e-5)]
+        both = {"shard_size": 2, "reductions_in_flight": 2}
+        cases = [("shard_size=2 + reductions_in_flight=2, 4 ranks", 4, both, 1e-5)]
     for name, world, options, tol in cases:
         reference = _reference(torch.device(device), steps, bf16="param_dtype" in options)
         results = run_ranks(_train_sharded, world, device, steps, options, backend="gloo")
@@ -212,7 +213,8 @@ def check_c(dry: bool) -> None:
         _trainer(accelerator, precision, strategy).fit(zero3, _loader())
         diff = max(abs(a - b) for a, b in zip(plain.losses, zero3.losses))
         tol = 1e-5 if precision == "32-true" else 5e-2
-        report(f"(c) Lightning {precision}: loss vs plain Trainer", diff < tol, f"max |loss diff| {diff:.3g} over 4 steps")
+        figures = f"max |loss diff| {diff:.3g} over 4 steps"
+        report(f"(c) Lightning {precision}: loss vs plain Trainer", diff < tol, figures)
         if not dry and precision == "32-true":
             psi = sum(p.numel() for p in Net().parameters())
             peak = torch.cuda.max_memory_allocated()
@@ -221,7 +223,9 @@ def check_c(dry: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         resumed_losses = {}
         for kind in ("plain", "sharded") if FAST else ("plain", "sharded", "full"):
-            strategy = (lambda: "auto") if kind == "plain" else (lambda: ZeRO3Strategy(state_dict_type=kind))
+            def strategy(kind: str = kind) -> Any:
+                return "auto" if kind == "plain" else ZeRO3Strategy(state_dict_type=kind)
+
             first = _lit_module()
             t = _trainer(accelerator, "32-true", strategy(), max_steps=4)
             t.fit(first, _loader())
