@@ -147,3 +147,34 @@ def _departing_alike(rank: int, world_size: int, prefetch: int) -> float:
 def test_every_rank_leaving_the_order_alike_still_trains_exactly(prefetch):
     for diff in run_ranks(_departing_alike, 2, prefetch, timeout_s=TIMEOUT_S):
         assert diff < 1e-5, diff
+
+
+def _tampered_tag(rank: int, world_size: int) -> str:
+    """Rank 1 labels blocks.1 as blocks.2 from step 2 on: the ranks follow the same order, but
+    their collectives now pair different units of the same size (what a wrong pairing looks like
+    on the wire), and no collective fails."""
+    torch.manual_seed(0)
+    model = MLP(depth=3)
+    sharded = ShardedModel(model, prefetch=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        if step == 1 and rank == 1:
+            by_name = {unit.name: unit for unit in sharded.units}
+            by_name["blocks.1"].tag = by_name["blocks.2"].tag
+        x, y = mlp_batch(step)
+        loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+        try:
+            loss.backward()
+        except RuntimeError as err:
+            return f"backward raised {type(err).__name__}: {err}"
+        optimizer.step()
+        optimizer.zero_grad()
+    return "finished"
+
+
+def test_a_mismatched_step_raises_out_of_backward_before_the_optimizer_step():
+    """The deferred check runs at the end of backward: gradients of a mismatched step never
+    reach the optimizer."""
+    for outcome in run_ranks(_tampered_tag, 2, timeout_s=TIMEOUT_S):
+        assert outcome.startswith("backward raised OrderMismatchError"), outcome
+        assert "'blocks.1'" in outcome, outcome
