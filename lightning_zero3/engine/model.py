@@ -265,6 +265,7 @@ class ShardedModel:
                 if sharded in chosen:
                     shards[id(sharded)] = sharded.param.data
                     sharded.param.data = full
+        self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         try:
             yield
         finally:
@@ -301,6 +302,7 @@ class ShardedModel:
                 for sharded, full in zip(unit.params, fulls):
                     full_by_id[id(sharded.param)] = full.detach().clone().cpu()  # own storage, not the unit's
             del fulls
+        self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         if not keep:
             return {}
         by_name = {}
