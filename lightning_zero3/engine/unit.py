@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero3.engine.buffers import BufferPool
@@ -313,20 +314,17 @@ class Unit:
         out = torch.empty(width, dtype=self.reduce_dtype, device=like.device)  # on the compute stream
         with streams.on("reduce"), torch.no_grad():
             full = self.pool.take(n * width, self.reduce_dtype, like.device).view(n, width)  # (N, row)
-            for i, (p, grad) in enumerate(zip(self.params, grads)):
-                so, o = p.shard_numel, self.offsets[i]
-                block = full[:, o : o + so]
+            # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
+            blocks = []
+            for p, grad in zip(self.params, grads):
                 if grad is None:
-                    block.zero_()
+                    blocks.append(torch.zeros(n, p.shard_numel, dtype=self.reduce_dtype, device=like.device))
                     continue
                 flat = grad.reshape(-1)
-                rows = p.numel // so
-                block[:rows].copy_(flat[: rows * so].view(rows, so))  # casts to reduce_dtype
-                rest = p.numel - rows * so
-                if rows < n:
-                    block[rows:].zero_()
-                    if rest:
-                        block[rows, :rest].copy_(flat[rows * so :])
+                if p.numel != n * p.shard_numel:
+                    flat = F.pad(flat, (0, n * p.shard_numel - p.numel))
+                blocks.append(flat.view(n, p.shard_numel))
+            torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
             full[:, s:].zero_()
             full[(self.comm.rank + 1) % n, s] = self.reduce_code  # the next rank checks it
             work = self.comm.reduce_scatter(out, full, what=f"gradients of unit '{self.name}'", async_op=True)
