@@ -223,6 +223,7 @@ def check_c(dry: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         resumed_losses = {}
         for kind in ("plain", "sharded") if FAST else ("plain", "sharded", "full"):
+
             def strategy(kind: str = kind) -> Any:
                 return "auto" if kind == "plain" else ZeRO3Strategy(state_dict_type=kind)
 

@@ -362,4 +362,3 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.Proce
         if rank % shard_size == offset:
             replicate_group = group
     return shard_group, replicate_group
-
