@@ -110,15 +110,15 @@ class Streams:
             self._streams = {name: torch.cuda.Stream(device) for name in ("copy_in", "gather", "reduce")}
 
     @contextmanager
-    def on(self, name: str | None, *, after: Any = None) -> Iterator[None]:
+    def on(self, name: str | None, *, after: Any = None, wait_current: bool | None = None) -> Iterator[None]:
         """Run the block on stream `name` ("copy_in", "gather", "reduce"; None: the current
-        one). "copy_in" and "reduce" first wait for the current stream; `after`: an event
-        to wait for too."""
+        one). "copy_in" and "reduce" first wait for the current stream unless `wait_current`
+        says otherwise; `after`: an event to wait for too."""
         if not self.enabled or name is None:
             yield
             return
         stream = self._streams[name]
-        if name != "gather":
+        if wait_current if wait_current is not None else name != "gather":
             stream.wait_stream(torch.cuda.current_stream(self.device))
         if after is not None:
             stream.wait_event(after)

@@ -345,7 +345,7 @@ class Unit:
         pending.scattered = True
         streams = self.comm.streams(pending.out.device)
         try:
-            with streams.on("reduce" if pending.replicating else None):
+            with streams.on("reduce" if pending.replicating else None, wait_current=False):
                 streams.wait_for(pending.done)
                 if pending.work is not None:
                     pending.work.wait()
@@ -363,8 +363,7 @@ class Unit:
         pending.replicating = True
         self._wait_scatter(pending)
         streams = self.comm.streams(pending.out.device)
-        with streams.on("reduce"):
-            streams.wait_for(pending.done)
+        with streams.on("reduce", after=pending.done, wait_current=False):  # not behind the compute
             what = f"gradients of unit '{self.name}' across shard groups"
             pending.work = self.replicate.all_reduce(pending.out, what=what, async_op=True)
             pending.done = streams.event()
