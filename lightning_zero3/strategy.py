@@ -114,6 +114,9 @@ class ZeRO3Strategy(ParallelStrategy):
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
             method ("spawn", "fork", "forkserver").
+        reductions_in_flight: gradient Reduce-Scatters left running while backward continues
+            (each holds one unit's full gradient buffer). None (default): 2 on CUDA, 0 elsewhere
+            (on CPU/gloo no gain was measured).
     """
 
     strategy_name = "zero3"
@@ -133,6 +136,7 @@ class ZeRO3Strategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
+        reductions_in_flight: int | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -153,6 +157,12 @@ class ZeRO3Strategy(ParallelStrategy):
                 f"{type(self).__name__}(persistence_threshold=...) must be an int >= 0 (elements), "
                 f"got {persistence_threshold!r}."
             )
+        if reductions_in_flight is not None and (type(reductions_in_flight) is not int or reductions_in_flight < 0):
+            raise ValueError(
+                f"{type(self).__name__}(reductions_in_flight=...) must be None (2 on CUDA, 0 elsewhere) or an "
+                f"int >= 0 (Reduce-Scatters left running while backward continues); got {reductions_in_flight!r}."
+            )
+        self.reductions_in_flight = reductions_in_flight
         if state_dict_type not in _STATE_DICT_TYPES:
             raise ValueError(
                 f"{type(self).__name__}(state_dict_type=...) must be one of {_STATE_DICT_TYPES}, "
@@ -314,6 +324,7 @@ class ZeRO3Strategy(ParallelStrategy):
             reduce_dtype=self.reduce_dtype,
             param_init_fn=self.param_init_fn,
             device=self.root_device,
+            reductions_in_flight=self._reductions_in_flight(),
         )
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
@@ -323,6 +334,11 @@ class ZeRO3Strategy(ParallelStrategy):
                 backoff_factor=old._backoff_factor, growth_interval=old._growth_interval, enabled=old._enabled,
             )  # fmt: skip
         return _RootCall(module)
+
+    def _reductions_in_flight(self) -> int:
+        if self.reductions_in_flight is not None:
+            return self.reductions_in_flight
+        return 2 if self.root_device.type == "cuda" else 0
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
