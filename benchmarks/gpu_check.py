@@ -327,10 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     checks = {"a": check_a, "b": check_b, "c": check_c}
     for key in args.only:
-        if key == "d":
-            check_d(args.dry_run, Path(args.out))
-        else:
-            checks[key](args.dry_run)
+        try:
+            if key == "d":
+                check_d(args.dry_run, Path(args.out))
+            else:
+                checks[key](args.dry_run)
+        except Exception as err:  # noqa: BLE001 - one broken check must not hide the others
+            report(f"({key}) crashed", False, f"{type(err).__name__}: {str(err)[-600:]}")
     failed = [name for name, ok, _ in RESULTS if not ok]
     mode = "dry run on CPU" if args.dry_run else torch.cuda.get_device_name()
     print(f"{len(RESULTS) - len(failed)}/{len(RESULTS)} passed ({mode}, {time.perf_counter() - start:.0f} s)")

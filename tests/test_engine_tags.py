@@ -178,3 +178,17 @@ def test_a_mismatched_step_raises_out_of_backward_before_the_optimizer_step():
     for outcome in run_ranks(_tampered_tag, 2, timeout_s=TIMEOUT_S):
         assert outcome.startswith("backward raised OrderMismatchError"), outcome
         assert "'blocks.1'" in outcome, outcome
+
+
+def test_a_collective_timeout_names_the_last_collectives_and_the_recorded_order():
+    """What a rank sees when a peer stops answering (on NCCL, also what ranks running units of
+    different sizes end with): the unit, this rank's last collectives, the recorded order and
+    how to diagnose (TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+    from tests.test_engine_order import _stall_in_backward
+
+    waiting, _ = run_ranks(_stall_in_backward, 2, 6, timeout_s=2)
+    message = waiting[0]
+    assert message.startswith("CollectiveError: Reduce-Scatter of gradients of unit 'blocks.0'"), message
+    assert "last collectives, oldest first: All-Gather of unit" in message, message
+    assert "No unit order is recorded yet (first step)" in message, message
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message, message
