@@ -57,11 +57,10 @@ forward, with a backward of its own like any unit call.
 the backward of the next unit computes while it is in flight. The reduced shard gradients are
 added into `shard.grad` by the engine when the reduction is waited for: once more than
 `ShardedModel(reductions_in_flight=k)` are pending (default 0: at once), and for all of them in
-the callback that ends backward, so `.grad` is complete when `backward()` returns. With k > 0
-a rank that runs different units than the others (data-dependent control flow) may meet a
-collective of another size before a tag check, which gloo answers by aborting that process;
-the other ranks still raise the error naming the unit. Adding (rather than assigning) keeps
-accumulation, tied weights and modules called twice exact.
+the callback that ends backward, so `.grad` is complete when `backward()` returns. A rank that
+runs different units than the others announces its departure before its next gather (tags.py,
+Note: deferred tag checks), so every rank raises the error naming the unit. Adding (rather than
+assigning) keeps accumulation, tied weights and modules called twice exact.
 
 [Note: recomputation]
 Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
