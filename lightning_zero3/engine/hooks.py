@@ -59,8 +59,9 @@ added into `shard.grad` by the engine when the reduction is waited for: once mor
 `ShardedModel(reductions_in_flight=k)` are pending (default 0: at once), and for all of them in
 the callback that ends backward, so `.grad` is complete when `backward()` returns. A rank that
 runs different units than the others announces its departure before its next gather (tags.py,
-Note: deferred tag checks), so every rank raises the error naming the unit. Adding (rather than
-assigning) keeps accumulation, tied weights and modules called twice exact.
+Note: deferred tag checks), so every rank raises the error naming the unit (where the others'
+next collective cannot be predicted from the record, gloo may still abort that rank). Adding
+(rather than assigning) keeps accumulation, tied weights and modules called twice exact.
 
 [Note: recomputation]
 Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
