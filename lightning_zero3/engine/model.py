@@ -19,7 +19,7 @@ from torch import nn
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
-from lightning_zero3.engine.materialize import ParamInitFn, shard_parameters
+from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
 from lightning_zero3.engine.shard import ShardedParam
@@ -400,3 +400,12 @@ class ShardedModel:
 
     def remove_hooks(self) -> None:
         self.hooks.remove()
+
+    def restore_module(self, *, device: torch.device | str = "cpu") -> None:
+        """Make `module` an ordinary module again, on `device`: whole parameters (gathered one
+        unit at a time, Note: restoring unit by unit), persistent parameters and buffers moved
+        there, hooks removed. Collective: call it on every rank. The shards and this object stay
+        valid for reading (`stats`, the optimizer's sharded state), not for training."""
+        self.remove_hooks()
+        restore_whole(self.units, device=torch.device(device))
+        self.module.to(device)
