@@ -1,0 +1,122 @@
+"""`Fabric(strategy="zero3")` trains a plain nn.Module exactly like one process on the global
+batch: 2 real gloo ranks against a single-process reference, through every way Fabric sets a
+model and its optimizer up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from tests import models
+from tests.fabric_helpers import adamw, fabric, full_state, max_difference, reference, train_step
+from tests.ranks import run_ranks
+
+TOL = 1e-5
+STEPS = 3
+CLIP = 0.05
+
+
+def _train(rank: int, world_size: int, how: str) -> dict[str, Any]:
+    f = fabric(rank, world_size)
+    torch.manual_seed(0)
+    if how == "init_module_empty":
+        with f.init_module(empty_init=True):
+            model = models.MLP()
+        on_meta = all(p.is_meta for p in model.parameters())
+        torch.manual_seed(0)  # materialised module by module in construction order: same values
+        model = f.setup_module(model)
+        optimizer = f.setup_optimizers(adamw(model))
+    elif how == "setup_together":  # the optimizer holds the whole parameters until setup
+        model = models.MLP()
+        model, optimizer = f.setup(model, adamw(model))
+    elif how == "setup_module_then_optimizer":
+        model = f.setup_module(models.MLP())
+        optimizer = f.setup_optimizers(adamw(model))
+    else:  # "optimizer_before_setup_module"
+        model = models.MLP()
+        optimizer = adamw(model)
+        model = f.setup_module(model)
+        optimizer = f.setup_optimizers(optimizer)
+    shard_shapes = {tuple(p.shape) for p in model.parameters()}
+    steps = [train_step(f, model, optimizer, step, rank, world_size, CLIP) for step in range(STEPS)]
+    return {
+        "state": full_state(f, model),
+        "steps": steps,
+        "shard_shapes": shard_shapes,
+        "on_meta": how != "init_module_empty" or on_meta,
+    }
+
+
+@pytest.mark.parametrize(
+    "how", ["setup_together", "setup_module_then_optimizer", "optimizer_before_setup_module", "init_module_empty"]
+)
+def test_training_matches_single_process_with_global_norm_clipping(how: str) -> None:
+    results = run_ranks(_train, 2, how)
+    model, expected = reference(STEPS, clip=CLIP)
+    assert all(norm > CLIP for _, norm in expected), "the clip value must actually clip"
+    for result in results:
+        assert result["on_meta"], "init_module(empty_init=True) must build on the meta device"
+        assert all(len(shape) == 1 for shape in result["shard_shapes"]), "parameters must be 1-D shards"
+        assert max_difference(result["state"], model.state_dict()) < TOL
+        for (loss, norm), (ref_loss, ref_norm) in zip(result["steps"], expected):
+            assert abs(loss - ref_loss) < TOL
+            assert abs(norm - ref_norm) < TOL
+
+
+def _misuse(rank: int, world_size: int) -> dict[str, str]:
+    f = fabric(rank, world_size)
+    errors = {}
+    stepped = models.MLP()
+    optimizer = torch.optim.SGD(stepped.parameters(), lr=0.1, momentum=0.9)
+    stepped(torch.randn(2, 7)).sum().backward()
+    optimizer.step()
+    try:
+        f.setup(stepped, optimizer)
+    except ValueError as err:
+        errors["stepped"] = str(err)
+    model = f.setup_module(models.MLP())
+    try:
+        f.setup_optimizers(torch.optim.SGD(models.MLP().parameters(), lr=0.1))
+    except ValueError as err:
+        errors["foreign"] = str(err)
+    try:
+        f.setup_module(model.module)
+    except ValueError as err:
+        errors["twice"] = str(err)
+    return errors
+
+
+def test_misuse_gives_clear_errors_on_every_rank() -> None:
+    for errors in run_ranks(_misuse, 2):
+        assert "has already stepped" in errors["stepped"] and "after `fabric.setup_module(model)`" in errors["stepped"]
+        assert "holds parameters of no model set up" in errors["foreign"]
+        assert "set up each module once" in errors["twice"]
+
+
+def test_zero3_name_builds_the_fabric_strategy() -> None:
+    from lightning_zero3 import ZeRO3FabricStrategy
+
+    assert type(L.Fabric(strategy="zero3", accelerator="cpu", devices=2).strategy) is ZeRO3FabricStrategy
+    strategy = ZeRO3FabricStrategy(prefetch=2, state_dict_type="full")
+    assert L.Fabric(strategy=strategy, accelerator="cpu", devices=2).strategy is strategy
+
+
+def test_each_class_given_to_the_other_api_names_the_right_one() -> None:
+    from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
+
+    with pytest.raises(ValueError, match="for Fabric use ZeRO3FabricStrategy or strategy='zero3'"):
+        L.Fabric(strategy=ZeRO3Strategy(), accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match="for the Trainer use ZeRO3Strategy or strategy='zero3'"):
+        L.Trainer(strategy=ZeRO3FabricStrategy(), accelerator="cpu", devices=2)
+
+
+def test_options_are_checked_like_the_trainers() -> None:
+    from lightning_zero3 import ZeRO3FabricStrategy
+
+    with pytest.raises(ValueError, match=r"ZeRO3FabricStrategy\(prefetch=...\) must be an int >= 0"):
+        ZeRO3FabricStrategy(prefetch=-1)
+    with pytest.raises(ValueError, match=r"ZeRO3FabricStrategy\(param_dtype=...\) must be a floating"):
+        ZeRO3FabricStrategy(param_dtype="int8")
