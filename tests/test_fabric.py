@@ -120,3 +120,67 @@ def test_options_are_checked_like_the_trainers() -> None:
         ZeRO3FabricStrategy(prefetch=-1)
     with pytest.raises(ValueError, match=r"ZeRO3FabricStrategy\(param_dtype=...\) must be a floating"):
         ZeRO3FabricStrategy(param_dtype="int8")
+
+
+def _save_after_two_steps(rank: int, world_size: int, directory: str) -> None:
+    from lightning_zero3 import ZeRO3FabricStrategy
+
+    f = fabric(rank, world_size)
+    torch.manual_seed(0)
+    model = models.MLP()
+    model, optimizer = f.setup(model, adamw(model))
+    for step in range(2):
+        train_step(f, model, optimizer, step, rank, world_size, None)
+    f.save(f"{directory}/sharded", {"model": model, "optimizer": optimizer, "step": 2, "note": {"a": 1}})
+    # A second Fabric reads the sharded checkpoint and writes it as one full file.
+    full = fabric(rank, world_size, strategy=ZeRO3FabricStrategy(state_dict_type="full"))
+    other = full.setup_module(models.MLP())
+    other_optimizer = full.setup_optimizers(adamw(other))
+    state = {"model": other, "optimizer": other_optimizer, "step": 0}
+    remainder = full.load(f"{directory}/sharded", state)
+    assert state["step"] == 2 and remainder == {"note": {"a": 1}}, (state["step"], remainder)
+    full.save(f"{directory}/full.pt", {"model": other, "optimizer": other_optimizer, "step": state["step"]})
+
+
+def _resume_and_step(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    out = {}
+    for name in ("sharded", "full.pt"):
+        f = fabric(rank, world_size)
+        model = f.setup_module(models.MLP())
+        optimizer = f.setup_optimizers(adamw(model))
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        f.load(f"{directory}/{name}", state)
+        out[name] = {"step": state["step"], "loss": train_step(f, model, optimizer, 2, rank, world_size, None)[0]}
+        out[name]["state"] = full_state(f, model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Checkpoints of 2 ranks after 2 steps: `sharded` (a directory) and `full.pt`."""
+    directory = tmp_path_factory.mktemp("fabric_checkpoints")
+    run_ranks(_save_after_two_steps, 2, str(directory))
+    return directory
+
+
+def test_sharded_and_full_checkpoints_resume_at_another_world_size(saved: Any) -> None:
+    results = run_ranks(_resume_and_step, 3, str(saved))
+    model, expected = reference(3)
+    for result in results:
+        for name in ("sharded", "full.pt"):
+            assert result[name]["step"] == 2
+            assert abs(result[name]["loss"] - expected[2][0]) < TOL
+            assert max_difference(result[name]["state"], model.state_dict()) < TOL
+
+
+def test_full_checkpoint_is_what_a_plain_pytorch_run_reads(saved: Any) -> None:
+    checkpoint = torch.load(saved / "full.pt", weights_only=True)
+    plain = models.MLP()
+    plain.load_state_dict(checkpoint["model"])
+    optimizer = adamw(plain)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    x, y = models.mlp_batch(2)
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    optimizer.step()
+    assert checkpoint["step"] == 2
+    assert max_difference(plain.state_dict(), reference(3)[0].state_dict()) < TOL
