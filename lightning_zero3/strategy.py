@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.checkpoint import (
     CheckpointError,
     ShardedOptimizerStates,
@@ -235,6 +236,7 @@ class ZeRO3Strategy(ParallelStrategy):
     # ---- setup ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
+        refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__)  # callbacks.py: why and what instead
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
