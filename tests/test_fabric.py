@@ -12,6 +12,7 @@ import torch
 
 from tests import models
 from tests.fabric_helpers import adamw, fabric, full_state, max_difference, reference, train_step
+from tests.parity import local_slice
 from tests.ranks import run_ranks
 
 TOL = 1e-5
@@ -152,6 +153,10 @@ def _resume_and_step(rank: int, world_size: int, directory: str) -> dict[str, An
         f.load(f"{directory}/{name}", state)
         out[name] = {"step": state["step"], "loss": train_step(f, model, optimizer, 2, rank, world_size, None)[0]}
         out[name]["state"] = full_state(f, model)
+    f = fabric(rank, world_size)
+    model = f.setup_module(models.MLP())
+    f.load_raw(f"{directory}/raw.pt", model)  # a plain state dict of whole tensors
+    out["raw"] = full_state(f, model)
     return out
 
 
@@ -160,6 +165,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Checkpoints of 2 ranks after 2 steps: `sharded` (a directory) and `full.pt`."""
     directory = tmp_path_factory.mktemp("fabric_checkpoints")
     run_ranks(_save_after_two_steps, 2, str(directory))
+    torch.save(reference(2)[0].state_dict(), directory / "raw.pt")
     return directory
 
 
@@ -171,6 +177,7 @@ def test_sharded_and_full_checkpoints_resume_at_another_world_size(saved: Any) -
             assert result[name]["step"] == 2
             assert abs(result[name]["loss"] - expected[2][0]) < TOL
             assert max_difference(result[name]["state"], model.state_dict()) < TOL
+        assert max_difference(result["raw"], reference(2)[0].state_dict()) == 0.0
 
 
 def test_full_checkpoint_is_what_a_plain_pytorch_run_reads(saved: Any) -> None:
@@ -184,3 +191,57 @@ def test_full_checkpoint_is_what_a_plain_pytorch_run_reads(saved: Any) -> None:
     optimizer.step()
     assert checkpoint["step"] == 2
     assert max_difference(plain.state_dict(), reference(3)[0].state_dict()) < TOL
+
+
+def _bf16_mixed_and_clip_by_value(rank: int, world_size: int) -> dict[str, Any]:
+    f = fabric(rank, world_size, precision="bf16-mixed")
+    torch.manual_seed(0)
+    model = f.setup_module(models.MLP())
+    optimizer = f.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    sharded = f.strategy.sharded_model(model)
+    gathered: set[torch.dtype] = set()
+    model.blocks[0].fc1.register_forward_pre_hook(lambda m, a: gathered.add(m.weight.dtype))
+    x, y = models.mlp_batch(0)
+    loss = torch.nn.functional.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+    f.backward(loss)
+    f.clip_gradients(model, optimizer, clip_val=0.01)
+    largest = max(float(p.grad.abs().max()) for p in model.parameters())
+    optimizer.step()  # closes the step's accounting: stats.last_step is this step's traffic
+    return {"gathered": gathered, "shards": {p.dtype for p in model.parameters()}, "largest": largest,
+            "gather_bytes": sharded.stats.last_step["all_gather"].payload_bytes,
+            "expected": sharded.expected_step_bytes()["all_gather"], "state": full_state(f, model)}  # fmt: skip
+
+
+def test_bf16_mixed_gathers_in_bf16_and_clipping_by_value_acts_on_shards() -> None:
+    torch.manual_seed(0)
+    model = models.MLP()
+    x, y = models.mlp_batch(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    assert max(float(p.grad.abs().max()) for p in model.parameters()) > 0.01, "the clip value must clip"
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    for result in run_ranks(_bf16_mixed_and_clip_by_value, 2):
+        assert result["gathered"] == {torch.bfloat16} and result["shards"] == {torch.float32}
+        assert result["gather_bytes"] == result["expected"]
+        assert result["largest"] <= 0.01
+        assert max_difference(result["state"], model.state_dict()) < 1e-3
+
+
+def _gathered(rank: int, world_size: int) -> dict[str, Any]:
+    f = fabric(rank, world_size)
+    torch.manual_seed(0)
+    model = f.setup_module(models.MLP())
+    with f.strategy.gathered_parameters(model.head):
+        inside = tuple(model.head.weight.shape)
+    with f.strategy.gathered_parameters(model.head, modifier_rank=1):
+        if rank == 1:
+            model.head.weight.data.fill_(0.5)
+    return {"inside": inside, "outside": tuple(model.head.weight.shape), "state": full_state(f, model)}
+
+
+def test_gathered_parameters_gives_whole_weights_and_keeps_the_modifiers_writes() -> None:
+    for result in run_ranks(_gathered, 2):
+        assert result["inside"] == (5, 13) and len(result["outside"]) == 1
+        assert torch.equal(result["state"]["head.weight"], torch.full((5, 13), 0.5))
