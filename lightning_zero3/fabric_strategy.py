@@ -213,8 +213,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         )
         self._sharded[id(module)] = sharded
         for name, old in before.items():
-            if not old.is_meta:
-                self._replaced[id(old)] = (weakref.ref(old), sharded, name)
+            self._replaced[id(old)] = (weakref.ref(old), sharded, name)
         plugin = self.precision
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             plugin.scaler = AgreeingGradScaler.like(plugin.scaler, sharded)  # every rank skips the same steps
@@ -224,23 +223,18 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: LRScheduler | None = None
     ) -> tuple[nn.Module, list[Optimizer], LRScheduler | None]:
+        # Checked before sharding, so that a mistake leaves the model untouched.
         _check_no_state(optimizers, type(self).__name__)
-        current = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-        by_param = [[[current.get(id(p)) for p in group["params"]] for group in opt.param_groups] for opt in optimizers]
-        for opt, groups in zip(optimizers, by_param):
-            for group, names in zip(opt.param_groups, groups):
-                if None in names:
-                    shapes = [tuple(p.shape) for p, n in zip(group["params"], names) if n is None]
-                    raise ValueError(
-                        f"{type(self).__name__}: the optimizer {type(opt).__name__} holds parameters that are not "
-                        f"the model's (shapes {shapes[:4]})."
-                        f" Build it from model.parameters() (or named_parameters()) of the model passed to setup."
-                    )
-        module = self.setup_module(module)
-        after = dict(module.named_parameters(remove_duplicate=False))
-        for opt, groups in zip(optimizers, by_param):
-            for group, names in zip(opt.param_groups, groups):
-                group["params"] = [after[name] for name in names]
+        mine = {id(p) for p in module.parameters()}
+        for optimizer in optimizers:
+            foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
+            if foreign:
+                raise ValueError(
+                    f"{type(self).__name__}: the optimizer {type(optimizer).__name__} holds parameters that are not "
+                    f"the model's (shapes {foreign[:4]}). Build it from `model.parameters()` of the model passed "
+                    f"to `fabric.setup`."
+                )
+        module = self.setup_module(module)  # the optimizers are pointed at the shards next
         return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
 
     @override

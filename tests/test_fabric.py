@@ -78,6 +78,10 @@ def _misuse(rank: int, world_size: int) -> dict[str, str]:
         f.setup(stepped, optimizer)
     except ValueError as err:
         errors["stepped"] = str(err)
+    try:
+        f.setup(models.MLP(), torch.optim.SGD(models.MLP().parameters(), lr=0.1))
+    except ValueError as err:
+        errors["foreign_together"] = str(err)
     model = f.setup_module(models.MLP())
     try:
         f.setup_optimizers(torch.optim.SGD(models.MLP().parameters(), lr=0.1))
@@ -94,6 +98,7 @@ def test_misuse_gives_clear_errors_on_every_rank() -> None:
     for errors in run_ranks(_misuse, 2):
         assert "has already stepped" in errors["stepped"] and "after `fabric.setup_module(model)`" in errors["stepped"]
         assert "holds parameters of no model set up" in errors["foreign"]
+        assert "holds parameters that are not the model's" in errors["foreign_together"]
         assert "set up each module once" in errors["twice"]
 
 
