@@ -106,11 +106,11 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         self._num_nodes = 1
         # One engine per module set up (a GAN has two), by the module's id.
         self._sharded: dict[int, ShardedModel] = {}
-        # Whole parameters replaced by shards -> (the engine, the parameter's name), so that an
-        # optimizer built before setup can be pointed at the shards (Note: optimizers created
-        # before setup). By id, with a weak reference to tell a reused id apart: once no
-        # optimizer holds them, the whole tensors are freed.
-        self._replaced: dict[int, tuple[weakref.ref[Tensor], ShardedModel, str]] = {}
+        # id(whole parameter replaced by a shard) -> (a weak reference to it, its shard), so that
+        # an optimizer built before setup can be pointed at the shards (Note: optimizers created
+        # before setup). The weak reference tells a reused id apart and lets the whole tensor be
+        # freed once no optimizer holds it.
+        self._replaced: dict[int, tuple[weakref.ref[Tensor], nn.Parameter]] = {}
 
     @property
     def state_dict_type(self) -> str:
@@ -212,8 +212,10 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             device=self.root_device,
         )
         self._sharded[id(module)] = sharded
+        after = dict(module.named_parameters(remove_duplicate=False))
         for name, old in before.items():
-            self._replaced[id(old)] = (weakref.ref(old), sharded, name)
+            if after[name] is not old:  # parameters kept whole (persistence_threshold) stay as they are
+                self._replaced[id(old)] = (weakref.ref(old), after[name])
         plugin = self.precision
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             plugin.scaler = AgreeingGradScaler.like(plugin.scaler, sharded)  # every rank skips the same steps
@@ -258,10 +260,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     def _shard_of(self, param: Tensor) -> nn.Parameter | None:
         """The shard that replaced `param` in `setup_module`, or None if `param` was not replaced."""
         entry = self._replaced.get(id(param))
-        if entry is None or entry[0]() is not param:
-            return None
-        _, sharded, name = entry
-        return dict(sharded.module.named_parameters(remove_duplicate=False))[name]
+        return entry[1] if entry is not None and entry[0]() is param else None
 
     def sharded_model(self, module: nn.Module | None = None) -> ShardedModel:
         """The engine holding `module`'s shards (a module set up with Fabric, or the one inside
