@@ -250,3 +250,18 @@ def test_gathered_parameters_gives_whole_weights_and_keeps_the_modifiers_writes(
     for result in run_ranks(_gathered, 2):
         assert result["inside"] == (5, 13) and len(result["outside"]) == 1
         assert torch.equal(result["state"]["head.weight"], torch.full((5, 13), 0.5))
+
+
+def _threads_after_launch(rank: int, world_size: int) -> tuple[int, int]:
+    import os
+
+    share = max(1, len(os.sched_getaffinity(0)) // world_size)
+    os.environ.pop("OMP_NUM_THREADS", None)  # as in a rank started by torchrun or by Fabric itself
+    torch.set_num_threads(share + 3)
+    fabric(rank, world_size)
+    return torch.get_num_threads(), share
+
+
+def test_ranks_started_outside_fabric_get_their_share_of_the_cores() -> None:
+    for threads, share in run_ranks(_threads_after_launch, 2):
+        assert threads == share
