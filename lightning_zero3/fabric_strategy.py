@@ -64,7 +64,8 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
     param_init_fn, state_dict_type ("sharded" directory or "full" file for `fabric.save`),
     timeout, start_method ("popen" re-runs the script per rank; "spawn"/"fork"/"forkserver"
-    need `fabric.launch(function)`) and process_group_backend.
+    need `fabric.launch(function)`), process_group_backend, reductions_in_flight and
+    trust_checkpoint (`fabric.load` unpickles without restriction: checkpoint/trust.py).
     """
 
     strategy_name = "zero3"
@@ -83,6 +84,8 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
+        reductions_in_flight: int | None = None,
+        trust_checkpoint: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -100,7 +103,8 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             type(self).__name__, wrap_policy=wrap_policy, prefetch=prefetch,
             persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
-            timeout=timeout, start_method=start_method,
+            timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
+            trust_checkpoint=trust_checkpoint,
         )  # fmt: skip
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -213,6 +217,11 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             reduce_dtype=options.reduce_dtype,
             param_init_fn=options.param_init_fn,
             device=self.root_device,
+            reductions_in_flight=(
+                options.reductions_in_flight
+                if options.reductions_in_flight is not None
+                else 2 if self.root_device.type == "cuda" else 0
+            ),
         )
         self._sharded[id(module)] = sharded
         after = dict(module.named_parameters(remove_duplicate=False))

@@ -239,43 +239,24 @@ def restore_whole(units: list[Unit], *, device: torch.device) -> None:
     device holds one unit's gathered parameters beyond what it held before: at the end of `fit`
     on a GPU, the whole model goes to host memory rather than next to the optimizer's shards on
     the GPU. As in sharding (Note: shards before full tensors), every output is allocated before
-    anything is gathered, and nothing is allocated per unit: on the shards' device the unit is
-    gathered straight into its outputs (`Unit.gather(into=...)`), elsewhere into one staging
-    block reused by every unit of that size and copied out. A per-unit block freed on glibc's
-    heap gets small allocations carved out of it and is never reused whole: restoring 24 x 16 MiB
-    layers kept +16 MiB per unit resident. Every rank must call it (one All-Gather per unit).
-    The shards themselves stay alive while the optimizer references them."""
+    anything is gathered, and nothing is allocated per unit: each unit is gathered into one pooled
+    block on the shards' device, reused by every unit of that size, and copied out
+    (`Unit.gather_into`). A per-unit block freed on glibc's heap gets small allocations carved
+    out of it and is never reused whole: restoring 24 x 16 MiB layers kept +16 MiB per unit
+    resident. Every rank must call it (one All-Gather per unit). The shards themselves stay
+    alive while the optimizer references them."""
     outputs = {
         id(sharded): torch.empty(sharded.full_shape, dtype=unit.shard_dtype, device=device)
         for unit in units
         for sharded in unit.params
     }
-    staging: dict[tuple[int, torch.dtype], torch.Tensor] = {}
     for unit in units:
         if not unit.params:
             continue
         whole = [outputs.pop(id(sharded)) for sharded in unit.params]
-        here = unit.params[0].param.device
-        if here == whole[0].device:
-            unit.gather(whole, dtype=unit.shard_dtype)  # straight into the outputs
-        else:
-            key = (unit.numel, unit.shard_dtype)
-            if key not in staging:
-                staging[key] = torch.empty(unit.numel, dtype=unit.shard_dtype, device=here)
-            views = _full_views(staging[key], unit.params)
-            unit.gather(views, dtype=unit.shard_dtype)
-            for out, view in zip(whole, views):
-                out.copy_(view)
+        unit.gather_into(whole, dtype=unit.shard_dtype)
         for sharded, tensor in zip(unit.params, whole):
             param = nn.Parameter(tensor, requires_grad=sharded.requires_grad)
             for module, attr in sharded.owners:
                 module.register_parameter(attr, param)  # tied weights stay tied
 
-
-def _full_views(block: torch.Tensor, params: list[ShardedParam]) -> list[torch.Tensor]:
-    """Full-shaped views of consecutive pieces of `block`, one per parameter."""
-    views, start = [], 0
-    for sharded in params:
-        views.append(block[start : start + sharded.numel].view(sharded.full_shape))
-        start += sharded.numel
-    return views

@@ -278,6 +278,16 @@ class Unit:
         self.pool.give(gathered.view(-1))
         return fulls
 
+    def gather_into(self, outputs: list[torch.Tensor], *, dtype: torch.dtype | None = None) -> None:
+        """Gather the unit and copy each parameter's full value into `outputs` (tensors of the
+        full shapes, on any device, e.g. host memory): for callers that keep whole parameters
+        beyond the unit's life. The gathered block goes back to the pool."""
+        fulls = self.gather(dtype=dtype)
+        with torch.no_grad():
+            for out, full in zip(outputs, fulls):
+                out.copy_(full)
+        self.release(fulls)
+
     def _refill(self, storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
         """Give an emptied full-parameter storage a block of memory again."""
         if _SWAP_STORAGE:
