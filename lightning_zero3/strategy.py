@@ -23,7 +23,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
@@ -40,6 +39,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.checkpoint import (
     CheckpointError,
     ShardedOptimizerStates,
@@ -58,15 +58,13 @@ from lightning_zero3.checkpoint import (
 )
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.materialize import parameters_on_meta
-from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
+from lightning_zero3.engine.plan import WrapPolicy
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
+from lightning_zero3.options import join_process_group, validated_options
 from lightning_zero3.precision import mixed_precision_dtype, sharded_precision
 from lightning_zero3.summary import count_full_parameters
 
 log = logging.getLogger(__name__)
-
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_STATE_DICT_TYPES = ("sharded", "full")
 
 
 class _RootCall(nn.Module):
@@ -105,9 +103,17 @@ class ZeRO3Strategy(ParallelStrategy):
             meta device (in ``configure_model`` or ``trainer.init_module(empty_init=True)``).
             Default: the module's ``reset_parameters()``.
         state_dict_type: "sharded" or "full" checkpoints.
+        trust_checkpoint: load checkpoints with plain pickle (DCP's index, trainer_state.pt, full
+            files with ``weights_only=False``), which can run code from the file: only for
+            checkpoints from a trusted source whose Lightning state holds arbitrary objects. Default
+            False: nothing in a checkpoint runs code (docs/checkpoints.md, "What loading trusts").
+            ``trainer.fit(..., weights_only=False)`` opts in for that one load.
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
             method ("spawn", "fork", "forkserver").
+        reductions_in_flight: gradient Reduce-Scatters left running while backward continues
+            (each holds one unit's full gradient buffer). None (default): 2 on CUDA, 0 elsewhere
+            (on CPU/gloo no gain was measured).
     """
 
     strategy_name = "zero3"
@@ -123,9 +129,11 @@ class ZeRO3Strategy(ParallelStrategy):
         reduce_dtype: torch.dtype | str | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        trust_checkpoint: bool = False,
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
+        reductions_in_flight: int | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -139,41 +147,25 @@ class ZeRO3Strategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ValueError(f"{type(self).__name__}(prefetch=...) must be an int >= 0, got {prefetch!r}.")
-        if type(persistence_threshold) is not int or persistence_threshold < 0:
-            raise ValueError(
-                f"{type(self).__name__}(persistence_threshold=...) must be an int >= 0 (elements), "
-                f"got {persistence_threshold!r}."
-            )
-        if state_dict_type not in _STATE_DICT_TYPES:
-            raise ValueError(
-                f"{type(self).__name__}(state_dict_type=...) must be one of {_STATE_DICT_TYPES}, "
-                f"got {state_dict_type!r}."
-            )
-        if start_method not in _START_METHODS:
-            raise ValueError(
-                f"{type(self).__name__}(start_method=...) must be one of {_START_METHODS}, got {start_method!r}."
-            )
-        if not isinstance(timeout, timedelta):
-            raise ValueError(f"{type(self).__name__}(timeout=...) must be a datetime.timedelta, got {timeout!r}.")
-        self.wrap_policy = validate_wrap_policy(wrap_policy)
-        self.prefetch = prefetch
-        self.persistence_threshold = persistence_threshold
-        if shard_size is not None and (type(shard_size) is not int or shard_size < 1):
-            raise ValueError(
-                f"{type(self).__name__}(shard_size=...) must be None (whole world) or a positive int that divides "
-                f"the number of ranks, e.g. the devices per node; got {shard_size!r}."
-            )
-        self.shard_size = shard_size
-        self.param_dtype = _as_dtype(param_dtype, "param_dtype")
-        self.reduce_dtype = _as_dtype(reduce_dtype, "reduce_dtype")
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise ValueError(f"{type(self).__name__}(param_init_fn=...) must be callable; got {param_init_fn!r}.")
-        self.param_init_fn = param_init_fn
-        self.state_dict_type = state_dict_type
-        self._timeout = timeout
-        self._start_method = start_method
+        options = validated_options(
+            type(self).__name__, wrap_policy=wrap_policy, prefetch=prefetch,
+            persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
+            timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
+            trust_checkpoint=trust_checkpoint,
+        )  # fmt: skip
+        self.wrap_policy = options.wrap_policy
+        self.prefetch = options.prefetch
+        self.persistence_threshold = options.persistence_threshold
+        self.shard_size = options.shard_size
+        self.param_dtype = options.param_dtype
+        self.reduce_dtype = options.reduce_dtype
+        self.param_init_fn = options.param_init_fn
+        self.state_dict_type = options.state_dict_type
+        self._timeout = options.timeout
+        self._start_method = options.start_method
+        self.reductions_in_flight = options.reductions_in_flight
+        self.trust_checkpoint = options.trust_checkpoint
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         # The engine that holds this run's shards; None outside setup..teardown.
@@ -246,19 +238,10 @@ class ZeRO3Strategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        env = self.cluster_environment
-        try:
-            _init_dist_connection(env, self._process_group_backend, **kwargs)
-        except RuntimeError as err:  # torch's DistStoreError/DistNetworkError when a rank never arrives
-            raise RuntimeError(
-                f"{type(self).__name__}: the {env.world_size()} ranks did not all join the process group at "
-                f"{env.main_address}:{env.main_port} within timeout={self._timeout.total_seconds():g} s (this is "
-                f"global rank {env.global_rank()}). Check that every node runs the same command with the same "
-                f"num_nodes and devices, and that the main address and port are reachable. Cause: {err}"
-            ) from err
+        join_process_group(
+            type(self).__name__, self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+            device=self.root_device,
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -271,6 +254,7 @@ class ZeRO3Strategy(ParallelStrategy):
     # ---- setup ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
+        refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__)  # callbacks.py: why and what instead
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -307,10 +291,16 @@ class ZeRO3Strategy(ParallelStrategy):
             reduce_dtype=self.reduce_dtype,
             param_init_fn=self.param_init_fn,
             device=self.root_device,
+            reductions_in_flight=self._reductions_in_flight(),
         )
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, self.sharded, device=self.root_device)
         return _RootCall(module)
+
+    def _reductions_in_flight(self) -> int:
+        if self.reductions_in_flight is not None:
+            return self.reductions_in_flight
+        return 2 if self.root_device.type == "cuda" else 0
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -496,15 +486,16 @@ class ZeRO3Strategy(ParallelStrategy):
         model = self.sharded_model
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         context = f"Cannot load the checkpoint {path}"
+        trusted = self.trust_checkpoint or weights_only is False
         if path.is_dir():
             comm = model.world_comm
-            ckpt = open_sharded(path, comm=comm)
+            ckpt = open_sharded(path, comm=comm, trusted=trusted)
             run_and_agree(comm, lambda: _raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
-            return run_and_agree(comm, lambda: ckpt.lightning_dict(weights_only=weights_only), context=context)
+            return run_and_agree(comm, ckpt.lightning_dict, context=context)
 
         def read() -> dict[str, Any]:
             if type(self.checkpoint_io) is TorchCheckpointIO:
-                checkpoint = load_full_file(path, weights_only=weights_only)
+                checkpoint = load_full_file(path, weights_only=not trusted)
             else:
                 checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
             _raise_if(check_state_dict_loadable(path, checkpoint["state_dict"], model, strict=strict))
@@ -536,8 +527,17 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
+        if not self.is_global_zero:
+            return
+        if not os.path.isdir(filepath) and type(self.checkpoint_io) is not TorchCheckpointIO:
+            self.checkpoint_io.remove_checkpoint(filepath)  # a full file in the plugin's format
+            return
+        try:
             remove_checkpoint(filepath)  # a sharded directory, a file, or a link to either
+        except CheckpointError as err:
+            # Rank 0 only, as Lightning calls it: a warning, not an exception, keeps the ranks in
+            # step; what is not a checkpoint stays (Note: what a save may replace).
+            log.warning(str(err))
 
     # ---- teardown ---------------------------------------------------------------------------
     @override
@@ -564,23 +564,9 @@ class ZeRO3Strategy(ParallelStrategy):
         if "zero3" not in strategy_registry:
             strategy_registry.register("zero3", cls, description="ZeRO stage 3 (lightning_zero3)")
 
-
-_DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "32": torch.float32,
-    "fp64": torch.float64, "float64": torch.float64, "64": torch.float64,
-}  # fmt: skip
-
-
-def _as_dtype(value: torch.dtype | str | None, option: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
-        return value
-    if isinstance(value, str) and value.lower() in _DTYPES:
-        return _DTYPES[value.lower()]
-    raise ValueError(
-        f"ZeRO3Strategy({option}=...) must be a floating torch.dtype or one of {sorted(_DTYPES)}; got {value!r}."
-    )
+    def __repr__(self) -> str:
+        # Shown by Fabric when given this class: say which one it wants.
+        return f"{type(self).__name__}(a Trainer strategy: for Fabric use ZeRO3FabricStrategy or strategy='zero3')"
 
 
 def _raise_if(problem: str | None) -> None:

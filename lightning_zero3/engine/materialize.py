@@ -246,11 +246,11 @@ def restore_whole(units: list[Unit], *, device: torch.device) -> None:
     device holds one unit's gathered parameters beyond what it held before: at the end of `fit`
     on a GPU, the whole model goes to host memory rather than next to the optimizer's shards on
     the GPU. As in sharding (Note: shards before full tensors), every output is allocated before
-    anything is gathered, and nothing is allocated per unit: each unit's gathered block is copied
-    out and handed back to the unit's pool (`Unit.release`), where the next unit of that size
-    takes it again. A block allocated per unit and freed on glibc's heap gets small allocations
-    carved out of it and is never reused whole: restoring 24 x 16 MiB layers kept +16 MiB per
-    unit resident. Every rank must call it (one All-Gather per unit). The shards themselves stay
+    anything is gathered, and nothing is allocated per unit: each unit is gathered into one pooled
+    block on the shards' device, reused by every unit of that size, and copied out
+    (`Unit.gather_into`). A per-unit block freed on glibc's heap gets small allocations carved
+    out of it and is never reused whole: restoring 24 x 16 MiB layers kept +16 MiB per unit
+    resident. Every rank must call it (one All-Gather per unit). The shards themselves stay
     alive while the optimizer references them."""
     outputs = {
         id(sharded): torch.empty(sharded.full_shape, dtype=unit.shard_dtype, device=device)
@@ -261,12 +261,9 @@ def restore_whole(units: list[Unit], *, device: torch.device) -> None:
         if not unit.params:
             continue
         whole = [outputs.pop(id(sharded)) for sharded in unit.params]
-        fulls = unit.gather(dtype=unit.shard_dtype)
-        with torch.no_grad():
-            for out, full in zip(whole, fulls):
-                out.copy_(full)
-        unit.release(fulls)  # the block goes back to the pool for the next unit
+        unit.gather_into(whole, dtype=unit.shard_dtype)
         for sharded, tensor in zip(unit.params, whole):
             param = nn.Parameter(tensor, requires_grad=sharded.requires_grad)
             for module, attr in sharded.owners:
                 module.register_parameter(attr, param)  # tied weights stay tied
+

@@ -23,6 +23,7 @@ from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
 from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.tags import announce_departure
 from lightning_zero3.engine.unit import OrderMismatchError, Unit
 
 
@@ -117,10 +118,37 @@ class ShardedModel:
         # Read from the module: materialising may have replaced the parameter objects.
         self.persistent: list[nn.Parameter] = [m._parameters[a] for m, a in (e.owners[0] for e in self.plan.persistent)]
         self._live_calls = [0] * len(self.units)
+        self.comm.tags.set_unit_names(self._unit_name)
+        self.comm.describe_step = self._describe_step
         self.hooks = HookDriver(self)
 
     def _unit_name(self, uid: int) -> str:
         return self.units[uid].name if 0 <= uid < len(self.units) else f"<unknown unit {uid}>"
+
+    def _describe_step(self) -> str:
+        orders = [(phase, order) for phase, order in (("forward", self.schedule.forward_order),
+                                                      ("backward", self.schedule.backward_order)) if order]
+        if not orders:
+            return "No unit order is recorded yet (first step)"
+        text = "; ".join(f"{phase} {[self._unit_name(uid) for uid in order]}" for phase, order in orders)
+        return f"The recorded unit order, which every rank must follow: {text}"
+
+    # ---- unit tag checks (tags.py, Note: deferred tag checks) -------------------------------
+    def begin_pass_checks(self) -> None:
+        """At the start of a pass: check what the previous pass left (a pass without backward),
+        and watch every collective closely while no order is recorded."""
+        self.comm.tags.check()
+        self.comm.tags.closely = self.schedule.forward_order is None
+
+    def check_tags(self) -> None:
+        """Raise `OrderMismatchError` if any collective since the last check met another unit
+        on some rank. Called at the end of backward, before the optimizer uses the gradients."""
+        self.comm.tags.check()
+
+    def before_gather(self, unit: Unit, *, backward: bool) -> None:
+        """Before `unit` is gathered by a pass that follows the recorded order so far: if
+        running it departs from the record, tell the other ranks first (tags.py)."""
+        announce_departure(self, unit, backward=backward)
 
     # ---- lookups ----------------------------------------------------------------------------
     @property
@@ -196,21 +224,29 @@ class ShardedModel:
 
     # ---- gradients of persistent parameters -----------------------------------------------
     def reduce_persistent_grads(self) -> None:
-        """All-Reduce (average) the gradients of parameters kept whole on every rank."""
+        """All-Reduce (average) the gradients of parameters kept whole on every rank. One
+        element per parameter rides along in the same All-Reduce and counts the ranks that
+        produced its gradient: a parameter no rank used keeps `grad=None`, as in one process
+        (a zero gradient would still move it under weight decay and momentum). Only a rank
+        missing a gradient reads the counts back (a device-to-host copy on GPU)."""
         params = [p for p in self.persistent if p.requires_grad]
         total = self.world_comm.world_size
         if not params or total == 1:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        present = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), present])
         if self.comm.world_size > 1:
             self.comm.all_reduce(flat, what="gradients of persistent parameters")
         if self.replicate_comm is not None:
             self.replicate_comm.all_reduce(flat, what="gradients of persistent parameters across shard groups")
-        flat.div_(total)
+        used = [True] * len(params)
+        if not all(p.grad is not None for p in params):
+            used = (flat[-len(params) :] > 0).tolist()
+        flat = flat[: -len(params)].div_(total)
         offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        for p, is_used in zip(params, used):
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone() if is_used else None
             offset += p.numel()
 
     # ---- whole parameters outside forward -------------------------------------------------
@@ -237,6 +273,7 @@ class ShardedModel:
                 if sharded in chosen:
                     shards[id(sharded)] = sharded.param.data
                     sharded.param.data = full
+        self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         try:
             yield
         finally:
@@ -273,6 +310,7 @@ class ShardedModel:
                 for sharded, full in zip(unit.params, fulls):
                     full_by_id[id(sharded.param)] = full.detach().clone().cpu()  # own storage, not the unit's
             del fulls
+        self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         if not keep:
             return {}
         by_name = {}
@@ -328,28 +366,34 @@ class ShardedModel:
 
     def expected_step_bytes(self, *, across_groups: bool = False) -> dict[str, int]:
         """Payload bytes per training step that the design predicts (Note: flat layout): a
-        unit with trainable parameters is All-Gathered for forward and again for backward and
-        Reduce-Scattered once; a frozen unit is gathered for forward only (autograd keeps what
-        its backward needs). Sizes are the padded parameters plus one tag element per rank.
-        Trainable persistent parameters add one All-Reduce of their gradients. With
+        unit is All-Gathered for forward and again for its backward, and Reduce-Scattered once if
+        it has a trainable parameter. A frozen unit runs backward only when its input needs a
+        gradient: that is read from the recorded backward order (before the first step, it is
+        assumed to). Sizes are each rank's row, the padded parameters plus the tag, rounded up
+        to 16 bytes (unit.py, Note: flat layout and unit tag). Trainable persistent parameters
+        add one All-Reduce of their gradients and one element each (the count of ranks that
+        produced it, so that an unused one keeps grad None). With
         `across_groups` (hierarchical sharding): what crosses between shard groups, one
         All-Reduce of each rank's reduced shard gradients (1/G of the gradient)."""
         n = self.comm.world_size
-        persistent = sum(p.numel() * p.element_size() for p in self.persistent if p.requires_grad)
+        trainable_persistent = [p for p in self.persistent if p.requires_grad]
+        persistent = sum((p.numel() + 1) * p.element_size() for p in trainable_persistent)
         trainable_units = [u for u in self.units if u.params and any(p.requires_grad for p in u.params)]
         if across_groups:
             if self.replicate_comm is None:
                 return {}
-            shards = sum((u.shard_numel + 1) * u.reduce_dtype.itemsize for u in trainable_units)
+            shards = sum(u.reduce_row_numel * u.reduce_dtype.itemsize for u in trainable_units)
             return {"all_reduce": shards + persistent}
         expected = {"all_gather": 0, "reduce_scatter": 0}
         for unit in self.units:
             if not unit.params:
                 continue
-            gather = n * (unit.shard_numel + unit.tag_numel) * unit.param_dtype.itemsize
+            gather = n * unit.row_numel() * unit.param_dtype.itemsize
             trainable = unit in trainable_units
-            expected["all_gather"] += gather * (2 if trainable else 1)
-            expected["reduce_scatter"] += n * (unit.shard_numel + 1) * unit.reduce_dtype.itemsize if trainable else 0
+            recorded = self.schedule.backward_order
+            has_backward = trainable or recorded is None or unit.uid in recorded
+            expected["all_gather"] += gather * (2 if has_backward else 1)
+            expected["reduce_scatter"] += n * unit.reduce_row_numel * unit.reduce_dtype.itemsize if trainable else 0
         if persistent and n > 1:
             expected["all_reduce"] = persistent
         return expected

@@ -39,6 +39,32 @@ def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type
     return (local ** (1.0 / order)).float()
 
 
+def grad_norms(
+    model: ShardedModel, parameters: list[torch.Tensor], norm_type: float = 2.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the norm of each parameter's whole gradient, the norm of all of them together), the
+    same on every rank, from one All-Reduce of one value per parameter. Parameters without a
+    gradient count as zero (every rank must pass the same list)."""
+    device = next(iter(model.module.parameters())).device
+    n = model.comm.world_size
+    p = float(norm_type)
+    local = torch.zeros(len(parameters), dtype=torch.float64, device=device)
+    for i, param in enumerate(parameters):
+        if param.grad is None:
+            continue
+        g = param.grad.detach()
+        whole = model.sharded_param(param) is None  # the same gradient on every rank
+        if p == float("inf"):
+            local[i] = g.abs().max().double() if g.numel() else 0.0
+        else:
+            local[i] = torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p / (n if whole else 1)
+    if p == float("inf"):
+        model.comm.all_reduce(local, what="gradient norms (max)", op="max")
+        return local.float(), local.max().float() if len(local) else torch.zeros((), device=device)
+    model.comm.all_reduce(local, what="gradient norms")
+    return (local ** (1.0 / p)).float(), (local.sum() ** (1.0 / p)).float()
+
+
 def clip_grad_norm_(
     model: ShardedModel, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:

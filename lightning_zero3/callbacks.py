@@ -1,0 +1,46 @@
+"""Lightning callbacks that cannot work on shards, refused before they run (as Lightning refuses
+`StochasticWeightAveraging` under its FSDP and DeepSpeed strategies), with what to do instead.
+
+Each of them keeps or edits whole-shaped copies of the weights outside forward, while under
+ZeRO-3 the module's parameters are this rank's 1-D shards between steps:
+- `StochasticWeightAveraging` and `WeightAveraging` (`EMAWeightAveraging`) `deepcopy` the
+  LightningModule before sharding and average it with the live parameters: the shapes differ
+  (a shape error deep inside torch), the copy holds the whole model on every rank, and the
+  checkpoint hooks would store one rank's shards as the averaged model.
+- `ModelPruning` reparametrises weights with `torch.nn.utils.prune` (`weight` becomes
+  `weight_orig * weight_mask`), replacing the very parameters the engine has sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+_AVERAGING = (
+    "it averages a whole copy of the LightningModule (made before sharding) with the live parameters, which are "
+    "this rank's 1-D shards. The average is elementwise, so it can be kept on the shards instead: see "
+    "'Weight averaging (EMA, SWA) on shards' in docs/user-guide.md for a callback of a few lines."
+)
+_PRUNING = (
+    "torch.nn.utils.prune replaces each pruned parameter by `weight_orig * weight_mask`, and the parameters are the "
+    "engine's shards. Prune the whole model before fit and make it permanent (`prune.remove`), or zero weights in "
+    "place inside `trainer.strategy.gathered_parameters(module, modifier_rank=0)`; see docs/user-guide.md."
+)
+REFUSED: dict[type[Callback], str] = {
+    StochasticWeightAveraging: _AVERAGING,
+    WeightAveraging: _AVERAGING,
+    ModelPruning: _PRUNING,
+}
+
+
+def refuse_unsupported_callbacks(callbacks: Iterable[Callback], strategy_name: str) -> None:
+    """Raise `MisconfigurationException` naming the first callback that cannot run on shards."""
+    for callback in callbacks:
+        for kind, why in REFUSED.items():
+            if isinstance(callback, kind):
+                raise MisconfigurationException(
+                    f"{type(callback).__name__} is not supported by {strategy_name}: {why} Remove it from the "
+                    f"Trainer's callbacks (or from `configure_callbacks`)."
+                )

@@ -1,0 +1,437 @@
+"""`ZeRO3FabricStrategy`: ZeRO-3 for Lightning Fabric, the same engine as the Trainer's
+`ZeRO3Strategy` behind Fabric's strategy interface.
+
+    import lightning_zero3  # registers "zero3" with Fabric too
+    fabric = Fabric(strategy="zero3", devices=2)          # or strategy=ZeRO3FabricStrategy(prefetch=2)
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)    # model's parameters are now 1/N shards
+
+Lightning keeps Trainer and Fabric strategies apart (two `FSDPStrategy` classes, two
+registries), and so does this package: `Fabric(strategy=ZeRO3Strategy())`, the Trainer's
+class, is refused by Fabric; the name "zero3" works in both.
+
+[Note: optimizers created before setup]
+Sharding replaces each parameter by a new 1-D `nn.Parameter` (its shard), so an optimizer built
+from the model before `fabric.setup` holds the old, whole parameters. While the optimizer has no
+state yet, its param groups are pointed at the shards, matched by parameter name; this is what
+Fabric itself does for XLA, where moving a model copies its parameters. An optimizer that
+already stepped (state of full shapes) is refused: build it after `setup_module`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero3 import fabric_checkpoint
+from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_norm_
+from lightning_zero3.engine.plan import WrapPolicy
+from lightning_zero3.options import join_process_group, mixed_precision_dtype, validated_options
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+
+class ZeRO3FabricStrategy(ParallelStrategy):
+    """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
+
+    Takes the options of the Trainer's `ZeRO3Strategy` (see its docstring and the README):
+    wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
+    param_init_fn, state_dict_type ("sharded" directory or "full" file for `fabric.save`),
+    timeout, start_method ("popen" re-runs the script per rank; "spawn"/"fork"/"forkserver"
+    need `fabric.launch(function)`), process_group_backend, reductions_in_flight and
+    trust_checkpoint (`fabric.load` unpickles without restriction: checkpoint/trust.py).
+    """
+
+    strategy_name = "zero3"
+
+    def __init__(
+        self,
+        *,
+        wrap_policy: WrapPolicy = None,
+        prefetch: int = 1,
+        persistence_threshold: int = 0,
+        shard_size: int | None = None,
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        reductions_in_flight: int | None = None,
+        trust_checkpoint: bool = False,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self.options = validated_options(
+            type(self).__name__, wrap_policy=wrap_policy, prefetch=prefetch,
+            persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
+            timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
+            trust_checkpoint=trust_checkpoint,
+        )  # fmt: skip
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        # One engine per module set up (a GAN has two), by the module's id.
+        self._sharded: dict[int, ShardedModel] = {}
+        # id(whole parameter replaced by a shard) -> (a weak reference to it, its shard), so that
+        # an optimizer built before setup can be pointed at the shards (Note: optimizers created
+        # before setup). The weak reference tells a reused id apart and lets the whole tensor be
+        # freed once no optimizer holds it.
+        self._replaced: dict[int, tuple[weakref.ref[Tensor], nn.Parameter]] = {}
+
+    @property
+    def state_dict_type(self) -> str:
+        return self.options.state_dict_type
+
+    # ---- what Fabric asks of a distributed strategy --------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.options.start_method != "popen":
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.options.start_method)
+        else:
+            # Also where the ranks were started outside (torchrun, SLURM, our own children): the
+            # launcher then only sets each rank's torch threads to its share of the cores. Without
+            # it the re-run ranks kept every core each: 1-3 s per step instead of 0.2-0.7 on 2 cores.
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        join_process_group(
+            type(self).__name__, self.cluster_environment, backend, timeout=self.options.timeout,
+            device=self.root_device,
+        )  # fmt: skip
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ---- building and sharding the model ----------------------------------------------------
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        # empty_init: build on the meta device; setup_module materialises, initialises and shards
+        # one module at a time (engine/materialize.py), so no rank ever holds the whole model.
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta") if empty_init else self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        # Tensors still on the meta device are materialised on the device while sharding.
+        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard `module` in place (its parameters become this rank's 1-D shards) and return it."""
+        if id(module) in self._sharded or any(sm.module is module for sm in self._sharded.values()):
+            raise ValueError(f"{type(self).__name__}: this module was set up already; set up each module once.")
+        options = self.options
+        param_dtype = options.param_dtype or mixed_precision_dtype(getattr(self.precision, "precision", ""))
+        if options.param_dtype is not None and options.param_dtype.itemsize < 4 and type(self.precision) is Precision:
+            raise ValueError(
+                f"{type(self).__name__}(param_dtype={options.param_dtype}) computes in 16 bits, but Fabric's "
+                f"precision is 32-true, so inputs stay fp32 and the first layer fails on mixed dtypes. Use "
+                f"Fabric(precision='bf16-mixed') (autocast; param_dtype then defaults to bf16) or cast inputs."
+            )
+        before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
+        sharded = ShardedModel(
+            module,
+            wrap_policy=options.wrap_policy,
+            prefetch=options.prefetch,
+            persistence_threshold=options.persistence_threshold,
+            shard_size=options.shard_size if options.shard_size != self.world_size else None,
+            param_dtype=param_dtype,
+            reduce_dtype=options.reduce_dtype,
+            param_init_fn=options.param_init_fn,
+            device=self.root_device,
+            reductions_in_flight=(
+                options.reductions_in_flight
+                if options.reductions_in_flight is not None
+                else 2 if self.root_device.type == "cuda" else 0
+            ),
+        )
+        self._sharded[id(module)] = sharded
+        after = dict(module.named_parameters(remove_duplicate=False))
+        for name, old in before.items():
+            if after[name] is not old:  # parameters kept whole (persistence_threshold) stay as they are
+                self._replaced[id(old)] = (weakref.ref(old), after[name])
+        plugin = self.precision
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            # Every rank skips the same steps.
+            plugin.scaler = AgreeingGradScaler.like(plugin.scaler, sharded, device=self.root_device.type)
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: LRScheduler | None = None
+    ) -> tuple[nn.Module, list[Optimizer], LRScheduler | None]:
+        # Checked before sharding, so that a mistake leaves the model untouched.
+        _check_no_state(optimizers, type(self).__name__)
+        mine = {id(p) for p in module.parameters()}
+        for optimizer in optimizers:
+            foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
+            if foreign:
+                raise ValueError(
+                    f"{type(self).__name__}: the optimizer {type(optimizer).__name__} holds parameters that are not "
+                    f"the model's (shapes {foreign[:4]}). Build it from `model.parameters()` of the model passed "
+                    f"to `fabric.setup`."
+                )
+        module = self.setup_module(module)  # the optimizers are pointed at the shards next
+        return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check that `optimizer` holds shards; one built before `setup_module` is pointed at them."""
+        if any(self._shard_of(p) is not None for group in optimizer.param_groups for p in group["params"]):
+            _check_no_state([optimizer], type(self).__name__)
+            for group in optimizer.param_groups:
+                group["params"] = [shard if (shard := self._shard_of(p)) is not None else p for p in group["params"]]
+        known = {id(p) for sm in self._sharded.values() for p in sm.module.parameters()}
+        unknown = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in known]
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}: the optimizer {type(optimizer).__name__} holds parameters of no model set up "
+                f"with Fabric (shapes {unknown[:4]}). Call `model = fabric.setup_module(model)` first, then build the "
+                f"optimizer from `model.parameters()` and call `fabric.setup_optimizers(optimizer)`; or pass both to "
+                f"`fabric.setup(model, optimizer)`."
+            )
+        return optimizer
+
+    def _shard_of(self, param: Tensor) -> nn.Parameter | None:
+        """The shard that replaced `param` in `setup_module`, or None if `param` was not replaced."""
+        entry = self._replaced.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+    def sharded_model(self, module: nn.Module | None = None) -> ShardedModel:
+        """The engine holding `module`'s shards (a module set up with Fabric, or the one inside
+        the wrapper `fabric.setup` returned); with one model set up, `module` may be omitted."""
+        if module is None and len(self._sharded) == 1:
+            return next(iter(self._sharded.values()))
+        inner = getattr(module, "_forward_module", module)  # Fabric's wrapper around what setup returned
+        for candidate in (module, inner):
+            if candidate is not None and id(candidate) in self._sharded:
+                return self._sharded[id(candidate)]
+        raise ValueError(
+            f"{type(self).__name__}: {type(module).__name__ if module is not None else 'no module'} was not set up "
+            f"with this strategy ({len(self._sharded)} set up). Pass the model returned by `fabric.setup(...)`."
+        )
+
+    def _model_of_optimizer(self, optimizer: Optimizer) -> ShardedModel:
+        first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        for sharded in self._sharded.values():
+            if any(p is first for p in sharded.module.parameters()):
+                return sharded
+        raise ValueError(f"{type(self).__name__}: the optimizer holds no parameter of a model set up with Fabric.")
+
+    # ---- a training step ------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(inner, Optimizer):
+            self._model_of_optimizer(inner).end_step()  # close the step's traffic accounting
+        return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of the whole gradient: one All-Reduce over the shards' norms."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        total = clip_grad_norm_(self.sharded_model(module), params, float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} of the gradients is non-finite ({float(total)}), so it "
+                f"cannot be clipped. Set `error_if_nonfinite=False` to clip anyway."
+            )
+        return total
+
+    def grad_norm(self, module: nn.Module, norm_type: float | int | str = 2.0) -> dict[str, Tensor]:
+        """Lightning's `grad_norm(module, norm_type)` for a sharded model: per parameter and total
+        norms of the whole gradient, the same on every rank (one All-Reduce)."""
+        from lightning_zero3.grads import sharded_grad_norm
+
+        sharded = self.sharded_model(module)
+        return sharded_grad_norm(sharded, sharded.module, norm_type)
+
+    @contextmanager
+    def gathered_parameters(
+        self, module: nn.Module | None = None, *, modifier_rank: int | None = None
+    ) -> Generator[None, None, None]:
+        """Make the parameters of `module` (a model set up with Fabric, or a submodule of one)
+        whole on every rank inside the block; with `modifier_rank=r`, rank r's writes are kept."""
+        owner = self._owner_of(module)
+        target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
+        with owner.gathered_parameters(target, modifier_rank=modifier_rank):
+            yield
+
+    def _owner_of(self, module: nn.Module | None) -> ShardedModel:
+        if module is None:
+            return self.sharded_model()
+        inner = getattr(module, "_forward_module", module)
+        for sharded in self._sharded.values():
+            if any(m is inner for m in sharded.module.modules()):
+                return sharded
+        return self.sharded_model(module)
+
+    # ---- collectives Fabric uses -----------------------------------------------------------
+    @override
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """`fabric.save`: "sharded" writes a directory (each rank its shards, nothing gathered),
+        "full" one ordinary file from rank 0 with whole tensors. Both load at any world size."""
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        fabric_checkpoint.save(self, self.broadcast(str(path)), state, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """`fabric.load`: a sharded directory or a full file, saved at any world size."""
+        return fabric_checkpoint.load(self, self.broadcast(str(path)), state, strict=strict, weights_only=weights_only)
+
+    # ---- teardown ---------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        for sharded in self._sharded.values():
+            sharded.remove_hooks()
+        self._sharded.clear()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if "zero3" not in strategy_registry:
+            strategy_registry.register("zero3", cls, description="ZeRO stage 3 for Fabric (lightning_zero3)")
+
+    def __repr__(self) -> str:
+        # Shown by the Trainer when given this class: say which one it wants.
+        return f"{type(self).__name__}(a Fabric strategy: for the Trainer use ZeRO3Strategy or strategy='zero3')"
+
+
+def _check_no_state(optimizers: list[Optimizer], owner: str) -> None:
+    for optimizer in optimizers:
+        if optimizer.state:
+            raise ValueError(
+                f"{owner}: the optimizer {type(optimizer).__name__} has already stepped, and its state has the "
+                f"whole parameters' shapes, not the shards'. Build the optimizer after `fabric.setup_module(model)` "
+                f"(or pass a fresh one to `fabric.setup(model, optimizer)`), and load saved state with `fabric.load`."
+            )
+
+
+__all__ = ["ZeRO3FabricStrategy"]

@@ -1,0 +1,50 @@
+"""True gradient norms under ZeRO-3, where `lightning.pytorch.utilities.grad_norm` would see only
+this rank's shards (rank 0 reporting 2.53 where the whole gradient's norm is 5.13).
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log_dict(lightning_zero3.grad_norm(self, norm_type=2))   # Trainer
+    norms = fabric.strategy.grad_norm(model, norm_type=2)              # Fabric
+
+Same keys and meaning as Lightning's utility; every rank gets the same values from one
+All-Reduce. Every rank must call it (it is a collective)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.optim import grad_norms
+
+
+def sharded_grad_norm(
+    sharded: ShardedModel, module: nn.Module, norm_type: float | int | str, group_separator: str = "/"
+) -> dict[str, Tensor]:
+    """Lightning's `grad_norm(module, norm_type)` dictionary for `module`'s parameters (a model
+    sharded by `sharded`, or a submodule of it), computed on the whole gradients."""
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    # A parameter's gradient exists on every rank or on none (the engine sets all shards' grads
+    # together), so every rank passes the same list to the collective.
+    named = [(name, p) for name, p in module.named_parameters() if p.grad is not None]
+    if not named:
+        return {}
+    each, total = grad_norms(sharded, [p for _, p in named], norm_type)
+    norms = {f"grad_{norm_type}_norm{group_separator}{name}": each[i] for i, (name, _) in enumerate(named)}
+    norms[f"grad_{norm_type}_norm_total"] = total
+    return norms
+
+
+def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Tensor]:
+    """`lightning.pytorch.utilities.grad_norm` for a LightningModule trained with
+    `ZeRO3Strategy`: the norms of the whole gradients, not of this rank's shards. Under any
+    other strategy it is Lightning's own utility."""
+    from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+    from lightning_zero3.strategy import ZeRO3Strategy
+
+    trainer = getattr(module, "_trainer", None)
+    strategy = trainer.strategy if trainer is not None else None
+    if not isinstance(strategy, ZeRO3Strategy):
+        return lightning_grad_norm(module, norm_type, group_separator)
+    return sharded_grad_norm(strategy.sharded_model, module, norm_type, group_separator)

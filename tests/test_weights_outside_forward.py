@@ -1,0 +1,164 @@
+"""Code that reads or edits parameters outside forward: Lightning's weight-averaging and pruning
+callbacks are refused before they run, and `grad_norm` reports the whole gradients' norms (DDP's
+numbers), not this rank's shards'."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from tests import models
+from tests.fabric_helpers import fabric
+from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+from tests.parity import local_slice
+from tests.ranks import run_ranks
+
+CALLBACKS = {
+    "swa": lambda: StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1),
+    "ema": lambda: EMAWeightAveraging(decay=0.9),
+    "pruning": lambda: ModelPruning("l1_unstructured", amount=0.5),
+}
+
+
+def _fit_with(rank: int, world_size: int, name: str) -> str:
+    become_lightning_rank(rank, world_size)
+    try:
+        trainer("zero3", world_size, max_epochs=2, callbacks=[CALLBACKS[name]()]).fit(LitMLP(), loader(world_size))
+    except MisconfigurationException as err:
+        return str(err)
+    return "fit ran"
+
+
+# Adapted from Lightning's callbacks/test_stochastic_weight_avg.py::test_misconfiguration_error_with_sharded_model,
+# which expects the same refusal under its FSDP and DeepSpeed strategies.
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("swa", "StochasticWeightAveraging is not supported by ZeRO3Strategy: it averages a whole copy"),
+        ("ema", "EMAWeightAveraging is not supported by ZeRO3Strategy: it averages a whole copy"),
+        ("pruning", "ModelPruning is not supported by ZeRO3Strategy: torch.nn.utils.prune replaces"),
+    ],
+)
+def test_callbacks_that_copy_or_reparametrise_weights_are_refused_on_every_rank(name: str, expected: str) -> None:
+    for message in run_ranks(_fit_with, 2, name):
+        assert expected in message and "docs/user-guide.md" in message
+
+
+class _RecordsGradNorms(LitMLP):
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        import lightning_zero3
+
+        self.norms = {k: float(v) for k, v in lightning_zero3.grad_norm(self, norm_type=2).items()}
+
+
+def _norms_under(rank: int, world_size: int) -> dict[str, dict[str, float]]:
+    become_lightning_rank(rank, world_size)
+    out = {}
+    for strategy in ("ddp", "zero3"):
+        torch.manual_seed(0)
+        model = _RecordsGradNorms()
+        trainer(strategy, world_size, max_steps=1).fit(model, loader(world_size))
+        out[strategy] = model.norms
+    return out
+
+
+def test_grad_norm_in_a_lightning_module_equals_ddps() -> None:
+    for result in run_ranks(_norms_under, 2):
+        ddp, zero3 = result["ddp"], result["zero3"]
+        assert zero3.keys() == ddp.keys() and "grad_2.0_norm_total" in zero3 and len(zero3) > 10
+        for key, value in ddp.items():
+            assert abs(zero3[key] - value) < 1e-5 * max(1.0, value), key
+
+
+def _fabric_norms(rank: int, world_size: int) -> dict[str, dict[str, float]]:
+    from lightning_zero3 import ZeRO3FabricStrategy
+
+    # Parameters of at most 13 elements (norms, small biases) stay whole on every rank.
+    f = fabric(rank, world_size, strategy=ZeRO3FabricStrategy(persistence_threshold=13))
+    torch.manual_seed(0)
+    model = f.setup_module(models.MLP())
+    x, y = models.mlp_batch(0)
+    f.backward(F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)))
+    out = {}
+    for norm_type in (1, 2, "inf"):
+        out[str(norm_type)] = {k: float(v) for k, v in f.strategy.grad_norm(model, norm_type).items()}
+    out["shard"] = {k: float(v) for k, v in lightning_grad_norm(model, 2).items()}
+    return out
+
+
+def test_fabric_grad_norm_counts_sharded_and_whole_parameters_once() -> None:
+    torch.manual_seed(0)
+    reference = models.MLP()
+    x, y = models.mlp_batch(0)
+    F.mse_loss(reference(x), y).backward()
+    for result in run_ranks(_fabric_norms, 2):
+        for norm_type in (1, 2, "inf"):
+            expected = lightning_grad_norm(reference, norm_type)
+            got = result[str(norm_type)]
+            assert got.keys() == expected.keys()
+            for key, value in expected.items():
+                assert abs(got[key] - float(value)) < 1e-5 * max(1.0, float(value)), (norm_type, key)
+        # What Lightning's own utility reports on a rank: the shards' norms, not the model's.
+        total = float(lightning_grad_norm(reference, 2)["grad_2.0_norm_total"])
+        assert abs(result["shard"]["grad_2.0_norm_total"] - total) > 1e-3
+
+
+def test_grad_norm_outside_zero3_is_lightnings() -> None:
+    import lightning_zero3
+
+    model = pl.LightningModule()
+    model.layer = torch.nn.Linear(3, 2)
+    model.layer(torch.randn(4, 3)).sum().backward()
+    ours, theirs = lightning_zero3.grad_norm(model, 2), lightning_grad_norm(model, 2)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+class ShardedEMA(pl.Callback):
+    """The recipe in docs/user-guide.md: an exponential moving average of the parameters kept
+    on whatever `pl_module.parameters()` holds (this rank's shards under zero3, whole tensors
+    under DDP): the update is elementwise, so shards average exactly like whole tensors. At the
+    end of fit the average is copied into the model, as Lightning's EMAWeightAveraging does."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.average: list[torch.Tensor] | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        params = [p.detach() for p in pl_module.parameters()]
+        if self.average is None:
+            self.average = [p.clone() for p in params]
+        else:
+            for average, param in zip(self.average, params):
+                average.lerp_(param, 1.0 - self.decay)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.average is not None
+        pl_module.ema_moved = max(float((p - a).abs().max()) for p, a in zip(pl_module.parameters(), self.average))
+        with torch.no_grad():
+            for param, average in zip(pl_module.parameters(), self.average):
+                param.copy_(average)
+
+
+def _ema_under(rank: int, world_size: int) -> dict[str, Any]:
+    become_lightning_rank(rank, world_size)
+    out = {}
+    for strategy in ("ddp", "zero3"):
+        torch.manual_seed(0)
+        model = LitMLP()
+        trainer(strategy, world_size, max_steps=3, callbacks=[ShardedEMA()]).fit(model, loader(world_size))
+        out[strategy] = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "moved": model.ema_moved}
+    return out
+
+
+def test_ema_recipe_on_shards_gives_ddps_averaged_weights() -> None:
+    for result in run_ranks(_ema_under, 2):
+        ddp, zero3 = result["ddp"], result["zero3"]
+        assert ddp["moved"] > 1e-3, "the average must differ from the last weights"
+        assert max(float((zero3["state"][k] - v).abs().max()) for k, v in ddp["state"].items()) < 1e-5
