@@ -37,12 +37,13 @@ import torch
 
 from benchmarks import report
 from benchmarks.backends import BACKENDS, DEFAULT_BACKENDS, RunSpec, rank_main
+from benchmarks.deepspeed_backend import DEEPSPEED_BACKENDS, deepspeed_missing
 from benchmarks.launch import run_ranks
-from benchmarks.model import SIZES, make_batches
+from benchmarks.model import SIZES, make_batches, window_length
 from benchmarks.summary import check_targets, peak_tflops_for, summarize_backends, summarize_run
 
 ROOT = Path(__file__).resolve().parent.parent
-SCALING_BACKENDS = ["ddp", "fsdp2", "zero3-p1"]
+SCALING_BACKENDS = ["fsdp2", "deepspeed", "zero3-p1"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scaling-backends", default=",".join(SCALING_BACKENDS))
     p.add_argument("--scaling-rounds", type=int, default=1)
     p.add_argument("--scaling-steps", type=int, default=3, help="timed steps per scaling run (default 3)")
+    p.add_argument("--scaling-warmup", type=int, default=1, help="untimed steps before them (default 1)")
     p.add_argument("--profile", metavar="BACKEND", help="also run one step of BACKEND under torch.profiler (rank 0)")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU, if the GPU is not in the built-in table")
     p.add_argument(
@@ -95,8 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.size, args.rounds, args.steps, args.warmup, args.batch_size = "smoke", 2, 3, 1, 2
         args.scaling_ranks, args.scaling_steps = "1,2", 2
     args.out = args.out or ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "")
-    args.backends = _names(args.backends)
-    args.scaling_backends = _names(args.scaling_backends)
+    args.backends = _available(_names(args.backends))
+    args.scaling_backends = _available(_names(args.scaling_backends))
     if args.profile:
         _names(args.profile)
     elif args.mode == "profile":
@@ -110,6 +112,16 @@ def _names(text: str) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
     return names
+
+
+def _available(names: list[str]) -> list[str]:
+    """`names` less the DeepSpeed backends where DeepSpeed cannot be imported (one line says so)."""
+    why = deepspeed_missing() if any(n in DEEPSPEED_BACKENDS for n in names) else None
+    if why is None:
+        return names
+    skipped = [n for n in names if n in DEEPSPEED_BACKENDS]
+    print(f"skipping {', '.join(skipped)}: {why}", file=sys.stderr)
+    return [n for n in names if n not in DEEPSPEED_BACKENDS]
 
 
 def _cores() -> int:
@@ -188,7 +200,7 @@ def run_once(
 def run_rounds(
     args: argparse.Namespace, backends: list[str], world_size: int, *, rounds: int, steps: int, warmup: int
 ) -> list[dict[str, Any]]:
-    block = SIZES[args.size]["block_size"]
+    block = window_length(args.size)
     windows, vocab = make_batches(
         block_size=block, batch_size=args.batch_size, world_size=world_size, steps=warmup + steps, seed=args.seed
     )
@@ -225,7 +237,7 @@ def compare(args: argparse.Namespace, result: dict[str, Any]) -> None:
     psi = runs[0]["psi"]
     device_name = runs[0]["summary"].get("device_name")
     peak = peak_tflops_for(device_name, args.peak_tflops) if args.accelerator == "gpu" else None
-    tokens = n * args.batch_size * SIZES[args.size]["block_size"]
+    tokens = n * args.batch_size * window_length(args.size)
     backends = summarize_backends(runs, psi=psi, world_size=n, tokens_per_step=tokens, peak_tflops=peak)
     result.update(psi=psi, runs=runs, backends=backends, targets=check_targets(backends, psi=psi, world_size=n))
     if peak:
@@ -236,12 +248,18 @@ def scaling(args: argparse.Namespace, result: dict[str, Any]) -> None:
     rows = []
     for n in [int(x) for x in args.scaling_ranks.split(",")]:
         runs = run_rounds(
-            args, args.scaling_backends, n, rounds=args.scaling_rounds, steps=args.scaling_steps, warmup=1
+            args,
+            args.scaling_backends,
+            n,
+            rounds=args.scaling_rounds,
+            steps=args.scaling_steps,
+            warmup=args.scaling_warmup,
         )
         psi = runs[0]["psi"]
         result["psi"] = psi
         for name in args.scaling_backends:
             mine = [r["summary"] for r in runs if r["backend"] == name]
+            loads = [r["load_average"][0] for r in runs if r["backend"] == name]
             times = [t for s in mine for t in s["step_times_s"]]
             rows.append(
                 {
@@ -251,6 +269,9 @@ def scaling(args: argparse.Namespace, result: dict[str, Any]) -> None:
                     "sixteen_psi_over_n": 16 * psi / n,
                     "median_step_s": sorted(times)[len(times) // 2],
                     "peak_rss_bytes": max(s["peak_rss_bytes"] for s in mine),
+                    "model_state": mine[0]["model_state_bytes"],
+                    "load_average_1min": max(loads),
+                    "losses": mine[0]["losses"],
                     "oversubscribed": n > _cores(),
                     "threads_per_rank": args.threads or max(1, _cores() // n),
                 }
@@ -259,7 +280,7 @@ def scaling(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 
 def profile(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    block = SIZES[args.size]["block_size"]
+    block = window_length(args.size)
     windows, vocab = make_batches(
         block_size=block, batch_size=args.batch_size, world_size=args.devices, steps=args.warmup + 1, seed=args.seed
     )
@@ -285,7 +306,8 @@ def markdown(args: argparse.Namespace, result: dict[str, Any]) -> str:
         f"Date: {result['date']}; {m['cores']} cores ({m['cpu']}), torch {m['torch']}, lightning {m.get('lightning')}; "
         f"load average (1, 5, 15 min) {m['load_average_start']} at start, {m['load_average_end']} at end; "
         f"code: commit {m['git_head']}, lightning_zero3 sources sha256 {m['lightning_zero3_sha256']}.  ",
-        f"GPT `{cfg['size']}`: Ψ = {result['psi']:,} parameters; {cfg['batch_size']} x {cfg['block_size']} tokens "
+        f"GPT `{cfg['size']}`: Ψ = {result['psi']:,} parameters; "
+        f"{cfg['batch_size']} x {cfg.get('window', cfg['block_size'])} tokens "
         f"per rank per step; fp32, AdamW; glibc mmap threshold: {cfg.get('malloc_mmap_threshold', 'default')}.",
     ]
     if "backends" in result:
@@ -363,6 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {
             "size": args.size,
             **SIZES[args.size],
+            "window": window_length(args.size),
             "world_size": args.devices,
             "accelerator": args.accelerator,
             "rounds": args.rounds,
@@ -375,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "malloc_mmap_threshold": args.malloc_mmap_threshold or "glibc default (dynamic)",
             "scaling_rounds": args.scaling_rounds,
             "scaling_steps": args.scaling_steps,
-            "scaling_warmup": 1,
+            "scaling_warmup": args.scaling_warmup,
         },
     }
     if args.mode in ("compare", "all"):
