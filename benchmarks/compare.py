@@ -1,9 +1,14 @@
-"""Train the same GPT on the same data with PyTorch DDP, PyTorch FSDP2, Lightning DDP and
-Lightning ZeRO-3 (prefetch 0, 1, 2), and the ZeRO-3 engine without Lightning; compare them.
+"""Train the same GPT on the same data with PyTorch DDP, PyTorch FSDP2, Lightning DDP,
+Lightning ZeRO-3 (prefetch 0, 1, 2), the ZeRO-3 engine without Lightning and, when installed,
+DeepSpeed ZeRO-3 (raw and through Lightning's DeepSpeedStrategy); compare them.
+
+    DS_BUILD_OPS=0 pip install -e ".[bench]"            # matplotlib and deepspeed (pure Python)
 
     python benchmarks/compare.py                        # 2 ranks, CPU/gloo, GPT "20m" (~19M params)
     python benchmarks/compare.py --size 5m --plot       # ~5M params, with PNG charts
     python benchmarks/compare.py --mode scaling --plot  # model state and step time for N = 1..4
+    python benchmarks/compare.py --backends ddp,fsdp2,deepspeed,lightning-ddp,zero3-p1 --rounds 5
+    python benchmarks/compare.py --mode scaling --size 124m --batch-size 4 --scaling-steps 2 --plot
     python benchmarks/compare.py --smoke                # tiny model, 2 rounds, a few steps
     python benchmarks/compare.py --accelerator gpu --devices 2 --size 85m   # NCCL, with MFU
 
@@ -93,8 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", action="store_true", help="write PNG charts (needs matplotlib: pip install -e '.[bench]')")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results, or benchmarks/results/smoke)")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.size, args.rounds, args.steps, args.warmup, args.batch_size = "smoke", 2, 3, 1, 2
+    if args.smoke:  # a tiny model and few steps; --rounds still applies when given
+        args.size, args.steps, args.warmup, args.batch_size = "smoke", 3, 1, 2
+        args.rounds = 2 if args.rounds == p.get_default("rounds") else args.rounds
         args.scaling_ranks, args.scaling_steps = "1,2", 2
     args.out = args.out or ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "")
     args.backends = _available(_names(args.backends))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["ddp", "fsdp2", "lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2", "engine-p1", "engine-p1-async"]
 
@@ -52,3 +54,31 @@ def test_benchmark_smoke_reports_every_backend(tmp_path: Path) -> None:
     assert counted == zero3["expected_step_bytes"]
     n, psi = result["config"]["world_size"], result["psi"]
     assert zero3["model_state_bytes"]["total"] <= 1.01 * 16 * psi / n
+
+
+def test_benchmark_smoke_deepspeed_matches_ddp_and_is_counted(tmp_path: Path) -> None:
+    """DeepSpeed ZeRO-3 (its defaults) trains to DDP's losses, keeps 20Ψ/N bytes of model state
+    (an fp32 master partition besides the parameter partition) and, the model being gathered
+    once and kept from forward to backward, moves one All-Gather and one Reduce-Scatter of Ψ
+    per step, each counted once at torch.distributed."""
+    pytest.importorskip("deepspeed")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--smoke", "--rounds", "1"]
+    cmd += ["--backends", "ddp,deepspeed", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "compare.json").read_text())
+    n, psi = result["config"]["world_size"], result["psi"]
+    ddp, deepspeed = result["backends"]["ddp"], result["backends"]["deepspeed"]
+
+    assert max(abs(a - b) for a, b in zip(deepspeed["losses"], ddp["losses"])) < 1e-5
+    partition = psi * 4 // n  # fp32 bytes of 1/N of the parameters (Ψ is even here: no padding)
+    assert deepspeed["model_state_bytes"] == {
+        "param": partition,
+        "master": partition,
+        "grad": partition,
+        "optimizer": 2 * partition,
+        "total": 5 * partition,
+    }
+    step = deepspeed["step_bytes"]
+    assert step["all_gather"]["payload_bytes"] == psi * 4
+    assert step["reduce_scatter"]["payload_bytes"] == psi * 4
