@@ -32,6 +32,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -250,8 +251,11 @@ def compare(args: argparse.Namespace, result: dict[str, Any]) -> None:
         result["peak_tflops_per_device"] = peak
 
 
-def scaling(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    rows = []
+def scaling(args: argparse.Namespace, result: dict[str, Any], save: Callable[[], Any]) -> None:
+    """Model state, peak RSS and step time for each N; the files are rewritten after every N, so
+    a long run (the 124m model) that is stopped keeps what it measured."""
+    rows: list[dict[str, Any]] = []
+    result["scaling"] = rows
     for n in [int(x) for x in args.scaling_ranks.split(",")]:
         runs = run_rounds(
             args,
@@ -282,7 +286,7 @@ def scaling(args: argparse.Namespace, result: dict[str, Any]) -> None:
                     "threads_per_rank": args.threads or max(1, _cores() // n),
                 }
             )
-    result["scaling"] = rows
+        save()
 
 
 def profile(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -407,17 +411,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "scaling_warmup": args.scaling_warmup,
         },
     }
+    stem = {"compare": "compare", "all": "compare", "scaling": "scaling", "profile": "profile"}[args.mode]
+
+    def save() -> str:
+        result["machine"]["load_average_end"] = _load()
+        text = markdown(args, result)
+        (args.out / f"{stem}.md").write_text(text + "\n")
+        (args.out / f"{stem}.json").write_text(json.dumps(_finite(result), indent=1) + "\n")
+        return text
+
     if args.mode in ("compare", "all"):
         compare(args, result)
     if args.mode in ("scaling", "all"):
-        scaling(args, result)
+        scaling(args, result, save)
     if args.profile:
         profile(args, result)
-    result["machine"]["load_average_end"] = _load()
-    stem = {"compare": "compare", "all": "compare", "scaling": "scaling", "profile": "profile"}[args.mode]
-    text = markdown(args, result)
-    (args.out / f"{stem}.md").write_text(text + "\n")
-    (args.out / f"{stem}.json").write_text(json.dumps(_finite(result), indent=1) + "\n")
+    text = save()
     print(text)
     print(f"wrote {args.out / (stem + '.md')} and {args.out / (stem + '.json')}")
     if args.plot:
