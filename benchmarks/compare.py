@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -278,6 +279,7 @@ def scaling(args: argparse.Namespace, result: dict[str, Any], save: Callable[[],
                     "model_state_bytes": mine[0]["model_state_bytes"]["total"],
                     "sixteen_psi_over_n": 16 * psi / n,
                     "median_step_s": sorted(times)[len(times) // 2],
+                    "median_cpu_s": statistics.median(c for s in mine for c in s["cpu_s"]),
                     "peak_rss_bytes": max(s["peak_rss_bytes"] for s in mine),
                     "model_state": mine[0]["model_state_bytes"],
                     "load_average_1min": max(loads),
