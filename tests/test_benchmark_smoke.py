@@ -1,13 +1,16 @@
-"""`benchmarks/compare.py --smoke` runs every backend end to end (a subprocess, ~15-30 s on 2
-cores) and writes a JSON in which every number is finite and ZeRO-3's losses are DDP's."""
+"""`benchmarks/compare.py --smoke` runs every backend end to end (one subprocess for the module,
+~15-30 s on 2 cores; DeepSpeed's backend joins it, a few seconds more, where deepspeed is
+installed) and writes a JSON in which every number is finite and ZeRO-3's losses are DDP's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,14 +30,24 @@ def _numbers(obj: object) -> list[float]:
     return []
 
 
-def test_benchmark_smoke_reports_every_backend(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--smoke", "--out", str(tmp_path)]
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("smoke")
+    names = BACKENDS + (["deepspeed"] if HAVE_DEEPSPEED else [])
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--smoke", "--out", str(out)]
+    cmd += ["--backends", ",".join(names)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "compare.json").read_text())
-    assert (tmp_path / "compare.md").read_text().startswith("Command:")
+    assert (out / "compare.md").read_text().startswith("Command:")
+    return json.loads((out / "compare.json").read_text())
 
-    backends = result["backends"]
+
+def test_benchmark_smoke_reports_every_backend(smoke: dict[str, Any]) -> None:
+    result = smoke
+    backends = {name: entry for name, entry in result["backends"].items() if name != "deepspeed"}
     assert list(backends) == BACKENDS
     for name, entry in backends.items():
         numbers = _numbers(entry)
@@ -56,17 +69,13 @@ def test_benchmark_smoke_reports_every_backend(tmp_path: Path) -> None:
     assert zero3["model_state_bytes"]["total"] <= 1.01 * 16 * psi / n
 
 
-def test_benchmark_smoke_deepspeed_matches_ddp_and_is_counted(tmp_path: Path) -> None:
+def test_benchmark_smoke_deepspeed_matches_ddp_and_is_counted(smoke: dict[str, Any]) -> None:
     """DeepSpeed ZeRO-3 (its defaults) trains to DDP's losses, keeps 20Ψ/N bytes of model state
     (an fp32 master partition besides the parameter partition) and, the model being gathered
     once and kept from forward to backward, moves one All-Gather and one Reduce-Scatter of Ψ
     per step, each counted once at torch.distributed."""
     pytest.importorskip("deepspeed")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--smoke", "--rounds", "1"]
-    cmd += ["--backends", "ddp,deepspeed", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "compare.json").read_text())
+    result = smoke
     n, psi = result["config"]["world_size"], result["psi"]
     ddp, deepspeed = result["backends"]["ddp"], result["backends"]["deepspeed"]
 
