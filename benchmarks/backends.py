@@ -31,8 +31,12 @@ BACKENDS: dict[str, tuple[str, int | None]] = {
     "zero3-p2": ('Lightning strategy="zero3", prefetch=2', 2),
     "engine-p1": ("ShardedModel without Lightning, prefetch=1", 1),
     "engine-p1-async": ("ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", 1),
+    "deepspeed": ("DeepSpeed ZeRO-3, its defaults", None),
+    "deepspeed-strict": ("DeepSpeed ZeRO-3, ~1 block live", None),
+    "lightning-deepspeed": ("Lightning DeepSpeedStrategy(stage=3)", None),
 }
-DEFAULT_BACKENDS = list(BACKENDS)
+# DeepSpeed is optional (benchmarks/deepspeed_backend.py): not in the default set.
+DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name]
 
 
 @dataclass
@@ -98,6 +102,10 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
     try:
         if spec.backend.startswith(("lightning-", "zero3-")):
             extra = _run_lightning(rank, world_size, spec, model, batches, recorder, profiler)
+        elif spec.backend.startswith("deepspeed"):
+            from benchmarks.deepspeed_backend import run_deepspeed
+
+            extra = run_deepspeed(rank, world_size, spec, model, batches, recorder, profiler)
         else:
             extra = _run_raw(spec, model, batches, recorder, profiler, device)
     finally:
@@ -216,7 +224,11 @@ def _run_lightning(
             recorder.stop(outputs["loss"], wait)
             profiler.end(batch_idx)
             if batch_idx == len(batches) - 1:  # after the last optimizer step, before teardown
-                if isinstance(strategy, ZeRO3Strategy):
+                if spec.backend == "lightning-deepspeed":
+                    from benchmarks.deepspeed_backend import ds_model_state_bytes
+
+                    found["model_state_bytes"] = ds_model_state_bytes(strategy.deepspeed_engine)
+                elif isinstance(strategy, ZeRO3Strategy):
                     stats = strategy.stats
                     found["model_state_bytes"] = stats["model_state_bytes"]
                     found["peak_units_alive"] = stats["peak_units_alive"]
@@ -230,7 +242,17 @@ def _run_lightning(
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     # Lightning uses the process group already initialised by the launcher (as under torchrun).
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size))
-    strategy: Any = "ddp" if spec.backend == "lightning-ddp" else ZeRO3Strategy(prefetch=BACKENDS[spec.backend][1])
+    strategy: Any
+    if spec.backend == "lightning-ddp":
+        strategy = "ddp"
+    elif spec.backend == "lightning-deepspeed":
+        from benchmarks.deepspeed_backend import cpu_deepspeed_strategy, ds_config
+
+        config = ds_config(spec.backend, model, batch_size=batches[0][0].shape[0])
+        del config["gradient_accumulation_steps"]  # Lightning sets it from accumulate_grad_batches
+        strategy = cpu_deepspeed_strategy(config, local_rank=rank)
+    else:
+        strategy = ZeRO3Strategy(prefetch=BACKENDS[spec.backend][1])
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=spec.accelerator,

@@ -1,9 +1,14 @@
-"""Train the same GPT on the same data with PyTorch DDP, PyTorch FSDP2, Lightning DDP and
-Lightning ZeRO-3 (prefetch 0, 1, 2), and the ZeRO-3 engine without Lightning; compare them.
+"""Train the same GPT on the same data with PyTorch DDP, PyTorch FSDP2, Lightning DDP,
+Lightning ZeRO-3 (prefetch 0, 1, 2), the ZeRO-3 engine without Lightning and, when installed,
+DeepSpeed ZeRO-3 (raw and through Lightning's DeepSpeedStrategy); compare them.
+
+    DS_BUILD_OPS=0 pip install -e ".[bench]"            # matplotlib and deepspeed (pure Python)
 
     python benchmarks/compare.py                        # 2 ranks, CPU/gloo, GPT "20m" (~19M params)
     python benchmarks/compare.py --size 5m --plot       # ~5M params, with PNG charts
     python benchmarks/compare.py --mode scaling --plot  # model state and step time for N = 1..4
+    python benchmarks/compare.py --backends ddp,fsdp2,deepspeed,lightning-ddp,zero3-p1 --rounds 5
+    python benchmarks/compare.py --mode scaling --size 124m --batch-size 1 --scaling-steps 2 --plot
     python benchmarks/compare.py --smoke                # tiny model, 2 rounds, a few steps
     python benchmarks/compare.py --accelerator gpu --devices 2 --size 85m   # NCCL, with MFU
 
@@ -24,9 +29,11 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +44,13 @@ import torch
 
 from benchmarks import report
 from benchmarks.backends import BACKENDS, DEFAULT_BACKENDS, RunSpec, rank_main
+from benchmarks.deepspeed_backend import DEEPSPEED_BACKENDS, deepspeed_missing
 from benchmarks.launch import run_ranks
-from benchmarks.model import SIZES, make_batches
+from benchmarks.model import SIZES, make_batches, window_length
 from benchmarks.summary import check_targets, peak_tflops_for, summarize_backends, summarize_run
 
 ROOT = Path(__file__).resolve().parent.parent
-SCALING_BACKENDS = ["ddp", "fsdp2", "zero3-p1"]
+SCALING_BACKENDS = ["fsdp2", "deepspeed", "zero3-p1"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scaling-backends", default=",".join(SCALING_BACKENDS))
     p.add_argument("--scaling-rounds", type=int, default=1)
     p.add_argument("--scaling-steps", type=int, default=3, help="timed steps per scaling run (default 3)")
+    p.add_argument("--scaling-warmup", type=int, default=1, help="untimed steps before them (default 1)")
     p.add_argument("--profile", metavar="BACKEND", help="also run one step of BACKEND under torch.profiler (rank 0)")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU, if the GPU is not in the built-in table")
     p.add_argument(
@@ -91,12 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", action="store_true", help="write PNG charts (needs matplotlib: pip install -e '.[bench]')")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results, or benchmarks/results/smoke)")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.size, args.rounds, args.steps, args.warmup, args.batch_size = "smoke", 2, 3, 1, 2
+    if args.smoke:  # a tiny model and few steps; --rounds still applies when given
+        args.size, args.steps, args.warmup, args.batch_size = "smoke", 3, 1, 2
+        args.rounds = 2 if args.rounds == p.get_default("rounds") else args.rounds
         args.scaling_ranks, args.scaling_steps = "1,2", 2
     args.out = args.out or ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "")
-    args.backends = _names(args.backends)
-    args.scaling_backends = _names(args.scaling_backends)
+    args.backends = _available(_names(args.backends))
+    args.scaling_backends = _available(_names(args.scaling_backends))
     if args.profile:
         _names(args.profile)
     elif args.mode == "profile":
@@ -110,6 +120,16 @@ def _names(text: str) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
     return names
+
+
+def _available(names: list[str]) -> list[str]:
+    """`names` less the DeepSpeed backends where DeepSpeed cannot be imported (one line says so)."""
+    why = deepspeed_missing() if any(n in DEEPSPEED_BACKENDS for n in names) else None
+    if why is None:
+        return names
+    skipped = [n for n in names if n in DEEPSPEED_BACKENDS]
+    print(f"skipping {', '.join(skipped)}: {why}", file=sys.stderr)
+    return [n for n in names if n not in DEEPSPEED_BACKENDS]
 
 
 def _cores() -> int:
@@ -188,7 +208,7 @@ def run_once(
 def run_rounds(
     args: argparse.Namespace, backends: list[str], world_size: int, *, rounds: int, steps: int, warmup: int
 ) -> list[dict[str, Any]]:
-    block = SIZES[args.size]["block_size"]
+    block = window_length(args.size)
     windows, vocab = make_batches(
         block_size=block, batch_size=args.batch_size, world_size=world_size, steps=warmup + steps, seed=args.seed
     )
@@ -225,23 +245,32 @@ def compare(args: argparse.Namespace, result: dict[str, Any]) -> None:
     psi = runs[0]["psi"]
     device_name = runs[0]["summary"].get("device_name")
     peak = peak_tflops_for(device_name, args.peak_tflops) if args.accelerator == "gpu" else None
-    tokens = n * args.batch_size * SIZES[args.size]["block_size"]
+    tokens = n * args.batch_size * window_length(args.size)
     backends = summarize_backends(runs, psi=psi, world_size=n, tokens_per_step=tokens, peak_tflops=peak)
     result.update(psi=psi, runs=runs, backends=backends, targets=check_targets(backends, psi=psi, world_size=n))
     if peak:
         result["peak_tflops_per_device"] = peak
 
 
-def scaling(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    rows = []
+def scaling(args: argparse.Namespace, result: dict[str, Any], save: Callable[[], Any]) -> None:
+    """Model state, peak RSS and step time for each N; the files are rewritten after every N, so
+    a long run (the 124m model) that is stopped keeps what it measured."""
+    rows: list[dict[str, Any]] = []
+    result["scaling"] = rows
     for n in [int(x) for x in args.scaling_ranks.split(",")]:
         runs = run_rounds(
-            args, args.scaling_backends, n, rounds=args.scaling_rounds, steps=args.scaling_steps, warmup=1
+            args,
+            args.scaling_backends,
+            n,
+            rounds=args.scaling_rounds,
+            steps=args.scaling_steps,
+            warmup=args.scaling_warmup,
         )
         psi = runs[0]["psi"]
         result["psi"] = psi
         for name in args.scaling_backends:
             mine = [r["summary"] for r in runs if r["backend"] == name]
+            loads = [r["load_average"][0] for r in runs if r["backend"] == name]
             times = [t for s in mine for t in s["step_times_s"]]
             rows.append(
                 {
@@ -250,16 +279,20 @@ def scaling(args: argparse.Namespace, result: dict[str, Any]) -> None:
                     "model_state_bytes": mine[0]["model_state_bytes"]["total"],
                     "sixteen_psi_over_n": 16 * psi / n,
                     "median_step_s": sorted(times)[len(times) // 2],
+                    "median_cpu_s": statistics.median(c for s in mine for c in s["cpu_s"]),
                     "peak_rss_bytes": max(s["peak_rss_bytes"] for s in mine),
+                    "model_state": mine[0]["model_state_bytes"],
+                    "load_average_1min": max(loads),
+                    "losses": mine[0]["losses"],
                     "oversubscribed": n > _cores(),
                     "threads_per_rank": args.threads or max(1, _cores() // n),
                 }
             )
-    result["scaling"] = rows
+        save()
 
 
 def profile(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    block = SIZES[args.size]["block_size"]
+    block = window_length(args.size)
     windows, vocab = make_batches(
         block_size=block, batch_size=args.batch_size, world_size=args.devices, steps=args.warmup + 1, seed=args.seed
     )
@@ -285,7 +318,8 @@ def markdown(args: argparse.Namespace, result: dict[str, Any]) -> str:
         f"Date: {result['date']}; {m['cores']} cores ({m['cpu']}), torch {m['torch']}, lightning {m.get('lightning')}; "
         f"load average (1, 5, 15 min) {m['load_average_start']} at start, {m['load_average_end']} at end; "
         f"code: commit {m['git_head']}, lightning_zero3 sources sha256 {m['lightning_zero3_sha256']}.  ",
-        f"GPT `{cfg['size']}`: Ψ = {result['psi']:,} parameters; {cfg['batch_size']} x {cfg['block_size']} tokens "
+        f"GPT `{cfg['size']}`: Ψ = {result['psi']:,} parameters; "
+        f"{cfg['batch_size']} x {cfg.get('window', cfg['block_size'])} tokens "
         f"per rank per step; fp32, AdamW; glibc mmap threshold: {cfg.get('malloc_mmap_threshold', 'default')}.",
     ]
     if "backends" in result:
@@ -363,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {
             "size": args.size,
             **SIZES[args.size],
+            "window": window_length(args.size),
             "world_size": args.devices,
             "accelerator": args.accelerator,
             "rounds": args.rounds,
@@ -375,20 +410,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "malloc_mmap_threshold": args.malloc_mmap_threshold or "glibc default (dynamic)",
             "scaling_rounds": args.scaling_rounds,
             "scaling_steps": args.scaling_steps,
-            "scaling_warmup": 1,
+            "scaling_warmup": args.scaling_warmup,
         },
     }
+    stem = {"compare": "compare", "all": "compare", "scaling": "scaling", "profile": "profile"}[args.mode]
+
+    def save() -> str:
+        result["machine"]["load_average_end"] = _load()
+        text = markdown(args, result)
+        (args.out / f"{stem}.md").write_text(text + "\n")
+        (args.out / f"{stem}.json").write_text(json.dumps(_finite(result), indent=1) + "\n")
+        return text
+
     if args.mode in ("compare", "all"):
         compare(args, result)
     if args.mode in ("scaling", "all"):
-        scaling(args, result)
+        scaling(args, result, save)
     if args.profile:
         profile(args, result)
-    result["machine"]["load_average_end"] = _load()
-    stem = {"compare": "compare", "all": "compare", "scaling": "scaling", "profile": "profile"}[args.mode]
-    text = markdown(args, result)
-    (args.out / f"{stem}.md").write_text(text + "\n")
-    (args.out / f"{stem}.json").write_text(json.dumps(_finite(result), indent=1) + "\n")
+    text = save()
     print(text)
     print(f"wrote {args.out / (stem + '.md')} and {args.out / (stem + '.json')}")
     if args.plot:

@@ -96,4 +96,3 @@ def run_ranks(
         for p in procs:
             p.start()
         return collect_results(procs, queue, timeout_s)
-

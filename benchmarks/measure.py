@@ -4,6 +4,7 @@ bytes, peak RSS. Everything here runs inside a rank process and returns plain da
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -11,55 +12,83 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 # Ring factor of each collective: what one rank sends is factor * (N-1)/N * payload.
 _RING = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0}
-# torch.distributed functions that FSDP2 and the ZeRO-3 engine call (as `dist.<name>`), and how
-# to read the payload (the full tensor produced or consumed) off their arguments.
-_WATCHED: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {
-    "all_gather_single": ("all_gather", lambda output, *a, **k: output),
-    "all_gather_into_tensor": ("all_gather", lambda output, *a, **k: output),
-    "reduce_scatter_single": ("reduce_scatter", lambda output=None, input=None, *a, **k: input),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda output, input, *a, **k: input),
-    "all_reduce": ("all_reduce", lambda tensor, *a, **k: tensor),
-    "broadcast": ("broadcast", lambda tensor, *a, **k: tensor),
-    "isend": ("send", lambda tensor, *a, **k: tensor),
-    "irecv": ("recv", lambda tensor, *a, **k: tensor),
+# torch.distributed functions that FSDP2, DeepSpeed and the ZeRO-3 engine call, the kind of
+# collective each is, and the argument that holds the payload (the full tensor, or list of
+# tensors, that the collective produces or consumes).
+_WATCHED: dict[str, tuple[str, str]] = {
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "all_reduce": ("all_reduce", "tensor"),
+    "all_reduce_coalesced": ("all_reduce", "tensors"),
+    "broadcast": ("broadcast", "tensor"),
+    "isend": ("send", "tensor"),
+    "irecv": ("recv", "tensor"),
 }
+
+
+def _payload_bytes(value: torch.Tensor | list[torch.Tensor]) -> int:
+    tensors = value if isinstance(value, (list, tuple)) else [value]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class DistCounter:
     """Counts calls and bytes of the collectives called through `torch.distributed.<name>`.
 
-    This sees FSDP2 and the ZeRO-3 engine (both call the Python API) but not DDP, whose C++
-    reducer all-reduces its buckets directly: DDP's figures are the formula instead. Installed
-    in a benchmark rank process only; nothing in the package is touched."""
+    This sees FSDP2, DeepSpeed and the ZeRO-3 engine (all call the Python API) but not DDP, whose
+    C++ reducer all-reduces its buckets directly: DDP's figures are the formula instead. The
+    wrappers replace the names in both `torch.distributed` and `torch.distributed.distributed_c10d`
+    (where they are defined; DeepSpeed reaches some through the latter), and must be installed
+    before DeepSpeed starts: its comm backend keeps the All-Gather and Reduce-Scatter functions it
+    finds at `init_distributed`. Installed in a benchmark rank process only; nothing in the
+    package is touched."""
 
     def __init__(self) -> None:
         self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0})
         self._originals: dict[str, Any] = {}
+        self._inside = False  # within a counted call: a collective it makes itself is not counted again
 
     def install(self) -> None:
-        for name, (kind, payload_of) in _WATCHED.items():
+        for name, (kind, argument) in _WATCHED.items():
             original = getattr(dist, name, None)
             if original is None:  # e.g. the *_single names, which older torch releases lack
                 continue
             self._originals[name] = original
-            setattr(dist, name, self._wrap(original, kind, payload_of))
+            wrapped = self._wrap(original, kind, argument)
+            setattr(dist, name, wrapped)
+            if getattr(c10d, name, None) is original:
+                setattr(c10d, name, wrapped)
 
     def uninstall(self) -> None:
         for name, original in self._originals.items():
             setattr(dist, name, original)
+            if hasattr(c10d, name):
+                setattr(c10d, name, original)
         self._originals.clear()
 
-    def _wrap(self, original: Callable, kind: str, payload_of: Callable[..., torch.Tensor]) -> Callable:
+    def _wrap(self, original: Callable, kind: str, argument: str) -> Callable:
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            tensor = payload_of(*args, **kwargs)
+            if self._inside:  # e.g. torch's deprecated reduce_scatter_tensor calls reduce_scatter_single
+                return original(*args, **kwargs)
+            payload = signature.bind(*args, **kwargs).arguments[argument]
             entry = self.counts[kind]
             entry["calls"] += 1
-            entry["payload_bytes"] += tensor.numel() * tensor.element_size()
-            return original(*args, **kwargs)
+            entry["payload_bytes"] += _payload_bytes(payload)
+            self._inside = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside = False
 
         return counted
 

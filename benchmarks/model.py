@@ -29,11 +29,23 @@ SIZES: dict[str, dict[str, int]] = {
     "5m": dict(n_layer=4, n_head=5, n_embd=320, block_size=128),  # ~5.0M
     "20m": dict(n_layer=6, n_head=8, n_embd=512, block_size=128),  # ~19M
     "85m": dict(n_layer=12, n_head=12, n_embd=768, block_size=256),  # ~85M: GPT-2 small's blocks, GPUs
+    # GPT-2 small's shape: its 50,257-token vocabulary (embedding and tied LM head; the data use only the
+    # first ~100 ids) and 1,024 positions, Ψ ≈ 124M. Trained on windows of WINDOW["124m"] tokens.
+    "124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
 }
+# Presets whose vocabulary is not the data's: the embedding is this many rows.
+VOCAB: dict[str, int] = {"124m": 50257}
+# Presets trained on windows shorter than their context (the 124M model's steps on 2 CPU cores).
+WINDOW: dict[str, int] = {"124m": 128}
 
 
 def make_config(size: str, vocab_size: int) -> GPTConfig:
-    return GPTConfig(vocab_size=vocab_size, dropout=0.0, **SIZES[size])
+    return GPTConfig(vocab_size=max(vocab_size, VOCAB.get(size, 0)), dropout=0.0, **SIZES[size])
+
+
+def window_length(size: str) -> int:
+    """Tokens per training sequence: the context length unless WINDOW says otherwise."""
+    return WINDOW.get(size, SIZES[size]["block_size"])
 
 
 def build_model(config: GPTConfig, *, seed: int, device: torch.device) -> GPT:

@@ -32,6 +32,9 @@ _SHORT = {
     "zero3-p2": "Lightning zero3 p=2",
     "engine-p1": "ShardedModel p=1",
     "engine-p1-async": "ShardedModel p=1 async RS",
+    "deepspeed": "DeepSpeed ZeRO-3",
+    "deepspeed-strict": "DeepSpeed ZeRO-3 strict",
+    "lightning-deepspeed": "Lightning DeepSpeed",
 }
 
 
@@ -54,10 +57,12 @@ def time_table(backends: dict[str, dict[str, Any]]) -> str:
         "÷ DDP",
         "÷ FSDP2",
         "÷ Lightning DDP",
+        "÷ DeepSpeed",
         "tokens/s",
         "CPU s / step",
         "CPU ÷ Lightning DDP",
         "gather wait / step (ms)",
+        "load (1 min) at its runs",
     ] + (["MFU"] if mfu else [])
     rows = []
     for name, e in backends.items():
@@ -70,10 +75,12 @@ def time_table(backends: dict[str, dict[str, Any]]) -> str:
             _ratio(e, "ddp", names),
             _ratio(e, "fsdp2", names),
             _ratio(e, "lightning-ddp", names),
+            _ratio(e, "deepspeed", names),
             f"{e['tokens_per_s']:,.0f}",
             f"{e['median_cpu_s']:.3f}",
             f"{e['cpu_ratio_vs']['lightning-ddp']:.3f}" if "lightning-ddp" in e["cpu_ratio_vs"] else "-",
             wait,
+            "-" if not e.get("load_averages") else f"{min(e['load_averages']):.1f}-{max(e['load_averages']):.1f}",
         ]
         if mfu:
             row.append(f"{e['mfu'] * 100:.1f}%" if "mfu" in e else "-")
@@ -135,8 +142,10 @@ def scaling_table(scaling: list[dict[str, Any]]) -> str:
         "16Ψ/N (MB)",
         "÷ 16Ψ/N",
         "step median (s)",
+        "CPU s / step",
         "threads / rank",
         "peak RSS (MiB)",
+        "load (1 min)",
     ]
     rows = [
         [
@@ -146,8 +155,10 @@ def scaling_table(scaling: list[dict[str, Any]]) -> str:
             f"{s['sixteen_psi_over_n'] / MB:.2f}",
             f"{s['model_state_bytes'] / s['sixteen_psi_over_n']:.4f}",
             f"{s['median_step_s']:.3f}",
+            f"{s['median_cpu_s']:.3f}" if "median_cpu_s" in s else "-",
             str(s.get("threads_per_rank", "-")),
             f"{s['peak_rss_bytes'] / MIB:,.0f}",
+            f"{s['load_average_1min']:.1f}" if "load_average_1min" in s else "-",
         ]
         for s in scaling
     ]
@@ -205,7 +216,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         scaling = result["scaling"]
         psi = result["psi"]
         ns = sorted({s["world_size"] for s in scaling})
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+        fig, (left, right, times) = plt.subplots(1, 3, figsize=(15, 4.5))
         styles = ["o-", "s--", "^:", "d-.", "v-"]
         for i, name in enumerate(dict.fromkeys(s["backend"] for s in scaling)):
             pts = [s for s in scaling if s["backend"] == name]
@@ -213,12 +224,17 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
             style = styles[i % len(styles)]
             left.plot(x, [s["model_state_bytes"] / MB for s in pts], style, label=_label(name), markersize=7 - i)
             right.plot(x, [s["peak_rss_bytes"] / MIB for s in pts], style, label=_label(name), markersize=7 - i)
+            times.plot(x, [s["median_step_s"] for s in pts], style, label=_label(name), markersize=7 - i)
         left.plot(ns, [16 * psi / n / MB for n in ns], "k", alpha=0.3, linewidth=6, label="16Ψ/N", zorder=0)
         left.set_ylabel("MB per rank")
         left.set_title("model state: params + grads + AdamW (exact)")
         right.set_ylabel("MiB per rank")
         right.set_title("peak RSS of the rank process (whole process)")
-        for ax in (left, right):
+        times.set_ylabel("s")
+        loads = [s["load_average_1min"] for s in scaling if "load_average_1min" in s]
+        load = f", load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
+        times.set_title(f"median step time (N > {result['machine']['cores']}: oversubscribed{load})", fontsize=9)
+        for ax in (left, right, times):
             ax.set_xticks(ns)
             ax.set_xlabel("ranks N")
             ax.set_ylim(bottom=0)
@@ -235,4 +251,3 @@ def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-

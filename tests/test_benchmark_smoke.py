@@ -1,13 +1,18 @@
-"""`benchmarks/compare.py --smoke` runs every backend end to end (a subprocess, ~15-30 s on 2
-cores) and writes a JSON in which every number is finite and ZeRO-3's losses are DDP's."""
+"""`benchmarks/compare.py --smoke` runs every backend end to end (one subprocess for the module,
+~15-30 s on 2 cores; DeepSpeed's backend joins it, a few seconds more, where deepspeed is
+installed) and writes a JSON in which every number is finite and ZeRO-3's losses are DDP's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["ddp", "fsdp2", "lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2", "engine-p1", "engine-p1-async"]
@@ -25,14 +30,24 @@ def _numbers(obj: object) -> list[float]:
     return []
 
 
-def test_benchmark_smoke_reports_every_backend(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--smoke", "--out", str(tmp_path)]
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("smoke")
+    names = BACKENDS + (["deepspeed"] if HAVE_DEEPSPEED else [])
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--smoke", "--out", str(out)]
+    cmd += ["--backends", ",".join(names)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "compare.json").read_text())
-    assert (tmp_path / "compare.md").read_text().startswith("Command:")
+    assert (out / "compare.md").read_text().startswith("Command:")
+    return json.loads((out / "compare.json").read_text())
 
-    backends = result["backends"]
+
+def test_benchmark_smoke_reports_every_backend(smoke: dict[str, Any]) -> None:
+    result = smoke
+    backends = {name: entry for name, entry in result["backends"].items() if name != "deepspeed"}
     assert list(backends) == BACKENDS
     for name, entry in backends.items():
         numbers = _numbers(entry)
@@ -52,3 +67,27 @@ def test_benchmark_smoke_reports_every_backend(tmp_path: Path) -> None:
     assert counted == zero3["expected_step_bytes"]
     n, psi = result["config"]["world_size"], result["psi"]
     assert zero3["model_state_bytes"]["total"] <= 1.01 * 16 * psi / n
+
+
+def test_benchmark_smoke_deepspeed_matches_ddp_and_is_counted(smoke: dict[str, Any]) -> None:
+    """DeepSpeed ZeRO-3 (its defaults) trains to DDP's losses, keeps 20Ψ/N bytes of model state
+    (an fp32 master partition besides the parameter partition) and, the model being gathered
+    once and kept from forward to backward, moves one All-Gather and one Reduce-Scatter of Ψ
+    per step, each counted once at torch.distributed."""
+    pytest.importorskip("deepspeed")
+    result = smoke
+    n, psi = result["config"]["world_size"], result["psi"]
+    ddp, deepspeed = result["backends"]["ddp"], result["backends"]["deepspeed"]
+
+    assert max(abs(a - b) for a, b in zip(deepspeed["losses"], ddp["losses"])) < 1e-5
+    partition = psi * 4 // n  # fp32 bytes of 1/N of the parameters (Ψ is even here: no padding)
+    assert deepspeed["model_state_bytes"] == {
+        "param": partition,
+        "master": partition,
+        "grad": partition,
+        "optimizer": 2 * partition,
+        "total": 5 * partition,
+    }
+    step = deepspeed["step_bytes"]
+    assert step["all_gather"]["payload_bytes"] == psi * 4
+    assert step["reduce_scatter"]["payload_bytes"] == psi * 4

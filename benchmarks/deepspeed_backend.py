@@ -1,0 +1,187 @@
+"""DeepSpeed ZeRO-3 in the comparison: the raw engine in a plain loop, and Lightning's
+`DeepSpeedStrategy(stage=3)` made to run on CPU.
+
+Install (pure Python, nothing compiled): `DS_BUILD_OPS=0 pip install deepspeed` or
+`DS_BUILD_OPS=0 pip install -e ".[bench]"`. Without it these backends are skipped with one line.
+
+On CPU, DeepSpeed needs three things, all set up here and nowhere else:
+- `DS_ACCELERATOR=cpu` before the first import (its CPU accelerator uses gloo without oneCCL);
+- its comm backend compiles a shared-memory All-Reduce op with g++ when it starts (minutes, and
+  used only for inference); `build_shm_op` is replaced with a no-op before `init_distributed`;
+- the process group the launcher created is reused (`init_distributed` sees it initialised).
+
+Every DeepSpeed run is fp32 (no fp16/bf16 section), stage 3, the benchmark's own `torch.optim.AdamW`
+(`zero_allow_untested_optimizer`), no clipping, and `stage3_param_persistence_threshold: 0` so that
+every parameter is partitioned, as zero3 and FSDP2 do. Two configurations: DeepSpeed's defaults,
+and a strict one that keeps about one transformer block of full parameters alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+DEEPSPEED_BACKENDS = ("deepspeed", "deepspeed-strict", "lightning-deepspeed")
+INSTALL = 'DS_BUILD_OPS=0 pip install deepspeed  (or DS_BUILD_OPS=0 pip install -e ".[bench]")'
+
+
+def deepspeed_missing() -> str | None:
+    """Why DeepSpeed cannot run here, in one line, or None when it can (checked without importing it,
+    so that the parent process never imports DeepSpeed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return f"deepspeed is not installed; install it with: {INSTALL}"
+    return None
+
+
+def import_deepspeed() -> Any:
+    """Import DeepSpeed for a CPU rank: CPU accelerator, and no g++ build of the inference-only
+    shared-memory op at `init_distributed`."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed calls torch's deprecated all_gather_into_tensor / reduce_scatter_tensor every step.
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated.*")
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401  (the module; `deepspeed.comm.torch` the attribute is torch)
+
+    # Note: `build_shm_op` is DeepSpeed-internal (0.19.8 tried). Without this no-op the first
+    # `init_distributed` runs g++ for minutes; if the name disappears nothing is patched and it only gets slower.
+    comm_module = sys.modules["deepspeed.comm.torch"]
+    if hasattr(comm_module, "build_shm_op"):
+        comm_module.build_shm_op = lambda: None
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
+
+
+def block_numel(model: nn.Module) -> int:
+    """Elements of the largest transformer block: the unit the strict configuration keeps alive."""
+    return max(sum(p.numel() for p in block.parameters()) for block in model.h)
+
+
+def ds_config(backend: str, model: nn.Module, batch_size: int) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if backend == "deepspeed-strict":
+        one_block = block_numel(model)
+        zero.update(
+            stage3_max_live_parameters=one_block,
+            stage3_max_reuse_distance=one_block,
+            stage3_prefetch_bucket_size=one_block,
+        )
+    return {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the storages under `tensors` not counted yet (views of one buffer count once)."""
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def ds_model_state_bytes(engine: Any) -> dict[str, int]:
+    """What a DeepSpeed ZeRO-3 rank holds of the model state, read from its partitions: the
+    parameter partitions (`ds_tensor`, views of one flat buffer), the fp32 master partitions the
+    optimizer steps on (the same storage as the parameter partitions when both are fp32 on the
+    same device, then counted once), the flat gradient partition buffer, the inner optimizer's
+    state. Communication buckets are not model state and are left out."""
+    zero = engine.optimizer  # DeepSpeedZeroOptimizer_Stage3
+    seen: set[int] = set()
+    params = [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")]
+    param_bytes = _storage_bytes(params, seen)
+    master_bytes = _storage_bytes(list(zero.fp32_partitioned_groups_flat), seen)
+    grad_bytes = _storage_bytes([zero.grad_partitions_flat_buffer], seen)
+    state = [v for s in zero.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    optim_bytes = _storage_bytes(state, seen)
+    return {
+        "param": param_bytes,
+        "master": master_bytes,
+        "grad": grad_bytes,
+        "optimizer": optim_bytes,
+        "total": param_bytes + master_bytes + grad_bytes + optim_bytes,
+    }
+
+
+# ---- raw DeepSpeed ---------------------------------------------------------------------------
+
+
+def run_deepspeed(
+    rank: int, world_size: int, spec: Any, model: nn.Module, batches: list, recorder: Any, profiler: Any
+) -> dict[str, Any]:
+    from benchmarks.backends import make_optimizer
+    from benchmarks.model import lm_loss
+
+    # What torchrun would set; DeepSpeed asserts LOCAL_RANK (the process group exists already).
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")  # reuses the launcher's process group
+    config = ds_config(spec.backend, model, batch_size=batches[0][0].shape[0])
+    optimizer = make_optimizer(model.parameters(), spec.lr)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    for index, (x, y) in enumerate(batches):
+        profiler.begin(index)
+        recorder.start()
+        loss = lm_loss(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        recorder.stop(loss)
+        profiler.end(index)
+    return {"model_state_bytes": ds_model_state_bytes(engine), "ds_config": config}
+
+
+# ---- Lightning's DeepSpeedStrategy on CPU -----------------------------------------------------
+
+
+def cpu_deepspeed_strategy(config: dict[str, Any], local_rank: int) -> Any:
+    """`DeepSpeedStrategy(stage=3)` with the three changes that make it train on CPU (lightning
+    2.6.6): it refuses non-CUDA accelerators in `setup_environment`, rejects CPU device indices
+    (`None`) in `setup_distributed`, and passes `device_rank=root_device.index` (`None` on CPU,
+    which DeepSpeed compares with 0) to `deepspeed.initialize`."""
+    import_deepspeed()
+    from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+        def setup_environment(self) -> None:
+            DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's CUDA check skipped
+
+        def setup_distributed(self) -> None:
+            reset_seed()  # as DeepSpeedStrategy does, minus _validate_device_index_selection
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+
+        def _setup_model_and_optimizer(
+            self, model: nn.Module, optimizer: Any, lr_scheduler: Any = None
+        ) -> tuple[Any, Any]:
+            import deepspeed
+
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=local_rank),
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+            return engine, ds_optimizer
+
+    return CPUDeepSpeedStrategy(stage=3, config=config, process_group_backend="gloo")
