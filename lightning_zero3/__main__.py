@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
         "--safetensors", action="store_true", help="write a safetensors file of the state dict instead"
     )
     consolidate.add_argument("--no-verify", action="store_true", help="skip the CRC-32 check of the shard files")
+    consolidate.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="unpickle the checkpoint's pickles (DCP's .metadata, trainer_state.pt) without restriction: they "
+        "can run code, so only for checkpoints from a trusted source (see docs/checkpoints.md)",
+    )
     return parser
 
 
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             safetensors=args.safetensors,
             verify=not args.no_verify,
             progress=progress,
+            trusted=args.trust_checkpoint,
         )
     except (CheckpointError, OSError) as err:
         progress.close()

@@ -136,6 +136,8 @@ def load(
 ) -> dict[str, Any]:
     file = Path(path)
     context = f"Cannot load the checkpoint {file}"
+    # Loading runs no code from the file unless trusted (checkpoint/trust.py, Note: checkpoint trust model).
+    trusted = strategy.trust_checkpoint or weights_only is False
     if isinstance(state, Optimizer):
         raise NotImplementedError(
             f"{type(strategy).__name__} cannot load an optimizer alone: its state is keyed by the model's parameter "
@@ -144,10 +146,10 @@ def load(
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         model = strategy.sharded_model(state)
         if file.is_dir():
-            _load_sharded_model(model, file, strict=strict, context=context)
+            _load_sharded_model(model, file, strict=strict, trusted=trusted, context=context)
         else:
             raw = run_and_agree(
-                model.world_comm, lambda: _read_checked(file, model, None, strict, weights_only), context=context
+                model.world_comm, lambda: _read_checked(file, model, None, strict, trusted), context=context
             )
             model.load_full_state_dict(raw, strict=strict)
         return {}
@@ -158,8 +160,8 @@ def load(
         )
     module_key, model, optimizers, rest = _split(strategy, state, "load")
     if file.is_dir():
-        ckpt = _load_sharded_model(model, file, strict=strict, context=context)
-        saved = run_and_agree(model.world_comm, lambda: ckpt.trainer_state(weights_only=weights_only), context=context)
+        ckpt = _load_sharded_model(model, file, strict=strict, trusted=trusted, context=context)
+        saved = run_and_agree(model.world_comm, ckpt.trainer_state, context=context)
         extra = dict(saved["extra"])
         # A Trainer's checkpoint has no "fabric" entry: its optimizers are in order, the rest is metadata.
         info = extra.pop(FABRIC_KEY, None) or {"optimizers": [key for key, _ in optimizers], "metadata": extra}
@@ -174,7 +176,7 @@ def load(
         metadata = dict(info["metadata"])
     else:
         checkpoint = run_and_agree(
-            model.world_comm, lambda: _read_checked(file, model, module_key, strict, weights_only), context=context
+            model.world_comm, lambda: _read_checked(file, model, module_key, strict, trusted), context=context
         )
         model.load_full_state_dict(checkpoint.pop(module_key), strict=strict)
         for key, optimizer in optimizers:
@@ -199,22 +201,22 @@ def load(
     return metadata
 
 
-def _load_sharded_model(model: ShardedModel, path: Path, *, strict: bool, context: str) -> Any:
-    ckpt = open_sharded(path, comm=model.world_comm)
+def _load_sharded_model(model: ShardedModel, path: Path, *, strict: bool, trusted: bool, context: str) -> Any:
+    ckpt = open_sharded(path, comm=model.world_comm, trusted=trusted)
     run_and_agree(model.world_comm, lambda: _raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
     load_sharded_model(ckpt, model)
     return ckpt
 
 
 def _read_checked(
-    path: Path, model: ShardedModel, module_key: str | None, strict: bool, weights_only: bool | None
+    path: Path, model: ShardedModel, module_key: str | None, strict: bool, trusted: bool
 ) -> dict[str, Any]:
     """A full file, memory-mapped (ranks share the page cache), checked against the model:
     with `module_key`, a Fabric checkpoint whose entry `module_key` is the state dict; without,
     a plain state dict."""
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a dict")
     if module_key is not None and module_key not in checkpoint:

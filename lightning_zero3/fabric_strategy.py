@@ -63,8 +63,9 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     Takes the options of the Trainer's `ZeRO3Strategy` (see its docstring and the README):
     wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
     param_init_fn, state_dict_type ("sharded" directory or "full" file for `fabric.save`),
-    timeout, start_method ("popen" re-runs the script per rank; "spawn"/"fork"/"forkserver"
-    need `fabric.launch(function)`) and process_group_backend.
+    trust_checkpoint (`fabric.load` unpickles with plain pickle; otherwise nothing in a checkpoint
+    runs code), timeout, start_method ("popen" re-runs the script per rank;
+    "spawn"/"fork"/"forkserver" need `fabric.launch(function)`) and process_group_backend.
     """
 
     strategy_name = "zero3"
@@ -80,6 +81,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         reduce_dtype: torch.dtype | str | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        trust_checkpoint: bool = False,
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -102,6 +104,9 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
             timeout=timeout, start_method=start_method,
         )  # fmt: skip
+        if not isinstance(trust_checkpoint, bool):
+            raise ValueError(f"{type(self).__name__}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
+        self.trust_checkpoint = trust_checkpoint
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         # One engine per module set up (a GAN has two), by the module's id.

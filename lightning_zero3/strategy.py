@@ -104,6 +104,11 @@ class ZeRO3Strategy(ParallelStrategy):
             meta device (in ``configure_model`` or ``trainer.init_module(empty_init=True)``).
             Default: the module's ``reset_parameters()``.
         state_dict_type: "sharded" or "full" checkpoints.
+        trust_checkpoint: load checkpoints with plain pickle (DCP's index, trainer_state.pt, full
+            files with ``weights_only=False``), which can run code from the file: only for
+            checkpoints from a trusted source whose Lightning state holds arbitrary objects. Default
+            False: nothing in a checkpoint runs code (docs/checkpoints.md, "What loading trusts").
+            ``trainer.fit(..., weights_only=False)`` opts in for that one load.
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
             method ("spawn", "fork", "forkserver").
@@ -122,6 +127,7 @@ class ZeRO3Strategy(ParallelStrategy):
         reduce_dtype: torch.dtype | str | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        trust_checkpoint: bool = False,
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -152,6 +158,9 @@ class ZeRO3Strategy(ParallelStrategy):
         self.reduce_dtype = options.reduce_dtype
         self.param_init_fn = options.param_init_fn
         self.state_dict_type = options.state_dict_type
+        if not isinstance(trust_checkpoint, bool):
+            raise ValueError(f"{type(self).__name__}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
+        self.trust_checkpoint = trust_checkpoint
         self._timeout = options.timeout
         self._start_method = options.start_method
         self._process_group_backend = process_group_backend
@@ -476,15 +485,16 @@ class ZeRO3Strategy(ParallelStrategy):
         model = self.sharded_model
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         context = f"Cannot load the checkpoint {path}"
+        trusted = self.trust_checkpoint or weights_only is False
         if path.is_dir():
             comm = model.world_comm
-            ckpt = open_sharded(path, comm=comm)
+            ckpt = open_sharded(path, comm=comm, trusted=trusted)
             run_and_agree(comm, lambda: _raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
-            return run_and_agree(comm, lambda: ckpt.lightning_dict(weights_only=weights_only), context=context)
+            return run_and_agree(comm, ckpt.lightning_dict, context=context)
 
         def read() -> dict[str, Any]:
             if type(self.checkpoint_io) is TorchCheckpointIO:
-                checkpoint = load_full_file(path, weights_only=weights_only)
+                checkpoint = load_full_file(path, weights_only=not trusted)
             else:
                 checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
             _raise_if(check_state_dict_loadable(path, checkpoint["state_dict"], model, strict=strict))
@@ -516,8 +526,17 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
+        if not self.is_global_zero:
+            return
+        if not os.path.isdir(filepath) and type(self.checkpoint_io) is not TorchCheckpointIO:
+            self.checkpoint_io.remove_checkpoint(filepath)  # a full file in the plugin's format
+            return
+        try:
             remove_checkpoint(filepath)  # a sharded directory, a file, or a link to either
+        except CheckpointError as err:
+            # Rank 0 only, as Lightning calls it: a warning, not an exception, keeps the ranks in
+            # step; what is not a checkpoint stays (Note: what a save may replace).
+            log.warning(str(err))
 
     # ---- teardown ---------------------------------------------------------------------------
     @override

@@ -73,8 +73,8 @@ def test_a_save_failing_on_one_rank_raises_everywhere_and_keeps_the_previous_che
     _assert_holds(path, results[0][0], tmp_path)
 
 
-def _run_rank_0_while_rank_1_dies(fn: Any, *args: Any, timeout_s: float = 30) -> Any:
-    """Like run_ranks at 2 ranks, but only rank 0 is expected to report (rank 1 exits)."""
+def _run_while_one_rank_dies(fn: Any, *args: Any, survivor: int = 0, timeout_s: float = 30) -> Any:
+    """Like run_ranks at 2 ranks, but only `survivor` is expected to report (the other exits)."""
     ctx = _mp_context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,16 +89,47 @@ def _run_rank_0_while_rank_1_dies(fn: Any, *args: Any, timeout_s: float = 30) ->
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-    assert rank == 0 and ok, value
+    assert rank == survivor and ok, value
     return pickle.loads(value)
 
 
 def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(tmp_path):
     path = tmp_path / "gpt.ckpt"
-    good, message = _run_rank_0_while_rank_1_dies(_save_then_fail_to_save_again, str(path), "rank dies")
+    good, message = _run_while_one_rank_dies(_save_then_fail_to_save_again, str(path), "rank dies")
     assert str(path) in message and "previous checkpoint there is unchanged" in message
     assert os.listdir(tmp_path) == ["gpt.ckpt"]
     _assert_holds(path, good, tmp_path)
+
+
+def _save_with_rank_0_dying_once_the_checkpoint_is_in_place(rank: int, world_size: int, path: str) -> tuple:
+    import lightning_zero3.checkpoint.save as save_module
+
+    model, sharded, optimizer = trained_gpt()
+    expected = sharded.full_state_dict(to_rank=None)
+    if rank == 0:
+        replace_path = save_module.replace_path
+
+        def replace_then_die(new: Path, target: Path) -> None:
+            replace_path(new, target)
+            os._exit(1)
+
+        save_module.replace_path = replace_then_die
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.save_sharded(path, sharded, _checkpoint_dict(model, sharded, optimizer))
+    return expected, str(raised.value), repr(raised.value.__cause__)
+
+
+def test_rank_0_dying_late_in_a_save_is_a_checkpoint_error_on_rank_1(tmp_path):
+    """The last agreement fails on rank 1: a CheckpointError naming the path and the lost rank,
+    caused by the process group's error; the path holds a complete checkpoint (here the new one)."""
+    path = tmp_path / "gpt.ckpt"
+    saved, message, cause = _run_while_one_rank_dies(
+        _save_with_rank_0_dying_once_the_checkpoint_is_in_place, str(path), survivor=1
+    )
+    assert f"Saving the checkpoint {path} failed as rank 0 put it in place" in message
+    assert "another rank stopped answering" in message and "Error" in cause
+    assert os.listdir(tmp_path) == ["gpt.ckpt"]
+    _assert_holds(path, saved, tmp_path)
 
 
 class _FailInSecondEpoch(Callback):

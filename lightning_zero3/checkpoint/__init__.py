@@ -6,7 +6,8 @@ Framework-independent (no Lightning import): a Lightning checkpoint is only a di
     save.py         save_sharded: every rank writes its pieces; rank 0 swaps the directory in
     load.py         load_sharded (model and optimizers, at this run's world size), full files
     consolidate.py  one ordinary checkpoint file from a sharded directory, one tensor at a time
-    files.py        checksums, synced writes, atomic replace and remove
+    files.py        checksums, synced writes, atomic replace and remove [Note: what a save may replace]
+    trust.py        what loading trusts: restricted unpickling, plain names [Note: checkpoint trust model]
     errors.py       CheckpointError; ranks agree before any collective [Note: no hang on a bad checkpoint]
 """
 

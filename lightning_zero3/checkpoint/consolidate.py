@@ -13,6 +13,7 @@ header lists every tensor's offset, known from the shapes before any byte is rea
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -32,8 +33,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
-from lightning_zero3.checkpoint.files import PARTIAL_SUFFIX, fsync_file, remove_path, replace_path, sibling
+from lightning_zero3.checkpoint.files import (
+    PARTIAL_SUFFIX,
+    check_replaceable,
+    fsync_file,
+    remove_path,
+    replace_path,
+    sibling,
+)
 from lightning_zero3.checkpoint.format import ShardedCheckpoint, dcp_no_dist, dtype_of, in_saved_order, open_sharded
+from lightning_zero3.checkpoint.trust import CheckpointReader
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -149,26 +158,42 @@ def _stream_torch_save(obj: Any, file: Path, on_tensor: Callable[[int], None]) -
     try:
         align = config.save.storage_alignment
         writer = torch._C.PyTorchFileWriter(stream if stream is not None else name, get_crc32_options(), align)
-        writer.write_record("data.pkl", data, len(data))
-        writer.write_record(".format_version", "1", 1)
-        writer.write_record(".storage_alignment", str(align), len(str(align)))
-        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for key, record in records.items():
-            if isinstance(record, _Deferred):
-                tensor = record.materialize()
-                storage = tensor.untyped_storage()
-                writer.write_record(f"data/{key}", storage, storage.nbytes())
-                on_tensor(storage.nbytes())
-                del tensor, storage
-            else:
-                storage = record if record.device.type == "cpu" else record.cpu()
-                writer.write_record(f"data/{key}", storage, storage.nbytes())
-        writer.write_end_of_file()
-        del writer
+        try:
+            _write_records(writer, data, records, on_tensor)
+        except BaseException:
+            # The writer's destructor finishes the file unless told it is finished; failing
+            # again there (a full disk) would be std::terminate. Finish it now, ignoring errors.
+            with contextlib.suppress(Exception):
+                writer.write_end_of_file()
+            raise
+        finally:
+            del writer
     finally:
         if stream is not None:
             stream.close()
     fsync_file(file)
+
+
+def _write_records(writer: Any, data: bytes, records: dict[str, Any], on_tensor: Callable[[int], None]) -> None:
+    """The records of a torch.save zip after its pickle `data`, in torch.serialization's order."""
+    from torch.utils.serialization import config
+
+    align = config.save.storage_alignment
+    writer.write_record("data.pkl", data, len(data))
+    writer.write_record(".format_version", "1", 1)
+    writer.write_record(".storage_alignment", str(align), len(str(align)))
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    for key, record in records.items():
+        if isinstance(record, _Deferred):
+            tensor = record.materialize()
+            storage = tensor.untyped_storage()
+            writer.write_record(f"data/{key}", storage, storage.nbytes())
+            on_tensor(storage.nbytes())
+            del tensor, storage
+        else:
+            storage = record if record.device.type == "cpu" else record.cpu()
+            writer.write_record(f"data/{key}", storage, storage.nbytes())
+    writer.write_end_of_file()
 
 
 _SAFETENSORS_DTYPES = {
@@ -212,15 +237,8 @@ def _stream_safetensors(
 
 
 # ---- reading whole tensors from the shards --------------------------------------------------
-class _Reader(dcp.FileSystemReader):
-    """DCP's file reader, with the index read once rather than once per tensor."""
-
-    _metadata: Any = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
+class _Reader(CheckpointReader):
+    """The checkpoint's DCP reader (its index read once, not once per tensor), reading whole tensors."""
 
     def read(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The whole tensor stored under `key` (flat if it was sharded), read chunk by chunk."""
@@ -283,6 +301,7 @@ def consolidate_checkpoint(
     safetensors: bool = False,
     verify: bool = True,
     progress: Callable[[Progress], None] | None = None,
+    trusted: bool = False,
 ) -> ConsolidationSummary:
     """Write the sharded checkpoint `src` (a directory) as one ordinary checkpoint file `dst`,
     loadable with `torch.load` and `LightningModule.load_from_checkpoint`, without
@@ -296,13 +315,20 @@ def consolidate_checkpoint(
         safetensors: write a safetensors file of the state dict instead.
         verify: check every file's CRC-32 against meta.json first.
         progress: called after each tensor is written.
+        trusted: unpickle the checkpoint's pickles without restriction (Note: checkpoint trust
+            model); only for checkpoints from a trusted source.
+
+    Refused before anything is written: `dst` inside `src` (or `src` itself), a directory, or
+    anything that is not a checkpoint file (Note: what a save may replace). A failed write
+    (e.g. a full disk) leaves nothing at `dst` but what was there.
     """
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     cast = _parse_dtype(dtype)
-    ckpt = open_sharded(src, verify=verify)
-    trainer_state = ckpt.trainer_state(weights_only=False)
-    reader = _Reader(src)
+    _check_destination(src, dst)
+    ckpt = open_sharded(src, verify=verify, trusted=trusted)
+    trainer_state = ckpt.trainer_state()
+    reader = _Reader(src, trusted=trusted, index=ckpt.index)
     state_dict = _state_dict(ckpt, reader, trainer_state["state_dict"], cast)
     if safetensors:
         tensors = {k: v for k, v in state_dict.items() if isinstance(v, _Deferred)}
@@ -328,23 +354,55 @@ def consolidate_checkpoint(
         if progress is not None:
             progress(done)
 
-    if dst.is_dir():
-        raise CheckpointError(f"cannot write {dst}: it is a directory")
-    dst.parent.mkdir(parents=True, exist_ok=True)
     partial = sibling(dst, PARTIAL_SUFFIX)
     try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
         if safetensors:
             _stream_safetensors(tensors, partial, meta, on_tensor)
         else:
             _stream_torch_save(output, partial, on_tensor)
         replace_path(partial, dst)
-    except BaseException:
+    except BaseException as err:
+        cause = _write_failure_cause(partial, err) if isinstance(err, RuntimeError) else None
         remove_path(partial)
+        if isinstance(err, Exception) and not isinstance(err, CheckpointError):
+            detail = f"{cause} ({describe_error(err)})" if cause else describe_error(err)
+            raise CheckpointError(f"writing {dst} failed: {detail}; nothing was written there") from err
         raise
     return ConsolidationSummary(
         src=src, dst=dst, world_size=ckpt.world_size, tensors=done.tensors_done, bytes=done.bytes_done,
         file_bytes=dst.stat().st_size, seconds=time.perf_counter() - start,
     )  # fmt: skip
+
+
+def _write_failure_cause(file: Path, err: RuntimeError) -> str | None:
+    """The operating system's reason for a failed write that torch's zip writer reports only as
+    "iostream error": one more write at the end of the partial file shows it (a full disk, a
+    file size limit, an I/O error); None if that write succeeds or the error was another one."""
+    if "iostream error" not in str(err) and "file write failed" not in str(err):
+        return None
+    try:
+        with open(file, "ab") as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe:
+        return f"[Errno {probe.errno}] {probe.strerror}"
+    return None
+
+
+def _check_destination(src: Path, dst: Path) -> None:
+    """Refuse, before anything is read or written, a `dst` that would overwrite the source
+    checkpoint or anything that is not a checkpoint file."""
+    real_src, real_dst = src.resolve(), dst.resolve()
+    if real_dst == real_src or real_src in real_dst.parents:
+        where = "the checkpoint" if real_dst == real_src else "inside the checkpoint"
+        raise CheckpointError(
+            f"cannot write {dst}: it is {where} {src} being consolidated; choose a destination outside {src}"
+        )
+    if dst.is_dir():
+        raise CheckpointError(f"cannot write {dst}: it is a directory")
+    check_replaceable(dst)
 
 
 def _find_deferred(obj: Any) -> list[_Deferred]:

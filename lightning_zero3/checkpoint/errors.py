@@ -4,6 +4,8 @@
 Every step that can fail on some ranks only (reading files, checksums, a full disk) is followed by
 `agree`: one all_gather_object of each rank's error (or None); then every rank raises the same
 `CheckpointError` or every rank goes on. Collectives on data (DCP's own) only run after that.
+A rank that dies or times out makes that all_gather fail on the others: they raise a
+`CheckpointError` naming the context and the cause too, not the process group's error.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved, read or loaded; the message names the path and the problem."""
 
 
-def agree(comm: Comm | None, error: str | None, *, context: str | None) -> None:
+def agree(comm: Comm | None, error: str | None, *, context: str | None, if_lost: str | None = None) -> None:
     """Raise the same `CheckpointError` on every rank if any rank reports an error. Without
-    `comm` (one process) the error is raised as it is; with it, prefixed by `context`."""
-    errors = comm.all_gather_object(error) if comm is not None else [error]
+    `comm` (one process) the error is raised as it is; with it, prefixed by `context` (or by
+    `if_lost` when another rank is gone)."""
+    lost = if_lost or context or "Checkpoint"
+    errors = all_gather_object(comm, error, context=lost) if comm is not None else [error]
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if not failed:
         return
@@ -34,6 +38,15 @@ def agree(comm: Comm | None, error: str | None, *, context: str | None) -> None:
     else:
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
     raise CheckpointError(f"{context}: {detail}" if context is not None and comm is not None else detail)
+
+
+def all_gather_object(comm: Comm, obj: Any, *, context: str) -> list[Any]:
+    """`comm.all_gather_object(obj)`; a failure of the collective (a rank died or timed out) is
+    raised as a `CheckpointError` naming `context` and the cause."""
+    try:
+        return comm.all_gather_object(obj)
+    except Exception as err:
+        raise CheckpointError(f"{context}: another rank stopped answering ({describe_error(err)})") from err
 
 
 def error_of(fn: Callable[[], Any]) -> tuple[Any, str | None]:

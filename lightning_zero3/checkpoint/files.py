@@ -8,6 +8,8 @@ import errno
 import json
 import os
 import shutil
+import struct
+import zipfile
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,6 +17,9 @@ from typing import Any
 
 import torch
 
+from lightning_zero3.checkpoint.errors import CheckpointError
+
+FORMAT = "lightning_zero3.sharded"  # meta.json's "format"
 PARTIAL_SUFFIX = ".zero3-partial"
 _TRASH_SUFFIX = ".zero3-trash"
 _CHUNK = 1 << 20  # bytes read at a time for checksums
@@ -106,6 +111,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """`torch.save(obj, path)` that never leaves a partial file at `path`: written under a
     temporary name, synced, then swapped in (replacing a file or a sharded directory)."""
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = sibling(path, PARTIAL_SUFFIX)
     remove_path(partial)
@@ -168,8 +174,10 @@ def remove_path(path: Path) -> None:
 
 def remove_checkpoint(path: str | os.PathLike) -> None:
     """Remove a checkpoint (a file, a link to one, or a sharded directory). A directory is first
-    renamed to a hidden name, so it disappears from `path` at once."""
+    renamed to a hidden name, so it disappears from `path` at once. Anything that is not
+    recognisably a checkpoint (Note: what a save may replace) is refused and left as it is."""
     path = Path(path)
+    check_replaceable(path, action="remove")
     if path.is_dir() and not path.is_symlink():
         trash = sibling(path, _TRASH_SUFFIX)
         remove_path(trash)
@@ -177,3 +185,88 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
         remove_path(trash)
     else:
         remove_path(path)
+
+
+# ---- what a save may replace ----------------------------------------------------------------
+# [Note: what a save may replace]
+# Saving to a path replaces what is there, and ModelCheckpoint's rotation removes old paths; both
+# must never destroy a user's files (a mistyped path onto a source tree). Only these are replaced
+# or removed: nothing; a link (the link only, never its target); an empty directory; a sharded
+# checkpoint directory (meta.json of our format, and nothing in the directory but the files it
+# lists); an empty file; a file torch.save wrote (a zip whose records all sit under one folder
+# holding data.pkl); a safetensors file. Anything else is refused with a CheckpointError before
+# anything is written.
+def replace_problem(path: Path) -> str | None:
+    """Why saving over (or removing) `path` could destroy something that is not a checkpoint;
+    None if it is free or holds a checkpoint."""
+    if path.is_symlink() or not path.exists():
+        return None
+    if path.is_dir():
+        entries = sorted(os.listdir(path))
+        if not entries:
+            return None
+        listed = _sharded_checkpoint_files(path)
+        if listed is None:
+            return f"it is a directory that is not a lightning_zero3 checkpoint (it holds {_few(entries)})"
+        foreign = [e for e in entries if e not in listed]
+        if foreign:
+            return f"it is a checkpoint directory that also holds files not of the checkpoint: {_few(foreign)}"
+        return None
+    if not path.is_file():
+        return "it is not a regular file"
+    if path.stat().st_size == 0 or is_torch_file(path) or is_safetensors_file(path):
+        return None
+    return "it is a file that is not a checkpoint (neither a torch.save zip archive nor a safetensors file)"
+
+
+def check_replaceable(path: Path, *, action: str = "save over") -> None:
+    problem = replace_problem(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"Refusing to {action} {path}: {problem}. Nothing was changed; choose another path, or move what is "
+            f"there away first."
+        )
+
+
+def _sharded_checkpoint_files(path: Path) -> set[str] | None:
+    """The names a sharded checkpoint directory may hold (meta.json and the files it lists), or
+    None if `path` has no meta.json of our format."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
+        return None
+    return {META_FILE, *(name for name in meta["files"] if isinstance(name, str))}
+
+
+def is_torch_file(path: Path) -> bool:
+    """A zip archive as torch.save writes it: every record under one folder that holds data.pkl."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+    folders = {name.split("/", 1)[0] for name in names}
+    return len(folders) == 1 and f"{next(iter(folders))}/data.pkl" in names
+
+
+def is_safetensors_file(path: Path) -> bool:
+    """An 8-byte little-endian header length, then a JSON object header that fits the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(size - 8, 100 << 20):
+                return False
+            header = json.loads(f.read(length))
+    except (OSError, struct.error, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(header, dict) and all(
+        isinstance(v, dict) and "data_offsets" in v for k, v in header.items() if k != "__metadata__"
+    )
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    shown = ", ".join(repr(name) for name in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")

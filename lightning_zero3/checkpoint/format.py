@@ -39,13 +39,20 @@ from typing import Any
 
 import torch
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of
-from lightning_zero3.checkpoint.files import META_FILE, crc32
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
+from lightning_zero3.checkpoint.files import FORMAT, META_FILE, crc32
+from lightning_zero3.checkpoint.trust import (
+    CheckpointReader,
+    check_meta,
+    check_plain_name,
+    check_trainer_state,
+    load_torch_file,
+    read_dcp_index,
+)
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
 
-FORMAT = "lightning_zero3.sharded"
 FORMAT_VERSION = 1
 TRAINER_STATE_FILE = "trainer_state.pt"
 DCP_INDEX_FILE = ".metadata"
@@ -208,11 +215,18 @@ class Pieces:
 
 # ---- reading and validating a checkpoint directory ------------------------------------------
 class ShardedCheckpoint:
-    """A sharded checkpoint directory whose meta.json has been read and checked."""
+    """A sharded checkpoint directory whose meta.json and DCP index have been read and checked.
+    Unless `trusted`, nothing read from it runs code (Note: checkpoint trust model)."""
 
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+    def __init__(
+        self, path: Path, meta: dict[str, Any], *, index: Any = None, saved: Any = None, trusted: bool = False
+    ) -> None:
         self.path = path
         self.meta = meta
+        # DCP's index (.metadata) and trainer_state.pt, each read once (by open_sharded).
+        self.index = index
+        self._saved = saved
+        self.trusted = trusted
         # state-dict key -> its meta.json entry, for lookups by name.
         self._entries: dict[str, dict[str, Any]] = {e["key"]: e for e in meta["state_dict"]}
 
@@ -245,21 +259,23 @@ class ShardedCheckpoint:
                 return entry["of"] if entry["kind"] == "alias" else name
         return None
 
-    def trainer_state(self, *, weights_only: bool | None = None) -> dict[str, Any]:
-        """trainer_state.pt: {"keys": the checkpoint dict's keys in order, "extra": its entries
-        other than the state dict and optimizer states, "state_dict": non-tensor entries of the
-        state dict, "optimizers": param_groups and non-tensor state}."""
-        file = self.path / TRAINER_STATE_FILE
-        try:
-            return torch.load(file, map_location="cpu", weights_only=weights_only)
-        except Exception as err:
-            raise CheckpointError(f"cannot read {file}: {describe_error(err)}") from err
+    def reader(self) -> CheckpointReader:
+        """A DCP storage reader of this directory that reuses the checked index."""
+        return CheckpointReader(self.path, trusted=self.trusted, index=self.index)
 
-    def lightning_dict(self, *, weights_only: bool | None = None) -> dict[str, Any]:
+    def trainer_state(self) -> dict[str, Any]:
+        """trainer_state.pt (weights_only unless trusted): {"keys": the checkpoint dict's keys in
+        order, "extra": its entries other than the state dict and optimizer states, "state_dict":
+        non-tensor entries of the state dict, "optimizers": param_groups and non-tensor state}."""
+        if self._saved is None:
+            self._saved = read_trainer_state(self.path, trusted=self.trusted)
+        return dict(self._saved)
+
+    def lightning_dict(self) -> dict[str, Any]:
         """The checkpoint dict Lightning saved, without reading a tensor: "state_dict" is a
         `ShardedStateDict` of meta tensors (full shapes) and "optimizer_states" a
         `ShardedOptimizerStates`; `load_sharded_model`/`load_sharded_optimizers` load them."""
-        saved = self.trainer_state(weights_only=weights_only)
+        saved = self.trainer_state()
         state_dict = ShardedStateDict(self)
         for key, info in self.tensors().items():
             state_dict[key] = torch.empty(info.shape, dtype=dtype_of(info.dtype), device="meta")
@@ -305,11 +321,12 @@ def open_sharded(
     comm: Comm | None = None,
     verify: bool = True,
     files_to_verify: Callable[[list[str]], list[str]] | None = None,
+    trusted: bool = False,
 ) -> ShardedCheckpoint:
     """Read and check a sharded checkpoint: meta.json, format version, every file's presence
-    and size, and the CRC-32 of the files this rank verifies (rank r checks files r, r + N,
-    ...; all of them without `comm`). With `comm`, ranks agree before returning (Note: no hang
-    on a bad checkpoint)."""
+    and size, the CRC-32 of the files this rank verifies (rank r checks files r, r + N, ...;
+    all of them without `comm`), and DCP's index (Note: checkpoint trust model). With `comm`,
+    ranks agree before returning (Note: no hang on a bad checkpoint)."""
     path = Path(path)
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
 
@@ -322,11 +339,21 @@ def open_sharded(
             chosen = files_to_verify(names) if files_to_verify is not None else names[rank::world]
             for name in chosen:
                 _check_file(path, name, meta["files"][name], crc=True)
-        return ShardedCheckpoint(path, meta)
+        index = read_dcp_index(path / DCP_INDEX_FILE, trusted=trusted)
+        unlisted = sorted({info.relative_path for info in index.storage_data.values()} - set(names))
+        if unlisted:
+            raise CheckpointError(f"{path / DCP_INDEX_FILE} names files that {META_FILE} does not list: {unlisted}")
+        saved = read_trainer_state(path, trusted=trusted)
+        return ShardedCheckpoint(path, meta, index=index, saved=saved, trusted=trusted)
 
     result, error = error_of(check)
     agree(comm, error, context=f"Cannot load the checkpoint {path}")
     return result
+
+
+def read_trainer_state(path: Path, *, trusted: bool) -> dict[str, Any]:
+    file = path / TRAINER_STATE_FILE
+    return dict(check_trainer_state(load_torch_file(file, trusted=trusted), file))
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -357,10 +384,12 @@ def _read_meta(path: Path) -> dict[str, Any]:
     for key in ("world_size", "state_dict", "optimizers", "files", "parameters", "fingerprint"):
         if key not in meta:
             raise CheckpointError(f"{meta_file} is corrupted: it has no '{key}'")
+    check_meta(meta, meta_file)
     return meta
 
 
 def _check_file(directory: Path, name: str, expected: Mapping[str, Any], *, crc: bool) -> None:
+    check_plain_name(directory, name, str(directory / META_FILE))  # before the name touches the disk
     file = directory / name
     what = f"rank {expected['rank']}'s shard file" if "rank" in expected else "file"
     if not file.is_file():

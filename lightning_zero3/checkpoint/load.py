@@ -27,6 +27,7 @@ from lightning_zero3.checkpoint.format import (
     optimizer_param_names,
     sharded_by_name,
 )
+from lightning_zero3.checkpoint.trust import forbidden_global
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
@@ -178,7 +179,7 @@ def _dcp_load(targets: dict[str, torch.Tensor], ckpt: ShardedCheckpoint, comm: C
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
                 targets,
-                storage_reader=dcp.FileSystemReader(ckpt.path),
+                storage_reader=ckpt.reader(),
                 process_group=comm.group,
                 **dcp_no_dist(dcp.load, not comm.distributed),
             )
@@ -193,10 +194,12 @@ def load_sharded(
     optimizers: list[torch.optim.Optimizer] | tuple = (),
     strict: bool = True,
     verify: bool = True,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """Check and load a sharded checkpoint into `model` (and `optimizers`) at this run's world
-    size; return the other entries of the checkpoint dict it was saved from. Every rank calls it."""
-    ckpt = open_sharded(path, comm=model.world_comm, verify=verify)
+    size; return the other entries of the checkpoint dict it was saved from. Every rank calls it.
+    `trusted`: unpickle its pickles without restriction (Note: checkpoint trust model)."""
+    ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
     problem = check_loadable(ckpt, model, strict=strict)
     agree(model.world_comm, problem, context=f"Cannot load the checkpoint {path}")
     load_sharded_model(ckpt, model)
@@ -221,7 +224,8 @@ def load_full_file(path: str | os.PathLike, *, weights_only: bool | None = None)
                 raise
             checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as err:
-        raise CheckpointError(f"{path} is not a checkpoint torch can read: {describe_error(err)}") from err
+        message = forbidden_global(path, err) or f"{path} is not a checkpoint torch can read: {describe_error(err)}"
+        raise CheckpointError(message) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         tensors_only = isinstance(checkpoint, dict) and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
         if checkpoint and tensors_only:

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, all_gather_object, describe_error, error_of
 from lightning_zero3.checkpoint.files import (
     PARTIAL_SUFFIX,
+    check_replaceable,
     checksums,
     fresh_directory,
     fsync_directory,
@@ -40,6 +41,7 @@ from lightning_zero3.checkpoint.format import (
     optimizer_param_names,
     sharded_by_name,
 )
+from lightning_zero3.checkpoint.trust import read_dcp_index
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
@@ -141,7 +143,8 @@ def save_sharded(
     a list of `sharded_optimizer_state`s; every other entry is kept as it is (Lightning's epoch,
     loops, ...). The directory is written under a temporary name and renamed to `path` only once
     every rank's part is on disk; on any failure the previous checkpoint at `path` is left as it
-    was and every rank raises `CheckpointError`."""
+    was and every rank raises `CheckpointError`. A `path` holding anything but a checkpoint is
+    refused before anything is written (Note: what a save may replace)."""
     state_dict, optimizer_states = checkpoint["state_dict"], checkpoint.get("optimizer_states")
     extra = {"keys": list(checkpoint), "extra": {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}}
     path = Path(path)
@@ -149,8 +152,14 @@ def save_sharded(
     partial = sibling(path, PARTIAL_SUFFIX)
     context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
     try:
-        _, error = error_of(lambda: fresh_directory(partial) if comm.rank == 0 else None)
-        agree(comm, error, context=context)
+
+        def start() -> None:
+            if comm.rank == 0:
+                check_replaceable(path)
+                fresh_directory(partial)
+
+        _, error = error_of(start)
+        agree(comm, error, context=f"Cannot save the checkpoint {path}")
         planned, error = error_of(lambda: _plan_save(model, state_dict, optimizer_states, whole=whole))
         agree(comm, error, context=context)
         tensors, objects, inventory = planned
@@ -164,13 +173,15 @@ def save_sharded(
             raise CheckpointError(f"{context}: writing the shards failed: {describe_error(err)}") from err
         mine, error = error_of(lambda: checksums(partial, _rank_files(partial, comm.rank)))
         agree(comm, error, context=context)
-        every = comm.all_gather_object(mine)
+        every = all_gather_object(comm, mine, context=context)
         if comm.rank == 0:
             files = {name: info for part in every for name, info in part.items()}
             _, error = error_of(lambda: _finish(path, partial, files, objects, inventory, model, extra, comm))
         else:
             error = None
-        agree(comm, error, context=context)
+        # Rank 0 may be lost after its swap: the path then holds the old or the new checkpoint.
+        lost = f"Saving the checkpoint {path} failed as rank 0 put it in place (it holds the previous or the new one)"
+        agree(comm, error, context=context, if_lost=lost)
     except BaseException:
         if comm.rank == 0:
             remove_path(partial)
@@ -189,7 +200,8 @@ def _finish(
 ) -> None:
     """Rank 0, once every rank's shards are on disk: the pickled remainder, then meta.json,
     then the atomic swap into `path`."""
-    indexed = {info.relative_path for info in dcp.FileSystemReader(partial).read_metadata().storage_data.values()}
+    index = read_dcp_index(partial / DCP_INDEX_FILE, trusted=False)
+    indexed = {info.relative_path for info in index.storage_data.values()}
     missing = sorted(indexed - set(files))
     if missing:
         raise CheckpointError(f"the DCP index names files no rank reported: {missing}")

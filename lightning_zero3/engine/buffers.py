@@ -25,7 +25,10 @@ class BufferPool:
         free = self._free.get((numel, dtype, device))
         if free:
             return free.pop()
-        return torch.empty(numel, dtype=dtype, device=device)
+        # Never an inference tensor, which could not be updated in place outside inference mode
+        # (hooks.py, Note: inference mode); leaving inference mode enables grad, hence no_grad.
+        with torch.inference_mode(False), torch.no_grad():
+            return torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer from `take` once nothing (no collective either) uses it any more."""

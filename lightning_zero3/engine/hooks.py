@@ -1,20 +1,59 @@
-"""Forward and backward hooks that drive units. All autograd plumbing lives in this file.
+"""Forward and backward hooks that drive units. All autograd plumbing lives in this file and
+in calls.py (the state of one unit call and its autograd Functions).
 
 [Note: one unit call]
-Each time a unit's module runs forward with gradients enabled, `_GatherParams` turns the shards
-into full tensors (one All-Gather) and becomes their autograd parent. The full tensors are set
-on the modules as instance attributes that shadow the registered shard parameters
-(`module.__dict__[name]`), so the module's own forward code reads them unchanged, and removed
-after forward; their storage is freed but the tensor objects survive inside autograd's saved
-tensors. A hook on the unit's outputs fires when their gradient arrives, before the unit's own
-backward runs, and gathers again into the same storage. When autograd has every full
-parameter's gradient it calls `_GatherParams.backward`, which Reduce-Scatters them; each rank's
-averaged shard gradient is added into `shard.grad` (Note: asynchronous reduction). One call, one
-reduction, added up: that is what makes accumulation, tied weights and modules called twice
-exact without special cases.
+Each time a unit's module runs forward, its shards are gathered into full tensors (one
+All-Gather); with a trainable parameter and gradients enabled, `GatherParams` does it and
+becomes their autograd parent. The full tensors are set on the modules as instance attributes
+that shadow the registered shard parameters (`module.__dict__[name]`), so the module's own
+forward code reads them unchanged, and removed after forward; their storage is freed but the
+tensor objects survive inside autograd's saved tensors. A hook on the unit's outputs fires when
+their gradient arrives, before the unit's own backward runs, and gathers again into the same
+storage. When autograd has every full parameter's gradient it calls `GatherParams.backward`,
+which Reduce-Scatters them; each rank's averaged shard gradient is added into `shard.grad`
+(Note: asynchronous reduction). One call, one reduction, added up: that is what makes
+accumulation, tied weights and modules called twice exact without special cases.
+
+[Note: frozen units]
+A unit without a trainable parameter still runs backward whenever its input needs a gradient
+(LoRA, partial fine-tuning), and autograd saves its full weights for that. It is released after
+forward and re-gathered by the output hook like any other unit, but no `GatherParams.backward`
+tells when its backward is over. A hook on its tensor inputs that need a gradient does
+(`torch.autograd.graph.register_multi_grad_hook`): it fires once autograd has their gradients,
+i.e. after every node of the unit that reads the weights, and releases them; no Reduce-Scatter.
+The inputs are hooked, not wrapped (an identity Function's outputs could not be modified in
+place by the module). An input also used after the unit (a skip connection over several units)
+delays the release to its last use. A frozen unit whose outputs need a gradient that its inputs
+do not (the root unit fed token ids) is released by the callback that ends backward.
+
+[Note: exceptions]
+A forward that raises (out of memory in a block, caught by a `try`) still runs the post-forward
+hooks of every unit it was inside: their calls go to DONE and drop their tensors, and the next
+pass starts from sharded units. A pre-forward hook that raises (an order mismatch) opens
+nothing, so its post-forward hook finds the unit closed and does nothing. A backward that
+raises never runs the callback that ends it; the next forward that starts outside autograd's
+engine finds the backward still open and closes it (`_abandon_backward`): it waits for the
+Reduce-Scatters in flight without adding them and frees what was re-gathered; `.grad` holds
+what the finished units added, as a single process keeps what its finished nodes accumulated:
+zero it. Whether autograd's engine is running comes from `torch._C._current_graph_task_id()`
+(private; torch's own checkpoint and FSDP2 use it; tried on torch 2.13). Where it is missing,
+the engine trusts its flag as before, and a backward that raised stays open.
+
+[Note: inference mode]
+A tensor allocated under `torch.inference_mode()` can never be updated in place outside it, so
+a pooled buffer first allocated there would break every later training step. The engine's own
+work (gathers, releases, pool allocations) runs with inference mode switched off and gradients
+off; the module's compute on the full tensors stays under the caller's mode.
+
+[Note: root parameters outside the root's forward]
+The root unit is gathered around the root module's forward. The modules that own its
+parameters also carry the unit's forward hooks: inside the root's forward they only nest (and
+re-gather if an optimizer step made the tensors stale, e.g. manual optimization), and called
+directly (`model.net(x)`, `model.generate(...)`) they gather the root unit for their own
+forward, with a backward of its own like any unit call.
 
 [Note: asynchronous reduction]
-`_GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient to autograd;
+`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient to autograd;
 the backward of the next unit computes while it is in flight. The reduced shard gradients are
 added into `shard.grad` by the engine when the reduction is waited for: once more than
 `ShardedModel(reductions_in_flight=k)` are pending (default 0: at once), and for all of them in
@@ -24,18 +63,11 @@ collective of another size before a tag check, which gloo answers by aborting th
 the other ranks still raise the error naming the unit. Adding (rather than assigning) keeps
 accumulation, tied weights and modules called twice exact.
 
-[Note: call lifetime]
-A `UnitCall` is held by the driver while its pass may still need it (`_shadowing`, `_pending`)
-and by the hooks on the unit's outputs for as long as autograd's graph lives (so backward, and
-a second backward with retain_graph, find it). `_GatherParams` only keeps a weak reference:
-the call owns the full tensors, whose grad_fn owns the ctx, and a strong reference from ctx to
-the call would close a cycle through C++ that Python's garbage collector cannot break.
-
 [Note: recomputation]
 Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
 unit's output hook has already re-gathered it (state BACKWARD), so the recomputed forward reuses
 the shadowed full tensors and frees nothing. Reentrant: the first forward ran under no_grad (no
-backward state), so the recomputation is an ordinary forward with its own `_GatherParams`, and
+backward state), so the recomputation is an ordinary forward with its own `GatherParams`, and
 the inner backward that follows reduces it.
 """
 
@@ -43,68 +75,31 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero3.engine.buffers import return_free_host_memory
+from lightning_zero3.engine.calls import (
+    HOLDING,
+    LEGAL,
+    CallState,
+    GatherParams,
+    Slot,
+    UnitCall,
+    autograd_running,
+    engine_mode,
+)
+from lightning_zero3.engine.calls import CallState as S
 from lightning_zero3.engine.unit import PendingReduce, Unit
 
 if TYPE_CHECKING:
     from lightning_zero3.engine.model import ShardedModel
-
-
-class CallState(Enum):
-    FORWARD = "forward"  # full parameters gathered and on the modules
-    RESHARDED = "resharded"  # storage freed after forward, waiting for backward
-    BACKWARD = "backward"  # gathered again for backward
-    REDUCED = "reduced"  # gradients reduce-scattered; nothing held
-
-
-class UnitCall:
-    """One forward execution of a unit and the full tensors it produced."""
-
-    def __init__(self, unit: Unit, *, differentiable: bool) -> None:
-        self.unit = unit
-        self.differentiable = differentiable  # produced by _GatherParams (has a backward)
-        self.fulls: list[torch.Tensor] = []
-        self.state = CallState.FORWARD
-        # Shard versions when gathered: an optimizer step in between makes the fulls stale.
-        self.versions: tuple[int, ...] = ()
-
-
-class _GatherParams(torch.autograd.Function):
-    """shards -> full parameters (All-Gather); backward: full grads -> shard grads (Reduce-Scatter)."""
-
-    @staticmethod
-    def forward(ctx: Any, driver: HookDriver, call: UnitCall, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # The call holds the outputs (call.fulls) and their grad_fn holds ctx: a strong
-        # reference back to the call would be a cycle through autograd's C++ graph, which
-        # Python's garbage collector cannot see, leaking every call (Note: call lifetime).
-        ctx.driver, ctx.call = driver, weakref.ref(call)
-        ctx.set_materialize_grads(False)
-        fulls = call.unit.gather()
-        frozen = [full for full, shard in zip(fulls, shards) if not shard.requires_grad]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return tuple(fulls)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        call = ctx.call()
-        if call is None:
-            raise RuntimeError(
-                "ZeRO-3 backward reached the parameters of a unit whose forward belongs to an earlier "
-                "pass: every forward pass releases the previous pass's gathered parameters. Run "
-                "backward before the next forward of the model."
-            )
-        shard_grads = ctx.driver.post_backward(call, list(grads))
-        return (None, None, *shard_grads)
 
 
 class HookDriver:
@@ -114,30 +109,26 @@ class HookDriver:
         self.model = model
         self.units = model.units
         self.schedule = model.schedule
-        # Nesting depth of each unit's forward (a unit called inside itself runs once).
-        self._active: dict[int, int] = {}
-        # The call whose full tensors are on the modules, per unit.
-        self._shadowing: dict[int, UnitCall] = {}
+        self._slots = [Slot() for _ in self.units]
         # Calls of this pass that may still get a backward.
         self._pending: list[UnitCall] = []
         # Reduce-Scatters in flight, oldest first (Note: asynchronous reduction).
         self._reductions: deque[tuple[Unit, PendingReduce]] = deque()
-        self._depth = 0  # units currently inside forward
         self._in_backward = False
         self.handles: list[Any] = []
+        root = self.units[0]
         for unit in self.units:
             if not unit.params:
                 continue
-            self.handles.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
-            self.handles.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
-        # The root unit stays active around the whole step (e.g. Lightning's training_step), so
-        # a backward and an optimizer step can happen inside its forward (manual optimization).
-        # Hooks on the modules that own its parameters re-gather it when it went stale.
-        root = self.units[0]
-        owners = {id(m): m for p in root.params for m, _ in p.owners if m is not root.module}
-        for module in owners.values():
-            self.handles.append(module.register_forward_pre_hook(partial(self._refresh_if_stale, root)))
-        # Units start the backward bookkeeping only through a differentiable gather. When none
+            modules = [unit.module]
+            if unit is root:  # Note: root parameters outside the root's forward
+                owners = {id(m): m for p in root.params for m, _ in p.owners if m is not root.module}
+                modules += owners.values()
+            for module in modules:
+                pre, post = partial(self._pre_forward, unit), partial(self._post_forward, unit)
+                self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                self.handles.append(module.register_forward_hook(post, always_call=True))
+        # Units start the backward bookkeeping only through their pre-backward hooks. When none
         # runs (every trainable parameter is persistent, the sharded ones frozen), a persistent
         # parameter's gradient must start it, or `_end_backward` never all-reduces their grads.
         for param in model.persistent:
@@ -149,101 +140,123 @@ class HookDriver:
             handle.remove()
         self.handles.clear()
 
-    # ---- shadowing the shard parameters with full tensors -----------------------------------
-    def _shadow(self, call: UnitCall) -> None:
-        for sharded, full in zip(call.unit.params, call.fulls):
-            for module, attr in sharded.owners:
-                module.__dict__[attr] = full
-        self._shadowing[call.unit.uid] = call
-
-    def _unshadow(self, call: UnitCall) -> None:
-        if self._shadowing.get(call.unit.uid) is not call:
-            return
-        del self._shadowing[call.unit.uid]
-        for sharded in call.unit.params:
-            for module, attr in sharded.owners:
-                module.__dict__.pop(attr, None)
+    # ---- the one place where a call changes state (calls.py, Note: call states) -----------
+    def _move(self, call: UnitCall, state: CallState) -> None:
+        old = call.state
+        assert (old, state) in LEGAL, f"ZeRO-3 internal error: unit '{call.unit.name}' {old.name} -> {state.name}"
+        slot = self._slots[call.unit.uid]
+        if state in (S.RESHARDED, S.DONE) and slot.call is call:
+            slot.call = None
+            for sharded in call.unit.params:
+                for module, attr in sharded.owners:
+                    module.__dict__.pop(attr, None)
+        elif state in (S.FORWARD, S.BACKWARD) and slot.call is None:
+            for sharded, full in zip(call.unit.params, call.fulls):
+                for module, attr in sharded.owners:
+                    module.__dict__[attr] = full
+            slot.call = call
+        if state is S.RESHARDED or (state is S.DONE and old is S.BACKWARD):
+            with engine_mode():  # autograd keeps the tensor objects; the memory goes to the pool
+                call.unit.release(call.fulls)
+        elif state is S.DONE and old in (S.FORWARD, S.REDUCED_IN_FORWARD):
+            call.fulls = []  # no backward of ours needs them; they die with their last reference
+        call.state = state
+        if (old in HOLDING) != (state in HOLDING):
+            self.model.on_alive_change(call.unit, +1 if state in HOLDING else -1)
 
     def _versions(self, unit: Unit) -> tuple[int, ...]:
         return tuple(p.param._version for p in unit.params)
 
     # ---- forward ----------------------------------------------------------------------------
     def _gather_call(self, unit: Unit) -> UnitCall:
-        differentiable = torch.is_grad_enabled() and any(p.requires_grad for p in unit.params)
-        call = UnitCall(unit, differentiable=differentiable)
+        """Gather the unit into a new call (state FORWARD, on the unit's modules)."""
+        reduces = torch.is_grad_enabled() and any(p.requires_grad for p in unit.params)
+        call = UnitCall(unit, reduces=reduces)
         with torch.profiler.record_function(f"ZeRO3::gather({unit.name})"):
-            if differentiable:
-                call.fulls = list(_GatherParams.apply(self, call, *(p.param for p in unit.params)))
+            if reduces:
+                call.fulls = list(GatherParams.apply(self, call, *(p.param for p in unit.params)))
             else:
-                call.fulls = unit.gather()
+                with engine_mode():
+                    call.fulls = unit.gather()
         call.versions = self._versions(unit)
-        self.model.on_alive_change(unit, +1)
+        self._move(call, S.FORWARD)
         return call
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
-        uid = unit.uid
-        current = self._shadowing.get(uid)
-        if self._in_backward and current is not None and current.state is CallState.BACKWARD:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        slot = self._slots[unit.uid]
+        current = slot.call
+        if self._in_backward and current is not None and current.state is S.BACKWARD:
             # Non-reentrant recomputation: reuse the re-gathered parameters. Its forward may be
             # cut short (checkpoint stops once it has what backward needs), so no post-forward
-            # hook is owed: nothing is counted here.
-            return
-        if self._active.get(uid, 0):
-            self._active[uid] += 1  # re-entered (e.g. self(x) inside training_step): already whole
-            return
-        self._active[uid] = 1
-        if self._depth == 0 and not self._in_backward:
+            # hook is owed: the depth stays 0 and the post-forward hook does nothing.
+            return None
+        if slot.depth:
+            slot.depth += 1  # re-entered (e.g. self(x) inside training_step): already whole
+            if current is not None and (
+                current.state is S.REDUCED_IN_FORWARD or current.versions != self._versions(unit)
+            ):
+                # Stale (an optimizer step inside training_step): its own backward, if still
+                # owed, keeps its tensors through autograd.
+                self._move(current, S.DONE)
+                self._gather_call(unit)
+            return None
+        if self._in_backward and not autograd_running():
+            self._abandon_backward()
+        if not self._in_backward and not any(s.depth for s in self._slots):
             self._begin_pass()
-        self._depth += 1
         call = self._gather_call(unit)
-        self._shadow(call)
+        slot.depth = 1  # last: a pre-forward that raised opens nothing (Note: exceptions)
         if torch.is_grad_enabled() and not self._in_backward:
             on_track = self.schedule.forward_on_track
-            for ahead in self.schedule.on_forward(uid):
+            for ahead in self.schedule.on_forward(unit.uid):
                 self._prefetch(self.units[ahead])
             if on_track and not self.schedule.forward_on_track:
                 self._release_stale_prefetches()
+        if not call.reduces and torch.is_grad_enabled():
+            self._hook_inputs(call, args, kwargs)
+        return None
+
+    def _hook_inputs(self, call: UnitCall, args: Any, kwargs: Any) -> None:
+        """Release a frozen unit's call once its inputs have their gradients (Note: frozen
+        units). The hook holds the call weakly (calls.py, Note: call lifetime)."""
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, partial(self._after_input_grads, weakref.ref(call)), mode="all")
+
+    def _after_input_grads(self, call_ref: weakref.ref[UnitCall], grads: Any) -> None:
+        call = call_ref()
+        if call is not None:
+            self.finish_call(call)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        uid = unit.uid
-        if not self._active.get(uid, 0):
-            return  # end of a recomputation (see _pre_forward): the backward owns these tensors
-        self._active[uid] -= 1
-        if self._active[uid]:
+        slot = self._slots[unit.uid]
+        if not slot.depth:
+            return  # end of a recomputation (see _pre_forward), or a pre-forward that raised
+        slot.depth -= 1
+        if slot.depth:
             return
-        self._depth -= 1
-        call = self._shadowing.get(uid)
-        if call is None:
+        if not self._in_backward and not any(s.depth for s in self._slots):
+            # The pass's forward is over (or raised): a prefetch it did not use is stale.
+            self._release_stale_prefetches()
+        if slot.call is None:
             return
-        self._unshadow(call)
-        if call.state is CallState.REDUCED:
-            return  # its backward already ran inside this forward (manual optimization)
-        if not call.differentiable:
-            call.fulls = []  # no backward will need them from us (autograd keeps what it saved)
-            self.model.on_alive_change(unit, -1)
-            return
-        call.unit.release(call.fulls)
-        self.model.on_alive_change(unit, -1)
-        call.state = CallState.RESHARDED
-        self._pending.append(call)
+        call = slot.call
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if call.state is not S.FORWARD or not outputs:
+            # Reduced inside its forward, no_grad, nothing of it needs a gradient, or the
+            # forward raised (output None): no backward owed.
+            self._move(call, S.DONE)
+            return
+        self._move(call, S.RESHARDED)
+        self._pending.append(call)
         for tensor in outputs:
             tensor.register_hook(partial(self._pre_backward, call))
 
-    def _refresh_if_stale(self, unit: Unit, module: nn.Module, args: Any) -> None:
-        call = self._shadowing.get(unit.uid)
-        if call is None or call.state is CallState.BACKWARD:
-            return
-        if call.state is CallState.REDUCED or call.versions != self._versions(unit):
-            self._unshadow(call)
-            if call.state is not CallState.REDUCED:
-                self.model.on_alive_change(unit, -1)
-            self._shadow(self._gather_call(unit))
-
     def _prefetch(self, unit: Unit) -> None:
-        if not unit.params or unit.gather_in_flight or unit.uid in self._shadowing:
+        if not unit.params or unit.gather_in_flight or self._slots[unit.uid].call is not None:
             return
-        unit.start_gather()
+        with engine_mode():
+            unit.start_gather()
         self.model.on_alive_change(unit, 0)
 
     def _release_stale_prefetches(self) -> None:
@@ -254,17 +267,20 @@ class HookDriver:
         check (Note: flat layout and unit tag) and fails with both units named."""
         for unit in self.units:
             if unit.gather_in_flight:
-                unit.discard_gather()
+                with engine_mode():
+                    unit.discard_gather()
         self.model.on_alive_change(None, 0)
 
     def _begin_pass(self) -> None:
-        # Prefetches left from the previous pass may predate an optimizer step: drop them.
-        for unit in self.units:
-            if unit.gather_in_flight:
-                unit.discard_gather()
+        # Prefetches left from the previous pass may predate an optimizer step: drop them. No
+        # forward hook is open, so a call still on its modules is a leftover of a pass that
+        # raised (Note: exceptions).
+        self._release_stale_prefetches()
+        for slot in self._slots:
+            if slot.call is not None:
+                self._move(slot.call, S.DONE)
         self._pending = []
         self.schedule.begin_forward()
-        self.model.on_alive_change(None, 0)
 
     # ---- backward ---------------------------------------------------------------------------
     def _ensure_backward_started(self) -> None:
@@ -278,18 +294,16 @@ class HookDriver:
         self._ensure_backward_started()
 
     def _pre_backward(self, call: UnitCall, grad: torch.Tensor) -> None:
-        if call.state not in (CallState.RESHARDED, CallState.REDUCED) or not call.fulls:
-            return
-        if call.state is CallState.REDUCED and call.fulls[0].untyped_storage().size() > 0:
-            return
+        if call.state not in (S.RESHARDED, S.DONE) or not call.fulls:
+            return  # gathered already, or a call that owes no backward
         self._ensure_backward_started()
         unit = call.unit
         with torch.profiler.record_function(f"ZeRO3::pre_backward({unit.name})"):
-            unit.gather(into=call.fulls)
-            self.model.on_alive_change(unit, +1)
-            call.state = CallState.BACKWARD
-            if unit.uid not in self._shadowing:
-                self._shadow(call)
+            if call.state is S.DONE:
+                self._pending.append(call)  # a second backward through a retained graph
+            with engine_mode():
+                unit.gather(into=call.fulls)
+            self._move(call, S.BACKWARD)
             on_track = self.schedule.backward_on_track
             for ahead in self.schedule.on_backward(unit.uid):
                 self._prefetch(self.units[ahead])
@@ -297,7 +311,7 @@ class HookDriver:
                 self._release_stale_prefetches()
 
     def post_backward(self, call: UnitCall, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Called by `_GatherParams.backward` once autograd has every full gradient of the call.
+        """Called by `GatherParams.backward` once autograd has every full gradient of the call.
         Starts the Reduce-Scatter and returns no gradient to autograd (Note: asynchronous
         reduction)."""
         self._ensure_backward_started()
@@ -307,18 +321,17 @@ class HookDriver:
             self._reductions.append((unit, unit.start_reduce(grads)))
             while len(self._reductions) > self.model.reductions_in_flight:
                 self._finish_reduction()
-        if call.state is CallState.BACKWARD:
-            self._unshadow(call)
-            call.unit.release(call.fulls)
-            self.model.on_alive_change(unit, -1)
-        elif call.state is CallState.FORWARD:
-            # Backward inside the unit's own forward: keep the tensors on the modules until the
-            # forward ends; `_refresh_if_stale` re-gathers if they are used again.
-            pass
-        call.state = CallState.REDUCED
-        if call in self._pending:
-            self._pending.remove(call)
+        if call.state is S.FORWARD:
+            self._move(call, S.REDUCED_IN_FORWARD)  # tensors stay on the modules until forward ends
+        else:
+            self.finish_call(call)
         return [None] * len(unit.params)
+
+    def finish_call(self, call: UnitCall) -> None:
+        """The call's backward is over: release what its pre-backward gathered. Nothing to do
+        for a call whose tensors were never gathered again (its outputs got no gradient)."""
+        if call.state is S.BACKWARD:
+            self._move(call, S.DONE)
 
     def _finish_reduction(self) -> None:
         """Wait for the oldest Reduce-Scatter and add its shard gradients into `.grad`."""
@@ -333,20 +346,31 @@ class HookDriver:
             else:
                 sharded.param.grad.add_(grad)
 
+    def _abandon_backward(self) -> None:
+        """Close a backward that raised (Note: exceptions)."""
+        while self._reductions:
+            unit, pending = self._reductions.popleft()
+            unit.finish_reduce(pending)  # the collective completes; its gradients are dropped
+        for call in self._pending:
+            if call.state in (S.BACKWARD, S.RESHARDED):
+                self._move(call, S.DONE)
+        for slot in self._slots:
+            if slot.call is not None and slot.call.state is S.BACKWARD:
+                self._move(slot.call, S.DONE)
+        self._pending = []
+        self._release_stale_prefetches()
+        self._in_backward = False
+
     def _end_backward(self) -> None:
         while self._reductions:
             self._finish_reduction()
-        # Calls whose outputs never reached the loss: free what a pre-backward re-gathered.
+        # Calls whose outputs never reached the loss, and frozen calls whose inputs needed no
+        # gradient: free what a pre-backward re-gathered.
         for call in self._pending:
-            if call.state is CallState.BACKWARD:
-                self._unshadow(call)
-                call.unit.release(call.fulls)
-                self.model.on_alive_change(call.unit, -1)
-            call.state = CallState.REDUCED
+            if call.state in (S.BACKWARD, S.RESHARDED):
+                self._move(call, S.DONE)
         self._pending = []
-        for unit in self.units:
-            if unit.gather_in_flight:
-                unit.discard_gather()
+        self._release_stale_prefetches()
         self.model.reduce_persistent_grads()
         if self.model.host_memory_slack is not None:
             return_free_host_memory(self.model.host_memory_slack)

@@ -196,21 +196,29 @@ class ShardedModel:
 
     # ---- gradients of persistent parameters -----------------------------------------------
     def reduce_persistent_grads(self) -> None:
-        """All-Reduce (average) the gradients of parameters kept whole on every rank."""
+        """All-Reduce (average) the gradients of parameters kept whole on every rank. One
+        element per parameter rides along in the same All-Reduce and counts the ranks that
+        produced its gradient: a parameter no rank used keeps `grad=None`, as in one process
+        (a zero gradient would still move it under weight decay and momentum). Only a rank
+        missing a gradient reads the counts back (a device-to-host copy on GPU)."""
         params = [p for p in self.persistent if p.requires_grad]
         total = self.world_comm.world_size
         if not params or total == 1:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        present = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), present])
         if self.comm.world_size > 1:
             self.comm.all_reduce(flat, what="gradients of persistent parameters")
         if self.replicate_comm is not None:
             self.replicate_comm.all_reduce(flat, what="gradients of persistent parameters across shard groups")
-        flat.div_(total)
+        used = [True] * len(params)
+        if not all(p.grad is not None for p in params):
+            used = (flat[-len(params) :] > 0).tolist()
+        flat = flat[: -len(params)].div_(total)
         offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        for p, is_used in zip(params, used):
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone() if is_used else None
             offset += p.numel()
 
     # ---- whole parameters outside forward -------------------------------------------------
@@ -328,14 +336,17 @@ class ShardedModel:
 
     def expected_step_bytes(self, *, across_groups: bool = False) -> dict[str, int]:
         """Payload bytes per training step that the design predicts (Note: flat layout): a
-        unit with trainable parameters is All-Gathered for forward and again for backward and
-        Reduce-Scattered once; a frozen unit is gathered for forward only (autograd keeps what
-        its backward needs). Sizes are the padded parameters plus one tag element per rank.
-        Trainable persistent parameters add one All-Reduce of their gradients. With
+        unit is All-Gathered for forward and again for its backward, and Reduce-Scattered once if
+        it has a trainable parameter. A frozen unit runs backward only when its input needs a
+        gradient: that is read from the recorded backward order (before the first step, it is
+        assumed to). Sizes are the padded parameters plus one tag element per rank. Trainable
+        persistent parameters add one All-Reduce of their gradients and one element each (the
+        count of ranks that produced it, so that an unused one keeps grad None). With
         `across_groups` (hierarchical sharding): what crosses between shard groups, one
         All-Reduce of each rank's reduced shard gradients (1/G of the gradient)."""
         n = self.comm.world_size
-        persistent = sum(p.numel() * p.element_size() for p in self.persistent if p.requires_grad)
+        trainable_persistent = [p for p in self.persistent if p.requires_grad]
+        persistent = sum((p.numel() + 1) * p.element_size() for p in trainable_persistent)
         trainable_units = [u for u in self.units if u.params and any(p.requires_grad for p in u.params)]
         if across_groups:
             if self.replicate_comm is None:
@@ -348,7 +359,9 @@ class ShardedModel:
                 continue
             gather = n * (unit.shard_numel + unit.tag_numel) * unit.param_dtype.itemsize
             trainable = unit in trainable_units
-            expected["all_gather"] += gather * (2 if trainable else 1)
+            recorded = self.schedule.backward_order
+            has_backward = trainable or recorded is None or unit.uid in recorded
+            expected["all_gather"] += gather * (2 if has_backward else 1)
             expected["reduce_scatter"] += n * (unit.shard_numel + 1) * unit.reduce_dtype.itemsize if trainable else 0
         if persistent and n > 1:
             expected["all_reduce"] = persistent

@@ -1,0 +1,254 @@
+"""What loading a checkpoint trusts: nothing in it runs code, and nothing in it points outside it.
+
+[Note: checkpoint trust model]
+A checkpoint is data from anywhere (downloaded, copied, hand-edited). By default loading never
+runs code from it and never touches a file outside its directory:
+- `.metadata` (DCP's index) is a pickle: it is read by `RestrictedUnpickler`, which admits
+  only the classes DCP's index is made of (its metadata dataclasses, torch dtypes, sizes,
+  layouts and memory formats, paths, builtin containers). DCP's own `pickle.load` is never
+  called: `CheckpointReader` (a `FileSystemReader`) overrides `read_metadata`, the public hook.
+  The index may not hold byte items (`BytesStorageMetadata`): our format stores only tensors,
+  and DCP loads byte items with `torch.load(weights_only=False)`.
+- `trainer_state.pt` is read with `torch.load(weights_only=True)`; the shard files are read by
+  DCP with `torch.load(weights_only=True)`.
+- Every file name (in meta.json and in the DCP index) must be a plain name inside the
+  directory: no separators, no `..`, no link to outside it.
+- meta.json's structure is checked (`check_meta`) before any entry is used.
+`trusted=True` (`ZeRO3Strategy(trust_checkpoint=True)`, `consolidate --trust-checkpoint`)
+unpickles both files with plain pickle, as torch does with `weights_only=False`: for
+checkpoints from a trusted source whose Lightning state holds arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
+
+TRUST_HINT = (
+    "If you trust where this checkpoint comes from, load it with ZeRO3Strategy(trust_checkpoint=True) "
+    "(or `python -m lightning_zero3 consolidate --trust-checkpoint`)"
+)
+
+
+# ---- file names --------------------------------------------------------------------------
+def plain_name_problem(directory: Path, name: Any) -> str | None:
+    """Why `name` is not a plain file name inside `directory` (None if it is): a name with a
+    separator, `..`, an absolute path, or a link that leads outside the directory."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name:
+        return f"{name!r} is not a file name"
+    if "/" in name or "\\" in name or os.sep in name or (os.altsep and os.altsep in name):
+        return f"{name!r} is not a plain file name inside the checkpoint directory"
+    file = directory / name
+    if file.is_symlink() and file.resolve().parent != directory.resolve():
+        return f"{name!r} is a link to {os.readlink(file)!r}, outside the checkpoint directory"
+    return None
+
+
+def check_plain_name(directory: Path, name: Any, source: str) -> None:
+    problem = plain_name_problem(directory, name)
+    if problem is not None:
+        raise CheckpointError(f"{source} is not a valid checkpoint: {problem}; it was not opened")
+
+
+# ---- meta.json -----------------------------------------------------------------------------
+_KINDS = ("sharded", "tensor", "alias", "object")
+
+
+def check_meta(meta: dict[str, Any], meta_file: Path) -> None:
+    """Raise `CheckpointError` naming `meta_file` unless every entry this package reads from
+    meta.json has the type it must have (a hand-edited file fails here, not in a TypeError)."""
+
+    def bad(where: str, expected: str) -> CheckpointError:
+        return CheckpointError(f"{meta_file} is corrupted: {where} must be {expected}")
+
+    def is_int(v: Any) -> bool:
+        return type(v) is int
+
+    def check_tensor(entry: Any, where: str, kinds: tuple[str, ...]) -> None:
+        if not isinstance(entry, dict) or entry.get("kind") not in kinds:
+            raise bad(where, f"an object with a 'kind' in {kinds}")
+        if entry["kind"] in ("sharded", "tensor"):
+            shape = entry.get("shape")
+            if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
+                raise bad(f"{where}['shape']", "a list of sizes")
+            if not isinstance(entry.get("dtype"), str):
+                raise bad(f"{where}['dtype']", "a dtype name")
+
+    if not is_int(meta["world_size"]) or meta["world_size"] < 1:
+        raise bad("'world_size'", "a positive integer")
+    if not isinstance(meta["fingerprint"], str) or not isinstance(meta["parameters"], dict):
+        raise bad("'fingerprint' and 'parameters'", "a string and an object")
+    files = meta["files"]
+    if not isinstance(files, dict):
+        raise bad("'files'", "an object mapping file names to their size and CRC-32")
+    for name, info in files.items():
+        check_plain_name(meta_file.parent, name, str(meta_file))
+        if not isinstance(info, dict) or not is_int(info.get("bytes")) or not isinstance(info.get("crc32"), str):
+            raise bad(f"'files'[{name!r}]", "an object with 'bytes' (an integer) and 'crc32' (a string)")
+        if "rank" in info and not is_int(info["rank"]):
+            raise bad(f"'files'[{name!r}]['rank']", "an integer")
+    entries = meta["state_dict"]
+    if not isinstance(entries, list):
+        raise bad("'state_dict'", "a list")
+    keys = {e.get("key") for e in entries if isinstance(e, dict)}
+    for i, entry in enumerate(entries):
+        check_tensor(entry, f"'state_dict'[{i}]", _KINDS)
+        if not isinstance(entry.get("key"), str):
+            raise bad(f"'state_dict'[{i}]['key']", "a string")
+        if entry["kind"] == "alias" and entry.get("of") not in keys:
+            raise bad(f"'state_dict'[{i}]['of']", "the key of another entry")
+    optimizers = meta["optimizers"]
+    if optimizers is None:
+        return
+    if not isinstance(optimizers, list):
+        raise bad("'optimizers'", "a list or null")
+    for i, optimizer in enumerate(optimizers):
+        state = optimizer.get("state") if isinstance(optimizer, dict) else None
+        if not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values()):
+            raise bad(f"'optimizers'[{i}]['state']", "an object of objects")
+        for name, entry in state.items():
+            for k, info in entry.items():
+                check_tensor(info, f"'optimizers'[{i}]['state'][{name!r}][{k!r}]", ("sharded", "tensor"))
+
+
+# ---- DCP's index ---------------------------------------------------------------------------
+def _admitted() -> dict[tuple[str, str], Any]:
+    """The globals DCP's index pickle refers to (found by unpickling indexes torch 2.13 wrote,
+    recording every `find_class`). Note: `_MEM_FORMAT_ENCODING` and `_StorageInfo` are private
+    to torch, but torch's own pickle names them; a release that renames them makes loading
+    refuse the index with the name it used (tried: torch 2.13.0)."""
+    admitted: dict[tuple[str, str], Any] = {}
+    for cls in (
+        dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.StorageMeta,
+        dcp_metadata.TensorStorageMetadata, dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties,
+    ):  # fmt: skip
+        admitted[(cls.__module__, cls.__name__)] = cls
+    for module, name in (
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # maps "torch.strided" to the layout object
+    ):
+        obj = getattr(__import__(module, fromlist=[name]), name, None)
+        if obj is not None:
+            admitted[(module, name)] = obj
+    admitted[("torch", "Size")] = torch.Size
+    for cls in (PosixPath, WindowsPath, PurePosixPath, PureWindowsPath):  # StorageMeta.checkpoint_id
+        admitted[("pathlib", cls.__name__)] = cls
+    for cls in (dict, list, tuple, set, frozenset, str, bytes, int, float, bool, complex):
+        admitted[("builtins", cls.__name__)] = cls
+    admitted[("collections", "OrderedDict")] = OrderedDict
+    return admitted
+
+
+_ADMITTED = _admitted()
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles only what a DCP index is made of; any other global is refused, unloaded."""
+
+    def __init__(self, file: Any, *, source: Path) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ADMITTED:
+            return _ADMITTED[(module, name)]
+        if module == "torch" and "." not in name:
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise CheckpointError(
+            f"{self.source} refers to the global '{module}.{name}', which a checkpoint's DCP index never needs; "
+            f"it was not loaded, since unpickling it could run code. {TRUST_HINT}."
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointError(f"{self.source} holds a persistent reference, which a DCP index never has")
+
+
+def read_dcp_index(file: Path, *, trusted: bool) -> dcp_metadata.Metadata:
+    """DCP's index at `file`, unpickled by `RestrictedUnpickler` unless `trusted`, and checked
+    (trusted or not): a `Metadata` whose entries are tensors stored in plain-named files of its
+    directory."""
+    try:
+        data = file.read_bytes()
+        index = pickle.loads(data) if trusted else RestrictedUnpickler(io.BytesIO(data), source=file).load()
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"cannot read {file}: {describe_error(err)}") from err
+    if not isinstance(index, dcp_metadata.Metadata) or not isinstance(index.storage_data, dict):
+        raise CheckpointError(f"{file} is not a DCP index: it holds a {type(index).__name__}")
+    stored = index.state_dict_metadata
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{file} is corrupted: it has no table of stored items")
+    for key, item in stored.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointError(
+                f"{file} is not a lightning_zero3 checkpoint: it stores {key!r} as a {type(item).__name__}, and "
+                f"a lightning_zero3 checkpoint stores only tensors"
+            )
+    for info in index.storage_data.values():
+        check_plain_name(file.parent, getattr(info, "relative_path", None), str(file))
+    return index
+
+
+class CheckpointReader(dcp.FileSystemReader):
+    """DCP's file reader whose index is read by `read_dcp_index` (Note: checkpoint trust model),
+    once: the same object serves every `dcp.load` from this directory."""
+
+    def __init__(self, path: str | os.PathLike, *, trusted: bool = False, index: Any = None) -> None:
+        super().__init__(path)
+        self.trusted = trusted
+        self._index = index
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        if self._index is None:
+            rank = kwargs.get("rank")
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            self._index = read_dcp_index(Path(self.path) / name, trusted=self.trusted)
+        if getattr(self._index, "storage_meta", None) is None:
+            self._index.storage_meta = dcp_metadata.StorageMeta()
+        self._index.storage_meta.load_id = self.load_id
+        return self._index
+
+
+# ---- trainer_state.pt ----------------------------------------------------------------------
+def load_torch_file(file: Path, *, trusted: bool) -> Any:
+    """`torch.load` of a file of the checkpoint: weights_only unless `trusted`."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=not trusted)
+    except Exception as err:
+        raise CheckpointError(forbidden_global(file, err) or f"cannot read {file}: {describe_error(err)}") from err
+
+
+def forbidden_global(file: Path, err: Exception) -> str | None:
+    """The message for `torch.load(weights_only=True)` refusing a global in `file`, or None if
+    `err` is another failure."""
+    forbidden = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    if forbidden is None:
+        return None
+    return (
+        f"{file} refers to the global '{forbidden.group(1)}', which torch.load(weights_only=True) does not "
+        f"admit; it was not loaded, since unpickling it could run code. {TRUST_HINT}."
+    )
+
+
+def check_trainer_state(saved: Any, file: Path) -> Mapping[str, Any]:
+    needed = ("keys", "extra", "state_dict", "optimizers")
+    if not isinstance(saved, dict) or not all(k in saved for k in needed):
+        raise CheckpointError(f"{file} is corrupted: it is not the dict of {needed} that a save writes")
+    return saved

@@ -1,0 +1,251 @@
+"""Loading never runs code from a checkpoint and never touches a file outside it (Note: checkpoint
+trust model): a crafted pickle in DCP's `.metadata` or in `trainer_state.pt` is refused, unrun, by
+every loader (engine, `fit`/`validate(ckpt_path=)`, consolidate) with a `CheckpointError` naming
+the file and the forbidden global; file names in meta.json and in the index must be plain names
+inside the directory; a hand-edited meta.json is a `CheckpointError`, not a TypeError.
+`trust_checkpoint=True` / `--trust-checkpoint` restores plain unpickling."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_zero3 import ShardedModel
+from lightning_zero3 import checkpoint as ckpt
+from lightning_zero3.__main__ import main
+from lightning_zero3.checkpoint.files import crc32
+from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+from tests.models import MLP
+from tests.ranks import run_ranks
+
+
+# ---- helpers (also used by test_checkpoint_overwrite.py) ------------------------------------
+def save_mlp(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A sharded checkpoint of an MLP with AdamW state, saved by this one process; its weights."""
+    torch.manual_seed(seed)
+    model = MLP()
+    sharded = ShardedModel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 7)).sum().backward()
+    optimizer.step()
+    optimizer_states = [ckpt.sharded_optimizer_state(sharded, optimizer)]
+    ckpt.save_sharded(
+        path, sharded, {"epoch": 1, "state_dict": model.state_dict(), "optimizer_states": optimizer_states}
+    )
+    return sharded.full_state_dict(to_rank=None)
+
+
+def load_mlp(path: Path, **options: Any) -> dict[str, Any]:
+    model = MLP()
+    sharded = ShardedModel(model)
+    return ckpt.load_sharded(path, sharded, optimizers=[torch.optim.AdamW(model.parameters())], **options)
+
+
+def edit_meta(path: Path, edit: Any) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    edit(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def plant(path: Path, name: str, data: bytes) -> None:
+    """Replace a file of the checkpoint and record its new size and CRC-32 in meta.json, as
+    someone crafting a checkpoint would: the checksums then prove nothing about its source."""
+    (path / name).write_bytes(data)
+    edit_meta(path, lambda meta: meta["files"].__setitem__(name, {"bytes": len(data), "crc32": crc32(path / name)}))
+
+
+class CreatesAFile:
+    """Unpickling this calls `open(path, "w")`: a stand-in for any code a crafted pickle runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> Any:
+        return open, (self.path, "w")
+
+
+def craft(path: Path, name: str, marker: Path) -> None:
+    """Put a payload that creates `marker` into the checkpoint's `.metadata` or `trainer_state.pt`,
+    keeping the rest of the file valid."""
+    if name == ".metadata":
+        index = pickle.loads((path / name).read_bytes())
+        index.planner_data = {"note": CreatesAFile(marker)}
+        plant(path, name, pickle.dumps(index))
+    else:
+        state = torch.load(path / name, weights_only=False)
+        state["extra"]["note"] = CreatesAFile(marker)
+        torch.save(state, path / name)
+        plant(path, name, (path / name).read_bytes())
+
+
+FORBIDDEN = {".metadata": "io.open", "trainer_state.pt": "io.open"}
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("mlp") / "mlp.ckpt"
+    save_mlp(path)
+    return path
+
+
+@pytest.fixture
+def copy(mlp: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "mlp.ckpt"
+    shutil.copytree(mlp, path)
+    return path
+
+
+# ---- crafted pickles ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", [".metadata", "trainer_state.pt"])
+def test_a_crafted_pickle_is_refused_unrun_by_load_sharded(copy, tmp_path, name):
+    marker = tmp_path / "payload_ran"
+    craft(copy, name, marker)
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        load_mlp(copy)
+    assert str(copy / name) in str(raised.value) and FORBIDDEN[name] in str(raised.value)
+    assert "trust_checkpoint=True" in str(raised.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", [".metadata", "trainer_state.pt"])
+def test_a_crafted_pickle_is_refused_unrun_by_the_consolidate_cli(copy, tmp_path, capsys, name):
+    marker = tmp_path / "payload_ran"
+    craft(copy, name, marker)
+    assert main(["consolidate", str(copy), str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(copy / name) in err and FORBIDDEN[name] in err
+    assert "--trust-checkpoint" in err
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def test_trust_checkpoint_unpickles_as_before(copy, tmp_path, capsys):
+    """The opt-in restores plain pickle: the payload runs (that is what trusting means)."""
+    marker = tmp_path / "payload_ran"
+    craft(copy, ".metadata", marker)
+    assert main(["consolidate", str(copy), str(tmp_path / "out.pt"), "--trust-checkpoint"]) == 0
+    assert marker.exists()
+    load_mlp(copy, trusted=True)
+
+
+def test_an_index_with_byte_items_is_refused(copy):
+    """DCP loads byte items with torch.load(weights_only=False); our format never writes them."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    index = pickle.loads((copy / ".metadata").read_bytes())
+    key = next(iter(index.state_dict_metadata))
+    index.state_dict_metadata[key] = BytesStorageMetadata()
+    plant(copy, ".metadata", pickle.dumps(index))
+    with pytest.raises(ckpt.CheckpointError, match="BytesStorageMetadata"):
+        load_mlp(copy)
+
+
+def _load_crafted_under_lightning(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Fit one step and save; then, for a payload in each pickle, `fit` and `validate` with
+    ckpt_path= on a crafted copy: the error each raised, and whether the payload ran."""
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    saved = Path(directory, "mlp.ckpt")
+    t = trainer(ZeRO3Strategy(), world_size, max_steps=1)
+    t.fit(LitMLP(), loader(world_size))
+    t.save_checkpoint(saved)
+    results = {}
+    for name in (".metadata", "trainer_state.pt"):
+        crafted, marker = Path(directory, f"crafted{name}"), Path(directory, f"ran{name}")
+        shutil.copytree(saved, crafted)
+        craft(crafted, name, marker)
+        for entry in ("fit", "validate"):
+            t = trainer(ZeRO3Strategy(), world_size, max_epochs=2)
+            try:
+                getattr(t, entry)(LitMLP(), loader(world_size), ckpt_path=crafted)
+                error = None
+            except ckpt.CheckpointError as err:
+                error = str(err)
+            results[(name, entry)] = (error, str(crafted / name), marker.exists())
+    t = trainer(ZeRO3Strategy(trust_checkpoint=True), world_size, max_epochs=2)
+    t.fit(LitMLP(), loader(world_size), ckpt_path=Path(directory, "crafted.metadata"))
+    results["trusted"] = (t.global_step, Path(directory, "ran.metadata").exists())
+    return results
+
+
+@pytest.fixture(scope="module")
+def lightning_loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_ranks(_load_crafted_under_lightning, 1, str(tmp_path_factory.mktemp("lightning")))[0]
+
+
+@pytest.mark.parametrize("entry", ["fit", "validate"])
+@pytest.mark.parametrize("name", [".metadata", "trainer_state.pt"])
+def test_a_crafted_pickle_is_refused_unrun_by_ckpt_path(lightning_loads, name, entry):
+    error, file, ran = lightning_loads[(name, entry)]
+    assert error is not None and file in error and FORBIDDEN[name] in error
+    assert not ran
+
+
+def test_trust_checkpoint_on_the_strategy_unpickles_as_before(lightning_loads):
+    steps, ran = lightning_loads["trusted"]
+    assert ran and 1 < steps < 8  # trained on from the checkpoint (a fresh run takes 8 steps)
+
+
+# ---- file names -----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["parent", "absolute", "separator", "link"])
+def test_a_file_name_leading_outside_the_checkpoint_is_refused_before_it_is_touched(copy, tmp_path, kind):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"x" * 4321)
+    name = {"parent": "../secret.bin", "absolute": str(secret), "separator": "sub/secret.bin", "link": "link"}[kind]
+    (copy / "sub").mkdir()
+    (copy / "sub" / "secret.bin").symlink_to(secret)
+    (copy / "link").symlink_to(secret)
+    edit_meta(copy, lambda meta: meta["files"].__setitem__(name, {"bytes": 1, "crc32": "00000000"}))
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.consolidate_checkpoint(copy, tmp_path / "out.pt")
+    message = str(raised.value)
+    assert repr(name) in message and "meta.json" in message
+    assert "4321" not in message  # the outside file was not even stat'ed
+
+
+def test_a_dcp_index_naming_a_file_outside_the_checkpoint_is_refused(copy, tmp_path):
+    (tmp_path / "secret.bin").write_bytes(b"x" * 4321)
+    index = pickle.loads((copy / ".metadata").read_bytes())
+    for info in index.storage_data.values():
+        info.relative_path = "../secret.bin"
+    plant(copy, ".metadata", pickle.dumps(index))
+    with pytest.raises(ckpt.CheckpointError, match=r"\.metadata is not a valid checkpoint: '\.\./secret\.bin'"):
+        load_mlp(copy)
+
+
+# ---- hand-edited meta.json ------------------------------------------------------------------
+EDITS = {
+    "files as a list": (lambda m: m.__setitem__("files", sorted(m["files"])), "'files' must be an object"),
+    "a file without crc32": (lambda m: next(iter(m["files"].values())).pop("crc32"), "'bytes' .an integer. and"),
+    "world_size a string": (lambda m: m.__setitem__("world_size", "2"), "'world_size' must be a positive integer"),
+    "an entry without kind": (lambda m: m["state_dict"][0].pop("kind"), r"'state_dict'\[0\] must be an object"),
+    "a shape of strings": (lambda m: m["state_dict"][0].__setitem__("shape", ["3"]), r"\['shape'\] must be a list"),
+    "optimizer state as a list": (
+        lambda m: m["optimizers"][0].__setitem__("state", []),
+        r"'optimizers'\[0\]\['state'\] must be an object of objects",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_hand_edited_meta_json_is_a_checkpoint_error_naming_the_file(copy, tmp_path, edit):
+    change, match = EDITS[edit]
+    edit_meta(copy, change)
+    with pytest.raises(ckpt.CheckpointError, match=match) as raised:
+        load_mlp(copy)
+    assert f"{copy / 'meta.json'} is corrupted" in str(raised.value)
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        ckpt.consolidate_checkpoint(copy, tmp_path / "out.pt")
+
+
+def test_a_trainer_state_without_its_entries_is_a_checkpoint_error(copy):
+    torch.save({"extra": {}}, copy / "trainer_state.pt")
+    plant(copy, "trainer_state.pt", (copy / "trainer_state.pt").read_bytes())
+    with pytest.raises(ckpt.CheckpointError, match="trainer_state.pt is corrupted: it is not the dict"):
+        load_mlp(copy)
