@@ -1,25 +1,31 @@
-"""Peak memory per rank while a 384 MiB model is built and sharded, on 2 CPU ranks (gloo).
+"""Peak memory per rank while a 384 MiB model is built and sharded, and while it is made whole
+again at teardown, on 2 CPU ranks (gloo), with glibc's default allocator settings.
 
-    python examples/measure_setup_memory.py        # ~20-40 s on 2 cores
+    python examples/measure_setup_memory.py        # ~30-60 s on 2 cores
 
 Four ways to get the same sharded model (12 blocks of two 2048x2048 nn.Linear, 384 MiB in
 fp32) onto 2 ranks; for each, every rank prints how far its resident memory rose above where it
 started (the peak, VmHWM, after resetting it through /proc/self/clear_refs):
 
-- meta:         built under `torch.device("meta")` (what `configure_model` and
-                `trainer.init_module(empty_init=True)` do with this strategy), then materialised,
-                initialised, broadcast from rank 0 and sharded one module at a time;
+- meta:         built with its parameters on the meta device (what `configure_model` and
+                `trainer.init_module(empty_init=True)` do with this strategy: `parameters_on_meta`),
+                then materialised, initialised, broadcast from rank 0 and sharded one module at a
+                time; the bound printed is model / N + 2 units + 100 MiB;
 - whole:        built whole on every rank first, as for DDP, then sharded;
 - meta + mmap:  meta as above, then pretrained full weights loaded from a file opened with
                 `torch.load(path, mmap=True)`: each rank copies only its slice of each tensor;
 - meta + load:  the same file read with a plain `torch.load(path)` (the whole state dict in RAM).
+
+Then, for the meta run, teardown's `restore_module`: whole parameters gathered one unit at a
+time into host memory ("cpu": the output, 384 MiB, plus about one unit), and the same towards
+another device ("meta" stands in for host memory while the shards are on a GPU: what stays on
+the shards' device is about one unit).
 
 Linux only (reads /proc/self/status).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import tempfile
@@ -31,6 +37,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.ranks
 
 from lightning_zero3.engine import ShardedModel  # noqa: E402
+from lightning_zero3.engine.materialize import parameters_on_meta  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 
 MB = 2**20
@@ -55,19 +62,18 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
-def measure(rank: int, world_size: int, mode: str, path: str) -> dict:
-    # glibc returns freed blocks of a few MB to the OS only when it served them with mmap, and it
-    # raises that threshold after the first such free unless it is fixed. Tensors of real models
-    # are above glibc's ceiling for that adjustment (32 MiB) and behave as with a fixed threshold.
-    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+def measure(rank: int, world_size: int, mode: str, path: str, restore_to: str = "cpu") -> dict:
+    # No mallopt: glibc's defaults, as users run. (A fixed M_MMAP_THRESHOLD, as earlier versions
+    # of this script set, returns every freed 16 MiB tensor to the OS and hides heap fragmentation.)
     torch.manual_seed(rank)  # the ranks' seeds differ: rank 0's initial values are broadcast
     start = _reset_peak()
     t0 = time.perf_counter()
-    with torch.device("cpu" if mode == "whole" else "meta"):
+    with torch.device("cpu") if mode == "whole" else parameters_on_meta("cpu"):
         model = Wide()
     sharded = ShardedModel(model, device="cpu")
     result = {"setup_peak": _status("VmHWM") - start, "setup_s": time.perf_counter() - t0}
     result["shard_bytes"] = sum(p.param.numel() * p.param.element_size() for p in sharded.sharded_params)
+    result["unit_bytes"] = max(u.numel * 4 for u in sharded.units)
     if mode.startswith("meta +"):
         start, file_start = _reset_peak(), _status("RssFile")
         t0 = time.perf_counter()
@@ -79,6 +85,10 @@ def measure(rank: int, world_size: int, mode: str, path: str) -> dict:
         del state_dict
         probe = sharded.sharded_params[0]
         result["loaded_ok"] = bool(torch.equal(probe.param.detach(), _expected_slice(path, probe)))
+    if mode == "meta":
+        start = _reset_peak()
+        sharded.restore_module(device=restore_to)
+        result["restore_peak"] = _status("VmHWM") - start
     return result
 
 
@@ -99,11 +109,22 @@ def main() -> None:
         print(f"model: {model_bytes / MB:.1f} MiB in fp32; one nn.Linear {module_bytes / MB:.1f} MiB; N = 2 ranks")
         print(f"per rank: shards {model_bytes / 2 / MB:.1f} MiB (model / N)\n")
         print(f"{'mode':<14}{'rank':>5}{'setup peak MiB':>16}{'setup s':>9}{'load peak MiB':>15}{'of it file':>12}")
+        restores = []
         for mode in ("meta", "whole", "meta + mmap", "meta + load"):
             for rank, r in enumerate(run_ranks(measure, 2, mode, path)):
                 load = f"{r['load_peak'] / MB:>15.1f}{r['load_file_backed'] / MB:>12.1f}" if "load_peak" in r else ""
                 print(f"{mode:<14}{rank:>5}{r['setup_peak'] / MB:>16.1f}{r['setup_s']:>9.2f}{load}")
                 assert r.get("loaded_ok", True), "the loaded shard differs from the file's slice"
+                if mode == "meta":
+                    bound = r["shard_bytes"] + 2 * r["unit_bytes"] + 100 * MB
+                    print(f"{'':<14}{'':>5}{'bound ' + format(bound / MB, '.1f'):>16}  (model / N + 2 units + 100 MiB)")
+                    restores.append(("cpu", rank, r["restore_peak"]))
+        for rank, r in enumerate(run_ranks(measure, 2, "meta", path, "meta")):
+            restores.append(("meta", rank, r["restore_peak"]))
+        print(f"\nteardown (restore_module, unit {r['unit_bytes'] / MB:.1f} MiB):")
+        print(f"{'restore to':<14}{'rank':>5}{'peak MiB':>12}")
+        for device, rank, peak in restores:
+            print(f"{device:<14}{rank:>5}{peak / MB:>12.1f}")
     print("\nsetup peak: resident memory above the start while building and sharding (shards included).")
     print("load peak: above the sharded model while loading the file; 'of it file': pages of the")
     print("memory-mapped file resident in this process (page cache, shared, reclaimable).")

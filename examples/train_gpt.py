@@ -312,7 +312,7 @@ def report(stats: dict, *, prefetch: int, steps: int, wall_s: float, module: Cha
     # The unit tag is 32 bits: one element of a 32-bit dtype, two of a 16-bit one (engine/unit.py).
     tag = "1 tag element" if stats["param_dtype"] in ("float32", "float64") else "a 32-bit tag (2 elements)"
     print(
-        f"  formula (padded shards + {tag} per rank per unit): all_gather "
+        f"  formula (padded shards + {tag} per rank per unit, rows rounded up to 16 bytes): all_gather "
         f"{expected['all_gather']:,}, reduce_scatter {expected['reduce_scatter']:,}"
     )
     print(

@@ -136,8 +136,8 @@ def load(
 ) -> dict[str, Any]:
     file = Path(path)
     context = f"Cannot load the checkpoint {file}"
-    # Loading runs no code from the file unless trusted (checkpoint/trust.py, Note: checkpoint trust model).
-    trusted = strategy.trust_checkpoint or weights_only is False
+    # Unpickle without restriction only when asked to (checkpoint/trust.py, Note: checkpoint trust model).
+    trusted = strategy.options.trust_checkpoint or weights_only is False
     if isinstance(state, Optimizer):
         raise NotImplementedError(
             f"{type(strategy).__name__} cannot load an optimizer alone: its state is keyed by the model's parameter "
@@ -146,7 +146,7 @@ def load(
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         model = strategy.sharded_model(state)
         if file.is_dir():
-            _load_sharded_model(model, file, strict=strict, trusted=trusted, context=context)
+            _load_sharded_model(model, file, strict=strict, context=context, trusted=trusted)
         else:
             raw = run_and_agree(
                 model.world_comm, lambda: _read_checked(file, model, None, strict, trusted), context=context
@@ -160,7 +160,7 @@ def load(
         )
     module_key, model, optimizers, rest = _split(strategy, state, "load")
     if file.is_dir():
-        ckpt = _load_sharded_model(model, file, strict=strict, trusted=trusted, context=context)
+        ckpt = _load_sharded_model(model, file, strict=strict, context=context, trusted=trusted)
         saved = run_and_agree(model.world_comm, ckpt.trainer_state, context=context)
         extra = dict(saved["extra"])
         # A Trainer's checkpoint has no "fabric" entry: its optimizers are in order, the rest is metadata.
@@ -201,7 +201,7 @@ def load(
     return metadata
 
 
-def _load_sharded_model(model: ShardedModel, path: Path, *, strict: bool, trusted: bool, context: str) -> Any:
+def _load_sharded_model(model: ShardedModel, path: Path, *, strict: bool, context: str, trusted: bool) -> Any:
     ckpt = open_sharded(path, comm=model.world_comm, trusted=trusted)
     run_and_agree(model.world_comm, lambda: _raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
     load_sharded_model(ckpt, model)

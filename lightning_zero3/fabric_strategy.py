@@ -63,9 +63,9 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     Takes the options of the Trainer's `ZeRO3Strategy` (see its docstring and the README):
     wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
     param_init_fn, state_dict_type ("sharded" directory or "full" file for `fabric.save`),
-    trust_checkpoint (`fabric.load` unpickles with plain pickle; otherwise nothing in a checkpoint
-    runs code), timeout, start_method ("popen" re-runs the script per rank;
-    "spawn"/"fork"/"forkserver" need `fabric.launch(function)`) and process_group_backend.
+    timeout, start_method ("popen" re-runs the script per rank; "spawn"/"fork"/"forkserver"
+    need `fabric.launch(function)`), process_group_backend, reductions_in_flight and
+    trust_checkpoint (`fabric.load` unpickles without restriction: checkpoint/trust.py).
     """
 
     strategy_name = "zero3"
@@ -81,10 +81,11 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         reduce_dtype: torch.dtype | str | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
-        trust_checkpoint: bool = False,
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
+        reductions_in_flight: int | None = None,
+        trust_checkpoint: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -102,11 +103,9 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             type(self).__name__, wrap_policy=wrap_policy, prefetch=prefetch,
             persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
-            timeout=timeout, start_method=start_method,
+            timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
+            trust_checkpoint=trust_checkpoint,
         )  # fmt: skip
-        if not isinstance(trust_checkpoint, bool):
-            raise ValueError(f"{type(self).__name__}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
-        self.trust_checkpoint = trust_checkpoint
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         # One engine per module set up (a GAN has two), by the module's id.
@@ -218,6 +217,11 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             reduce_dtype=options.reduce_dtype,
             param_init_fn=options.param_init_fn,
             device=self.root_device,
+            reductions_in_flight=(
+                options.reductions_in_flight
+                if options.reductions_in_flight is not None
+                else 2 if self.root_device.type == "cuda" else 0
+            ),
         )
         self._sharded[id(module)] = sharded
         after = dict(module.named_parameters(remove_duplicate=False))
@@ -226,7 +230,8 @@ class ZeRO3FabricStrategy(ParallelStrategy):
                 self._replaced[id(old)] = (weakref.ref(old), after[name])
         plugin = self.precision
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            plugin.scaler = AgreeingGradScaler.like(plugin.scaler, sharded)  # every rank skips the same steps
+            # Every rank skips the same steps.
+            plugin.scaler = AgreeingGradScaler.like(plugin.scaler, sharded, device=self.root_device.type)
         return module
 
     @override

@@ -41,6 +41,10 @@ class ShardingOptions:
     state_dict_type: str
     timeout: timedelta
     start_method: str
+    # Reduce-Scatters left running while backward continues; None: 2 on CUDA, 0 elsewhere.
+    reductions_in_flight: int | None = None
+    # Unpickle checkpoint files without restrictions (checkpoint/trust.py).
+    trust_checkpoint: bool = False
 
 
 def validated_options(
@@ -56,6 +60,8 @@ def validated_options(
     state_dict_type: object,
     timeout: object,
     start_method: object,
+    reductions_in_flight: object = None,
+    trust_checkpoint: object = False,
 ) -> ShardingOptions:
     """Check every option; raise `ValueError` naming `owner` (the class), the option and the fix."""
     if type(prefetch) is not int or prefetch < 0:
@@ -77,6 +83,13 @@ def validated_options(
         )
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(f"{owner}(param_init_fn=...) must be callable; got {param_init_fn!r}.")
+    if reductions_in_flight is not None and (type(reductions_in_flight) is not int or reductions_in_flight < 0):
+        raise ValueError(
+            f"{owner}(reductions_in_flight=...) must be None (2 on CUDA, 0 elsewhere) or an int >= 0 "
+            f"(Reduce-Scatters left running while backward continues); got {reductions_in_flight!r}."
+        )
+    if not isinstance(trust_checkpoint, bool):
+        raise ValueError(f"{owner}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
     return ShardingOptions(
         wrap_policy=validate_wrap_policy(wrap_policy),
         prefetch=prefetch,
@@ -88,6 +101,8 @@ def validated_options(
         state_dict_type=state_dict_type,  # type: ignore[arg-type]
         timeout=timeout,
         start_method=start_method,  # type: ignore[arg-type]
+        reductions_in_flight=reductions_in_flight,  # type: ignore[arg-type]
+        trust_checkpoint=trust_checkpoint,
     )
 
 

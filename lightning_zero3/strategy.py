@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -30,15 +29,12 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
-from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -60,10 +56,13 @@ from lightning_zero3.checkpoint import (
     save_sharded,
     sharded_optimizer_state,
 )
-from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_norm_
+from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.plan import WrapPolicy
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero3.options import join_process_group, validated_options
+from lightning_zero3.precision import mixed_precision_dtype, sharded_precision
+from lightning_zero3.summary import count_full_parameters
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +111,9 @@ class ZeRO3Strategy(ParallelStrategy):
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
             method ("spawn", "fork", "forkserver").
+        reductions_in_flight: gradient Reduce-Scatters left running while backward continues
+            (each holds one unit's full gradient buffer). None (default): 2 on CUDA, 0 elsewhere
+            (on CPU/gloo no gain was measured).
     """
 
     strategy_name = "zero3"
@@ -131,6 +133,7 @@ class ZeRO3Strategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
+        reductions_in_flight: int | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -148,7 +151,8 @@ class ZeRO3Strategy(ParallelStrategy):
             type(self).__name__, wrap_policy=wrap_policy, prefetch=prefetch,
             persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
-            timeout=timeout, start_method=start_method,
+            timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
+            trust_checkpoint=trust_checkpoint,
         )  # fmt: skip
         self.wrap_policy = options.wrap_policy
         self.prefetch = options.prefetch
@@ -158,11 +162,10 @@ class ZeRO3Strategy(ParallelStrategy):
         self.reduce_dtype = options.reduce_dtype
         self.param_init_fn = options.param_init_fn
         self.state_dict_type = options.state_dict_type
-        if not isinstance(trust_checkpoint, bool):
-            raise ValueError(f"{type(self).__name__}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
-        self.trust_checkpoint = trust_checkpoint
         self._timeout = options.timeout
         self._start_method = options.start_method
+        self.reductions_in_flight = options.reductions_in_flight
+        self.trust_checkpoint = options.trust_checkpoint
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         # The engine that holds this run's shards; None outside setup..teardown.
@@ -170,6 +173,12 @@ class ZeRO3Strategy(ParallelStrategy):
         # True after teardown put whole parameters back on the module.
         self._whole = False
         self._failed = False
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        # The engine holds this process's process groups and hooks; a pickled strategy (as in
+        # `torch.save(trainer)`) leaves it behind, like Lightning's DDP drops its process group.
+        return {**super().__getstate__(), "sharded": None}
 
     # ---- what Lightning asks of a distributed strategy ------------------------------------
     @property
@@ -259,10 +268,7 @@ class ZeRO3Strategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-        _use_global_norm_clipping(self.precision_plugin, self._clip_grad_norm)
-        for callback in trainer.callbacks:
-            if isinstance(callback, ModelSummary):
-                callback._summary = self._full_size_summary  # shards would show 1/N of each layer
+        count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -281,19 +287,20 @@ class ZeRO3Strategy(ParallelStrategy):
             prefetch=self.prefetch,
             persistence_threshold=self.persistence_threshold,
             shard_size=self.shard_size if self.shard_size != self.world_size else None,
-            param_dtype=self.param_dtype or _mixed_precision_dtype(self.precision_plugin),
+            param_dtype=self.param_dtype or mixed_precision_dtype(self.precision_plugin),
             reduce_dtype=self.reduce_dtype,
             param_init_fn=self.param_init_fn,
             device=self.root_device,
+            reductions_in_flight=self._reductions_in_flight(),
         )
-        plugin = self.precision_plugin
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            old = plugin.scaler  # same settings, but every rank takes the same skip decision
-            plugin.scaler = AgreeingGradScaler(
-                self.sharded, device=old._device, init_scale=old._init_scale, growth_factor=old._growth_factor,
-                backoff_factor=old._backoff_factor, growth_interval=old._growth_interval, enabled=old._enabled,
-            )  # fmt: skip
+        # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
+        self.precision_plugin = sharded_precision(self.precision_plugin, self.sharded, device=self.root_device)
         return _RootCall(module)
+
+    def _reductions_in_flight(self) -> int:
+        if self.reductions_in_flight is not None:
+            return self.reductions_in_flight
+        return 2 if self.root_device.type == "cuda" else 0
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -311,16 +318,18 @@ class ZeRO3Strategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # empty_init: build on the meta device; setup materialises, initialises and shards one
-        # module at a time (engine/materialize.py), so no rank ever holds the whole model.
-        with torch.device("meta") if empty_init else self.root_device, self.precision_plugin.tensor_init_context():
+        # empty_init: parameters on the meta device, other tensors (buffers, metric states) real;
+        # setup materialises, initialises and shards one module at a time (engine/materialize.py,
+        # Note: only parameters on meta), so no rank ever holds the whole model.
+        device = self.root_device
+        with parameters_on_meta(device) if empty_init else device, self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        # What `configure_model` builds starts on the meta device, for the same reason.
-        with torch.device("meta"):
+        # What `configure_model` builds has its parameters on the meta device, for the same reason.
+        with parameters_on_meta(self.root_device):
             yield
 
     @override
@@ -362,10 +371,6 @@ class ZeRO3Strategy(ParallelStrategy):
             self.sharded.stats.current.clear()
             if self.sharded.replicate_stats is not None:
                 self.sharded.replicate_stats.current.clear()
-
-    def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        return clip_grad_norm_(self.sharded_model, params, max_norm)
 
     # ---- collectives Lightning uses for metrics/logging -----------------------------------
     @override
@@ -430,10 +435,6 @@ class ZeRO3Strategy(ParallelStrategy):
             # Free gather/reduction buffers and full-parameter blocks kept for reuse (buffers.py).
             "buffer_pool_bytes": sharded.pool.cached_bytes,
         }
-
-    def _full_size_summary(self, trainer: Any, pl_module: Any) -> Summary:
-        callback = next(cb for cb in trainer.callbacks if isinstance(cb, ModelSummary))
-        return _FullSizeSummary(pl_module, max_depth=callback._max_depth, numel=self.sharded_model.full_numel)
 
     # ---- checkpoints ------------------------------------------------------------------------
     # "sharded": every rank writes its own shards into a directory, nothing is gathered (see
@@ -546,9 +547,12 @@ class ZeRO3Strategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self.sharded is not None and not self._whole:
-            if not self._failed:
-                _restore_whole_parameters(self.sharded)
-            self.sharded.remove_hooks()
+            if self._failed:
+                self.sharded.remove_hooks()  # other ranks may be gone: the module stays sharded
+            else:
+                # Whole parameters in host memory, one unit at a time, as Lightning moves
+                # every model to the CPU at teardown anyway (engine: restore_module).
+                self.sharded.restore_module(device="cpu")
             # Kept for `stats` and for saving the optimizer (its state is still sharded).
             self._whole = True
             self.model = self.lightning_module
@@ -565,80 +569,9 @@ class ZeRO3Strategy(ParallelStrategy):
         return f"{type(self).__name__}(a Trainer strategy: for Fabric use ZeRO3FabricStrategy or strategy='zero3')"
 
 
-def _mixed_precision_dtype(plugin: Precision) -> torch.dtype | None:
-    """The gather dtype a Trainer precision flag implies: 16-bit for the "-mixed" flags."""
-    if isinstance(plugin, MixedPrecision):
-        return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
-    return None
-
-
-def _restore_whole_parameters(sharded: ShardedModel) -> None:
-    """Put whole parameters back on the modules (gathered one unit at a time), so the model is
-    an ordinary module again after fit/validate: usable, picklable, and ready to re-shard."""
-    for unit in sharded.units:
-        if not unit.params:
-            continue
-        for sp, full in zip(unit.params, unit.gather(dtype=unit.shard_dtype)):
-            whole = nn.Parameter(full.detach().clone(), requires_grad=sp.requires_grad)
-            for module, attr in sp.owners:
-                module._parameters[attr] = whole
-
-
 def _raise_if(problem: str | None) -> None:
     if problem is not None:
         raise CheckpointError(problem)
-
-
-class _GlobalNormClipping:
-    """Mixed into the run's precision plugin: the norm of sharded gradients must be taken over
-    all ranks (one All-Reduce), not over the local shards as Lightning's plugin would."""
-
-    _zero3_clip: Callable[[Optimizer, float], Tensor]
-
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self._zero3_clip(optimizer, float(clip_val))
-
-
-def _use_global_norm_clipping(plugin: Precision, clip: Callable[[Optimizer, float], Tensor]) -> None:
-    if not isinstance(plugin, _GlobalNormClipping):
-        base = type(plugin)
-        plugin.__class__ = type(f"ZeRO3{base.__name__}", (_GlobalNormClipping, base), {})
-    plugin._zero3_clip = clip  # type: ignore[attr-defined]
-
-
-class _FullSizeSummary(Summary):
-    """Lightning's model summary counting whole parameters rather than this rank's shards."""
-
-    def __init__(self, model: Any, *, max_depth: int, numel: Callable[[Tensor], int]) -> None:
-        self._numel = numel
-        super().__init__(model, max_depth=max_depth)
-
-    @override
-    def summarize(self) -> dict[str, LayerSummary]:
-        numel = self._numel
-
-        class _Layer(LayerSummary):
-            @property
-            def num_parameters(self) -> int:
-                return sum(numel(p) for p in self._module.parameters())
-
-        summary = OrderedDict((name, _Layer(module)) for name, module in self.named_modules)
-        for layer in summary.values():
-            layer.detach_hook()
-        if self._max_depth >= 1:
-            for key in [k for k in summary if k.count(".") >= self._max_depth]:
-                del summary[key]
-        return summary
-
-    @property
-    @override
-    def total_parameters(self) -> int:
-        return sum(self._numel(p) for p in self._model.parameters())
-
-    @property
-    @override
-    def trainable_parameters(self) -> int:
-        return sum(self._numel(p) for p in self._model.parameters() if p.requires_grad)
 
 
 __all__ = ["ZeRO3Strategy"]

@@ -23,6 +23,37 @@ def test_two_groups_of_two_train_exactly_like_one_process(world_size: int) -> No
         assert worst["param"] < TOL and worst["grad"] < TOL and worst["loss"] < TOL
 
 
+def _recording_async_all_reduces(rank: int, world_size: int) -> dict:
+    """Parity with reductions in flight, and how the cross-group All-Reduces were issued."""
+    import torch.distributed as dist
+
+    issued = []
+    original = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        if kwargs.get("group") not in (None, dist.group.WORLD):  # across groups, not the test's loss
+            issued.append(bool(kwargs.get("async_op", False)))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        recipe = Recipe(model=models.MLP, batch=models.mlp_batch, optimizer=adamw,
+                        sharded_kwargs={"shard_size": 2, "reductions_in_flight": 2})  # fmt: skip
+        worst = run_parity(rank, world_size, recipe)
+    finally:
+        dist.all_reduce = original
+    return {"worst": worst, "issued": issued}
+
+
+def test_the_all_reduce_across_groups_is_asynchronous_and_exact() -> None:
+    """With shard groups each unit's reduced piece is All-Reduced across groups; it is issued
+    without waiting (async_op) once its Reduce-Scatter is done, and overlaps what follows."""
+    for result in run_ranks(_recording_async_all_reduces, 4):
+        worst = result["worst"]
+        assert worst["param"] < TOL and worst["grad"] < TOL and worst["loss"] < TOL
+        assert result["issued"] and all(result["issued"]), result["issued"]
+
+
 def gpt_batch_of_12(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return models.gpt_batch(seed, batch=12)  # divisible by 4 ranks
 

@@ -41,6 +41,11 @@ def _train(model_name: str, rank: int, world_size: int, *, steps: int, **sharded
     return model, sharded, optimizer
 
 
+def _row_bytes(numel: int, elem: int) -> int:
+    """Bytes of one rank's row of `numel` elements, rounded up to 16 (NCCL alignment)."""
+    return -(-numel * elem // 16) * 16
+
+
 # ---- 1. shard sizes ---------------------------------------------------------------------------
 def _shapes(rank: int, world_size: int, model_name: str, persistence_threshold: int) -> dict:
     torch.manual_seed(0)
@@ -109,14 +114,16 @@ def _step_bytes(rank: int, world_size: int, model_name: str, prefetch: int, pers
 )
 def test_step_communication_is_two_gathers_and_one_reduce_scatter_of_every_unit(model_name, world_size, prefetch):
     """Steady state (step 2): forward All-Gather + backward All-Gather + Reduce-Scatter, each of
-    every unit's padded parameters plus one tag element per rank; nothing else is sent. On the
-    wire each rank sends (N-1)/N of the payload. Prefetching issues no extra gathers."""
+    every unit's padded parameters plus one tag element per rank, each rank's row rounded up to
+    16 bytes; nothing else is sent. On the wire each rank sends (N-1)/N of the payload.
+    Prefetching issues no extra gathers."""
     n, elem = world_size, 4  # fp32
     for result in run_ranks(_step_bytes, world_size, model_name, prefetch):
         units = result["units"]
-        per_pass = sum(n * (u["padded"] + 1) * elem for u in units)  # one All-Gather of every unit
+        per_pass = sum(n * _row_bytes(u["padded"] + 1, elem) for u in units)  # one All-Gather of every unit
         psi = sum(u["numel"] for u in units)  # parameters, tied ones once
-        overhead = sum(u["params"] * (n - 1) + n for u in units)  # padding < N per param, N tags per unit
+        # padding < N per param, then per rank and unit a tag and < 16 bytes of alignment
+        overhead = sum(u["params"] * (n - 1) + n * (1 + 16 // elem) for u in units)
         assert psi * elem < per_pass <= (psi + overhead) * elem, "a pass does not move ~Psi elements"
         assert result["expected"] == {"all_gather": 2 * per_pass, "reduce_scatter": per_pass}
         assert set(result["kinds"]) == {"all_gather", "reduce_scatter"}, f"other traffic: {result['kinds']}"
@@ -187,8 +194,9 @@ def _torch_distributed_calls(rank: int, world_size: int) -> dict:
     for name, size in calls:
         count, total = by_name.get(name, (0, 0))
         by_name[name] = (count + 1, total + size)
-    # Both collectives move the (N, S + 1) fp32 buffer of every unit (S + tag column).
-    payload = sum(world_size * (u.shard_numel + 1) * 4 for u in units)
+    # Both collectives move the (N, S + 1) fp32 buffer of every unit (S + tag column), each
+    # rank's row rounded up to 16 bytes.
+    payload = sum(world_size * _row_bytes(u.shard_numel + 1, 4) for u in units)
     return {"calls": by_name, "units": len(units), "payload": payload}
 
 

@@ -74,7 +74,8 @@ def test_forward_without_grad_matches_reference_and_leaves_parameters_sharded(mo
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_forward_without_grad_after_a_training_step_matches_reference(mode):
-    """After a recorded step prefetching is active; evaluation must neither prefetch nor leak."""
+    """After a recorded step prefetching is active; evaluation prefetches along the record too and
+    leaves nothing gathered or in flight."""
     for result in run_ranks(_forward_without_grad, 2, "mlp", mode, True):
         assert result["diff"] < 1e-5, f"output differs from the reference by {result['diff']:.3g}"
         assert result["changed"] == [] and result["shadowed"] == [], f"model not left sharded: {result}"

@@ -252,6 +252,8 @@ def test_zero3_is_registered_and_bad_options_raise_clear_errors() -> None:
         lightning_zero3.ZeRO3Strategy(prefetch=-1)
     with pytest.raises(ValueError, match="state_dict_type"):
         lightning_zero3.ZeRO3Strategy(state_dict_type="zip")
+    with pytest.raises(ValueError, match="reductions_in_flight"):
+        lightning_zero3.ZeRO3Strategy(reductions_in_flight=-1)
     with pytest.raises(ValueError, match="wrap_policy"):
         lightning_zero3.ZeRO3Strategy(wrap_policy="blocks")
     with pytest.raises(TypeError):

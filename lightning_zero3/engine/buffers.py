@@ -7,37 +7,57 @@ anew each time makes the C heap fragment and the process's memory grow step afte
 of a model mostly share sizes (identical blocks), so a pool keyed by (size, dtype, device) keeps
 a handful of buffers: at most as many of each size as were in use at once, i.e. the
 1 + prefetch (+ reductions in flight) transient units the design allows.
+
+Streams (comm.py, Note: streams): a CUDA buffer is used on several streams (copy-in, the
+collective's, compute). `give` must be called once the current stream has waited for every
+use of the buffer (after the collective's wait, after the copy-out); it records an event on
+that stream, and `take` makes the taker's current stream wait for it, so the next user never
+overwrites memory still being read. On CPU there are no events: program order suffices.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
 
+def current_event(device: torch.device) -> Any:
+    """A CUDA event recorded now on `device`'s current stream."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class BufferPool:
     def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        # Free buffers per (numel, dtype, device), each with the event after its last use.
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[tuple[torch.Tensor, Any]]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A 1-D buffer of `numel` elements with undefined contents."""
+        """A 1-D buffer of `numel` elements with undefined contents, ready for the current stream."""
         free = self._free.get((numel, dtype, device))
         if free:
-            return free.pop()
+            buffer, released = free.pop()
+            if released is not None:
+                torch.cuda.current_stream(device).wait_event(released)
+            return buffer
         # Never an inference tensor, which could not be updated in place outside inference mode
         # (hooks.py, Note: inference mode); leaving inference mode enables grad, hence no_grad.
         with torch.inference_mode(False), torch.no_grad():
             return torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
-        """Return a buffer from `take` once nothing (no collective either) uses it any more."""
-        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+        """Return a buffer from `take` once the current stream has waited for every use of it
+        (no collective or copy still reads or writes it elsewhere)."""
+        released = current_event(buffer.device) if buffer.device.type == "cuda" else None
+        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append((buffer, released))
 
     @property
     def cached_bytes(self) -> int:
         """Bytes held by free buffers, waiting to be reused."""
-        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b, _ in free)
 
 
 class _MallInfo2(ctypes.Structure):

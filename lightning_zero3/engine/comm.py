@@ -17,12 +17,26 @@ Reduce-Scatter sends every other rank its row and receives theirs (send/recv), t
 rows in rank order. Each rank sends (N-1)/N of the payload either way, as the ring would, and
 the measured step time drops (docs/performance.md). NCCL (and anything else) gets the native
 collectives.
+
+[Note: streams]
+On CUDA the engine's communication runs beside the compute, as PyTorch FSDP2 does: a gather's
+copy-in (shards -> send row) runs on a copy-in stream that first waits for the compute stream
+(the optimizer may just have written the shards); the All-Gather is issued from a gather stream
+that waits for the copy-in's event; a Reduce-Scatter's copy-in and issue run on a reduce
+stream that waits for the compute stream (the gradients are written there). Consumers wait for
+an event recorded after the issue, then for the collective's work (on NCCL both are waits of
+the current stream, not of the host). `Streams` owns the streams and events, one per device
+and process group; on CPU every method is a no-op and everything runs in program order.
+Buffers move between streams through the `BufferPool`, which records an event when a buffer
+is given back and makes the next taker's stream wait for it (buffers.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -30,7 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_zero3.engine.buffers import BufferPool
+from lightning_zero3.engine.buffers import BufferPool, current_event
+from lightning_zero3.engine.tags import TagLedger
 
 
 class Collective(str, Enum):
@@ -77,8 +92,47 @@ class CollectiveError(RuntimeError):
 # Appended to every failed collective: the error a rank sees is often the echo of another's.
 COLLECTIVE_HINT = (
     " If another rank failed first, its log holds the cause. Ranks that run different units "
-    "(data-dependent control flow) also end this way when the units differ in size."
+    "(data-dependent control flow) also end this way when the units differ in size; on NCCL, "
+    "which does not compare message sizes, that shows as this timeout. Rerun with "
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL to have every collective's kind and size compared across "
+    "ranks (docs/multi-node.md)."
 )
+
+
+class Streams:
+    """The streams and events of one device's collectives (Note: streams)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.enabled = device.type == "cuda"
+        self._streams: dict[str, Any] = {}
+        if self.enabled:
+            self._streams = {name: torch.cuda.Stream(device) for name in ("copy_in", "gather", "reduce")}
+
+    @contextmanager
+    def on(self, name: str | None, *, after: Any = None, wait_current: bool | None = None) -> Iterator[None]:
+        """Run the block on stream `name` ("copy_in", "gather", "reduce"; None: the current
+        one). "copy_in" and "reduce" first wait for the current stream unless `wait_current`
+        says otherwise; `after`: an event to wait for too."""
+        if not self.enabled or name is None:
+            yield
+            return
+        stream = self._streams[name]
+        if wait_current if wait_current is not None else name != "gather":
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            yield
+
+    def event(self) -> Any:
+        """An event after the work queued so far on the current stream (None on CPU)."""
+        return current_event(self.device) if self.enabled else None
+
+    def wait_for(self, event: Any) -> None:
+        """Make the current stream wait for `event` (no host wait)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
 
 class Comm:
@@ -96,16 +150,53 @@ class Comm:
         # Build CPU collectives from in-place operations (Note: gloo); tests turn it off to run
         # the native collectives, the path NCCL takes.
         self.gloo_in_place = self.distributed and "gloo" in str(dist.get_backend(self.group))
+        # One rank: collectives are local copies. benchmarks/gpu_check.py turns it off to run
+        # real NCCL collectives at world size 1.
+        self.one_rank_shortcut = True
         # Global rank of each group rank: point-to-point calls and broadcasts name global ranks.
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)] if self.distributed else []
+        # Unit tags received, checked once per step (tags.py); the model names the units.
+        self.tags = TagLedger(rank=self.rank, unit_name=lambda uid: f"unit {uid}")
+        # Streams per device (Note: streams).
+        self._streams: dict[torch.device, Streams] = {}
+        # Reductions whose All-Reduce across shard groups has not been issued yet, oldest first.
+        self.awaiting_replication: list[tuple[Any, Any]] = []
+        # The last collectives this rank issued, named, for the message of a failed one.
+        self.recent: deque[str] = deque(maxlen=6)
+        # What the engine knows about the step in progress (the recorded order), for messages.
+        self.describe_step: Any = None
+
+    def streams(self, device: torch.device) -> Streams:
+        streams = self._streams.get(device)
+        if streams is None:
+            streams = self._streams[device] = Streams(device)
+        return streams
+
+    def advance_reductions(self, until: Any = None) -> None:
+        """Issue the All-Reduce across shard groups of every reduction still waiting for it
+        (all of them, or those up to `until`), in the order the reductions started, so every
+        rank issues them alike."""
+        if until is not None and all(p is not until for _, p in self.awaiting_replication):
+            return
+        while self.awaiting_replication:
+            unit, pending = self.awaiting_replication.pop(0)
+            unit.start_replication(pending)
+            if pending is until:
+                return
 
     def _in_place(self, tensor: torch.Tensor) -> bool:
         """Whether collectives on `tensor` are built from in-place operations (Note: gloo)."""
         return self.gloo_in_place and tensor.device.type == "cpu" and self.world_size > 1
 
     def failed(self, collective: str, what: str, err: BaseException) -> CollectiveError:
-        """The error to raise when `collective` of `what` failed on this rank."""
-        return CollectiveError(f"{collective} of {what} failed on rank {self.rank}: {err}.{COLLECTIVE_HINT}")
+        """The error to raise when `collective` of `what` failed on this rank: it names the
+        last collectives this rank issued and the recorded order, the usual suspects."""
+        recent = ", ".join(self.recent) or "none"
+        step = f" {self.describe_step()}." if self.describe_step is not None else ""
+        return CollectiveError(
+            f"{collective} of {what} failed on rank {self.rank}: {err}. This rank's last collectives, "
+            f"oldest first: {recent}.{step}{COLLECTIVE_HINT}"
+        )
 
     def _count(self, kind: Collective, payload_bytes: int, ring_factor: float) -> None:
         n = self.world_size
@@ -116,10 +207,11 @@ class Comm:
         """Gather `shard` (same numel on every rank) into `output` (world_size x shard), rank-major.
         `shard` may be this rank's row of `output` itself (in place: nothing is copied)."""
         self._count(Collective.ALL_GATHER, output.numel() * output.element_size(), 1.0)
+        self.recent.append(f"All-Gather of {what}")
         rows = output.view(self.world_size, -1)
         if shard.data_ptr() != rows[self.rank].data_ptr():
             rows[self.rank].copy_(shard.view(-1))
-        if not self.distributed or self.world_size == 1:
+        if not self.distributed or (self.world_size == 1 and self.one_rank_shortcut):
             return None  # one rank: its row is the whole output
         try:
             if self._in_place(output):
@@ -142,8 +234,9 @@ class Comm:
         """Sum `full` (world_size x chunk, rank-major) over ranks; this rank keeps its chunk in
         `output`. `full` must not change until the returned work is waited for."""
         self._count(Collective.REDUCE_SCATTER, full.numel() * full.element_size(), 1.0)
+        self.recent.append(f"Reduce-Scatter of {what}")
         rows = full.view(self.world_size, -1)
-        if not self.distributed or self.world_size == 1:
+        if not self.distributed or (self.world_size == 1 and self.one_rank_shortcut):
             output.view(-1).copy_(rows[0])  # one rank: nothing to sum
             return None
         try:
@@ -180,13 +273,16 @@ class Comm:
 
         return Works(works, then=add_up)
 
-    def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum") -> None:
-        """Reduce `tensor` over ranks in place (`op`: "sum" or "max")."""
+    def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce `tensor` over ranks in place (`op`: "sum" or "max"); with `async_op`, return
+        the work to wait for."""
         self._count(Collective.ALL_REDUCE, tensor.numel() * tensor.element_size(), 2.0)
+        self.recent.append(f"All-Reduce of {what}")
         if not self.distributed:
-            return
+            return None
         try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+            reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            return dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
         except RuntimeError as err:
             raise self.failed("All-Reduce", what, err) from err
 
@@ -266,4 +362,3 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.Proce
         if rank % shard_size == offset:
             replicate_group = group
     return shard_group, replicate_group
-

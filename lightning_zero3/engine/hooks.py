@@ -57,11 +57,11 @@ forward, with a backward of its own like any unit call.
 the backward of the next unit computes while it is in flight. The reduced shard gradients are
 added into `shard.grad` by the engine when the reduction is waited for: once more than
 `ShardedModel(reductions_in_flight=k)` are pending (default 0: at once), and for all of them in
-the callback that ends backward, so `.grad` is complete when `backward()` returns. With k > 0
-a rank that runs different units than the others (data-dependent control flow) may meet a
-collective of another size before a tag check, which gloo answers by aborting that process;
-the other ranks still raise the error naming the unit. Adding (rather than assigning) keeps
-accumulation, tied weights and modules called twice exact.
+the callback that ends backward, so `.grad` is complete when `backward()` returns. A rank that
+runs different units than the others announces its departure before its next gather (tags.py,
+Note: deferred tag checks), so every rank raises the error naming the unit (where the others'
+next collective cannot be predicted from the record, gloo may still abort that rank). Adding
+(rather than assigning) keeps accumulation, tied weights and modules called twice exact.
 
 [Note: recomputation]
 Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
@@ -204,9 +204,11 @@ class HookDriver:
             self._abandon_backward()
         if not self._in_backward and not any(s.depth for s in self._slots):
             self._begin_pass()
+        if not self._in_backward:
+            self.model.before_gather(unit, backward=False)  # tags.py: departure notice
         call = self._gather_call(unit)
         slot.depth = 1  # last: a pre-forward that raised opens nothing (Note: exceptions)
-        if torch.is_grad_enabled() and not self._in_backward:
+        if not self._in_backward:  # evaluation passes prefetch too
             on_track = self.schedule.forward_on_track
             for ahead in self.schedule.on_forward(unit.uid):
                 self._prefetch(self.units[ahead])
@@ -272,6 +274,7 @@ class HookDriver:
         self.model.on_alive_change(None, 0)
 
     def _begin_pass(self) -> None:
+        self.model.begin_pass_checks()  # tags left by a pass without backward (tags.py)
         # Prefetches left from the previous pass may predate an optimizer step: drop them. No
         # forward hook is open, so a call still on its modules is a leftover of a pass that
         # raised (Note: exceptions).
@@ -301,6 +304,7 @@ class HookDriver:
         with torch.profiler.record_function(f"ZeRO3::pre_backward({unit.name})"):
             if call.state is S.DONE:
                 self._pending.append(call)  # a second backward through a retained graph
+            self.model.before_gather(unit, backward=True)  # tags.py: departure notice
             with engine_mode():
                 unit.gather(into=call.fulls)
             self._move(call, S.BACKWARD)
@@ -364,6 +368,7 @@ class HookDriver:
     def _end_backward(self) -> None:
         while self._reductions:
             self._finish_reduction()
+        self.model.check_tags()  # the step's one host sync, before the optimizer step (tags.py)
         # Calls whose outputs never reached the loss, and frozen calls whose inputs needed no
         # gradient: free what a pre-backward re-gathered.
         for call in self._pending:

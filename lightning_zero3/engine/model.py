@@ -19,10 +19,11 @@ from torch import nn
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
-from lightning_zero3.engine.materialize import ParamInitFn, shard_parameters
+from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
 from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.tags import announce_departure
 from lightning_zero3.engine.unit import OrderMismatchError, Unit
 
 
@@ -117,10 +118,37 @@ class ShardedModel:
         # Read from the module: materialising may have replaced the parameter objects.
         self.persistent: list[nn.Parameter] = [m._parameters[a] for m, a in (e.owners[0] for e in self.plan.persistent)]
         self._live_calls = [0] * len(self.units)
+        self.comm.tags.set_unit_names(self._unit_name)
+        self.comm.describe_step = self._describe_step
         self.hooks = HookDriver(self)
 
     def _unit_name(self, uid: int) -> str:
         return self.units[uid].name if 0 <= uid < len(self.units) else f"<unknown unit {uid}>"
+
+    def _describe_step(self) -> str:
+        orders = [(phase, order) for phase, order in (("forward", self.schedule.forward_order),
+                                                      ("backward", self.schedule.backward_order)) if order]
+        if not orders:
+            return "No unit order is recorded yet (first step)"
+        text = "; ".join(f"{phase} {[self._unit_name(uid) for uid in order]}" for phase, order in orders)
+        return f"The recorded unit order, which every rank must follow: {text}"
+
+    # ---- unit tag checks (tags.py, Note: deferred tag checks) -------------------------------
+    def begin_pass_checks(self) -> None:
+        """At the start of a pass: check what the previous pass left (a pass without backward),
+        and watch every collective closely while no order is recorded."""
+        self.comm.tags.check()
+        self.comm.tags.closely = self.schedule.forward_order is None
+
+    def check_tags(self) -> None:
+        """Raise `OrderMismatchError` if any collective since the last check met another unit
+        on some rank. Called at the end of backward, before the optimizer uses the gradients."""
+        self.comm.tags.check()
+
+    def before_gather(self, unit: Unit, *, backward: bool) -> None:
+        """Before `unit` is gathered by a pass that follows the recorded order so far: if
+        running it departs from the record, tell the other ranks first (tags.py)."""
+        announce_departure(self, unit, backward=backward)
 
     # ---- lookups ----------------------------------------------------------------------------
     @property
@@ -245,6 +273,7 @@ class ShardedModel:
                 if sharded in chosen:
                     shards[id(sharded)] = sharded.param.data
                     sharded.param.data = full
+        self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         try:
             yield
         finally:
@@ -281,6 +310,7 @@ class ShardedModel:
                 for sharded, full in zip(unit.params, fulls):
                     full_by_id[id(sharded.param)] = full.detach().clone().cpu()  # own storage, not the unit's
             del fulls
+        self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         if not keep:
             return {}
         by_name = {}
@@ -339,9 +369,10 @@ class ShardedModel:
         unit is All-Gathered for forward and again for its backward, and Reduce-Scattered once if
         it has a trainable parameter. A frozen unit runs backward only when its input needs a
         gradient: that is read from the recorded backward order (before the first step, it is
-        assumed to). Sizes are the padded parameters plus one tag element per rank. Trainable
-        persistent parameters add one All-Reduce of their gradients and one element each (the
-        count of ranks that produced it, so that an unused one keeps grad None). With
+        assumed to). Sizes are each rank's row, the padded parameters plus the tag, rounded up
+        to 16 bytes (unit.py, Note: flat layout and unit tag). Trainable persistent parameters
+        add one All-Reduce of their gradients and one element each (the count of ranks that
+        produced it, so that an unused one keeps grad None). With
         `across_groups` (hierarchical sharding): what crosses between shard groups, one
         All-Reduce of each rank's reduced shard gradients (1/G of the gradient)."""
         n = self.comm.world_size
@@ -351,21 +382,30 @@ class ShardedModel:
         if across_groups:
             if self.replicate_comm is None:
                 return {}
-            shards = sum((u.shard_numel + 1) * u.reduce_dtype.itemsize for u in trainable_units)
+            shards = sum(u.reduce_row_numel * u.reduce_dtype.itemsize for u in trainable_units)
             return {"all_reduce": shards + persistent}
         expected = {"all_gather": 0, "reduce_scatter": 0}
         for unit in self.units:
             if not unit.params:
                 continue
-            gather = n * (unit.shard_numel + unit.tag_numel) * unit.param_dtype.itemsize
+            gather = n * unit.row_numel() * unit.param_dtype.itemsize
             trainable = unit in trainable_units
             recorded = self.schedule.backward_order
             has_backward = trainable or recorded is None or unit.uid in recorded
             expected["all_gather"] += gather * (2 if has_backward else 1)
-            expected["reduce_scatter"] += n * (unit.shard_numel + 1) * unit.reduce_dtype.itemsize if trainable else 0
+            expected["reduce_scatter"] += n * unit.reduce_row_numel * unit.reduce_dtype.itemsize if trainable else 0
         if persistent and n > 1:
             expected["all_reduce"] = persistent
         return expected
 
     def remove_hooks(self) -> None:
         self.hooks.remove()
+
+    def restore_module(self, *, device: torch.device | str = "cpu") -> None:
+        """Make `module` an ordinary module again, on `device`: whole parameters (gathered one
+        unit at a time, Note: restoring unit by unit), persistent parameters and buffers moved
+        there, hooks removed. Collective: call it on every rank. The shards and this object stay
+        valid for reading (`stats`, the optimizer's sharded state), not for training."""
+        self.remove_hooks()
+        restore_whole(self.units, device=torch.device(device))
+        self.module.to(device)

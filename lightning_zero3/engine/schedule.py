@@ -69,6 +69,17 @@ class Schedule:
         )
         return ahead
 
+    def departure(self, uid: int, *, backward: bool) -> int | None:
+        """The position at which running unit `uid` next would leave the recorded order, or
+        None if it follows the record (or the pass has left it already, or none exists)."""
+        order = self.backward_order if backward else self.forward_order
+        seen = self._backward_seen if backward else self._forward_seen
+        on_track = self._backward_on_track if backward else self._forward_on_track
+        if order is None or not on_track:
+            return None
+        position = len(seen)
+        return None if position < len(order) and order[position] == uid else position
+
     def end_backward(self) -> None:
         """Adopt the pass just finished as the record if it differs from it."""
         if self._forward_seen and self._forward_seen != self.forward_order:

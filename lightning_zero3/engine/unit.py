@@ -3,52 +3,76 @@ gather (All-Gather shards -> full tensors), release, and start_reduce/finish_red
 gradients -> averaged shard gradients).
 
 [Note: flat layout and unit tag]
-Each rank sends one flat buffer: its shards of the unit's parameters back to back (shard i at
-offset o_i, `shard_numel_i` long), then the unit's tag (its id + 1) stored as the 32 bits of an
-int32 in `tag_numel` elements (one element of 32 bits or more, two of a 16-bit dtype). The
-gathered buffer is (world_size, S + tag_numel), rank-major; parameter i's full flat data is
-column block [o_i, o_i + shard_numel_i) read row by row, cut to `numel_i`. The Reduce-Scatter input
-is (world_size, S + 1) with the same column layout, so each rank receives exactly the summed
-gradient of its own shards, and its last column, holding the tag as a number, sums to
-world_size * tag. Checking the tag on arrival turns "ranks gathered different units of the same
-size" from silently mixed parameters into an error that names both units.
+Each rank sends one flat row: its shards of the unit's parameters back to back (shard i at
+offset o_i, `shard_numel_i` long, S in all), then the unit's tag (its id + 1) stored as the 32
+bits of an int32 in `tag_numel` elements (one element of 32 bits or more, two of a 16-bit
+dtype), then zeros up to a multiple of 16 bytes (`row_numel`): NCCL's collectives are fastest
+when each rank's chunk starts 16-byte aligned. The gathered buffer is (world_size, row),
+rank-major; parameter i's full flat data is column block [o_i, o_i + shard_numel_i) read row by
+row, cut to `numel_i`. The Reduce-Scatter input is (world_size, reduce row) with the same column
+layout and one tag column at S (then alignment zeros), so each rank receives exactly the summed
+gradient of its own shards. In the tag column each rank writes its unit's code into the row of
+the next rank of its group and zeros elsewhere, so each rank receives its neighbour's code,
+exactly, in any dtype and at any world size (a sum of one number and zeros). Checking the
+tags (tags.py, Note: deferred tag checks) turns "ranks gathered or reduced different units of
+the same size" from silently mixed parameters into an error that names the units.
 
 [Note: dtypes]
 Shards (the optimizer's master copy) keep the model's dtype. Gathers run in `param_dtype`
 (e.g. bf16: half the bytes of fp32), so the full parameters and the compute are in it.
 Gradients arrive in `param_dtype` and are reduced in `reduce_dtype` (default: fp32, or the
-shard dtype when wider), then cast to the shard dtype. A 16-bit reduction cannot hold large
-integers exactly, so there the tag column carries 1 and only counts the ranks.
+shard dtype when wider), then cast to the shard dtype. The Reduce-Scatter's tag code must be
+an integer the reduce dtype holds exactly, also after the All-Reduce across G shard groups
+adds G of them: codes are `uid % (exact // G) + 1` with exact = 2**significand bits (bf16 256,
+fp16 2048, fp32 2**24), so two units share a code only when their ids differ by a multiple
+of exact // G (e.g. 128 units apart in bf16 with G = 2). The gather tag is bits, not a
+number: exact in every dtype.
 
 [Note: full-parameter blocks]
-The full parameters of one gather are views of one block of `numel` elements taken from the
-unit's `BufferPool`. Autograd keeps those tensors (or views of them) from forward to backward,
-so `release` cannot drop them: it moves the block's memory out of their storage and back into
-the pool (`UntypedStorage._swap_data_ptr_`), leaving the storage empty, and the backward's
-re-gather moves a pooled block in again. The few blocks the pool holds are then reused step
-after step: no allocation, no page faults on fresh memory and no heap fragmentation from full
-parameters, although autograd holds every unit's (empty) tensors until its backward.
+The full parameters of one gather are views of one block of `world_size * S` elements taken
+from the unit's `BufferPool`, parameter i at offset `world_size * o_i` (its padded full data),
+so one `split_with_sizes_copy` moves a whole gathered buffer into place. Autograd keeps those
+tensors (or views of them) from forward to backward, so `release` cannot drop them: it moves
+the block's memory out of their storage and back into the pool
+(`UntypedStorage._swap_data_ptr_`), leaving the storage empty, and the backward's re-gather
+moves a pooled block in again. The few blocks the pool holds are then reused step after step:
+no allocation, no page faults on fresh memory and no heap fragmentation from full parameters,
+although autograd holds every unit's (empty) tensors until its backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.tags import OrderMismatchError, exact_integers
+
+__all__ = ["ALIGN_BYTES", "OrderMismatchError", "PendingReduce", "Unit", "aligned_numel"]
 
 # Moving a block of memory between two storages (Note: full-parameter blocks); older torch
 # releases without it free and re-allocate instead.
 _SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
+# Each rank's chunk of a collective starts at a multiple of this many bytes (NCCL alignment).
+ALIGN_BYTES = 16
 
-class OrderMismatchError(RuntimeError):
-    """Ranks ran different units at the same point of a step."""
+
+def aligned_numel(numel: int, dtype: torch.dtype) -> int:
+    """`numel` rounded up so that `numel` elements of `dtype` fill a multiple of ALIGN_BYTES."""
+    per = max(1, ALIGN_BYTES // dtype.itemsize)
+    return -(-numel // per) * per
+
+
+def tag_numel(dtype: torch.dtype) -> int:
+    """Elements of `dtype` that hold the gather tag's 32 bits."""
+    return max(1, 4 // dtype.itemsize)
 
 
 class Unit:
@@ -92,9 +116,11 @@ class Unit:
         self.param_dtype = param_dtype or shard_dtype
         wide = shard_dtype if shard_dtype.itemsize >= 4 else torch.float32
         self.reduce_dtype = reduce_dtype or wide
-        self.tag_numel = self._tag_numel(self.param_dtype)
-        # What the Reduce-Scatter's tag column must sum to per rank (see Note: dtypes).
-        self._reduce_tag = float(self.tag) if self.reduce_dtype.itemsize >= 4 else 1.0
+        self.tag_numel = tag_numel(self.param_dtype)
+        # The Reduce-Scatter tag code (Note: dtypes).
+        groups = replicate.world_size if replicate is not None else 1
+        codes = exact_integers(self.reduce_dtype) // groups
+        self.reduce_code = uid % codes + 1 if codes >= 1 else 0
         self.offsets: list[int] = []
         total = 0
         for p in params:
@@ -102,10 +128,14 @@ class Unit:
             total += p.shard_numel
         # Elements each rank contributes, without the tag.
         self.shard_numel = total
-        # In-flight or finished-but-unread All-Gather: (work, gathered buffer, its dtype). The
-        # buffer goes back to the pool only after the wait: with NCCL the collective uses it on
-        # its own stream after `start_gather` returns.
-        self._pending: tuple[object, torch.Tensor, torch.dtype] | None = None
+        # Elements of each rank's Reduce-Scatter row: shards, tag column, alignment.
+        self.reduce_row_numel = aligned_numel(total + 1, self.reduce_dtype)
+        # In-flight or finished-but-unread All-Gather: (work, gathered buffer, its dtype, event
+        # after the issue, tag it carries). The buffer goes back to the pool only after the
+        # wait: the collective uses it on its own stream after `start_gather` returns.
+        self._pending: tuple[object, torch.Tensor, torch.dtype, object, int] | None = None
+        # Each gather row's tag and alignment tail, per (dtype, device), built once on the device.
+        self._tails: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
@@ -123,71 +153,104 @@ class Unit:
         """Full (unpadded) elements of all parameters of the unit."""
         return sum(p.numel for p in self.params)
 
+    @property
+    def block_numel(self) -> int:
+        """Elements of a full-parameter block: the padded full parameters (Note: full-parameter blocks)."""
+        return self.world_size * self.shard_numel
+
+    def row_numel(self, dtype: torch.dtype | None = None) -> int:
+        """Elements each rank sends in an All-Gather in `dtype` (default `param_dtype`)."""
+        dtype = dtype or self.param_dtype
+        return aligned_numel(self.shard_numel + tag_numel(dtype), dtype)
+
     def _like(self) -> torch.Tensor:
         return self.params[0].param
 
     # ---- gather ---------------------------------------------------------------------------
-    @staticmethod
-    def _tag_numel(dtype: torch.dtype) -> int:
-        return max(1, 4 // dtype.itemsize)  # elements that hold 32 bits
+    def _tail(self, dtype: torch.dtype, device: torch.device, tag: int) -> torch.Tensor:
+        """The row's tag (32 bits) and alignment zeros, as `dtype`, on `device` (cached: no
+        host-to-device copy per gather)."""
+        key = (dtype, device, tag)
+        tail = self._tails.get(key)
+        if tail is None:
+            numel = self.row_numel(dtype) - self.shard_numel
+            raw = torch.zeros(numel * dtype.itemsize, dtype=torch.uint8)
+            raw[:4] = torch.tensor([tag], dtype=torch.int32).view(torch.uint8)
+            tail = self._tails[key] = raw.view(dtype).to(device)
+        return tail
 
-    def start_gather(self, dtype: torch.dtype | None = None) -> None:
+    def start_gather(self, dtype: torch.dtype | None = None, *, tag: int | None = None) -> None:
         """Issue the All-Gather asynchronously (prefetch), in `dtype` (default `param_dtype`).
-        No-op if one is already pending."""
+        No-op if one is already pending. `tag` replaces the unit's own (a departure notice,
+        tags.py)."""
         if self._pending is not None or not self.params:
             return
         dtype = dtype or self.param_dtype
+        tag = self.tag if tag is None else tag
         like = self._like()
-        width = self.shard_numel + self._tag_numel(dtype)
-        recv = self.pool.take(self.world_size * width, dtype, like.device)
-        # This rank's row of the output is its send buffer (an in-place All-Gather).
-        send = recv[self.comm.rank * width : (self.comm.rank + 1) * width]
-        with torch.no_grad():
-            if dtype == like.dtype:
-                torch.cat([p.param.detach() for p in self.params], out=send[: self.shard_numel])
-            else:
-                for p, offset in zip(self.params, self.offsets):
-                    send[offset : offset + p.shard_numel].copy_(p.param.detach())  # casts
-            bits = torch.tensor([self.tag], dtype=torch.int32).view(dtype)  # the tag's 32 bits, as `dtype`
-            send[self.shard_numel :].copy_(bits[: send.numel() - self.shard_numel])
-        work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'")
-        self._pending = (work, recv, dtype)
+        width = self.row_numel(dtype)
+        streams = self.comm.streams(like.device)
+        with streams.on("copy_in"), torch.no_grad():
+            recv = self.pool.take(self.world_size * width, dtype, like.device)
+            # This rank's row of the output is its send buffer (an in-place All-Gather).
+            send = recv[self.comm.rank * width : (self.comm.rank + 1) * width]
+            torch.cat([p.param.detach() for p in self.params], out=send[: self.shard_numel])  # casts
+            send[self.shard_numel :].copy_(self._tail(dtype, like.device, tag))
+            copied = streams.event()
+        with streams.on("gather", after=copied):
+            work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'")
+            issued = streams.event()
+        self._pending = (work, recv, dtype, issued, tag)
 
     def discard_gather(self) -> None:
         """Drop a prefetch that the step did not use (the collective still completes)."""
         if self._pending is not None:
-            work, recv, _ = self._pending
+            gathered = self._wait_gather()
+            self.pool.give(gathered.view(-1))
+
+    def _wait_gather(self) -> torch.Tensor:
+        """Wait for the pending All-Gather; record its tags (tags.py); return the (N, row) buffer."""
+        assert self._pending is not None
+        work, recv, dtype, issued, tag = self._pending
+        self._pending = None
+        try:
+            self.comm.streams(recv.device).wait_for(issued)
             self.comm.wait(work)
-            self._pending = None
-            self.pool.give(recv)
+        except RuntimeError as err:
+            self.comm.tags.raise_pending_mismatch()
+            raise self.comm.failed("All-Gather", f"unit '{self.name}'", err) from err
+        gathered = recv.view(self.world_size, self.row_numel(dtype))  # (N, row)
+        n, s, t = self.world_size, self.shard_numel, tag_numel(dtype)
+        bits = gathered[:, s : s + t].contiguous().view(torch.uint8)[:, :4].contiguous()
+        received = bits.view(torch.int32).view(n).to(torch.int64)  # (N,) a copy: the buffer is reused
+        self.comm.tags.expect("All-Gather", self.name, received, [tag] * n)
+        return gathered
 
     def _take_gathered(self, dtype: torch.dtype) -> torch.Tensor:
-        """The gathered (N, S + tag) buffer; give it back to the pool when done with it."""
+        """The gathered (N, row) buffer; give it back to the pool when done with it."""
         if self._pending is not None and self._pending[2] != dtype:
             self.discard_gather()
         if self._pending is None:
             self.start_gather(dtype)
-        assert self._pending is not None
-        work, recv, _ = self._pending
+        return self._wait_gather()
+
+    def announce(self, tag: int) -> list[int]:
+        """Join this unit's All-Gather (what the ranks that follow the recorded order issue
+        next) carrying `tag` instead of the unit's; return every rank's tag, read at once."""
+        self.start_gather(tag=tag)
+        work, recv, dtype, issued, _ = self._pending  # type: ignore[misc]
         self._pending = None
         try:
+            self.comm.streams(recv.device).wait_for(issued)
             self.comm.wait(work)
         except RuntimeError as err:
             raise self.comm.failed("All-Gather", f"unit '{self.name}'", err) from err
-        gathered = recv.view(self.world_size, self.shard_numel + self._tag_numel(dtype))  # (N, S + tag)
-        tags = gathered[:, self.shard_numel :].contiguous().view(torch.int32)[:, 0]  # (N,)
-        if not bool((tags == self.tag).all()):
-            self._raise_mismatch("All-Gather", [int(t) for t in tags])
-        return gathered
-
-    def _raise_mismatch(self, collective: str, tags: list[int]) -> None:
-        seen = ", ".join(f"rank {r}: '{self._unit_name(t - 1)}'" for r, t in enumerate(tags))
-        raise OrderMismatchError(
-            f"{collective} mismatch on rank {self.comm.rank}: this rank expected unit '{self.name}' but "
-            f"the ranks were at [{seen}]. Every rank must run the same units in the same order each "
-            f"step; data-dependent control flow (a block skipped on some ranks) is not supported "
-            f"under ZeRO-3. Make the branch decision identical on all ranks."
-        )
+        gathered = recv.view(self.world_size, self.row_numel(dtype))
+        s, t = self.shard_numel, tag_numel(dtype)
+        bits = gathered[:, s : s + t].contiguous().view(torch.uint8)[:, :4].contiguous()
+        tags = bits.view(torch.int32).view(-1).tolist()  # a sync, only when leaving the record
+        self.pool.give(recv)
+        return tags
 
     def gather(self, into: list[torch.Tensor] | None = None, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Full parameters of the unit, in `dtype` (default `param_dtype`; pass `shard_dtype`
@@ -195,37 +258,43 @@ class Unit:
         those tensors' storage in place instead of allocating new tensors, without bumping their
         version (Note: full-parameter blocks)."""
         gathered = self._take_gathered(dtype or self.param_dtype)
+        n = self.world_size
         if into is None:
-            base = self.pool.take(self.numel, gathered.dtype, gathered.device)
-            fulls = []
-            start = 0
-            for p in self.params:
-                fulls.append(base[start : start + p.numel].view(p.full_shape))
-                start += p.numel
+            block = self.pool.take(self.block_numel, gathered.dtype, gathered.device)
+            fulls = [block[n * o : n * o + p.numel].view(p.full_shape) for p, o in zip(self.params, self.offsets)]
         else:
             storage = into[0].untyped_storage()
             if storage.size() == 0:
                 self._refill(storage, into[0].dtype)
+            # A fresh tensor on the same storage: writing through it leaves autograd's version
+            # counters of `into` alone.
+            block = torch.empty(0, dtype=into[0].dtype, device=into[0].device).set_(storage, 0, (self.block_numel,))
             fulls = list(into)
-        for i, p in enumerate(self.params):
-            flat = fulls[i].data.view(-1)  # `.data` does not share the autograd version counter
-            s, o = p.shard_numel, self.offsets[i]
-            rows = p.numel // s  # ranks whose piece is entirely real data
-            with torch.no_grad():
-                flat[: rows * s].view(rows, s).copy_(gathered[:rows, o : o + s])
-                rest = p.numel - rows * s
-                if rest:
-                    flat[rows * s :].copy_(gathered[rows, o : o + rest])
+        sizes = [p.shard_numel for p in self.params]
+        with torch.no_grad():
+            # One copy: each parameter's (N, shard) column block -> its padded full data.
+            out = [block[n * o : n * (o + s)].view(n, s) for o, s in zip(self.offsets, sizes)]
+            torch.split_with_sizes_copy(gathered[:, : self.shard_numel], sizes, dim=1, out=out)
         self.pool.give(gathered.view(-1))
         return fulls
+
+    def gather_into(self, outputs: list[torch.Tensor], *, dtype: torch.dtype | None = None) -> None:
+        """Gather the unit and copy each parameter's full value into `outputs` (tensors of the
+        full shapes, on any device, e.g. host memory): for callers that keep whole parameters
+        beyond the unit's life. The gathered block goes back to the pool."""
+        fulls = self.gather(dtype=dtype)
+        with torch.no_grad():
+            for out, full in zip(outputs, fulls):
+                out.copy_(full)
+        self.release(fulls)
 
     def _refill(self, storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
         """Give an emptied full-parameter storage a block of memory again."""
         if _SWAP_STORAGE:
-            block = self.pool.take(self.numel, dtype, storage.device)
+            block = self.pool.take(self.block_numel, dtype, storage.device)
             storage._swap_data_ptr_(block.untyped_storage())  # the block's memory moves into `storage`
         else:
-            storage.resize_(self.numel * dtype.itemsize)
+            storage.resize_(self.block_numel * dtype.itemsize)
 
     def release(self, fulls: list[torch.Tensor]) -> None:
         """Empty the storage of full parameters from `gather` while keeping the tensor objects,
@@ -236,63 +305,105 @@ class Unit:
         storage = fulls[0].untyped_storage()  # all full parameters of a gather share it
         if storage.size() == 0:
             return
-        if _SWAP_STORAGE and storage.size() == self.numel * fulls[0].element_size():
+        if _SWAP_STORAGE and storage.size() == self.block_numel * fulls[0].element_size():
             holder = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device)
             holder.untyped_storage()._swap_data_ptr_(storage)  # `storage` is left empty
-            self.pool.give(holder.set_(holder.untyped_storage(), 0, (self.numel,)))
+            self.pool.give(holder.set_(holder.untyped_storage(), 0, (self.block_numel,)))
         else:
             storage.resize_(0)
 
     # ---- reduce ---------------------------------------------------------------------------
     def start_reduce(self, grads: list[torch.Tensor | None]) -> PendingReduce:
         """Issue the Reduce-Scatter of full gradients asynchronously (None: no gradient, sent as
-        zeros); `finish_reduce` waits and returns the shard gradients."""
+        zeros); `finish_reduce` waits and returns the shard gradients. With shard groups, the
+        All-Reduce across groups follows without waiting on the host (Note: streams)."""
         like = self._like()
-        n, width = self.world_size, self.shard_numel + 1
-        full = self.pool.take(n * width, self.reduce_dtype, like.device).view(n, width)  # (N, S + 1)
-        with torch.no_grad():
-            for i, (p, grad) in enumerate(zip(self.params, grads)):
-                s, o = p.shard_numel, self.offsets[i]
-                block = full[:, o : o + s]
+        n, width, s = self.world_size, self.reduce_row_numel, self.shard_numel
+        self.comm.advance_reductions()  # older reductions' All-Reduces go out first, in order
+        streams = self.comm.streams(like.device)
+        out = torch.empty(width, dtype=self.reduce_dtype, device=like.device)  # on the compute stream
+        with streams.on("reduce"), torch.no_grad():
+            full = self.pool.take(n * width, self.reduce_dtype, like.device).view(n, width)  # (N, row)
+            # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
+            blocks = []
+            for p, grad in zip(self.params, grads):
                 if grad is None:
-                    block.zero_()
+                    blocks.append(torch.zeros(n, p.shard_numel, dtype=self.reduce_dtype, device=like.device))
                     continue
                 flat = grad.reshape(-1)
-                rows = p.numel // s
-                block[:rows].copy_(flat[: rows * s].view(rows, s))  # casts to reduce_dtype
-                rest = p.numel - rows * s
-                if rows < n:
-                    block[rows:].zero_()
-                    if rest:
-                        block[rows, :rest].copy_(flat[rows * s :])
-            full[:, self.shard_numel] = self._reduce_tag
-        out = torch.empty(width, dtype=self.reduce_dtype, device=like.device)
-        work = self.comm.reduce_scatter(out, full, what=f"gradients of unit '{self.name}'", async_op=True)
-        return PendingReduce(work=work, out=out, full=full, present=[g is not None for g in grads])
+                if p.numel != n * p.shard_numel:
+                    flat = F.pad(flat, (0, n * p.shard_numel - p.numel))
+                blocks.append(flat.view(n, p.shard_numel))
+            torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
+            full[:, s:].zero_()
+            full[(self.comm.rank + 1) % n, s] = self.reduce_code  # the next rank checks it
+            work = self.comm.reduce_scatter(out, full, what=f"gradients of unit '{self.name}'", async_op=True)
+            done = streams.event()
+        pending = PendingReduce(
+            work=work, out=out, full=full, present=[g is not None for g in grads], grads=grads, done=done
+        )
+        if self.replicate is not None:
+            self.comm.awaiting_replication.append((self, pending))
+            if streams.enabled:
+                self.comm.advance_reductions()  # stream-ordered: no host wait
+        return pending
+
+    def _wait_scatter(self, pending: PendingReduce) -> None:
+        """Wait for the Reduce-Scatter itself; record the tag it brought (tags.py)."""
+        if pending.scattered:
+            return
+        pending.scattered = True
+        streams = self.comm.streams(pending.out.device)
+        try:
+            with streams.on("reduce" if pending.replicating else None, wait_current=False):
+                streams.wait_for(pending.done)
+                if pending.work is not None:
+                    pending.work.wait()
+                received = pending.out[self.shard_numel :][:1].to(torch.int64)
+                pending.done = streams.event()
+        except RuntimeError as err:
+            self.comm.tags.raise_pending_mismatch()
+            raise self.comm.failed("Reduce-Scatter", f"gradients of unit '{self.name}'", err) from err
+        self.comm.tags.expect("Reduce-Scatter", self.name, received, [self.reduce_code])
+
+    def start_replication(self, pending: PendingReduce) -> None:
+        """With shard groups: once the Reduce-Scatter is done, All-Reduce this rank's piece
+        with the same piece in the other groups, asynchronously (comm.advance_reductions)."""
+        assert self.replicate is not None
+        pending.replicating = True
+        self._wait_scatter(pending)
+        streams = self.comm.streams(pending.out.device)
+        with streams.on("reduce", after=pending.done, wait_current=False):  # not behind the compute
+            what = f"gradients of unit '{self.name}' across shard groups"
+            pending.work = self.replicate.all_reduce(pending.out, what=what, async_op=True)
+            pending.done = streams.event()
 
     def finish_reduce(self, pending: PendingReduce) -> list[torch.Tensor | None]:
-        """Wait for `start_reduce`'s collective; return this rank's averaged shard gradients in
+        """Wait for `start_reduce`'s collectives; return this rank's averaged shard gradients in
         the shard dtype (views of one flat buffer), None where no gradient was given."""
-        try:
-            if pending.work is not None:
-                pending.work.wait()
-        except RuntimeError as err:
-            raise self.comm.failed("Reduce-Scatter", f"gradients of unit '{self.name}'", err) from err
-        self.pool.give(pending.full.view(-1))
-        out, n = pending.out, self.world_size
+        n = self.world_size
         if self.replicate is not None:
-            # Only this rank's 1/G of the gradient crosses to the other groups.
-            self.replicate.all_reduce(out, what=f"gradients of unit '{self.name}' across shard groups")
-            n *= self.replicate.world_size
-        tag_sum = float(out[self.shard_numel])
-        if tag_sum != self._reduce_tag * n:
-            raise OrderMismatchError(
-                f"Reduce-Scatter mismatch on rank {self.comm.rank}: this rank reduced unit '{self.name}' "
-                f"but the other ranks reduced a different unit of the same size (tag sum {tag_sum:g}, "
-                f"expected {self._reduce_tag * n:g}). Every rank must use the same units in the loss each "
-                f"step; a unit whose output reaches the loss on some ranks only is not supported."
-            )
-        out = out[: self.shard_numel]
+            self.comm.advance_reductions(until=pending)
+            streams = self.comm.streams(pending.out.device)
+            try:
+                streams.wait_for(pending.done)
+                if pending.work is not None:
+                    pending.work.wait()
+            except RuntimeError as err:
+                self.comm.tags.raise_pending_mismatch()
+                what = f"gradients of unit '{self.name}' across shard groups"
+                raise self.comm.failed("All-Reduce", what, err) from err
+            groups = self.replicate.world_size
+            received = pending.out[self.shard_numel :][:1].to(torch.int64)
+            self.comm.tags.expect("All-Reduce", self.name, received, [self.reduce_code * groups])
+            n *= groups
+        else:
+            self._wait_scatter(pending)
+            self.comm.streams(pending.out.device).wait_for(pending.done)
+        # The current stream has waited for every use of `full` and of the gradients.
+        self.pool.give(pending.full.view(-1))
+        pending.grads = []
+        out = pending.out[: self.shard_numel]
         out.div_(n)  # sum over all ranks / N: the same average DDP takes
         if out.dtype != self.shard_dtype:
             out = out.to(self.shard_dtype)
@@ -301,11 +412,17 @@ class Unit:
             for p, o, present in zip(self.params, self.offsets, pending.present)
         ]
 
-@dataclass
+
+@dataclass(eq=False)
 class PendingReduce:
-    """A Reduce-Scatter in flight. `full` is kept until the wait (NCCL reads it on its stream)."""
+    """A Reduce-Scatter (then, with shard groups, an All-Reduce) in flight. `full` and the
+    gradients are kept until the wait: the collective and the copy-in read them on their streams."""
 
     work: object
     out: torch.Tensor
     full: torch.Tensor
     present: list[bool]
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    done: object = None  # event after the last queued operation (CUDA), else None
+    scattered: bool = False
+    replicating: bool = False

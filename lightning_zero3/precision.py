@@ -1,0 +1,110 @@
+"""Lightning precision plugins for sharded training.
+
+Two things differ from Lightning's own plugins when parameters are shards:
+- gradient clipping by norm must take the norm of the whole gradient, over every rank's shards
+  (one All-Reduce of a scalar), not the norm of this rank's shards;
+- fp16 loss scaling must skip a step on every rank or on none (`AgreeingGradScaler`).
+
+[Note: explicit precision plugins]
+Lightning builds its plugin from the Trainer's `precision` flag before the strategy sees the
+model, and clipping goes `LightningModule.clip_gradients` -> `trainer.precision_plugin
+.clip_gradients` -> `clip_grad_by_norm`, with no strategy in between. So at setup the strategy
+replaces the plugin with one of the classes below: each is Lightning's class for that flag plus
+`clip_grad_by_norm` over shards, rebuilt through its public constructor with the same settings.
+They are ordinary module-level classes (picklable: `torch.save(trainer)` works); their names
+are the checkpoint key of the plugin's state (the fp16 scaler), "ZeRO3MixedPrecision" etc., as
+before. Other plugin types are refused with a message: their clipping would be per shard.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_norm_
+
+
+class _GlobalNormClipping(Precision):
+    """Clipping by norm over every rank's gradient shards."""
+
+    # The engine whose shards the optimizers step on; set by `sharded_precision`.
+    sharded_model: ShardedModel | None = None
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self.sharded_model is None:
+            raise RuntimeError(f"{type(self).__name__} clips sharded gradients but has no sharded model yet.")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_(self.sharded_model, params, float(clip_val))
+
+    def __getstate__(self) -> dict[str, object]:
+        # The engine holds this process's process groups: a pickled plugin (`torch.save(trainer)`)
+        # leaves it behind, as the strategy does.
+        return {**self.__dict__, "sharded_model": None}
+
+
+class ZeRO3Precision(_GlobalNormClipping, Precision):
+    """`precision="32-true"` with shards."""
+
+
+class ZeRO3MixedPrecision(_GlobalNormClipping, MixedPrecision):
+    """`precision="16-mixed"` / `"bf16-mixed"` with shards: autocast, and for fp16 a GradScaler
+    whose skip decision every rank shares."""
+
+
+class ZeRO3HalfPrecision(_GlobalNormClipping, HalfPrecision):
+    """`precision="16-true"` / `"bf16-true"` with shards."""
+
+
+class ZeRO3DoublePrecision(_GlobalNormClipping, DoublePrecision):
+    """`precision="64-true"` with shards."""
+
+
+def sharded_precision(plugin: Precision, sharded: ShardedModel, *, device: torch.device) -> Precision:
+    """The plugin to train `sharded` with: `plugin`'s settings, clipping by the global norm and,
+    for fp16, an `AgreeingGradScaler` carrying the scaler's settings and scale."""
+    new: _GlobalNormClipping
+    kind = type(plugin)
+    if kind in (MixedPrecision, ZeRO3MixedPrecision):
+        assert isinstance(plugin, MixedPrecision)
+        scaler = plugin.scaler
+        if scaler is not None:
+            scaler = AgreeingGradScaler.like(scaler, sharded, device=device.type)
+        flag: Literal["bf16-mixed", "16-mixed"] = "bf16-mixed" if plugin.precision == "bf16-mixed" else "16-mixed"
+        new = ZeRO3MixedPrecision(flag, plugin.device, scaler)
+    elif kind in (HalfPrecision, ZeRO3HalfPrecision):
+        assert isinstance(plugin, HalfPrecision)
+        new = ZeRO3HalfPrecision("bf16-true" if plugin.precision == "bf16-true" else "16-true")
+    elif kind in (DoublePrecision, ZeRO3DoublePrecision):
+        new = ZeRO3DoublePrecision()
+    elif kind in (Precision, ZeRO3Precision):
+        new = ZeRO3Precision()
+    else:
+        raise ValueError(
+            f"ZeRO3Strategy does not support the precision plugin {kind.__qualname__}: its gradient clipping "
+            f"would see only this rank's shards. Use Trainer(precision=...) with one of '32-true', '16-mixed', "
+            f"'bf16-mixed', '16-true', 'bf16-true', '64-true' (or Lightning's plugins for them)."
+        )
+    new.sharded_model = sharded
+    return new
+
+
+def mixed_precision_dtype(plugin: Precision) -> torch.dtype | None:
+    """The gather dtype a Trainer precision flag implies: 16-bit for the "-mixed" flags."""
+    if isinstance(plugin, MixedPrecision):
+        return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+    return None
+
+
+__all__ = [
+    "ZeRO3DoublePrecision",
+    "ZeRO3HalfPrecision",
+    "ZeRO3MixedPrecision",
+    "ZeRO3Precision",
+    "mixed_precision_dtype",
+    "sharded_precision",
+]

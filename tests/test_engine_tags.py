@@ -1,0 +1,194 @@
+"""Unit tags (unit.py, Note: flat layout and unit tag; tags.py): exact in every dtype and at any
+world size, and a rank that leaves the recorded order alone ends, like every other rank, with an
+`OrderMismatchError` naming the unit, even when the units differ in size."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.tags import exact_integers
+from lightning_zero3.engine.unit import Unit
+from tests.models import MLP, mlp_batch
+from tests.parity import local_slice, max_param_difference, step_side_by_side
+from tests.ranks import RankFailure, run_ranks
+
+TIMEOUT_S = 20
+
+
+def _float64_parity(rank: int, world_size: int) -> float:
+    torch.manual_seed(0)
+    reference = MLP().double()
+    torch.manual_seed(0)
+    model = MLP().double()
+    sharded = ShardedModel(model, prefetch=1)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step in range(3):
+        x, y = mlp_batch(step)
+        step_side_by_side(reference, model, optimizers, (x.double(), y.double()), rank, world_size)
+    return max_param_difference(sharded, reference)
+
+
+def test_a_float64_model_trains_like_one_process():
+    """The gather tag's 32 bits fill one float64 element (it used to fail on int32 -> float64)."""
+    for diff in run_ranks(_float64_parity, 2):
+        assert diff < 1e-12, diff
+
+
+def _virtual_rank_unit(rank: int, world_size: int, reduce_dtype: torch.dtype, uid: int) -> Unit:
+    """A unit as rank `rank` of `world_size` builds it, in one process (no collective runs)."""
+    comm = Comm(None)
+    comm.rank, comm.world_size = rank, world_size
+    full = nn.Parameter(torch.zeros(world_size * 2))
+    param = ShardedParam(owners=[], names=["w"], full_shape=full.shape, param=nn.Parameter(torch.zeros(2)),
+                         world_size=world_size, rank=rank)  # fmt: skip
+    return Unit(uid=uid, name=f"u{uid}", module=nn.Module(), params=[param], comm=comm, unit_name=str,
+                reduce_dtype=reduce_dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "world_size"), [(torch.bfloat16, 300), (torch.float16, 2100)])
+def test_the_reduce_scatter_tag_column_is_exact_beyond_what_16_bit_floats_count(dtype, world_size):
+    """bf16 holds every integer only up to 256 and fp16 up to 2048: a column that sums one
+    number per rank saturates in large jobs and would report a false mismatch. Each rank's
+    column holds its code in one row and zeros elsewhere, so every sum, in any order, is exact."""
+    assert exact_integers(dtype) < world_size
+    uid = 1000  # more units than the 16-bit dtype counts: codes wrap, still exact
+    columns = []
+    for rank in range(world_size):
+        unit = _virtual_rank_unit(rank, world_size, dtype, uid)
+        pending = unit.start_reduce([torch.ones(world_size * 2)])
+        columns.append(pending.full[:, unit.shard_numel].clone())  # what this rank sends, per destination
+    column = torch.stack(columns)  # (sender, destination)
+    for destination in (0, 1, world_size // 2, world_size - 1):
+        total = torch.zeros((), dtype=dtype)
+        for sender in torch.randperm(world_size).tolist():  # a ring adds in some order
+            total = total + column[sender, destination]
+        assert total.item() == unit.reduce_code, (destination, total.item())
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(13, hidden), nn.Linear(hidden, 13)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class SizedBlocks(nn.Module):
+    """Blocks of different sizes (hidden widths 5, 9, 17) run in `route` order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 13)
+        self.blocks = nn.ModuleList(_Block(hidden) for hidden in (5, 9, 17))
+        self.head = nn.Linear(13, 5)
+        self.route = [0, 1, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for index in self.route:
+            h = self.blocks[index](h)
+        return self.head(h)
+
+
+def _train_sized(rank: int, world_size: int, prefetch: int, routes: list[list[list[int]]]) -> str:
+    torch.manual_seed(0)
+    model = SizedBlocks()
+    ShardedModel(model, prefetch=prefetch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, per_rank in enumerate(routes):
+        model.route = per_rank[rank]
+        x, y = mlp_batch(step)
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return "finished"
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_rank_skipping_a_block_of_another_size_fails_on_every_rank_naming_it(prefetch):
+    """Rank 1 alone skips blocks.1 at step 2, so its next unit differs in size from the others':
+    gloo used to abort the mismatched transfer (exit 134, no Python error) on one rank. Now it
+    announces the departure in the collective the others issue, and every rank raises."""
+    routes = [[[0, 1, 2], [0, 1, 2]], [[0, 1, 2], [0, 2]]]
+    start = time.perf_counter()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_train_sized, 2, prefetch, routes, timeout_s=TIMEOUT_S)
+    text = str(failure.value)
+    assert time.perf_counter() - start < TIMEOUT_S / 2, text
+    per_rank = re.split(r"--- rank \d+ ---\n", text)[1:]
+    assert len(per_rank) == 2 and all(err.startswith("OrderMismatchError") for err in per_rank), text
+    assert all("'blocks.2'" in err and "departed" in err for err in per_rank), text
+
+
+def _departing_alike(rank: int, world_size: int, prefetch: int) -> float:
+    torch.manual_seed(0)
+    reference = SizedBlocks()
+    torch.manual_seed(0)
+    model = SizedBlocks()
+    sharded = ShardedModel(model, prefetch=prefetch)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step, route in enumerate([[0, 1, 2], [0, 2], [2, 1, 0], [0, 1, 2]]):
+        reference.route = model.route = route
+        step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
+    return max_param_difference(sharded, reference)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_every_rank_leaving_the_order_alike_still_trains_exactly(prefetch):
+    for diff in run_ranks(_departing_alike, 2, prefetch, timeout_s=TIMEOUT_S):
+        assert diff < 1e-5, diff
+
+
+def _tampered_tag(rank: int, world_size: int) -> str:
+    """Rank 1 labels blocks.1 as blocks.2 from step 2 on: the ranks follow the same order, but
+    their collectives now pair different units of the same size (what a wrong pairing looks like
+    on the wire), and no collective fails."""
+    torch.manual_seed(0)
+    model = MLP(depth=3)
+    sharded = ShardedModel(model, prefetch=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        if step == 1 and rank == 1:
+            by_name = {unit.name: unit for unit in sharded.units}
+            by_name["blocks.1"].tag = by_name["blocks.2"].tag
+        x, y = mlp_batch(step)
+        loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+        try:
+            loss.backward()
+        except RuntimeError as err:
+            return f"backward raised {type(err).__name__}: {err}"
+        optimizer.step()
+        optimizer.zero_grad()
+    return "finished"
+
+
+def test_a_mismatched_step_raises_out_of_backward_before_the_optimizer_step():
+    """The deferred check runs at the end of backward: gradients of a mismatched step never
+    reach the optimizer."""
+    for outcome in run_ranks(_tampered_tag, 2, timeout_s=TIMEOUT_S):
+        assert outcome.startswith("backward raised OrderMismatchError"), outcome
+        assert "'blocks.1'" in outcome, outcome
+
+
+def test_a_collective_timeout_names_the_last_collectives_and_the_recorded_order():
+    """What a rank sees when a peer stops answering (on NCCL, also what ranks running units of
+    different sizes end with): the unit, this rank's last collectives, the recorded order and
+    how to diagnose (TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+    from tests.test_engine_order import _stall_in_backward
+
+    waiting, _ = run_ranks(_stall_in_backward, 2, 6, timeout_s=2)
+    message = waiting[0]
+    assert message.startswith("CollectiveError: Reduce-Scatter of gradients of unit 'blocks.0'"), message
+    assert "last collectives, oldest first: All-Gather of unit" in message, message
+    assert "No unit order is recorded yet (first step)" in message, message
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message, message

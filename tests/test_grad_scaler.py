@@ -1,0 +1,99 @@
+"""fp16 loss scaling: every rank takes the same skip decision on every path of `GradScaler.step`,
+including optimizers that unscale inside their own fused kernel (engine/optim.py, Note: every
+path unscales)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_zero3.engine import AgreeingGradScaler, ShardedModel
+from tests import models
+from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+from tests.parity import local_slice
+from tests.ranks import run_ranks
+
+
+def _overflow_in_this_ranks_shard(model: torch.nn.Module) -> None:
+    """An inf in one element of this rank's gradient shard only (an overflow in the part of the
+    reduced gradient this rank holds): an inf in the loss would reach every rank's shard through
+    the Reduce-Scatter's sum."""
+    next(model.parameters()).grad[0] = float("inf")
+
+
+def _fused_step_with_inf_on_rank_1(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = models.MLP()
+    sharded = ShardedModel(model, param_dtype=torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = AgreeingGradScaler(sharded, device="cpu", init_scale=2.0**10)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = models.mlp_batch(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(local_slice(x, rank, world_size)).float(), local_slice(y, rank, world_size))
+    scaler.scale(loss).backward()
+    if rank == 1:
+        _overflow_in_this_ranks_shard(model)
+    scaler.step(opt)  # no unscale_ first: Lightning skips it for fused optimizers
+    scaler.update()
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters())
+    # A finite step afterwards is taken by every rank.
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(local_slice(x, rank, world_size)).float(), local_slice(y, rank, world_size))
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    moved_after = max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters())
+    return {"moved": moved, "moved_after": moved_after, "scale": scaler.get_scale()}
+
+
+def test_fused_optimizer_skips_on_every_rank_when_one_rank_overflows() -> None:
+    results = run_ranks(_fused_step_with_inf_on_rank_1, 2)
+    for result in results:
+        assert result["moved"] == 0.0, results  # rank 0's finite shards were not stepped either
+        assert result["moved_after"] > 0.0, results  # the next, finite step is taken
+        assert result["scale"] == 2.0**9, results  # every rank backed off once
+
+
+def _lightning_fused_fp16(rank: int, world_size: int) -> Any:
+    become_lightning_rank(rank, world_size)
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_zero3 import ZeRO3Strategy
+
+    class _FusedOverflowOnRank1(LitMLP):
+        def on_after_backward(self) -> None:
+            if self.global_step == 0 and self.global_rank == 1:
+                _overflow_in_this_ranks_shard(self)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)
+
+    class _Probe(pl.Callback):
+        scales: list[float] = []
+        shards: list[torch.Tensor] = []
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            self.scales.append(trainer.precision_plugin.scaler.get_scale())
+            self.shards.append(next(pl_module.parameters()).detach().clone())
+
+    probe = _Probe()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    start = LitMLP()
+    t = trainer(ZeRO3Strategy(), world_size, max_steps=2, plugins=[plugin], callbacks=[probe])
+    model = _FusedOverflowOnRank1()
+    model.load_state_dict(start.state_dict())
+    t.fit(model, loader(world_size))
+    return {"scales": probe.scales, "shards": probe.shards}
+
+
+def test_trainer_16_mixed_with_a_fused_optimizer_skips_on_every_rank() -> None:
+    results = run_ranks(_lightning_fused_fp16, 2)
+    assert results[0]["scales"] == results[1]["scales"] == [2.0**15, 2.0**15], results
+    for result in results:
+        first, second = result["shards"]
+        assert not torch.equal(first, second)  # step 1 was taken

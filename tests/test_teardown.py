@@ -1,0 +1,68 @@
+"""Putting whole parameters back on the modules (`ShardedModel.restore_module`, what the strategy
+does at teardown) builds the output one unit at a time on the device asked for: the shards'
+device holds one unit more than before, never the whole model (engine/materialize.py, Note:
+restoring unit by unit). On CPU, "meta" stands in for "host memory while the shards are on a GPU"."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_zero3.engine import ShardedModel
+from tests.ranks import run_ranks
+
+MB = 2**20
+
+
+class _Wide(nn.Module):
+    """8 blocks of two 1024x1024 linears: 67 MB in fp32, 4.2 MB per linear (one unit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)) for _ in range(8))
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) becomes the current resident set (VmRSS)
+    return _status("VmRSS")
+
+
+def _restore(rank: int, world_size: int, device: str) -> dict:
+    # glibc's default allocator settings, as users run (no mallopt).
+    with torch.device("meta"):
+        model = _Wide()
+    sharded = ShardedModel(model, device="cpu")
+    expected = sharded.full_state_dict(to_rank=None) if device == "cpu" else {}
+    start = _reset_peak()
+    sharded.restore_module(device=device)
+    peak = _status("VmHWM") - start
+    restored = model.state_dict()
+    return {
+        "peak": peak,
+        "model": sum(p.numel * 4 for p in sharded.sharded_params),
+        "unit": max(u.numel * 4 for u in sharded.units),
+        "devices": {str(t.device) for t in restored.values()},
+        "shapes_whole": all(restored[k].shape == v.shape for k, v in expected.items()),
+        "equal": all(torch.equal(restored[k], v) for k, v in expected.items()),
+        "hooks_left": len(sharded.hooks.handles),
+    }
+
+
+def test_restore_to_another_device_holds_one_unit_on_the_shards_device_not_the_model() -> None:
+    for result in run_ranks(_restore, 2, "meta"):
+        assert result["devices"] == {"meta"}
+        assert result["hooks_left"] == 0
+        # one unit gathered (its gather buffer and a staging block) at a time; nothing kept here
+        assert result["peak"] < 3 * result["unit"] + 8 * MB, {k: result[k] for k in ("peak", "unit", "model")}
+
+
+def test_restore_to_the_cpu_builds_the_whole_model_exactly_with_one_unit_of_overhead() -> None:
+    for result in run_ranks(_restore, 2, "cpu"):
+        assert result["devices"] == {"cpu"} and result["shapes_whole"] and result["equal"]
+        assert result["peak"] < result["model"] + 2 * result["unit"] + 8 * MB, result
