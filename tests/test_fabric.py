@@ -264,4 +264,4 @@ def _threads_after_launch(rank: int, world_size: int) -> tuple[int, int]:
 
 def test_ranks_started_outside_fabric_get_their_share_of_the_cores() -> None:
     for threads, share in run_ranks(_threads_after_launch, 2):
-        assert threads == share
+        assert threads == share, (threads, share)
