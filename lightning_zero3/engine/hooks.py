@@ -387,8 +387,6 @@ class HookDriver:
         self._ensure_backward_started()
 
     def _pre_backward(self, call: UnitCall, grad: torch.Tensor) -> None:
-        if self._held is not None:
-            raise RuntimeError(_NO_GRAD_INSIDE.format(what="A backward ran"))
         if call.state not in (S.RESHARDED, S.DONE) or not call.fulls:
             return  # gathered already, or a call that owes no backward
         self._ensure_backward_started()
