@@ -192,3 +192,84 @@ def test_gradients_inside_gathered_for_inference_raise_on_every_rank(what: str):
 def test_changed_shards_inside_gathered_for_inference_raise():
     for message in run_ranks(_gradients_inside, 2, "write"):
         assert "stale" in message, message
+
+
+class HoldsInsideForward(MLP):
+    """A model whose forward enters the context, as a training_step calling generate() would."""
+
+    sharded: ShardedModel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.sharded.gathered_for_inference(), torch.no_grad():
+            return super().forward(x)
+
+
+def _held_inside_training_forward(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    model = HoldsInsideForward()
+    model.sharded = ShardedModel(model)
+    try:
+        model(mlp_batch(0)[0])
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_gathered_for_inference_inside_a_forward_with_gradients_is_refused_on_every_rank():
+    for message in run_ranks(_held_inside_training_forward, 2):
+        assert "forward with gradients enabled" in message and "synced_gpus=True" in message, message
+
+
+# ---- the thin strategy methods ------------------------------------------------------------------
+def _predict_held(rank: int, world_size: int) -> dict:
+    """Trainer: predict_step runs inside `trainer.strategy.gathered_for_inference()`."""
+    from torch.utils.data import DataLoader
+
+    from lightning_zero3 import ZeRO3Strategy
+    from tests.lit import LitMLP, become_lightning_rank, dataset, trainer
+
+    class HeldPredict(LitMLP):
+        def predict_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+            sharded = self.trainer.strategy.sharded_model
+            with self.trainer.strategy.gathered_for_inference():
+                before = _gathers(sharded)
+                out = self(batch[0])
+                out = self(batch[0]) if _gathers(sharded) == before else torch.full_like(out, float("nan"))
+            return out
+
+    become_lightning_rank(rank, world_size)
+    torch.manual_seed(0)
+    model = HeldPredict()
+    x = dataset().tensors[0]
+    with torch.no_grad():
+        expected = model(x)
+    predictions = trainer(ZeRO3Strategy(), world_size).predict(model, DataLoader(dataset(), batch_size=6))
+    return {"got": torch.cat(predictions), "expected": expected}
+
+
+def test_trainer_strategy_gathered_for_inference_predicts_without_gathers():
+    for rank, result in enumerate(run_ranks(_predict_held, 2)):
+        # Each rank predicts its DistributedSampler share: samples rank, rank + 2, ...
+        assert torch.allclose(result["got"], result["expected"][rank::2], atol=1e-6)
+
+
+def _fabric_held(rank: int, world_size: int) -> dict:
+    from tests.fabric_helpers import fabric
+
+    f = fabric(rank, world_size)
+    torch.manual_seed(0)
+    reference = MLP()
+    torch.manual_seed(0)
+    model = f.setup_module(MLP())
+    x = mlp_batch(0)[0]
+    sharded = f.strategy.sharded_model(model)
+    with f.strategy.gathered_for_inference(model), torch.no_grad():
+        before = _gathers(sharded)
+        got = model(x)
+        inside = _gathers(sharded) - before
+    return {"diff": float((got - reference(x)).abs().max()), "inside": inside, "alive": sharded.unit_stats.alive}
+
+
+def test_fabric_strategy_gathered_for_inference_runs_without_gathers():
+    for result in run_ranks(_fabric_held, 2):
+        assert result["diff"] < 1e-6 and result["inside"] == 0 and result["alive"] == 0
