@@ -69,15 +69,19 @@ unit's output hook has already re-gathered it (state BACKWARD), so the recompute
 the shadowed full tensors and frees nothing. Reentrant: the first forward ran under no_grad (no
 backward state), so the recomputation is an ordinary forward with its own `GatherParams`, and
 the inner backward that follows reduces it.
+
 [Note: held for inference]
 `ShardedModel.gathered_for_inference()` gathers every unit once, on every rank in unit order,
 into a call that stays in FORWARD on its modules until the context exits (`hold_for_inference`,
 `release_held`). Inside, a unit's forward hooks only count their depth: no gather, no release,
 no prefetch, no collective at all, so `generate()` runs at DDP's speed and a rank that stops
-early (EOS) leaves the others nothing to wait for. Gradients are refused: a grad-enabled forward
-or a backward inside raises (the held tensors have no autograd parent and would get no
-Reduce-Scatter), and so does a forward after the shards changed (an optimizer step inside).
-Exit moves every held call to DONE whatever happened inside, and the next pass starts afresh.
+early (EOS) leaves the others nothing to wait for. Entered inside a forward without gradients
+(Lightning runs predict_step inside the root's forward), the units already open keep their own
+calls, which their post-forward hooks close as usual. Gradients are refused: entering inside a
+forward with gradients, a grad-enabled forward or a backward inside raise (held tensors have no
+autograd parent and would get no Reduce-Scatter), and so does a forward after the shards
+changed (an optimizer step inside). Exit moves every call it gathered to DONE whatever
+happened inside, and the next pass starts afresh.
 Outside the context, HF generation stays in step only with `synced_gpus=True` (HF turns it on
 for DeepSpeed and FSDP only): a rank that stopped early leaves the others waiting in a gather.
 Such a gather's error, in a pass without gradients, says so (`_UNSYNCED_HINT`); the rank that
@@ -146,6 +150,7 @@ class HookDriver:
         self._in_backward = False
         # Calls kept gathered by `hold_for_inference` (None: not holding; Note: held for inference).
         self._held: list[UnitCall] | None = None
+        self._held_depths: list[int] = []  # open forward hooks per unit when holding began
         self.handles: list[Any] = []
         root = self.units[0]
         for unit in self.units:
@@ -329,35 +334,47 @@ class HookDriver:
 
     # ---- units held gathered across passes (Note: held for inference) ------------------------
     def hold_for_inference(self) -> None:
-        """Gather every unit into a call that stays in FORWARD until `release_held`. Collective."""
+        """Gather every unit into a call that stays in FORWARD until `release_held`. Collective.
+        Inside a forward without gradients (Lightning's predict_step runs inside the root's
+        forward), the units already open keep their calls and stay the open pass's."""
         if self._held is not None:
             raise RuntimeError("ZeRO-3: gathered_for_inference() is already active; do not nest it.")
-        if any(slot.depth for slot in self._slots) or (self._in_backward and autograd_running()):
+        open_calls = [slot.call for slot in self._slots if slot.depth]
+        if (self._in_backward and autograd_running()) or any(
+            call is None or call.reduces or call.state is not S.FORWARD for call in open_calls
+        ):
             raise RuntimeError(
-                "ZeRO-3: gathered_for_inference() was entered inside a forward or backward of the model; "
-                "enter it around the evaluation or generate() call, outside the model's passes."
+                "ZeRO-3: gathered_for_inference() was entered inside a backward or inside a forward with "
+                "gradients enabled (e.g. training_step). Enter it in evaluation (validation/test/predict "
+                "steps, callbacks, or around the model's call under torch.no_grad()); during training, "
+                "call generate(..., synced_gpus=True) without it."
             )
         if self._in_backward:
             self._abandon_backward()
-        self._begin_pass()  # drops prefetches and what an earlier pass left on the modules
+        if open_calls:
+            self._release_stale_prefetches()
+        else:
+            self._begin_pass()  # drops prefetches and what an earlier pass left on the modules
+        self._held_depths = [slot.depth for slot in self._slots]
         self._held = []
         try:
             with torch.no_grad():  # reduces=False: the held tensors have no autograd parent
                 for unit in self.units:
-                    if unit.params:
+                    if unit.params and self._slots[unit.uid].call is None:
                         self._held.append(self._gather_call(unit))
         except BaseException:
             self.release_held()
             raise
 
     def release_held(self) -> None:
-        """Move every held call to DONE; the units are sharded again."""
+        """Move every call `hold_for_inference` gathered to DONE; those units are sharded again.
+        Calls of an enclosing forward stay for its post-forward hooks."""
         held, self._held = self._held or [], None
         for call in held:
             if call.state is S.FORWARD:
                 self._move(call, S.DONE)
-        for slot in self._slots:
-            slot.depth = 0  # no forward of the model is open when the context exits
+        for slot, depth in zip(self._slots, self._held_depths):
+            slot.depth = depth  # as on entry: the forward hooks inside came in pairs
 
     def _enter_held(self, unit: Unit, slot: Slot) -> None:
         if torch.is_grad_enabled():
