@@ -344,6 +344,14 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         with owner.gathered_parameters(target, modifier_rank=modifier_rank):
             yield
 
+    @contextmanager
+    def gathered_for_inference(self, module: nn.Module | None = None) -> Generator[None, None, None]:
+        """Keep every unit of `module` (a model set up with Fabric; default: the only one)
+        gathered inside the block, for `generate()` and evaluation at DDP's speed; see
+        `ShardedModel.gathered_for_inference`."""
+        with self._owner_of(module).gathered_for_inference():
+            yield
+
     def _owner_of(self, module: nn.Module | None) -> ShardedModel:
         if module is None:
             return self.sharded_model()

@@ -406,6 +406,13 @@ class ZeRO3Strategy(ParallelStrategy):
         with self.sharded_model.gathered_parameters(module, modifier_rank=modifier_rank):
             yield
 
+    @contextmanager
+    def gathered_for_inference(self) -> Generator[None, None, None]:
+        """Keep every unit gathered inside the block (no gradients), so `generate()` and
+        evaluation run at DDP's speed; see `ShardedModel.gathered_for_inference`."""
+        with self.sharded_model.gathered_for_inference():
+            yield
+
     # ---- accounting -------------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, Any]:

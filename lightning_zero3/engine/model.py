@@ -295,6 +295,22 @@ class ShardedModel:
                     for p, value in zip(persistent, saved):
                         p.copy_(value)
 
+    @contextmanager
+    def gathered_for_inference(self) -> Iterator[None]:
+        """Keep every unit gathered for the whole block, for fast inference and `generate()`:
+        one All-Gather per unit on entry (on every rank, collective), none per forward inside,
+        and every unit sharded again on exit, even if the block raises. Needs memory for the
+        whole model's parameters on each rank (in `param_dtype`), like DDP. Only forwards under
+        `torch.no_grad()` / `torch.inference_mode()` may run inside (hooks.py, Note: held for
+        inference); a rank whose generation stops early issues no collective the others wait
+        for, so `generate(synced_gpus=False)` is safe inside."""
+        self.hooks.hold_for_inference()
+        try:
+            self.comm.tags.check()  # outside any pass: check the tags of these gathers now
+            yield
+        finally:
+            self.hooks.release_held()
+
     # ---- state dicts ------------------------------------------------------------------------
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
         """The module's `state_dict()` with whole parameters, gathered one unit at a time. With
