@@ -1,0 +1,146 @@
+"""A sharded checkpoint (the default, a directory) loads into a plain module in one process, with
+no process group (Note: loading into a plain module): `lightning_zero3.load_checkpoint` gives the
+Lightning checkpoint dict with whole tensors, `lightning_zero3.load_from_checkpoint` a
+LightningModule built from its hyper-parameters, as `LightningModule.load_from_checkpoint` does for
+a file. Adapted from Lightning's `test_running_test_pretrained_model_distrib_ddp_spawn`
+(tests_pytorch/models/test_restore.py): 2 ranks fit with `ModelCheckpoint`, then the best model
+is loaded in this process and predicts what the strategy predicts from the same checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import lightning_zero3
+from lightning_zero3 import CheckpointError
+from tests.lit import LitMLP, become_lightning_rank, dataset, loader, trainer
+from tests.ranks import run_ranks
+from tests.test_checkpoint_trust import craft, save_mlp
+
+
+class HparamsMLP(LitMLP):
+    """LitMLP whose constructor arguments are saved as hyper-parameters."""
+
+    def __init__(self, lr: float = 0.01, note: str = "default") -> None:
+        super().__init__(lr=lr)
+        self.save_hyperparameters()
+
+
+def _fit_and_predict_best(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    become_lightning_rank(rank, world_size)
+    torch.manual_seed(0)
+    model = HparamsMLP(lr=0.02, note="trained")
+    checkpoint = ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1)
+    options = dict(max_epochs=2, enable_checkpointing=True, callbacks=[checkpoint])
+    fit = trainer(lightning_zero3.ZeRO3Strategy(), world_size, **options)
+    fit.fit(model, loader(world_size), loader(world_size))
+    predict = trainer(lightning_zero3.ZeRO3Strategy(), world_size)
+    predictions = predict.predict(model, DataLoader(dataset(), batch_size=8), ckpt_path=checkpoint.best_model_path)
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # whole again after predict
+    return {"best": checkpoint.best_model_path, "predictions": torch.cat(predictions), "state": state}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One 2-rank fit; the sharded best checkpoint and what the strategy predicts from it."""
+    rank0, rank1 = run_ranks(_fit_and_predict_best, 2, str(tmp_path_factory.mktemp("plain")))
+    # Predict's DistributedSampler (no shuffle) gives rank r the samples r, r + 2, ...
+    predictions = torch.stack([rank0["predictions"], rank1["predictions"]], dim=1).flatten(0, 1)
+    return {**rank0, "predictions": predictions}
+
+
+def test_best_model_path_is_a_sharded_directory_that_load_from_checkpoint_loads_in_one_process(trained):
+    best = Path(trained["best"])
+    assert best.is_dir() and (best / "meta.json").is_file()
+    with pytest.raises(IsADirectoryError):  # what Lightning's own call does with it
+        HparamsMLP.load_from_checkpoint(best)
+    model = lightning_zero3.load_from_checkpoint(HparamsMLP, best)
+    assert not torch.distributed.is_initialized()  # one process, no process group
+    assert type(model) is HparamsMLP and model.hparams.lr == 0.02 and model.hparams.note == "trained"
+    model.eval()
+    with torch.no_grad():
+        predictions = torch.cat([model(x) for x in DataLoader(dataset().tensors[0], batch_size=8)])
+    torch.testing.assert_close(predictions, trained["predictions"], rtol=0, atol=1e-6)
+
+
+def test_load_from_checkpoint_passes_keyword_overrides_and_strict_loading_as_lightning_does(trained):
+    model = lightning_zero3.load_from_checkpoint(HparamsMLP, trained["best"], note="override")
+    assert model.hparams.note == "override" and model.hparams.lr == 0.02
+
+    class Wider(HparamsMLP):
+        def __init__(self, lr: float = 0.01, note: str = "default") -> None:
+            super().__init__(lr=lr, note=note)
+            self.extra = torch.nn.Linear(2, 2)
+
+    with pytest.raises(RuntimeError, match="extra.weight"):
+        lightning_zero3.load_from_checkpoint(Wider, trained["best"])
+    assert isinstance(lightning_zero3.load_from_checkpoint(Wider, trained["best"], strict=False), Wider)
+
+
+def test_load_checkpoint_returns_the_lightning_dict_with_whole_tensors(trained):
+    checkpoint = lightning_zero3.load_checkpoint(trained["best"])
+    assert checkpoint["hyper_parameters"] == {"lr": 0.02, "note": "trained"}
+    assert checkpoint["epoch"] in (0, 1) and checkpoint["global_step"] in (4, 8)
+    state = checkpoint["state_dict"]
+    assert state.keys() == trained["state"].keys()
+    for key, value in trained["state"].items():
+        assert torch.equal(state[key], value), key
+    (optimizer,) = checkpoint["optimizer_states"]
+    assert optimizer["state"][0]["exp_avg"].shape == state["net.inp.weight"].shape == (13, 7)  # numbered, whole
+    assert "callbacks" in checkpoint and "lr_schedulers" in checkpoint
+    weights = lightning_zero3.load_checkpoint(trained["best"], weights_only=True)
+    assert (
+        "optimizer_states" not in weights
+        and "callbacks" not in weights
+        and weights["state_dict"].keys() == state.keys()
+    )
+
+
+def test_load_checkpoint_reads_a_full_file_too(tmp_path):
+    path = tmp_path / "full.ckpt"
+    weights = {"net.w": torch.arange(6.0).reshape(2, 3)}
+    torch.save({"state_dict": weights, "epoch": 3, "optimizer_states": []}, path)
+    checkpoint = lightning_zero3.load_checkpoint(path)
+    assert checkpoint["epoch"] == 3 and torch.equal(checkpoint["state_dict"]["net.w"], weights["net.w"])
+    assert "optimizer_states" not in lightning_zero3.load_checkpoint(path, weights_only=True)
+
+
+def test_a_directory_that_is_no_checkpoint_is_a_checkpoint_error_not_is_a_directory_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="it has no meta.json"):
+        lightning_zero3.load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="it has no meta.json"):
+        lightning_zero3.load_from_checkpoint(HparamsMLP, tmp_path)
+
+
+@pytest.mark.parametrize("name", [".metadata", "trainer_state.pt"])
+def test_a_crafted_pickle_is_refused_unrun_unless_trusted(tmp_path, name):
+    path = tmp_path / "mlp.ckpt"
+    expected = save_mlp(path)
+    marker = tmp_path / "payload_ran"
+    craft(path, name, marker)
+    with pytest.raises(CheckpointError, match="trusted=True") as raised:
+        lightning_zero3.load_checkpoint(path)
+    assert str(path / name) in str(raised.value) and not marker.exists()
+    checkpoint = lightning_zero3.load_checkpoint(path, trusted=True)
+    assert marker.exists()  # trusting runs what the pickle names: that is the opt-in
+    assert all(torch.equal(checkpoint["state_dict"][k], v) for k, v in expected.items())
+
+
+def test_tied_weights_share_one_tensor_as_in_module_state_dict(tmp_path):
+    from lightning_zero3 import ShardedModel
+    from lightning_zero3.checkpoint import save_sharded
+    from tests.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    sharded = ShardedModel(model)
+    save_sharded(tmp_path / "gpt.ckpt", sharded, {"state_dict": model.state_dict()})
+    state = lightning_zero3.load_checkpoint(tmp_path / "gpt.ckpt")["state_dict"]
+    assert state["lm_head.weight"] is state["wte.weight"]
+    assert state.keys() == sharded.full_state_dict(to_rank=None).keys()
