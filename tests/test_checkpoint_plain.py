@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 
 import lightning_zero3
 from lightning_zero3 import CheckpointError
+from lightning_zero3.checkpoint.trust import read_dcp_index
 from tests.lit import LitMLP, become_lightning_rank, dataset, loader, trainer
 from tests.ranks import run_ranks
 from tests.test_checkpoint_trust import craft, save_mlp
@@ -31,18 +33,41 @@ class HparamsMLP(LitMLP):
         self.save_hyperparameters()
 
 
+class CountingCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint that counts its saves on this rank (as Lightning's
+    ModelCheckpointTestInvocations does)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.on_save_checkpoint_count = 0
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        self.on_save_checkpoint_count += 1
+
+
 def _fit_and_predict_best(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     become_lightning_rank(rank, world_size)
     torch.manual_seed(0)
     model = HparamsMLP(lr=0.02, note="trained")
-    checkpoint = ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1)
+    checkpoint = CountingCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1)
     options = dict(max_epochs=2, enable_checkpointing=True, callbacks=[checkpoint])
     fit = trainer(lightning_zero3.ZeRO3Strategy(), world_size, **options)
-    fit.fit(model, loader(world_size), loader(world_size))
+    with mock.patch("torch.save", wraps=torch.save) as save_mock:  # counted as Lightning's tests count
+        fit.fit(model, loader(world_size), loader(world_size))
+    # DCP serializes each tensor chunk with torch.save; anything else is a torch.save of ours.
+    saves = [type(call.args[0]).__name__ for call in save_mock.call_args_list]
     predict = trainer(lightning_zero3.ZeRO3Strategy(), world_size)
     predictions = predict.predict(model, DataLoader(dataset(), batch_size=8), ckpt_path=checkpoint.best_model_path)
     state = {k: v.clone() for k, v in model.state_dict().items()}  # whole again after predict
-    return {"best": checkpoint.best_model_path, "predictions": torch.cat(predictions), "state": state}
+    return {
+        "best": checkpoint.best_model_path,
+        "predictions": torch.cat(predictions),
+        "state": state,
+        "checkpoints": checkpoint.on_save_checkpoint_count,
+        "chunk_saves": saves.count("Tensor"),
+        "other_saves": [name for name in saves if name != "Tensor"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +76,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     rank0, rank1 = run_ranks(_fit_and_predict_best, 2, str(tmp_path_factory.mktemp("plain")))
     # Predict's DistributedSampler (no shuffle) gives rank r the samples r, r + 2, ...
     predictions = torch.stack([rank0["predictions"], rank1["predictions"]], dim=1).flatten(0, 1)
-    return {**rank0, "predictions": predictions}
+    return {**rank0, "predictions": predictions, "ranks": [rank0, rank1]}
 
 
 def test_best_model_path_is_a_sharded_directory_that_load_from_checkpoint_loads_in_one_process(trained):
@@ -144,3 +169,16 @@ def test_tied_weights_share_one_tensor_as_in_module_state_dict(tmp_path):
     state = lightning_zero3.load_checkpoint(tmp_path / "gpt.ckpt")["state_dict"]
     assert state["lm_head.weight"] is state["wte.weight"]
     assert state.keys() == sharded.full_state_dict(to_rank=None).keys()
+
+
+def test_each_rank_saves_once_per_checkpoint_and_torch_save_runs_only_for_dcp_chunks_and_rank_0s_state(trained):
+    """Adapted from Lightning's `test_model_checkpoint_no_extraneous_invocations` and
+    `test_top_k_ddp` (which count torch.save calls): ModelCheckpoint saves once per epoch on every
+    rank; our code calls torch.save once per checkpoint, on rank 0 (trainer_state.pt), as DDP
+    does; every other call is DCP writing one tensor chunk into the rank's one shard file."""
+    index = read_dcp_index(Path(trained["best"]) / ".metadata", trusted=False)
+    for rank, result in enumerate(trained["ranks"]):
+        assert result["checkpoints"] == 2  # max_epochs=2, one save per epoch, on every rank
+        assert result["other_saves"] == (["dict"] * 2 if rank == 0 else [])
+        chunks = sum(info.relative_path == f"__{rank}_0.distcp" for info in index.storage_data.values())
+        assert chunks > 0 and result["chunk_saves"] == 2 * chunks
