@@ -143,6 +143,12 @@ def test_a_directory_that_is_no_checkpoint_is_a_checkpoint_error_not_is_a_direct
         lightning_zero3.load_from_checkpoint(HparamsMLP, tmp_path)
 
 
+def test_load_from_checkpoint_of_a_checkpoint_no_trainer_saved_says_how_to_load_its_state_dict(tmp_path):
+    save_mlp(tmp_path / "mlp.ckpt")  # saved by the engine: no Lightning version, no hyper-parameters
+    with pytest.raises(CheckpointError, match=r"not saved by Lightning's Trainer.*load_checkpoint\(path\)"):
+        lightning_zero3.load_from_checkpoint(HparamsMLP, tmp_path / "mlp.ckpt")
+
+
 @pytest.mark.parametrize("name", [".metadata", "trainer_state.pt"])
 def test_a_crafted_pickle_is_refused_unrun_unless_trusted(tmp_path, name):
     path = tmp_path / "mlp.ckpt"

@@ -23,10 +23,12 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_zero3.checkpoint.consolidate import deferred_checkpoint, materialized
+from lightning_zero3.checkpoint.errors import CheckpointError
 from lightning_zero3.checkpoint.format import open_sharded
 from lightning_zero3.checkpoint.load import load_full_file
 
 ModuleT = TypeVar("ModuleT")
+_LIGHTNING_VERSION_KEY = "pytorch-lightning_version"  # every checkpoint a Trainer saves has it
 
 
 def load_checkpoint(
@@ -80,15 +82,24 @@ def load_from_checkpoint(
     what they mean in Lightning's `load_from_checkpoint`. `trusted` as in `load_checkpoint`.
 
     A sharded checkpoint is read one tensor at a time into an in-memory file that Lightning then
-    loads (Note: loading into a plain module): peak memory is about twice the weights. For a
-    model too large for that, build it yourself and load `load_checkpoint(path,
-    weights_only=True)["state_dict"]` into it (the weights once)."""
+    loads (Note: loading into a plain module): peak memory is about three times the weights (the
+    module Lightning builds, the in-memory file, the tensors loaded from it), against about twice
+    for Lightning's own load of a file. For a model too large for that, build it yourself and load
+    `load_checkpoint(path, weights_only=True)["state_dict"]` into it."""
     options: dict[str, Any] = {"map_location": map_location, "hparams_file": hparams_file, "strict": strict}
     options["weights_only"] = not trusted
     source: str | os.PathLike | io.BytesIO = path
     if Path(path).is_dir():
+        checkpoint = load_checkpoint(path, weights_only=True, trusted=trusted)
+        if _LIGHTNING_VERSION_KEY not in checkpoint:  # Lightning's migration reads it first
+            raise CheckpointError(
+                f"{path} was not saved by Lightning's Trainer (it has no '{_LIGHTNING_VERSION_KEY}'), so "
+                f"`load_from_checkpoint` cannot build a LightningModule from it: build the module yourself and load "
+                f"`lightning_zero3.load_checkpoint(path)['state_dict']` into it"
+            )
         buffer = io.BytesIO()
-        torch.save(load_checkpoint(path, weights_only=True, trusted=trusted), buffer)
+        torch.save(checkpoint, buffer)
+        del checkpoint
         buffer.seek(0)
         source = buffer
     return cls.load_from_checkpoint(source, **options, **kwargs)  # type: ignore[attr-defined]
