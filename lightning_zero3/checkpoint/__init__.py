@@ -6,6 +6,7 @@ Framework-independent (no Lightning import): a Lightning checkpoint is only a di
     save.py         save_sharded: every rank writes its pieces; rank 0 swaps the directory in
     load.py         load_sharded (model and optimizers, at this run's world size), full files
     consolidate.py  one ordinary checkpoint file from a sharded directory, one tensor at a time
+    plain.py        either kind read into one process: load_checkpoint (a dict), load_from_checkpoint
     files.py        checksums, synced writes, atomic replace and remove [Note: what a save may replace]
     trust.py        what loading trusts: restricted unpickling, plain names [Note: checkpoint trust model]
     errors.py       CheckpointError; ranks agree before any collective [Note: no hang on a bad checkpoint]
@@ -34,6 +35,7 @@ from lightning_zero3.checkpoint.load import (
     load_sharded_model,
     load_sharded_optimizers,
 )
+from lightning_zero3.checkpoint.plain import load_checkpoint, load_from_checkpoint
 from lightning_zero3.checkpoint.save import save_sharded, sharded_optimizer_state
 
 __all__ = [
@@ -52,6 +54,8 @@ __all__ = [
     "describe_mismatch",
     "fingerprint",
     "is_sharded_checkpoint",
+    "load_checkpoint",
+    "load_from_checkpoint",
     "load_full_file",
     "load_sharded",
     "load_sharded_model",

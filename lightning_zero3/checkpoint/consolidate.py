@@ -291,6 +291,43 @@ def _optimizer_states(ckpt: ShardedCheckpoint, reader: _Reader, objects: list[di
     return states
 
 
+def deferred_checkpoint(
+    ckpt: ShardedCheckpoint, *, weights_only: bool = False, cast: torch.dtype | None = None
+) -> dict[str, Any]:
+    """The Lightning checkpoint dict `ckpt` was saved from, in its saved key order, with every
+    tensor a `_Deferred` that reads it whole from the shards when materialized (tied weights:
+    one `_Deferred` under every name). `weights_only` leaves out optimizer states, LR schedulers
+    and callback states; `cast` casts the floating-point tensors of the state dict."""
+    trainer_state = ckpt.trainer_state()
+    reader = _Reader(ckpt.path, trusted=ckpt.trusted, index=ckpt.index)
+    state_dict = _state_dict(ckpt, reader, trainer_state["state_dict"], cast)
+    extra = dict(trainer_state["extra"])
+    optimizer_states = None
+    if weights_only:
+        for key in ("lr_schedulers", "callbacks"):
+            extra.pop(key, None)
+    elif ckpt.meta["optimizers"] is not None:
+        optimizer_states = _optimizer_states(ckpt, reader, trainer_state["optimizers"])
+    return in_saved_order({**trainer_state, "extra": extra}, state_dict, optimizer_states)
+
+
+def materialized(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """`obj` with every `_Deferred` read into a tensor, one at a time; a `_Deferred` found under
+    several names (tied weights) becomes one tensor under each."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, _Deferred):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.materialize()
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+        out.update((k, materialized(v, memo)) for k, v in obj.items())
+        return out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(materialized(v, memo) for v in obj)
+    return obj
+
+
 # ---- the entry point ------------------------------------------------------------------------
 def consolidate_checkpoint(
     src: str | os.PathLike,
@@ -327,24 +364,14 @@ def consolidate_checkpoint(
     cast = _parse_dtype(dtype)
     _check_destination(src, dst)
     ckpt = open_sharded(src, verify=verify, trusted=trusted)
-    trainer_state = ckpt.trainer_state()
-    reader = _Reader(src, trusted=trusted, index=ckpt.index)
-    state_dict = _state_dict(ckpt, reader, trainer_state["state_dict"], cast)
+    output = deferred_checkpoint(ckpt, weights_only=weights_only or safetensors, cast=cast)
     if safetensors:
-        tensors = {k: v for k, v in state_dict.items() if isinstance(v, _Deferred)}
-        extra = trainer_state["extra"]
+        tensors = {k: v for k, v in output["state_dict"].items() if isinstance(v, _Deferred)}
+        extra = ckpt.trainer_state()["extra"]
         meta = {"format": "pt", "source": str(src),
                 **{k: str(extra[k]) for k in ("epoch", "global_step") if k in extra}}  # fmt: skip
         unique = list(tensors.values())
     else:
-        extra = dict(trainer_state["extra"])
-        optimizer_states = None
-        if weights_only:
-            for key in ("lr_schedulers", "callbacks"):
-                extra.pop(key, None)
-        elif ckpt.meta["optimizers"] is not None:
-            optimizer_states = _optimizer_states(ckpt, reader, trainer_state["optimizers"])
-        output = in_saved_order({**trainer_state, "extra": extra}, state_dict, optimizer_states)
         unique = list({id(t): t for t in _find_deferred(output)}.values())
     done = Progress(0, len(unique), 0, sum(t.nbytes for t in unique))
 
@@ -423,4 +450,4 @@ def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-__all__ = ["ConsolidationSummary", "Progress", "consolidate_checkpoint"]
+__all__ = ["ConsolidationSummary", "Progress", "consolidate_checkpoint", "deferred_checkpoint", "materialized"]

@@ -215,7 +215,10 @@ def load_full_file(path: str | os.PathLike, *, weights_only: bool | None = None)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     if path.is_dir():
-        raise CheckpointError(f"{path} is a directory: open it with `open_sharded`")
+        raise CheckpointError(
+            f"{path} is a directory, not a checkpoint file: a sharded checkpoint is loaded with `load_sharded` (on "
+            f"every rank) or, in one process, with `lightning_zero3.load_checkpoint` / `load_from_checkpoint`"
+        )
     try:
         try:
             checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)

@@ -39,7 +39,8 @@ from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
 
 TRUST_HINT = (
     "If you trust where this checkpoint comes from, load it with ZeRO3Strategy(trust_checkpoint=True) "
-    "(or `python -m lightning_zero3 consolidate --trust-checkpoint`)"
+    "(or lightning_zero3.load_checkpoint / load_from_checkpoint(..., trusted=True), or "
+    "`python -m lightning_zero3 consolidate --trust-checkpoint`)"
 )
 
 
