@@ -176,7 +176,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's way; not in its stubs
 
     # ---- building and sharding the model ----------------------------------------------------
     @override
@@ -234,8 +234,9 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             plugin.scaler = AgreeingGradScaler.like(plugin.scaler, sharded, device=self.root_device.type)
         return module
 
+    # Lightning's base annotates the deprecated `_LRScheduler`, which e.g. LambdaLR is not; any LRScheduler works.
     @override
-    def setup_module_and_optimizers(
+    def setup_module_and_optimizers(  # type: ignore[override]
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: LRScheduler | None = None
     ) -> tuple[nn.Module, list[Optimizer], LRScheduler | None]:
         # Checked before sharding, so that a mistake leaves the model untouched.

@@ -46,5 +46,6 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     trainer = getattr(module, "_trainer", None)
     strategy = trainer.strategy if trainer is not None else None
     if not isinstance(strategy, ZeRO3Strategy):
-        return lightning_grad_norm(module, norm_type, group_separator)
+        # Lightning annotates dict[str, float] but returns tensors (lightning 2.5-2.6).
+        return lightning_grad_norm(module, norm_type, group_separator)  # type: ignore[return-value]
     return sharded_grad_norm(strategy.sharded_model, module, norm_type, group_separator)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
@@ -17,6 +17,7 @@ from torch import nn
 from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 STATE_DICT_TYPES = ("sharded", "full")
 
 _DTYPES = {
@@ -40,7 +41,7 @@ class ShardingOptions:
     param_init_fn: Callable[[nn.Module], None] | None
     state_dict_type: str
     timeout: timedelta
-    start_method: str
+    start_method: StartMethod
     # Reduce-Scatters left running while backward continues; None: 2 on CUDA, 0 elsewhere.
     reductions_in_flight: int | None = None
     # Unpickle checkpoint files without restrictions (checkpoint/trust.py).

@@ -249,7 +249,7 @@ class ZeRO3Strategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's way; not in its stubs
 
     # ---- setup ------------------------------------------------------------------------------
     @override

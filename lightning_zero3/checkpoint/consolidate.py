@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -106,7 +106,7 @@ class _Deferred:
             tensor = tensor.clone()  # a view of a bigger storage: write only this tensor's bytes
         return tensor
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         # Pickled as torch pickles a contiguous CPU tensor; the storage is a persistent id.
         stride = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
         return torch._utils._rebuild_tensor_v2, (_DeferredStorage(self), 0, self.shape, stride, False, OrderedDict())
@@ -229,7 +229,8 @@ def _stream_safetensors(
             tensor = deferred.materialize()
             if sys.byteorder != "little":
                 raise CheckpointError("safetensors output needs a little-endian machine")
-            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
+            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
             on_tensor(deferred.nbytes)
             del tensor
         f.flush()

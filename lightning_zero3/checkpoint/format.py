@@ -203,9 +203,12 @@ class Pieces:
             from torch.distributed.device_mesh import DeviceMesh
 
             shard, replicate = self.model.comm, self.model.replicate_comm
+            # Only built when distributed (`sharded`), where every Comm has its group.
+            assert shard.group is not None
             if replicate is None:
                 mesh = DeviceMesh.from_group(shard.group, device_type)
             else:
+                assert replicate.group is not None
                 layout = torch.arange(self.model.world_comm.world_size).reshape(replicate.world_size, shard.world_size)
                 groups = [replicate.group, shard.group]
                 mesh = DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("replicate", "shard"))

@@ -79,9 +79,9 @@ class _Loads:
         self.ckpt = ckpt
         self.pieces = Pieces(model)
         self.targets: dict[str, torch.Tensor] = {}
-        self.after: list[Callable[[], None]] = []
+        self.after: list[Callable[[], object]] = []
 
-    def into_shard(self, key: str, kind: str, sp: ShardedParam, shard: torch.Tensor) -> None:
+    def into_shard(self, key: str, kind: str | None, sp: ShardedParam, shard: torch.Tensor) -> None:
         """Fill this rank's `shard` (padded, 1-D) of parameter `sp` from `key`."""
         if kind == "sharded":
             self.targets[key] = self.pieces.sharded(shard[: sp.valid_numel()], sp.numel)
@@ -90,7 +90,7 @@ class _Loads:
         start, valid = sp.rank * sp.shard_numel, sp.valid_numel()
         self.after.append(lambda: shard[:valid].copy_(full.reshape(-1)[start : start + valid]))
 
-    def into_whole(self, key: str, kind: str, tensor: torch.Tensor) -> None:
+    def into_whole(self, key: str, kind: str | None, tensor: torch.Tensor) -> None:
         """Fill a tensor every rank holds whole (a buffer, a persistent parameter)."""
         self.targets[key] = tensor.reshape(-1) if kind == "sharded" else tensor
 
@@ -136,6 +136,7 @@ def load_sharded_optimizers(
                         info["kind"] == "sharded" or tuple(info["shape"]) == tuple(sp.full_shape)
                     )
                     if shard_now:
+                        assert sp is not None  # shard_now implies it
                         entry[k] = torch.zeros(sp.shard_numel, dtype=dtype, device=sp.param.device)
                         loads.into_shard(key, info["kind"], sp, entry[k])
                     elif info["kind"] == "sharded":  # a parameter this run keeps whole

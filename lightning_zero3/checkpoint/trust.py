@@ -146,10 +146,10 @@ def _admitted() -> dict[tuple[str, str], Any]:
         if obj is not None:
             admitted[(module, name)] = obj
     admitted[("torch", "Size")] = torch.Size
-    for cls in (PosixPath, WindowsPath, PurePosixPath, PureWindowsPath):  # StorageMeta.checkpoint_id
-        admitted[("pathlib", cls.__name__)] = cls
-    for cls in (dict, list, tuple, set, frozenset, str, bytes, int, float, bool, complex):
-        admitted[("builtins", cls.__name__)] = cls
+    for path_cls in (PosixPath, WindowsPath, PurePosixPath, PureWindowsPath):  # StorageMeta.checkpoint_id
+        admitted[("pathlib", path_cls.__name__)] = path_cls
+    for builtin in (dict, list, tuple, set, frozenset, str, bytes, int, float, bool, complex):
+        admitted[("builtins", builtin.__name__)] = builtin
     admitted[("collections", "OrderedDict")] = OrderedDict
     return admitted
 

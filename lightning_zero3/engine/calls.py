@@ -74,7 +74,7 @@ class UnitCall:
         self.versions: tuple[int, ...] = ()
 
 
-def engine_mode() -> AbstractContextManager[None]:
+def engine_mode() -> AbstractContextManager[object]:
     """Inference mode off, gradients off, for the engine's own tensors (hooks.py, Note: inference mode)."""
     if not torch.is_inference_mode_enabled():
         return nullcontext()

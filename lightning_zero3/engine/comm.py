@@ -154,7 +154,7 @@ class Comm:
         # real NCCL collectives at world size 1.
         self.one_rank_shortcut = True
         # Global rank of each group rank: point-to-point calls and broadcasts name global ranks.
-        self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)] if self.distributed else []
+        self._global = [self._global_rank(r) for r in range(self.world_size)] if self.distributed else []
         # Unit tags received, checked once per step (tags.py); the model names the units.
         self.tags = TagLedger(rank=self.rank, unit_name=lambda uid: f"unit {uid}")
         # Streams per device (Note: streams).
@@ -197,6 +197,11 @@ class Comm:
             f"{collective} of {what} failed on rank {self.rank}: {err}. This rank's last collectives, "
             f"oldest first: {recent}.{step}{COLLECTIVE_HINT}"
         )
+
+    def _global_rank(self, group_rank: int) -> int:
+        """The global rank of `group_rank`; only when distributed, where `group` is always set."""
+        assert self.group is not None
+        return dist.get_global_rank(self.group, group_rank)
 
     def _count(self, kind: Collective, payload_bytes: int, ring_factor: float) -> None:
         n = self.world_size
@@ -292,7 +297,7 @@ class Comm:
         if not self.distributed:
             return
         try:
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+            dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
         except RuntimeError as err:
             raise self.failed("Broadcast", what, err) from err
 

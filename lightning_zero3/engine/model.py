@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,9 @@ class ShardedModel:
                      param_dtype=param_dtype, reduce_dtype=reduce_dtype, pool=self.pool)
             )
         # Read from the module: materialising may have replaced the parameter objects.
-        self.persistent: list[nn.Parameter] = [m._parameters[a] for m, a in (e.owners[0] for e in self.plan.persistent)]
+        # The plan lists registered parameters only, never a None slot.
+        owners = (e.owners[0] for e in self.plan.persistent)
+        self.persistent: list[nn.Parameter] = cast(list[nn.Parameter], [m._parameters[a] for m, a in owners])
         self._live_calls = [0] * len(self.units)
         self.comm.tags.set_unit_names(self._unit_name)
         self.comm.describe_step = self._describe_step

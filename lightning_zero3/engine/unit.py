@@ -46,11 +46,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero3.engine.buffers import BufferPool
-from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.comm import Comm, Works
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.tags import OrderMismatchError, exact_integers
 
@@ -268,7 +269,8 @@ class Unit:
                 self._refill(storage, into[0].dtype)
             # A fresh tensor on the same storage: writing through it leaves autograd's version
             # counters of `into` alone.
-            block = torch.empty(0, dtype=into[0].dtype, device=into[0].device).set_(storage, 0, (self.block_numel,))
+            empty = torch.empty(0, dtype=into[0].dtype, device=into[0].device)
+            block = empty.set_(storage, 0, (self.block_numel,), (1,))
             fulls = list(into)
         sizes = [p.shard_numel for p in self.params]
         with torch.no_grad():
@@ -292,7 +294,8 @@ class Unit:
         """Give an emptied full-parameter storage a block of memory again."""
         if _SWAP_STORAGE:
             block = self.pool.take(self.block_numel, dtype, storage.device)
-            storage._swap_data_ptr_(block.untyped_storage())  # the block's memory moves into `storage`
+            # the block's memory moves into `storage`; private API, not in torch's stubs (Note: full-parameter blocks)
+            storage._swap_data_ptr_(block.untyped_storage())  # type: ignore[attr-defined]
         else:
             storage.resize_(self.block_numel * dtype.itemsize)
 
@@ -307,8 +310,9 @@ class Unit:
             return
         if _SWAP_STORAGE and storage.size() == self.block_numel * fulls[0].element_size():
             holder = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device)
-            holder.untyped_storage()._swap_data_ptr_(storage)  # `storage` is left empty
-            self.pool.give(holder.set_(holder.untyped_storage(), 0, (self.block_numel,)))
+            # `storage` is left empty; private API, not in torch's stubs (Note: full-parameter blocks)
+            holder.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]
+            self.pool.give(holder.set_(holder.untyped_storage(), 0, (self.block_numel,), (1,)))
         else:
             storage.resize_(0)
 
@@ -418,7 +422,7 @@ class PendingReduce:
     """A Reduce-Scatter (then, with shard groups, an All-Reduce) in flight. `full` and the
     gradients are kept until the wait: the collective and the copy-in read them on their streams."""
 
-    work: object
+    work: dist.Work | Works | None  # None: nothing to wait for (one rank)
     out: torch.Tensor
     full: torch.Tensor
     present: list[bool]
