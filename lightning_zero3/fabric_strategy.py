@@ -36,12 +36,9 @@ from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _Sub
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from torch import Tensor, nn
@@ -51,7 +48,14 @@ from typing_extensions import override
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_norm_
 from lightning_zero3.engine.plan import WrapPolicy
-from lightning_zero3.options import join_process_group, mixed_precision_dtype, validated_options
+from lightning_zero3.options import (
+    barrier,
+    broadcast_object,
+    join_process_group,
+    mixed_precision_dtype,
+    set_world_ranks,
+    validated_options,
+)
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -173,10 +177,10 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         )  # fmt: skip
 
     def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's way; not in its stubs
+        set_world_ranks(
+            self.cluster_environment, node_rank=self.node_rank, local_rank=self.local_rank,
+            num_processes=self.num_processes, num_nodes=self.num_nodes, global_rank=self.global_rank,
+        )  # fmt: skip
 
     # ---- building and sharding the model ----------------------------------------------------
     @override
@@ -217,11 +221,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             reduce_dtype=options.reduce_dtype,
             param_init_fn=options.param_init_fn,
             device=self.root_device,
-            reductions_in_flight=(
-                options.reductions_in_flight
-                if options.reductions_in_flight is not None
-                else 2 if self.root_device.type == "cuda" else 0
-            ),
+            reductions_in_flight=options.reductions_in_flight,
         )
         self._sharded[id(module)] = sharded
         after = dict(module.named_parameters(remove_duplicate=False))
@@ -373,20 +373,11 @@ class ZeRO3FabricStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return broadcast_object(obj, src)
 
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------
     @override

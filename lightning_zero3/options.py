@@ -7,15 +7,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
 
+T = TypeVar("T")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 STATE_DICT_TYPES = ("sharded", "full")
@@ -139,3 +142,33 @@ def join_process_group(
             f"global rank {env.global_rank()}). Check that every node runs the same command with the same "
             f"num_nodes and devices, and that the main address and port are reachable. Cause: {err}"
         ) from err
+
+
+# ---- what both strategies do the same way with the default process group -------------------
+def barrier(device: torch.device) -> None:
+    """Wait for every rank (NCCL needs the device to wait on)."""
+    if not _distributed_is_initialized():
+        return
+    if torch.distributed.get_backend() == "nccl":
+        torch.distributed.barrier(device_ids=[device.index])
+    else:
+        torch.distributed.barrier()
+
+
+def broadcast_object(obj: T, src: int) -> T:
+    """`obj` from rank `src` on every rank (pickled: small control values only)."""
+    if not _distributed_is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+    return box[0]
+
+
+def set_world_ranks(env: ClusterEnvironment | None, *, node_rank: int, local_rank: int, num_processes: int,
+                    num_nodes: int, global_rank: int) -> None:  # fmt: skip
+    """Tell the cluster environment this rank's global rank and the world size, and
+    Lightning's rank-zero utilities who rank zero is."""
+    if env is not None:
+        env.set_global_rank(node_rank * num_processes + local_rank)
+        env.set_world_size(num_nodes * num_processes)
+    rank_zero_only.rank = global_rank  # type: ignore[attr-defined]  # Lightning's way; not in its stubs

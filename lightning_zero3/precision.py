@@ -93,18 +93,10 @@ def sharded_precision(plugin: Precision, sharded: ShardedModel, *, device: torch
     return new
 
 
-def mixed_precision_dtype(plugin: Precision) -> torch.dtype | None:
-    """The gather dtype a Trainer precision flag implies: 16-bit for the "-mixed" flags."""
-    if isinstance(plugin, MixedPrecision):
-        return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
-    return None
-
-
 __all__ = [
     "ZeRO3DoublePrecision",
     "ZeRO3HalfPrecision",
     "ZeRO3MixedPrecision",
     "ZeRO3Precision",
-    "mixed_precision_dtype",
     "sharded_precision",
 ]

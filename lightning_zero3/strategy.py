@@ -21,11 +21,9 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
@@ -60,8 +58,15 @@ from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.plan import WrapPolicy
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
-from lightning_zero3.options import join_process_group, validated_options
-from lightning_zero3.precision import mixed_precision_dtype, sharded_precision
+from lightning_zero3.options import (
+    barrier,
+    broadcast_object,
+    join_process_group,
+    mixed_precision_dtype,
+    set_world_ranks,
+    validated_options,
+)
+from lightning_zero3.precision import sharded_precision
 from lightning_zero3.summary import count_full_parameters
 
 log = logging.getLogger(__name__)
@@ -244,12 +249,10 @@ class ZeRO3Strategy(ParallelStrategy):
         )
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's way; not in its stubs
+        set_world_ranks(
+            self.cluster_environment, node_rank=self.node_rank, local_rank=self.local_rank,
+            num_processes=self.num_processes, num_nodes=self.num_nodes, global_rank=self.global_rank,
+        )  # fmt: skip
 
     # ---- setup ------------------------------------------------------------------------------
     @override
@@ -287,20 +290,15 @@ class ZeRO3Strategy(ParallelStrategy):
             prefetch=self.prefetch,
             persistence_threshold=self.persistence_threshold,
             shard_size=self.shard_size if self.shard_size != self.world_size else None,
-            param_dtype=self.param_dtype or mixed_precision_dtype(self.precision_plugin),
+            param_dtype=self.param_dtype or mixed_precision_dtype(getattr(self.precision_plugin, "precision", "")),
             reduce_dtype=self.reduce_dtype,
             param_init_fn=self.param_init_fn,
             device=self.root_device,
-            reductions_in_flight=self._reductions_in_flight(),
+            reductions_in_flight=self.reductions_in_flight,
         )
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, self.sharded, device=self.root_device)
         return _RootCall(module)
-
-    def _reductions_in_flight(self) -> int:
-        if self.reductions_in_flight is not None:
-            return self.reductions_in_flight
-        return 2 if self.root_device.type == "cuda" else 0
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -375,20 +373,11 @@ class ZeRO3Strategy(ParallelStrategy):
     # ---- collectives Lightning uses for metrics/logging -----------------------------------
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return broadcast_object(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:

@@ -40,7 +40,10 @@ def test_overlapping_reductions_are_exact_under_lightning() -> None:
 def test_reductions_in_flight_defaults_to_none_on_cpu_and_rejects_bad_values() -> None:
     from lightning_zero3 import ZeRO3Strategy
 
-    assert ZeRO3Strategy().reductions_in_flight is None  # resolved at setup: 2 on CUDA, 0 elsewhere
+    assert ZeRO3Strategy().reductions_in_flight is None  # resolved by the engine: 2 on CUDA, 0 elsewhere
+    from lightning_zero3.engine import ShardedModel
+
+    assert ShardedModel(torch.nn.Linear(4, 4)).reductions_in_flight == 0  # CPU parameters
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="reductions_in_flight"):
             ZeRO3Strategy(reductions_in_flight=bad)
