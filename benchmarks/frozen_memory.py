@@ -29,6 +29,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.ranks
 
+from benchmarks.measure import reset_peak_rss, status_bytes  # noqa: E402
 from lightning_zero3.engine import ShardedModel  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 
@@ -47,17 +48,6 @@ class Stack(nn.Module):
         return x
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) becomes the current resident set (VmRSS)
-    return _status("VmRSS")
-
-
 def measure(rank: int, world_size: int, frozen: bool, steps: int) -> dict:
     with torch.device("meta"):
         model = Stack()
@@ -68,7 +58,7 @@ def measure(rank: int, world_size: int, frozen: bool, steps: int) -> dict:
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
-    setup = _reset_peak()
+    setup = reset_peak_rss()
     for _ in range(steps):
         loss = (model(x) - y).pow(2).mean()
         loss.backward()
@@ -76,7 +66,7 @@ def measure(rank: int, world_size: int, frozen: bool, steps: int) -> dict:
         optimizer.zero_grad(set_to_none=False)  # keep the gradient shards: they are step memory
     return {
         "setup_mib": setup / MB,
-        "step_growth_mib": (_status("VmHWM") - setup) / MB,
+        "step_growth_mib": (status_bytes("VmHWM") - setup) / MB,
         "peak_units": sharded.unit_stats.peak,
     }
 

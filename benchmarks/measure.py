@@ -162,30 +162,33 @@ def model_state_bytes(params: Iterable[torch.Tensor], optimizers: Iterable[torch
     }
 
 
-def _status_kib(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, RssFile, ...) in bytes; 0 if absent."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
-                return int(line.split()[1])
+                return int(line.split()[1]) * 1024
     return 0
 
 
-def reset_peak_rss() -> None:
-    """Restart the kernel's peak-RSS mark at the current RSS (Linux >= 4.0), so a rank's peak
-    is its own and not the forkserver's it was forked from."""
+def reset_peak_rss() -> int:
+    """Restart the kernel's peak-RSS mark (VmHWM) at the current RSS (Linux >= 4.0), so a
+    peak measured from here is this process's own and not, e.g., the forkserver's it was forked
+    from. Returns the current RSS in bytes."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         pass
+    return rss_bytes()
 
 
 def rss_bytes() -> int:
-    return _status_kib("VmRSS") * 1024
+    return status_bytes("VmRSS")
 
 
 def peak_rss_bytes() -> int:
-    return _status_kib("VmHWM") * 1024
+    return status_bytes("VmHWM")
 
 
 class StepRecorder:

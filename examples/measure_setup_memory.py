@@ -36,6 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.ranks
 
+from benchmarks.measure import reset_peak_rss, status_bytes  # noqa: E402
 from lightning_zero3.engine import ShardedModel  # noqa: E402
 from lightning_zero3.engine.materialize import parameters_on_meta  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
@@ -51,44 +52,33 @@ class Wide(nn.Module):
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048)) for _ in range(12))
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) becomes the current resident set (VmRSS)
-    return _status("VmRSS")
-
-
 def measure(rank: int, world_size: int, mode: str, path: str, restore_to: str = "cpu") -> dict:
     # No mallopt: glibc's defaults, as users run. (A fixed M_MMAP_THRESHOLD, as earlier versions
     # of this script set, returns every freed 16 MiB tensor to the OS and hides heap fragmentation.)
     torch.manual_seed(rank)  # the ranks' seeds differ: rank 0's initial values are broadcast
-    start = _reset_peak()
+    start = reset_peak_rss()
     t0 = time.perf_counter()
     with torch.device("cpu") if mode == "whole" else parameters_on_meta("cpu"):
         model = Wide()
     sharded = ShardedModel(model, device="cpu")
-    result = {"setup_peak": _status("VmHWM") - start, "setup_s": time.perf_counter() - t0}
+    result = {"setup_peak": status_bytes("VmHWM") - start, "setup_s": time.perf_counter() - t0}
     result["shard_bytes"] = sum(p.param.numel() * p.param.element_size() for p in sharded.sharded_params)
     result["unit_bytes"] = max(u.numel * 4 for u in sharded.units)
     if mode.startswith("meta +"):
-        start, file_start = _reset_peak(), _status("RssFile")
+        start, file_start = reset_peak_rss(), status_bytes("RssFile")
         t0 = time.perf_counter()
         state_dict = torch.load(path, mmap=mode == "meta + mmap", weights_only=True)
         sharded.load_full_state_dict(state_dict)  # each rank copies its slice of each tensor
-        result["load_peak"] = _status("VmHWM") - start
-        result["load_file_backed"] = _status("RssFile") - file_start  # pages of the mapped file
+        result["load_peak"] = status_bytes("VmHWM") - start
+        result["load_file_backed"] = status_bytes("RssFile") - file_start  # pages of the mapped file
         result["load_s"] = time.perf_counter() - t0
         del state_dict
         probe = sharded.sharded_params[0]
         result["loaded_ok"] = bool(torch.equal(probe.param.detach(), _expected_slice(path, probe)))
     if mode == "meta":
-        start = _reset_peak()
+        start = reset_peak_rss()
         sharded.restore_module(device=restore_to)
-        result["restore_peak"] = _status("VmHWM") - start
+        result["restore_peak"] = status_bytes("VmHWM") - start
     return result
 
 

@@ -83,3 +83,23 @@ def test_writes_without_modifier_rank_are_discarded(persistence_threshold):
         assert max(result["restored"].values()) == 0.0, f"rank {rank} kept a write: {result['restored']}"
         assert result["untouched"] == 0.0, f"rank {rank}: parameters nobody wrote changed"
         assert (result["persistent"] > 0) == (persistence_threshold > 0)
+
+
+@pytest.mark.parametrize("use", ["gathered_parameters", "full_state_dict"])
+def test_whole_parameters_outside_forward_return_their_block_to_the_pool(use: str) -> None:
+    """The whole-parameter block such a gather takes goes back to the pool afterwards, so
+    repeated calls (a callback each step, a full checkpoint each epoch) reuse one block instead
+    of allocating a unit's worth of memory every time."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    sharded = ShardedModel(model)  # one process: one unit per Linear, both of one size
+    unit = sharded.units[-1]
+    for _ in range(3):
+        if use == "gathered_parameters":
+            with sharded.gathered_parameters():
+                pass
+        else:
+            sharded.full_state_dict()
+    receive = unit.world_size * unit.row_numel(unit.shard_dtype) * 4
+    block = unit.block_numel * 4
+    whole_at_once = 2 if use == "gathered_parameters" else 1  # the whole model at once, or unit by unit
+    assert sharded.pool.cached_bytes == receive + whole_at_once * block  # reused by every call

@@ -10,6 +10,7 @@ import functools
 
 from torch import nn
 
+from benchmarks.measure import reset_peak_rss, status_bytes
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.materialize import parameters_on_meta
 from tests.ranks import run_ranks
@@ -17,26 +18,17 @@ from tests.ranks import run_ranks
 MB = 2**20
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
 def _setup_growth(rank: int, world_size: int) -> dict:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) becomes the current resident set (VmRSS)
-    start = _status("VmRSS")
+    start = reset_peak_rss()  # the peak (VmHWM) becomes the current resident set (VmRSS)
     with parameters_on_meta("cpu"):  # what the strategy's configure_model context does
         model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(24)])  # 384 MiB, 16 MiB per layer
     sharded = ShardedModel(model, device="cpu")
-    setup_peak = _status("VmHWM") - start
+    setup_peak = status_bytes("VmHWM") - start
     is_sharded = all(p.dim() == 1 and not p.is_meta for p in model.parameters())
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    start = _status("VmRSS")
+    start = reset_peak_rss()
     sharded.restore_module(device="meta")  # stands in for host memory while the shards are on a GPU
     return {
-        "restore_peak": _status("VmHWM") - start,
+        "restore_peak": status_bytes("VmHWM") - start,
         "peak": setup_peak,
         "model": sum(p.numel * 4 for p in sharded.sharded_params),
         "unit": max(u.numel * 4 for u in sharded.units),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from benchmarks.measure import reset_peak_rss, status_bytes
 from lightning_zero3.engine import ShardedModel
 from tests.ranks import run_ranks
 
@@ -22,26 +23,15 @@ class _Wide(nn.Module):
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)) for _ in range(8))
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) becomes the current resident set (VmRSS)
-    return _status("VmRSS")
-
-
 def _restore(rank: int, world_size: int, device: str) -> dict:
     # glibc's default allocator settings, as users run (no mallopt).
     with torch.device("meta"):
         model = _Wide()
     sharded = ShardedModel(model, device="cpu")
     expected = sharded.full_state_dict(to_rank=None) if device == "cpu" else {}
-    start = _reset_peak()
+    start = reset_peak_rss()
     sharded.restore_module(device=device)
-    peak = _status("VmHWM") - start
+    peak = status_bytes("VmHWM") - start
     restored = model.state_dict()
     return {
         "peak": peak,

@@ -265,7 +265,8 @@ class ShardedModel:
         registered parameters themselves hold the full data inside the block, so both
         `module.weight` and `module.parameters()` see it. With `modifier_rank=r`, rank r's
         values are broadcast on exit and every rank keeps its slice of them; otherwise changes
-        are discarded."""
+        are discarded. The whole tensors go back to the buffer pool on exit: keep a copy, not a
+        reference, of what you need after the block."""
         scope = module if module is not None else self.module
         in_scope = {id(p) for p in scope.parameters()}
         chosen = [p for p in self.sharded_params if id(p.param) in in_scope]
@@ -275,8 +276,11 @@ class ShardedModel:
         # discarded like writes to gathered ones, or the ranks drift apart.
         saved = [p.detach().clone() for p in persistent] if modifier_rank is None else []
         shards: dict[int, torch.Tensor] = {}
+        gathered: list[tuple[Unit, list[torch.Tensor]]] = []
         for unit in units:
-            for sharded, full in zip(unit.params, unit.gather(dtype=unit.shard_dtype)):
+            fulls = unit.gather(dtype=unit.shard_dtype)
+            gathered.append((unit, fulls))
+            for sharded, full in zip(unit.params, fulls):
                 if sharded in chosen:
                     shards[id(sharded)] = sharded.param.data
                     sharded.param.data = full
@@ -294,6 +298,8 @@ class ShardedModel:
                         what = f"'{sharded.name}' from rank {modifier_rank}"
                         self.world_comm.broadcast(full, src=modifier_rank, what=what)
                         sharded.load_full(full)
+            for unit, fulls in gathered:
+                unit.release(fulls)  # the blocks go back to the pool
             if modifier_rank is not None:
                 for p in persistent:
                     self.world_comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
@@ -328,11 +334,12 @@ class ShardedModel:
         for unit in self.units:
             if not unit.params:
                 continue
-            fulls = unit.gather(dtype=unit.shard_dtype)
-            if keep:
-                for sharded, full in zip(unit.params, fulls):
-                    full_by_id[id(sharded.param)] = full.detach().clone().cpu()  # own storage, not the unit's
-            del fulls
+            if keep:  # host tensors of their own; the gathered block goes back to the pool
+                outputs = [torch.empty(p.full_shape, dtype=unit.shard_dtype) for p in unit.params]
+                unit.gather_into(outputs, dtype=unit.shard_dtype)
+                full_by_id.update((id(sharded.param), out) for sharded, out in zip(unit.params, outputs))
+            else:  # every rank joins the All-Gather
+                unit.release(unit.gather(dtype=unit.shard_dtype))
         self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         if not keep:
             return {}

@@ -26,7 +26,8 @@ def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type
     if norm_type == float("inf"):
         local = torch.zeros((), device=device)
         for g in grads_sharded + grads_whole:
-            local = torch.maximum(local, g.abs().max().float())
+            if g.numel():  # an empty shard (more ranks than elements) has no maximum
+                local = torch.maximum(local, g.abs().max().float())
         model.comm.all_reduce(local, what="gradient norm (max)", op="max")
         return local
     order = float(norm_type)

@@ -330,9 +330,10 @@ class Unit:
             full = self.pool.take(n * width, self.reduce_dtype, like.device).view(n, width)  # (N, row)
             # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
             blocks = []
+            zero = full.new_zeros(())  # a parameter without a gradient (frozen): zeros, not allocated per parameter
             for p, grad in zip(self.params, grads):
                 if grad is None:
-                    blocks.append(torch.zeros(n, p.shard_numel, dtype=self.reduce_dtype, device=like.device))
+                    blocks.append(zero.expand(n, p.shard_numel))
                     continue
                 flat = grad.reshape(-1)
                 if p.numel != n * p.shard_numel:
