@@ -103,3 +103,16 @@ def test_whole_parameters_outside_forward_return_their_block_to_the_pool(use: st
     block = unit.block_numel * 4
     whole_at_once = 2 if use == "gathered_parameters" else 1  # the whole model at once, or unit by unit
     assert sharded.pool.cached_bytes == receive + whole_at_once * block  # reused by every call
+
+
+def test_evaluation_forwards_return_their_blocks_to_the_pool() -> None:
+    """A forward without autograd owes no backward: each unit's block goes back to the pool when
+    the unit's forward ends, so evaluation steps reuse blocks instead of allocating new ones."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    sharded = ShardedModel(model, prefetch=0)  # one process: one unit per Linear, both of one size
+    unit = sharded.units[-1]
+    for _ in range(3):
+        with torch.no_grad():
+            model(torch.randn(4, 32))
+    receive = unit.world_size * unit.row_numel(unit.shard_dtype) * 4
+    assert sharded.pool.cached_bytes == receive + unit.block_numel * 4  # one of each, reused

@@ -194,8 +194,14 @@ class HookDriver:
         if state is S.RESHARDED or (state is S.DONE and old is S.BACKWARD):
             with engine_mode():  # autograd keeps the tensor objects; the memory goes to the pool
                 call.unit.release(call.fulls)
+        elif state is S.DONE and old is S.FORWARD and not call.reduces:
+            # No backward is owed (evaluation, a held call, outputs without grad): the block goes
+            # back to the pool, so an evaluation step allocates no full parameters.
+            with engine_mode():
+                call.unit.release(call.fulls)
+            call.fulls = []
         elif state is S.DONE and old in (S.FORWARD, S.REDUCED_IN_FORWARD):
-            call.fulls = []  # no backward of ours needs them; they die with their last reference
+            call.fulls = []  # autograd may still hold them (GatherParams' outputs): they die with it
         call.state = state
         if (old in HOLDING) != (state in HOLDING):
             self.model.on_alive_change(call.unit, +1 if state in HOLDING else -1)
