@@ -209,8 +209,9 @@ class Unit:
             gathered = self._wait_gather()
             self.pool.give(gathered.view(-1))
 
-    def _wait_gather(self) -> torch.Tensor:
-        """Wait for the pending All-Gather; record its tags (tags.py); return the (N, row) buffer."""
+    def _finish_gather(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Wait for the pending All-Gather. Returns the (N, row) buffer, the tags its rows carry
+        ((N,) int64, a copy: the buffer is reused) and the tag this rank sent."""
         assert self._pending is not None
         work, recv, dtype, issued, tag = self._pending
         self._pending = None
@@ -223,8 +224,12 @@ class Unit:
         gathered = recv.view(self.world_size, self.row_numel(dtype))  # (N, row)
         n, s, t = self.world_size, self.shard_numel, tag_numel(dtype)
         bits = gathered[:, s : s + t].contiguous().view(torch.uint8)[:, :4].contiguous()
-        received = bits.view(torch.int32).view(n).to(torch.int64)  # (N,) a copy: the buffer is reused
-        self.comm.tags.expect("All-Gather", self.name, received, [tag] * n)
+        return gathered, bits.view(torch.int32).view(n).to(torch.int64), tag
+
+    def _wait_gather(self) -> torch.Tensor:
+        """Wait for the pending All-Gather; record its tags (tags.py); return the (N, row) buffer."""
+        gathered, received, tag = self._finish_gather()
+        self.comm.tags.expect("All-Gather", self.name, received, [tag] * self.world_size)
         return gathered
 
     def _take_gathered(self, dtype: torch.dtype) -> torch.Tensor:
@@ -239,19 +244,9 @@ class Unit:
         """Join this unit's All-Gather (what the ranks that follow the recorded order issue
         next) carrying `tag` instead of the unit's; return every rank's tag, read at once."""
         self.start_gather(tag=tag)
-        work, recv, dtype, issued, _ = self._pending  # type: ignore[misc]
-        self._pending = None
-        try:
-            self.comm.streams(recv.device).wait_for(issued)
-            self.comm.wait(work)
-        except RuntimeError as err:
-            raise self.comm.failed("All-Gather", f"unit '{self.name}'", err) from err
-        gathered = recv.view(self.world_size, self.row_numel(dtype))
-        s, t = self.shard_numel, tag_numel(dtype)
-        bits = gathered[:, s : s + t].contiguous().view(torch.uint8)[:, :4].contiguous()
-        tags = bits.view(torch.int32).view(-1).tolist()  # a sync, only when leaving the record
-        self.pool.give(recv)
-        return tags
+        gathered, received, _ = self._finish_gather()
+        self.pool.give(gathered.view(-1))
+        return received.tolist()  # a sync, only when leaving the record
 
     def gather(self, into: list[torch.Tensor] | None = None, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Full parameters of the unit, in `dtype` (default `param_dtype`; pass `shard_dtype`
@@ -353,14 +348,14 @@ class Unit:
                 self.comm.advance_reductions()  # stream-ordered: no host wait
         return pending
 
-    def _wait_scatter(self, pending: PendingReduce) -> None:
-        """Wait for the Reduce-Scatter itself; record the tag it brought (tags.py)."""
-        if pending.scattered:
-            return
-        pending.scattered = True
+    def _wait_reduction(
+        self, pending: PendingReduce, collective: str, what: str, code: int, stream: str | None
+    ) -> None:
+        """Wait for `pending`'s collective in flight (on `stream`, None: the current one) and
+        record the tag column it brought, which must read `code` (tags.py)."""
         streams = self.comm.streams(pending.out.device)
         try:
-            with streams.on("reduce" if pending.replicating else None, wait_current=False):
+            with streams.on(stream, wait_current=False):
                 streams.wait_for(pending.done)
                 if pending.work is not None:
                     pending.work.wait()
@@ -368,8 +363,16 @@ class Unit:
                 pending.done = streams.event()
         except RuntimeError as err:
             self.comm.tags.raise_pending_mismatch()
-            raise self.comm.failed("Reduce-Scatter", f"gradients of unit '{self.name}'", err) from err
-        self.comm.tags.expect("Reduce-Scatter", self.name, received, [self.reduce_code])
+            raise self.comm.failed(collective, what, err) from err
+        self.comm.tags.expect(collective, self.name, received, [code])
+
+    def _wait_scatter(self, pending: PendingReduce) -> None:
+        """Wait for the Reduce-Scatter itself; record the tag it brought (tags.py)."""
+        if pending.scattered:
+            return
+        pending.scattered = True
+        what, stream = f"gradients of unit '{self.name}'", "reduce" if pending.replicating else None
+        self._wait_reduction(pending, "Reduce-Scatter", what, self.reduce_code, stream)
 
     def start_replication(self, pending: PendingReduce) -> None:
         """With shard groups: once the Reduce-Scatter is done, All-Reduce this rank's piece
@@ -389,18 +392,9 @@ class Unit:
         n = self.world_size
         if self.replicate is not None:
             self.comm.advance_reductions(until=pending)
-            streams = self.comm.streams(pending.out.device)
-            try:
-                streams.wait_for(pending.done)
-                if pending.work is not None:
-                    pending.work.wait()
-            except RuntimeError as err:
-                self.comm.tags.raise_pending_mismatch()
-                what = f"gradients of unit '{self.name}' across shard groups"
-                raise self.comm.failed("All-Reduce", what, err) from err
             groups = self.replicate.world_size
-            received = pending.out[self.shard_numel :][:1].to(torch.int64)
-            self.comm.tags.expect("All-Reduce", self.name, received, [self.reduce_code * groups])
+            what = f"gradients of unit '{self.name}' across shard groups"
+            self._wait_reduction(pending, "All-Reduce", what, self.reduce_code * groups, None)
             n *= groups
         else:
             self._wait_scatter(pending)
