@@ -208,25 +208,32 @@ class Comm:
         wire = int(round(ring_factor * (n - 1) / n * payload_bytes))
         self.stats.current[kind.value].add(payload_bytes, wire)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str, fill_own_row: bool = True
+    ) -> Any:
         """Gather `shard` (same numel on every rank) into `output` (world_size x shard), rank-major.
-        `shard` may be this rank's row of `output` itself (in place: nothing is copied)."""
+        `shard` may be this rank's row of `output` itself (in place: nothing is copied). With
+        `fill_own_row=False` this rank's row of `output` may be left as it was: the caller reads
+        its own part from `shard`, so nothing copies it (on gloo)."""
         self._count(Collective.ALL_GATHER, output.numel() * output.element_size(), 1.0)
         self.recent.append(f"All-Gather of {what}")
         rows = output.view(self.world_size, -1)
-        if shard.data_ptr() != rows[self.rank].data_ptr():
-            rows[self.rank].copy_(shard.view(-1))
+        source = shard.view(-1)
+        if fill_own_row and shard.data_ptr() != rows[self.rank].data_ptr():
+            rows[self.rank].copy_(source)
+            source = rows[self.rank]
         if not self.distributed or (self.world_size == 1 and self.one_rank_shortcut):
             return None  # one rank: its row is the whole output
         try:
             if self._in_place(output):
                 work = Works([
-                    dist.broadcast(rows[r], src=self._global[r], group=self.group, async_op=True)
+                    dist.broadcast(source if r == self.rank else rows[r], src=self._global[r], group=self.group,
+                                   async_op=True)
                     for r in range(self.world_size)
                 ])  # fmt: skip
             else:
                 work = _native("all_gather_single", "all_gather_into_tensor")(
-                    output.view(-1), rows[self.rank], group=self.group, async_op=True
+                    output.view(-1), source, group=self.group, async_op=True
                 )
             if not async_op:
                 work.wait()

@@ -33,8 +33,8 @@ from torch import nn
 
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.plan import ParamEntry, Plan
-from lightning_zero3.engine.shard import ShardedParam, shard_numel, shard_slice
-from lightning_zero3.engine.unit import Unit
+from lightning_zero3.engine.shard import ShardedParam, shard_numel, shard_slice, tensors_in_one_row
+from lightning_zero3.engine.unit import Unit, send_row_numel
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -108,15 +108,7 @@ def shard_parameters(
                 entry_of[(id(module), attr)] = entry
     persistent = {(id(m), a) for entry in plan.persistent for m, a in entry.owners}
     # Note: shards before full tensors
-    storage = {
-        id(entry): torch.empty(
-            shard_numel(entry.param.numel(), comm.world_size),
-            dtype=entry.param.dtype,
-            device=device if entry.param.is_meta else entry.param.device,
-        )
-        for unit in plan.units
-        for entry in unit.params
-    }
+    storage = {id(entry): shard for unit in plan.units for entry, shard in _shard_storage(unit.params, comm, device)}
     shards: dict[int, ShardedParam] = {}
     for module in root.modules():
         if _is_meta(module):
@@ -157,6 +149,19 @@ def shard_parameters(
     missing = [e.names[0] for u in plan.units for e in u.params if id(e) not in shards]
     assert not missing, f"parameters not reached while sharding: {missing}"
     return shards
+
+
+def _shard_storage(
+    entries: list[ParamEntry], comm: Comm, device: torch.device
+) -> list[tuple[ParamEntry, torch.Tensor]]:
+    """Memory for one unit's shards: one buffer laid out as the unit's send row (shard.py, Note:
+    shards in one row), or one tensor each where the unit mixes dtypes or devices."""
+    places = [(e.param.dtype, device if e.param.is_meta else e.param.device) for e in entries]
+    numels = [shard_numel(e.param.numel(), comm.world_size) for e in entries]
+    if len(set(places)) != 1:
+        return [(e, torch.empty(n, dtype=d, device=dev)) for e, n, (d, dev) in zip(entries, numels, places)]
+    dtype, where = places[0]
+    return list(zip(entries, tensors_in_one_row(numels, send_row_numel(sum(numels), dtype), dtype, where)))
 
 
 def _version(module: nn.Module, buffer: str) -> int:

@@ -7,6 +7,15 @@ keeps elements [r * shard_numel, (r + 1) * shard_numel) as a 1-D `nn.Parameter`,
 the module under the original name, so optimizers, param groups and `state_dict()` see shards.
 The padding stays zero: its gradient is zero, and every optimizer we know keeps a zero with
 a zero gradient at zero (weight decay of zero is zero).
+
+[Note: shards in one row]
+The shards of one unit live back to back in one buffer, laid out as the unit's All-Gather send
+row (unit.py, Note: flat layout and unit tag): shard i at the row's offset o_i, then room for
+the tag and the alignment. A gather in the shards' dtype then sends that buffer as it is, with
+no copy of the shards into a send buffer. Each shard is still a tensor of its own on the shared
+storage (`set_`, not a slice): its own version counter, so writing one shard does not make the
+others look changed, and optimizers, `state_dict()` and checkpoints see the same separate 1-D
+Parameters as before.
 """
 
 from __future__ import annotations
@@ -21,6 +30,19 @@ from torch import nn
 def shard_numel(numel: int, world_size: int) -> int:
     """Elements each rank keeps of a parameter of `numel` elements."""
     return math.ceil(numel / world_size)
+
+
+def tensors_in_one_row(
+    numels: list[int], row_numel: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Tensors of `numels` elements, back to back from the start of one new buffer of `row_numel`
+    elements (Note: shards in one row); contents undefined."""
+    storage = torch.empty(row_numel, dtype=dtype, device=device).untyped_storage()
+    tensors, offset = [], 0
+    for numel in numels:
+        tensors.append(torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (numel,), (1,)))
+        offset += numel
+    return tensors
 
 
 def shard_slice(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -16,6 +16,9 @@ the next rank of its group and zeros elsewhere, so each rank receives its neighb
 exactly, in any dtype and at any world size (a sum of one number and zeros). Checking the
 tags (tags.py, Note: deferred tag checks) turns "ranks gathered or reduced different units of
 the same size" from silently mixed parameters into an error that names the units.
+A rank's shards live in such a row between gathers (shard.py, Note: shards in one row): a
+gather in the shards' dtype sends that row itself, and this rank's part of the full parameters
+is copied from it, not from the received buffer (on gloo nothing writes that row there).
 
 [Note: dtypes]
 Shards (the optimizer's master copy) keep the model's dtype. Gathers run in `param_dtype`
@@ -31,7 +34,7 @@ number: exact in every dtype.
 [Note: full-parameter blocks]
 The full parameters of one gather are views of one block of `world_size * S` elements taken
 from the unit's `BufferPool`, parameter i at offset `world_size * o_i` (its padded full data),
-so one `split_with_sizes_copy` moves a whole gathered buffer into place. Autograd keeps those
+so one `split_with_sizes_copy` per rank moves that rank's row into place. Autograd keeps those
 tensors (or views of them) from forward to backward, so `release` cannot drop them: it moves
 the block's memory out of their storage and back into the pool
 (`UntypedStorage._swap_data_ptr_`), leaving the storage empty, and the backward's re-gather
@@ -74,6 +77,11 @@ def aligned_numel(numel: int, dtype: torch.dtype) -> int:
 def tag_numel(dtype: torch.dtype) -> int:
     """Elements of `dtype` that hold the gather tag's 32 bits."""
     return max(1, 4 // dtype.itemsize)
+
+
+def send_row_numel(shard_numel: int, dtype: torch.dtype) -> int:
+    """Elements of one rank's All-Gather row in `dtype`: its shards, the tag, the alignment."""
+    return aligned_numel(shard_numel + tag_numel(dtype), dtype)
 
 
 class Unit:
@@ -129,6 +137,10 @@ class Unit:
             total += p.shard_numel
         # Elements each rank contributes, without the tag.
         self.shard_numel = total
+        # The shards as this rank's send row (shard.py, Note: shards in one row), or None.
+        self._row = self._adopt_row()
+        # Each shard's address when adopted: a shard given other memory since is no longer in the row.
+        self._addresses = [p.param.data_ptr() for p in params]
         # Elements of each rank's Reduce-Scatter row: shards, tag column, alignment.
         self.reduce_row_numel = aligned_numel(total + 1, self.reduce_dtype)
         # In-flight or finished-but-unread All-Gather: (work, gathered buffer, its dtype, event
@@ -161,13 +173,42 @@ class Unit:
 
     def row_numel(self, dtype: torch.dtype | None = None) -> int:
         """Elements each rank sends in an All-Gather in `dtype` (default `param_dtype`)."""
-        dtype = dtype or self.param_dtype
-        return aligned_numel(self.shard_numel + tag_numel(dtype), dtype)
+        return send_row_numel(self.shard_numel, dtype or self.param_dtype)
 
     def _like(self) -> torch.Tensor:
         return self.params[0].param
 
     # ---- gather ---------------------------------------------------------------------------
+    def _adopt_row(self) -> torch.Tensor | None:
+        """The buffer that holds the shards back to back as the send row (materialize.py lays
+        them out so; shard.py, Note: shards in one row), or None where they are not laid out so."""
+        if not self.params:
+            return None
+        first = self.params[0].param
+        storage = first.untyped_storage()
+        width = self.row_numel(self.shard_dtype)
+        if storage.nbytes() < width * self.shard_dtype.itemsize:
+            return None
+        for p, offset in zip(self.params, self.offsets):
+            t = p.param
+            if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
+                return None
+            if not t.is_contiguous() or t.device != first.device:
+                return None
+        # A tensor of its own on the storage: writing the tag after the shards leaves the
+        # shards' version counters alone.
+        return torch.empty(0, dtype=self.shard_dtype, device=first.device).set_(storage, 0, (width,), (1,))
+
+    def _shards_row(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The row of shards to send as it is for a gather in `dtype`, or None: the shards must
+        be copied (cast to another dtype, or a shard was given other memory, e.g. `.data =`)."""
+        if self._row is None or dtype != self.shard_dtype:
+            return None
+        for p, address in zip(self.params, self._addresses):
+            if p.param.data_ptr() != address:
+                return None
+        return self._row
+
     def _tail(self, dtype: torch.dtype, device: torch.device, tag: int) -> torch.Tensor:
         """The row's tag (32 bits) and alignment zeros, as `dtype`, on `device` (cached: no
         host-to-device copy per gather)."""
@@ -191,29 +232,36 @@ class Unit:
         like = self._like()
         width = self.row_numel(dtype)
         streams = self.comm.streams(like.device)
+        own = self._shards_row(dtype)
         with streams.on("copy_in"), torch.no_grad():
             recv = self.pool.take(self.world_size * width, dtype, like.device)
-            # This rank's row of the output is its send buffer (an in-place All-Gather).
-            send = recv[self.comm.rank * width : (self.comm.rank + 1) * width]
-            torch.cat([p.param.detach() for p in self.params], out=send[: self.shard_numel])  # casts
-            send[self.shard_numel :].copy_(self._tail(dtype, like.device, tag))
+            mine = recv[self.comm.rank * width : (self.comm.rank + 1) * width]
+            tail = self._tail(dtype, like.device, tag)
+            if own is None:
+                # This rank's row of the output is its send buffer (an in-place All-Gather).
+                torch.cat([p.param.detach() for p in self.params], out=mine[: self.shard_numel])  # casts
+            else:
+                own[self.shard_numel :].copy_(tail)  # the row of shards is sent as it is
+            mine[self.shard_numel :].copy_(tail)  # this rank's tag is read from its row, as the others'
             copied = streams.event()
         with streams.on("gather", after=copied):
-            work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'")
+            send = mine if own is None else own
+            work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'", fill_own_row=own is None)
             issued = streams.event()
-        self._pending = (work, recv, dtype, issued, tag)
+        self._pending = (work, recv, dtype, issued, tag, own)
 
     def discard_gather(self) -> None:
         """Drop a prefetch that the step did not use (the collective still completes)."""
         if self._pending is not None:
-            gathered = self._wait_gather()
+            gathered, _ = self._wait_gather()
             self.pool.give(gathered.view(-1))
 
-    def _finish_gather(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _finish_gather(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
         """Wait for the pending All-Gather. Returns the (N, row) buffer, the tags its rows carry
-        ((N,) int64, a copy: the buffer is reused) and the tag this rank sent."""
+        ((N,) int64, a copy: the buffer is reused), the tag this rank sent, and the row of
+        shards sent as it is (None: this rank's row of the buffer holds its shards)."""
         assert self._pending is not None
-        work, recv, dtype, issued, tag = self._pending
+        work, recv, dtype, issued, tag, own = self._pending
         self._pending = None
         try:
             self.comm.streams(recv.device).wait_for(issued)
@@ -224,16 +272,18 @@ class Unit:
         gathered = recv.view(self.world_size, self.row_numel(dtype))  # (N, row)
         n, s, t = self.world_size, self.shard_numel, tag_numel(dtype)
         bits = gathered[:, s : s + t].contiguous().view(torch.uint8)[:, :4].contiguous()
-        return gathered, bits.view(torch.int32).view(n).to(torch.int64), tag
+        return gathered, bits.view(torch.int32).view(n).to(torch.int64), tag, own
 
-    def _wait_gather(self) -> torch.Tensor:
-        """Wait for the pending All-Gather; record its tags (tags.py); return the (N, row) buffer."""
-        gathered, received, tag = self._finish_gather()
+    def _wait_gather(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Wait for the pending All-Gather; record its tags (tags.py). Returns the (N, row)
+        buffer and the row of shards sent as it is, if any (see `_finish_gather`)."""
+        gathered, received, tag, own = self._finish_gather()
         self.comm.tags.expect("All-Gather", self.name, received, [tag] * self.world_size)
-        return gathered
+        return gathered, own
 
-    def _take_gathered(self, dtype: torch.dtype) -> torch.Tensor:
-        """The gathered (N, row) buffer; give it back to the pool when done with it."""
+    def _take_gathered(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gathered (N, row) buffer (give it back to the pool when done with it) and the
+        row of shards sent as it is, if any."""
         if self._pending is not None and self._pending[2] != dtype:
             self.discard_gather()
         if self._pending is None:
@@ -244,7 +294,7 @@ class Unit:
         """Join this unit's All-Gather (what the ranks that follow the recorded order issue
         next) carrying `tag` instead of the unit's; return every rank's tag, read at once."""
         self.start_gather(tag=tag)
-        gathered, received, _ = self._finish_gather()
+        gathered, received, _, _ = self._finish_gather()
         self.pool.give(gathered.view(-1))
         return received.tolist()  # a sync, only when leaving the record
 
@@ -253,7 +303,7 @@ class Unit:
         for the exact master values). With `into` (full tensors that `release` emptied), refill
         those tensors' storage in place instead of allocating new tensors, without bumping their
         version (Note: full-parameter blocks)."""
-        gathered = self._take_gathered(dtype or self.param_dtype)
+        gathered, own = self._take_gathered(dtype or self.param_dtype)
         n = self.world_size
         if into is None:
             block = self.pool.take(self.block_numel, gathered.dtype, gathered.device)
@@ -269,9 +319,13 @@ class Unit:
             fulls = list(into)
         sizes = [p.shard_numel for p in self.params]
         with torch.no_grad():
-            # One copy: each parameter's (N, shard) column block -> its padded full data.
-            out = [block[n * o : n * (o + s)].view(n, s) for o, s in zip(self.offsets, sizes)]
-            torch.split_with_sizes_copy(gathered[:, : self.shard_numel], sizes, dim=1, out=out)
+            # One pass per rank: its row's shards -> their places in the padded full data (rank
+            # r's shard of parameter i at n * o_i + r * size_i). This rank's shards come from the
+            # row of shards when that was sent as it is (nothing copied them into the buffer).
+            for r in range(n):
+                row = own if own is not None and r == self.comm.rank else gathered[r]
+                out = [block[n * o + r * s : n * o + (r + 1) * s] for o, s in zip(self.offsets, sizes)]
+                torch.split_with_sizes_copy(row[: self.shard_numel], sizes, out=out)
         self.pool.give(gathered.view(-1))
         return fulls
 
