@@ -278,9 +278,10 @@ class Comm:
         def add_up() -> None:
             # Rank order, so the rounding does not depend on which rank sums.
             parts = [rows[me] if r == me else received[r if r < me else r - 1] for r in range(n)]
-            output.view(-1).copy_(parts[0])
-            for part in parts[1:]:
-                output.view(-1).add_(part)
+            flat = output.view(-1)
+            torch.add(parts[0], parts[1], out=flat)  # one pass, not a copy then an add
+            for part in parts[2:]:
+                flat.add_(part)
             self.pool.give(received.view(-1))
 
         return Works(works, then=add_up)
