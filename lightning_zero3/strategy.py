@@ -40,8 +40,10 @@ from typing_extensions import override
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.checkpoint import (
     CheckpointError,
+    CheckpointNotFoundError,
     ShardedOptimizerStates,
     ShardedStateDict,
+    all_gather_object,
     atomic_torch_save,
     check_loadable,
     check_state_dict_loadable,
@@ -112,7 +114,8 @@ class ZeRO3Strategy(ParallelStrategy):
             files with ``weights_only=False``), which can run code from the file: only for
             checkpoints from a trusted source whose Lightning state holds arbitrary objects. Default
             False: nothing in a checkpoint runs code (docs/checkpoints.md, "What loading trusts").
-            ``trainer.fit(..., weights_only=False)`` opts in for that one load.
+            ``trainer.fit(..., weights_only=False)`` does not reach this strategy: Lightning passes
+            it only to strategies that restore before setup, and this one restores after.
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
             method ("spawn", "fork", "forkserver").
@@ -482,6 +485,8 @@ class ZeRO3Strategy(ParallelStrategy):
         model = self.sharded_model
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         context = f"Cannot load the checkpoint {path}"
+        if not any(all_gather_object(model.world_comm, path.exists(), context=context)):
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (nothing there on any rank)")
         trusted = self.trust_checkpoint or weights_only is False
         if path.is_dir():
             comm = model.world_comm
@@ -549,8 +554,8 @@ class ZeRO3Strategy(ParallelStrategy):
                 # Whole parameters in host memory, one unit at a time, as Lightning moves
                 # every model to the CPU at teardown anyway (engine: restore_module).
                 self.sharded.restore_module(device="cpu")
-            # Kept for `stats` and for saving the optimizer (its state is still sharded).
-            self._whole = True
+                # Kept for `stats` and for saving the optimizer (its state is still sharded).
+                self._whole = True
             self.model = self.lightning_module
         super().teardown()
 

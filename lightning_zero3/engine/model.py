@@ -20,6 +20,7 @@ from torch import nn
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
+from lightning_zero3.engine.left_sharded import register, restore_if_left_sharded, unregister
 from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
@@ -90,8 +91,10 @@ class ShardedModel:
         self.world_comm = Comm(None)
         self.schedule = Schedule(prefetch)
         self.unit_stats = UnitStats()
-        self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
         target = _device_of(module, device)
+        # Shards left by an earlier engine whose run failed are made whole first (Note: a module left sharded).
+        restore_if_left_sharded(module, world_comm=self.world_comm, device=target)
+        self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
         shards = shard_parameters(
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
             param_init_fn=param_init_fn, sync_module_states=sync_module_states,
@@ -128,6 +131,7 @@ class ShardedModel:
         self.comm.tags.set_unit_names(self._unit_name)
         self.comm.describe_step = self._describe_step
         self.hooks = HookDriver(self)
+        register(module, self)
 
     def _unit_name(self, uid: int) -> str:
         return self.units[uid].name if 0 <= uid < len(self.units) else f"<unknown unit {uid}>"
@@ -439,3 +443,4 @@ class ShardedModel:
         self.remove_hooks()
         restore_whole(self.units, device=torch.device(device))
         self.module.to(device)
+        unregister(self.module)
