@@ -1,7 +1,7 @@
-"""A module left sharded (its engine's hooks removed without making it whole, as the Lightning
-strategies do after an exception) is made whole by the next engine built for it, before sharding
-it again (engine/left_sharded.py, Note: a module left sharded); left sharded on some ranks only,
-every rank raises."""
+"""A module left sharded (`ShardedModel.leave_sharded`: hooks removed, shards kept, as the
+Lightning strategies do after an exception) refuses forward with an explanation, and the next
+engine built for it makes it whole before sharding it again (engine/left_sharded.py, Note: a
+module left sharded); left sharded on some ranks only, every rank raises."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_zero3.engine import ShardedModel, left_sharded
+from lightning_zero3.engine import ShardedModel
 from tests.models import MLP, mlp_batch
 from tests.parity import local_slice
 from tests.ranks import RankFailure, run_ranks
@@ -24,7 +24,9 @@ def _left_sharded_then_sharded_again(rank: int, world_size: int) -> dict[str, to
     F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
     optimizer.step()
     trained = first.full_state_dict(to_rank=None)
-    first.remove_hooks()  # what a failed run's teardown does: the shards stay in the module
+    first.leave_sharded()  # what a failed run's teardown does: the shards stay in the module
+    with pytest.raises(RuntimeError, match="MLP's parameters are still this rank's 1-D shards"):
+        model(x)
     again = ShardedModel(model)
     assert {sp.name: sp.numel for sp in again.sharded_params} == {k: v.numel() for k, v in trained.items()}
     again.restore_module()
@@ -40,9 +42,11 @@ def test_a_module_left_sharded_is_made_whole_before_it_is_sharded_again() -> Non
 
 def _left_sharded_on_rank_0_only(rank: int, world_size: int) -> None:
     model = MLP()
-    ShardedModel(model).remove_hooks()
-    if rank == 1:
-        left_sharded.unregister(model)  # as if rank 1 had never sharded it
+    sharded = ShardedModel(model)
+    if rank == 0:
+        sharded.leave_sharded()
+    else:
+        sharded.remove_hooks()  # as if rank 1's module had been handed over otherwise
     ShardedModel(model)
 
 
@@ -51,5 +55,5 @@ def test_a_module_left_sharded_on_some_ranks_only_is_refused_on_every_rank() -> 
         run_ranks(_left_sharded_on_rank_0_only, 2)
     message = str(raised.value)
     for rank in (0, 1):
-        assert f"--- rank {rank} ---\nRuntimeError: The module's parameters are still the shards" in message
+        assert f"--- rank {rank} ---\nRuntimeError: MLP's parameters are still the shards of a failed run" in message
     assert "on ranks [0] only" in message

@@ -20,7 +20,7 @@ from torch import nn
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
-from lightning_zero3.engine.left_sharded import register, restore_if_left_sharded, unregister
+from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
@@ -131,7 +131,6 @@ class ShardedModel:
         self.comm.tags.set_unit_names(self._unit_name)
         self.comm.describe_step = self._describe_step
         self.hooks = HookDriver(self)
-        register(module, self)
 
     def _unit_name(self, uid: int) -> str:
         return self.units[uid].name if 0 <= uid < len(self.units) else f"<unknown unit {uid}>"
@@ -318,15 +317,15 @@ class ShardedModel:
         one All-Gather per unit on entry (on every rank, collective), none per forward inside,
         and every unit sharded again on exit, even if the block raises. Needs memory for the
         whole model's parameters on each rank (in `param_dtype`), like DDP. Only forwards under
-        `torch.no_grad()` / `torch.inference_mode()` may run inside (hooks.py, Note: held for
+        `torch.no_grad()` / `torch.inference_mode()` may run inside (held.py, Note: held for
         inference); a rank whose generation stops early issues no collective the others wait
         for, so `generate(synced_gpus=False)` is safe inside."""
-        self.hooks.hold_for_inference()
+        self.hooks.held.hold()
         try:
             self.comm.tags.check()  # outside any pass: check the tags of these gathers now
             yield
         finally:
-            self.hooks.release_held()
+            self.hooks.held.release()
 
     # ---- state dicts ------------------------------------------------------------------------
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
@@ -443,4 +442,10 @@ class ShardedModel:
         self.remove_hooks()
         restore_whole(self.units, device=torch.device(device))
         self.module.to(device)
-        unregister(self.module)
+        forget(self.module)
+
+    def leave_sharded(self) -> None:
+        """Remove the hooks, keep the shards in the module, no collective (after a failure: other
+        ranks may be gone). Note: a module left sharded; this object can still save the shards."""
+        self.remove_hooks()
+        leave_sharded(self.module, self)
