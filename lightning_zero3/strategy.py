@@ -8,17 +8,14 @@ engine does.
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
@@ -27,7 +24,6 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -37,27 +33,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero3 import trainer_checkpoint
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
-from lightning_zero3.checkpoint import (
-    CheckpointError,
-    ShardedOptimizerStates,
-    ShardedStateDict,
-    atomic_torch_save,
-    check_loadable,
-    check_state_dict_loadable,
-    load_full_file,
-    load_sharded_model,
-    load_sharded_optimizers,
-    open_sharded,
-    remove_checkpoint,
-    run_and_agree,
-    save_sharded,
-    sharded_optimizer_state,
-)
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.plan import WrapPolicy
-from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero3.options import (
     barrier,
     broadcast_object,
@@ -67,9 +47,7 @@ from lightning_zero3.options import (
     validated_options,
 )
 from lightning_zero3.precision import sharded_precision
-from lightning_zero3.summary import count_full_parameters
-
-log = logging.getLogger(__name__)
+from lightning_zero3.summary import count_full_parameters, sharded_stats
 
 
 class _RootCall(nn.Module):
@@ -176,7 +154,7 @@ class ZeRO3Strategy(ParallelStrategy):
         # The engine that holds this run's shards; None outside setup..teardown.
         self.sharded: ShardedModel | None = None
         # True after teardown put whole parameters back on the module.
-        self._whole = False
+        self.whole = False
         self._failed = False
 
     @override
@@ -262,7 +240,7 @@ class ZeRO3Strategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         assert self.model is not None
         self._failed = False
-        self._whole = False
+        self.whole = False
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.model = self._setup_model(self.model)
@@ -406,134 +384,39 @@ class ZeRO3Strategy(ParallelStrategy):
     @property
     def stats(self) -> dict[str, Any]:
         """What this rank holds and sends: see docs/accounting.md."""
-        sharded = self.sharded_model
-        last = {kind: vars(b).copy() for kind, b in sharded.stats.last_step.items()}
-        full_params = sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent)
-        across = sharded.replicate_stats
-        return {
-            "world_size": sharded.world_comm.world_size,
-            "shard_size": sharded.comm.world_size,
-            "param_dtype": str(sharded.units[-1].param_dtype).removeprefix("torch."),
-            "reduce_dtype": str(sharded.units[-1].reduce_dtype).removeprefix("torch."),
-            "last_step_across_groups": {k: vars(b).copy() for k, b in across.last_step.items()} if across else {},
-            # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
-            "last_step_control": {k: vars(b).copy() for k, b in sharded.world_comm.stats.last_step.items()},
-            "expected_step_bytes_across_groups": sharded.expected_step_bytes(across_groups=True),
-            "full_parameters": full_params,
-            "last_step": last,
-            "expected_step_bytes": sharded.expected_step_bytes(),
-            "gather_wait_s": sharded.stats.last_step_gather_wait_s,
-            "units": len([u for u in sharded.units if u.params]),
-            "units_alive": sharded.unit_stats.alive,
-            "peak_units_alive": sharded.unit_stats.peak,
-            "peak_units_alive_without_root": sharded.unit_stats.peak_without_root,
-            "model_state_bytes": sharded.model_state_bytes(self.optimizers),
-            # Free gather/reduction buffers and full-parameter blocks kept for reuse (buffers.py).
-            "buffer_pool_bytes": sharded.pool.cached_bytes,
-        }
+        return sharded_stats(self.sharded_model, self.optimizers)
 
-    # ---- checkpoints ------------------------------------------------------------------------
-    # "sharded": every rank writes its own shards into a directory, nothing is gathered (see
-    # lightning_zero3/checkpoint/). "full": gathered unit by unit to rank 0, one ordinary
-    # Lightning file. Loading takes either, at any world size; ranks agree that a checkpoint is
-    # readable and fits the model before any collective that loads it.
+    # ---- checkpoints (lightning_zero3/trainer_checkpoint.py) -------------------------------
+    # "sharded": a directory, each rank its shards; "full": one ordinary Lightning file from rank 0.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.state_dict_type == "sharded" or self._whole:
-            return super().lightning_module_state_dict()  # this rank's shards (whole after teardown)
-        return self.sharded_model.full_state_dict(to_rank=0)
+        return trainer_checkpoint.lightning_module_state_dict(self)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        if self.state_dict_type == "sharded":
-            return sharded_optimizer_state(self.sharded_model, optimizer)
-        return full_optimizer_state(self.sharded_model, optimizer, to_rank=0)
+        return trainer_checkpoint.optimizer_state(self, optimizer)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the "
-                f"checkpoint is written by {type(self).__name__}, not by a CheckpointIO plugin."
-            )
-        path = Path(self.broadcast(os.fspath(filepath)))
-        if self.state_dict_type == "sharded":
-            save_sharded(path, self.sharded_model, checkpoint, whole=self._whole)
-            return
-
-        def write() -> None:
-            if not self.is_global_zero:
-                return
-            if type(self.checkpoint_io) is TorchCheckpointIO:
-                atomic_torch_save(checkpoint, path)
-            else:
-                self.checkpoint_io.save_checkpoint(checkpoint, path)
-
-        context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
-        run_and_agree(self.sharded_model.world_comm, write, context=context)
+        trainer_checkpoint.save_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(os.fspath(checkpoint_path)))
-        model = self.sharded_model
-        strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
-        context = f"Cannot load the checkpoint {path}"
-        trusted = self.trust_checkpoint or weights_only is False
-        if path.is_dir():
-            comm = model.world_comm
-            ckpt = open_sharded(path, comm=comm, trusted=trusted)
-            run_and_agree(comm, lambda: _raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
-            return run_and_agree(comm, ckpt.lightning_dict, context=context)
-
-        def read() -> dict[str, Any]:
-            if type(self.checkpoint_io) is TorchCheckpointIO:
-                checkpoint = load_full_file(path, weights_only=not trusted)
-            else:
-                checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-            _raise_if(check_state_dict_loadable(path, checkpoint["state_dict"], model, strict=strict))
-            return checkpoint
-
-        return run_and_agree(model.world_comm, read, context=context)
+        return trainer_checkpoint.load_checkpoint(self, checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        state_dict = checkpoint["state_dict"]
-        if isinstance(state_dict, ShardedStateDict):
-            load_sharded_model(state_dict.checkpoint, self.sharded_model)
-        else:
-            self.sharded_model.load_full_state_dict(dict(state_dict), strict=strict)
+        trainer_checkpoint.load_model_state_dict(self, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        if isinstance(states, ShardedOptimizerStates):
-            load_sharded_optimizers(states.checkpoint, self.sharded_model, list(self.optimizers))
-            return
-        if len(states) != len(self.optimizers):
-            raise CheckpointError(
-                f"The checkpoint has state for {len(states)} optimizers but `configure_optimizers` returned "
-                f"{len(self.optimizers)}; resume with the same optimizers."
-            )
-        for optimizer, state in zip(self.optimizers, states):
-            load_full_optimizer_state(self.sharded_model, optimizer, state)
+        trainer_checkpoint.load_optimizer_state_dict(self, checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if not self.is_global_zero:
-            return
-        if not os.path.isdir(filepath) and type(self.checkpoint_io) is not TorchCheckpointIO:
-            self.checkpoint_io.remove_checkpoint(filepath)  # a full file in the plugin's format
-            return
-        try:
-            remove_checkpoint(filepath)  # a sharded directory, a file, or a link to either
-        except CheckpointError as err:
-            # Rank 0 only, as Lightning calls it: a warning, not an exception, keeps the ranks in
-            # step; what is not a checkpoint stays (Note: what a save may replace).
-            log.warning(str(err))
+        trainer_checkpoint.remove_checkpoint(self, filepath)
 
     # ---- teardown ---------------------------------------------------------------------------
     @override
@@ -542,7 +425,7 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.sharded is not None and not self._whole:
+        if self.sharded is not None and not self.whole:
             if self._failed:
                 self.sharded.remove_hooks()  # other ranks may be gone: the module stays sharded
             else:
@@ -550,7 +433,7 @@ class ZeRO3Strategy(ParallelStrategy):
                 # every model to the CPU at teardown anyway (engine: restore_module).
                 self.sharded.restore_module(device="cpu")
             # Kept for `stats` and for saving the optimizer (its state is still sharded).
-            self._whole = True
+            self.whole = True
             self.model = self.lightning_module
         super().teardown()
 
@@ -563,11 +446,6 @@ class ZeRO3Strategy(ParallelStrategy):
     def __repr__(self) -> str:
         # Shown by Fabric when given this class: say which one it wants.
         return f"{type(self).__name__}(a Trainer strategy: for Fabric use ZeRO3FabricStrategy or strategy='zero3')"
-
-
-def _raise_if(problem: str | None) -> None:
-    if problem is not None:
-        raise CheckpointError(problem)
 
 
 __all__ = ["ZeRO3Strategy"]

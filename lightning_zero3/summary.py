@@ -1,4 +1,5 @@
-"""Lightning's model summary with the sizes of whole parameters, not of this rank's shards.
+"""What users read about a sharded model: Lightning's model summary with the sizes of whole
+parameters, not of this rank's shards, and the figures behind `ZeRO3Strategy.stats`.
 
 [Note: ModelSummary._summary]
 Lightning's `ModelSummary` callback (and `RichModelSummary`) builds its table in the private
@@ -24,7 +25,10 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_zero3.engine import ShardedModel
 
 
 def count_full_parameters(callbacks: Iterable[Any], numel: Callable[[Tensor], int]) -> None:
@@ -88,4 +92,32 @@ class FullSizeSummary(Summary):
         return sum(self._numel(p) for p in self._model.parameters() if p.requires_grad)
 
 
-__all__ = ["FullSizeSummary", "FullSizeSummaryBuilder", "count_full_parameters"]
+def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """What this rank holds and sends (`ZeRO3Strategy.stats`): see docs/accounting.md."""
+    last = {kind: vars(b).copy() for kind, b in sharded.stats.last_step.items()}
+    full_params = sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent)
+    across = sharded.replicate_stats
+    return {
+        "world_size": sharded.world_comm.world_size,
+        "shard_size": sharded.comm.world_size,
+        "param_dtype": str(sharded.units[-1].param_dtype).removeprefix("torch."),
+        "reduce_dtype": str(sharded.units[-1].reduce_dtype).removeprefix("torch."),
+        "last_step_across_groups": {k: vars(b).copy() for k, b in across.last_step.items()} if across else {},
+        # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
+        "last_step_control": {k: vars(b).copy() for k, b in sharded.world_comm.stats.last_step.items()},
+        "expected_step_bytes_across_groups": sharded.expected_step_bytes(across_groups=True),
+        "full_parameters": full_params,
+        "last_step": last,
+        "expected_step_bytes": sharded.expected_step_bytes(),
+        "gather_wait_s": sharded.stats.last_step_gather_wait_s,
+        "units": len([u for u in sharded.units if u.params]),
+        "units_alive": sharded.unit_stats.alive,
+        "peak_units_alive": sharded.unit_stats.peak,
+        "peak_units_alive_without_root": sharded.unit_stats.peak_without_root,
+        "model_state_bytes": sharded.model_state_bytes(optimizers),
+        # Free gather/reduction buffers and full-parameter blocks kept for reuse (buffers.py).
+        "buffer_pool_bytes": sharded.pool.cached_bytes,
+    }
+
+
+__all__ = ["FullSizeSummary", "FullSizeSummaryBuilder", "count_full_parameters", "sharded_stats"]

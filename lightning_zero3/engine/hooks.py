@@ -1,5 +1,6 @@
 """Forward and backward hooks that drive units. All autograd plumbing lives in this file and
-in calls.py (the state of one unit call and its autograd Functions).
+in calls.py (the state of one unit call and its autograd Functions); held.py holds units
+gathered across passes for inference.
 
 [Note: one unit call]
 Each time a unit's module runs forward, its shards are gathered into full tensors (one
@@ -69,23 +70,6 @@ unit's output hook has already re-gathered it (state BACKWARD), so the recompute
 the shadowed full tensors and frees nothing. Reentrant: the first forward ran under no_grad (no
 backward state), so the recomputation is an ordinary forward with its own `GatherParams`, and
 the inner backward that follows reduces it.
-
-[Note: held for inference]
-`ShardedModel.gathered_for_inference()` gathers every unit once, on every rank in unit order,
-into a call that stays in FORWARD on its modules until the context exits (`hold_for_inference`,
-`release_held`). Inside, a unit's forward hooks only count their depth: no gather, no release,
-no prefetch, no collective at all, so `generate()` runs at DDP's speed and a rank that stops
-early (EOS) leaves the others nothing to wait for. Entered inside a forward without gradients
-(Lightning runs predict_step inside the root's forward), the units already open keep their own
-calls, which their post-forward hooks close as usual. Gradients are refused: entering inside a
-forward with gradients, a grad-enabled forward or a backward inside raise (held tensors have no
-autograd parent and would get no Reduce-Scatter), and so does a forward after the shards
-changed (an optimizer step inside). Exit moves every call it gathered to DONE whatever
-happened inside, and the next pass starts afresh.
-Outside the context, HF generation stays in step only with `synced_gpus=True` (HF turns it on
-for DeepSpeed and FSDP only): a rank that stopped early leaves the others waiting in a gather.
-Such a gather's error, in a pass without gradients, says so (`_UNSYNCED_HINT`); the rank that
-stopped cannot be told, it is no longer in the model.
 """
 
 from __future__ import annotations
@@ -114,25 +98,11 @@ from lightning_zero3.engine.calls import (
 )
 from lightning_zero3.engine.calls import CallState as S
 from lightning_zero3.engine.comm import CollectiveError
+from lightning_zero3.engine.held import UNSYNCED_HINT, HeldUnits
 from lightning_zero3.engine.unit import OrderMismatchError, PendingReduce, Unit
 
 if TYPE_CHECKING:
     from lightning_zero3.engine.model import ShardedModel
-
-
-_NO_GRAD_INSIDE = (
-    "ZeRO-3: {what} inside gathered_for_inference(), where units are held gathered without autograd "
-    "(no gradient would be reduced). Run inference under torch.no_grad() or torch.inference_mode() "
-    "inside the context, and train outside it."
-)
-
-# Added to a failed gather of a pass without gradients: the usual cause is HF `generate()`.
-_UNSYNCED_HINT = (
-    "This rank was in a forward without gradients. If it ran inside HF generate(), a rank whose "
-    "sequences ended earlier stopped calling the model: pass synced_gpus=True to generate() on "
-    "every rank (HF turns it on only for DeepSpeed and FSDP), or generate inside "
-    "gathered_for_inference(), where no collective runs per token."
-)
 
 
 class HookDriver:
@@ -148,9 +118,8 @@ class HookDriver:
         # Reduce-Scatters in flight, oldest first (Note: asynchronous reduction).
         self._reductions: deque[tuple[Unit, PendingReduce]] = deque()
         self._in_backward = False
-        # Calls kept gathered by `hold_for_inference` (None: not holding; Note: held for inference).
-        self._held: list[UnitCall] | None = None
-        self._held_depths: list[int] = []  # open forward hooks per unit when holding began
+        # Units held gathered by `ShardedModel.gathered_for_inference()` (held.py).
+        self.held = HeldUnits(self)
         self.handles: list[Any] = []
         root = self.units[0]
         for unit in self.units:
@@ -226,8 +195,8 @@ class HookDriver:
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         slot = self._slots[unit.uid]
-        if self._held is not None:
-            self._enter_held(unit, slot)
+        if self.held.active:
+            self.held.pre_forward(unit, slot)
             return None
         current = slot.call
         if self._in_backward and current is not None and current.state is S.BACKWARD:
@@ -256,7 +225,7 @@ class HookDriver:
         except (CollectiveError, OrderMismatchError) as err:
             if torch.is_grad_enabled() or self._in_backward:
                 raise
-            raise type(err)(f"{err} {_UNSYNCED_HINT}") from err  # Note: held for inference
+            raise type(err)(f"{err} {UNSYNCED_HINT}") from err  # held.py, Note: held for inference
         slot.depth = 1  # last: a pre-forward that raised opens nothing (Note: exceptions)
         if not self._in_backward:  # evaluation passes prefetch too
             on_track = self.schedule.forward_on_track
@@ -282,8 +251,8 @@ class HookDriver:
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         slot = self._slots[unit.uid]
-        if self._held is not None:  # the call stays in FORWARD (Note: held for inference)
-            slot.depth = max(slot.depth - 1, 0)
+        if self.held.active:
+            self.held.post_forward(slot)
             return
         if not slot.depth:
             return  # end of a recomputation (see _pre_forward), or a pre-forward that raised
@@ -338,68 +307,9 @@ class HookDriver:
         self._pending = []
         self.schedule.begin_forward()
 
-    # ---- units held gathered across passes (Note: held for inference) ------------------------
-    def hold_for_inference(self) -> None:
-        """Gather every unit into a call that stays in FORWARD until `release_held`. Collective.
-        Inside a forward without gradients (Lightning's predict_step runs inside the root's
-        forward), the units already open keep their calls and stay the open pass's."""
-        if self._held is not None:
-            raise RuntimeError("ZeRO-3: gathered_for_inference() is already active; do not nest it.")
-        open_calls = [slot.call for slot in self._slots if slot.depth]
-        if (self._in_backward and autograd_running()) or any(
-            call is None or call.reduces or call.state is not S.FORWARD for call in open_calls
-        ):
-            raise RuntimeError(
-                "ZeRO-3: gathered_for_inference() was entered inside a backward or inside a forward with "
-                "gradients enabled (e.g. training_step). Enter it in evaluation (validation/test/predict "
-                "steps, callbacks, or around the model's call under torch.no_grad()); during training, "
-                "call generate(..., synced_gpus=True) without it."
-            )
-        if self._in_backward:
-            self._abandon_backward()
-        if open_calls:
-            self._release_stale_prefetches()
-        else:
-            self._begin_pass()  # drops prefetches and what an earlier pass left on the modules
-        self._held_depths = [slot.depth for slot in self._slots]
-        self._held = []
-        try:
-            with torch.no_grad():  # reduces=False: the held tensors have no autograd parent
-                for unit in self.units:
-                    if unit.params and self._slots[unit.uid].call is None:
-                        self._held.append(self._gather_call(unit))
-        except BaseException:
-            self.release_held()
-            raise
-
-    def release_held(self) -> None:
-        """Move every call `hold_for_inference` gathered to DONE; those units are sharded again.
-        Calls of an enclosing forward stay for its post-forward hooks."""
-        held, self._held = self._held or [], None
-        for call in held:
-            if call.state is S.FORWARD:
-                self._move(call, S.DONE)
-        for slot, depth in zip(self._slots, self._held_depths):
-            slot.depth = depth  # as on entry: the forward hooks inside came in pairs
-
-    def _enter_held(self, unit: Unit, slot: Slot) -> None:
-        if torch.is_grad_enabled():
-            what = f"A forward of unit '{unit.name}' ran with gradients enabled"
-            raise RuntimeError(_NO_GRAD_INSIDE.format(what=what))
-        call = slot.call
-        assert call is not None and call.state is S.FORWARD, f"ZeRO-3 internal error: unit '{unit.name}' not held"
-        if call.versions != self._versions(unit):
-            raise RuntimeError(
-                f"ZeRO-3: the shards of unit '{unit.name}' changed inside gathered_for_inference() (an optimizer "
-                f"step or a write to the parameters): the gathered weights are stale. Change parameters "
-                f"outside the context."
-            )
-        slot.depth += 1
-
     # ---- backward ---------------------------------------------------------------------------
     def _ensure_backward_started(self) -> None:
-        if self._held is not None:
-            raise RuntimeError(_NO_GRAD_INSIDE.format(what="A backward ran"))
+        self.held.refuse_backward()
         if self._in_backward:
             return
         self._in_backward = True

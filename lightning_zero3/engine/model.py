@@ -310,15 +310,15 @@ class ShardedModel:
         one All-Gather per unit on entry (on every rank, collective), none per forward inside,
         and every unit sharded again on exit, even if the block raises. Needs memory for the
         whole model's parameters on each rank (in `param_dtype`), like DDP. Only forwards under
-        `torch.no_grad()` / `torch.inference_mode()` may run inside (hooks.py, Note: held for
+        `torch.no_grad()` / `torch.inference_mode()` may run inside (held.py, Note: held for
         inference); a rank whose generation stops early issues no collective the others wait
         for, so `generate(synced_gpus=False)` is safe inside."""
-        self.hooks.hold_for_inference()
+        self.hooks.held.hold()
         try:
             self.comm.tags.check()  # outside any pass: check the tags of these gathers now
             yield
         finally:
-            self.hooks.release_held()
+            self.hooks.held.release()
 
     # ---- state dicts ------------------------------------------------------------------------
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
