@@ -20,11 +20,11 @@ already stepped (state of full shapes) is refused: build it after `setup_module`
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -193,6 +193,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def module_to_device(self, module: nn.Module) -> None:
         # Tensors still on the meta device are materialised on the device while sharding.
+        # `_apply` is private: engine/plan.py, Note: nn.Module's registries.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
 
     @override
@@ -382,7 +383,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def save_checkpoint(
         self,
-        path: str | os.PathLike,
+        path: str | Path,
         state: dict[str, nn.Module | Optimizer | Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
@@ -396,7 +397,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def load_checkpoint(
         self,
-        path: str | os.PathLike,
+        path: str | Path,
         state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
         strict: bool = True,
         weights_only: bool | None = None,

@@ -12,9 +12,10 @@ rename fails at import, naming the missing name, not mid-training.
   Lightning's own DDP/FSDP strategies set in `_configure_launcher`.
 - Fabric's `_FabricModule._forward_module` (fabric_strategy.py): the module `fabric.setup`
   wrapped, to find the engine that holds it.
-- `_sync_ddp_if_available`, `_get_default_process_group_backend_for_device`,
-  `_optimizers_to_device`, `_StrategyRegistry`, `_PATH` and `LightningOptimizer._optimizer`
-  are not needed: `all_reduce`, `default_backend` below and public types replace them.
+- Not needed any more: `_sync_ddp_if_available`, `_get_default_process_group_backend_for_device`
+  and `_optimizers_to_device` (`all_reduce`, `default_backend`, `optimizer_state_to` below),
+  `_StrategyRegistry` and `_PATH` (public types), `LightningOptimizer._optimizer` (its public
+  `.optimizer`).
 Replaced by public code: `_init_dist_connection` and `_distributed_is_initialized`
 (`join_process_group` and `_distributed` below call torch.distributed directly).
 """
@@ -177,6 +178,16 @@ def all_reduce(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -
         world = torch.distributed.get_world_size(group)
         return tensor.div_(world) if tensor.is_floating_point() else tensor.copy_(tensor / world)
     return tensor
+
+
+def optimizer_state_to(optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move the optimizers' state tensors onto `device`, as Lightning's strategies do after
+    setup; "step" counters stay where they are (torch keeps them on the CPU)."""
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
 
 
 def default_backend(device: torch.device) -> str:

@@ -80,3 +80,24 @@ def test_fabric_refuses_a_shape_aware_optimizer_before_sharding_the_model():
     (result,) = run_ranks(_fabric_setup_with_adafactor, 1)
     assert result["error"] is not None and "ZeRO3FabricStrategy cannot train with Adafactor" in result["error"]
     assert result["dims"] == [1, 2], "the model was sharded before the refusal"
+
+
+def _fit_with_adafactor(rank: int, world_size: int) -> str | None:
+    from lightning_zero3 import ZeRO3Strategy
+    from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+
+    class LitAdafactor(LitMLP):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adafactor(self.parameters())
+
+    become_lightning_rank(rank, world_size)
+    try:
+        trainer(ZeRO3Strategy(), world_size, max_steps=1).fit(LitAdafactor(), loader(world_size))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_the_trainer_strategy_refuses_a_shape_aware_optimizer_at_setup():
+    (error,) = run_ranks(_fit_with_adafactor, 1)
+    assert error is not None and "ZeRO3Strategy cannot train with Adafactor" in error
