@@ -186,7 +186,9 @@ def test_steps_after_an_exception_inside_backward_match_single_process():
 
 def _steps_without_the_graph_task_id(rank: int, world_size: int) -> dict[str, float]:
     """Training where torch lacks the private `torch._C._current_graph_task_id` (hooks.py, Note:
-    exceptions): the engine then trusts its own flag for whether a backward is running."""
+    exceptions): the engine then trusts its own flag for whether a backward is running. With
+    activation checkpointing, whose forwards rerun inside backward, where the answer matters
+    (reentrant: torch's non-reentrant checkpoint needs that function itself)."""
     from lightning_zero3.engine.calls import autograd_running
 
     saved = torch._C._current_graph_task_id
@@ -194,9 +196,9 @@ def _steps_without_the_graph_task_id(rank: int, world_size: int) -> dict[str, fl
     try:
         assert autograd_running(), "the fallback must assume a backward may be running"
         torch.manual_seed(0)
-        reference = MLP()
+        reference = MLP(checkpointing="reentrant")
         torch.manual_seed(0)
-        model = MLP()
+        model = MLP(checkpointing="reentrant")
         sharded = ShardedModel(model, persistence_threshold=64)
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
         for step in range(3):
