@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -33,24 +34,21 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
-from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_norm_
+from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
 from lightning_zero3.engine.plan import WrapPolicy
 from lightning_zero3.options import (
+    all_reduce,
     barrier,
     broadcast_object,
+    default_backend,
     join_process_group,
     mixed_precision_dtype,
     set_world_ranks,
@@ -168,7 +166,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_backend(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         join_process_group(
@@ -195,6 +193,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def module_to_device(self, module: nn.Module) -> None:
         # Tensors still on the meta device are materialised on the device while sharding.
+        # `_apply` is private: engine/plan.py, Note: nn.Module's registries.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
 
     @override
@@ -241,6 +240,8 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     ) -> tuple[nn.Module, list[Optimizer], LRScheduler | None]:
         # Checked before sharding, so that a mistake leaves the model untouched.
         _check_no_state(optimizers, type(self).__name__)
+        for optimizer in optimizers:
+            check_optimizer_fits_shards(optimizer, type(self).__name__, warn=False)  # warned in setup_optimizer
         mine = {id(p) for p in module.parameters()}
         for optimizer in optimizers:
             foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
@@ -256,6 +257,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Check that `optimizer` holds shards; one built before `setup_module` is pointed at them."""
+        check_optimizer_fits_shards(optimizer, type(self).__name__)
         if any(self._shard_of(p) is not None for group in optimizer.param_groups for p in group["params"]):
             _check_no_state([optimizer], type(self).__name__)
             for group in optimizer.param_groups:
@@ -367,9 +369,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     def all_reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return all_reduce(tensor, group, reduce_op)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -383,7 +383,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: str | Path,
         state: dict[str, nn.Module | Optimizer | Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
@@ -397,7 +397,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: str | Path,
         state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
         strict: bool = True,
         weights_only: bool | None = None,
@@ -415,7 +415,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         if "zero3" not in strategy_registry:
             strategy_registry.register("zero3", cls, description="ZeRO stage 3 for Fabric (lightning_zero3)")
 

@@ -11,19 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -35,14 +30,17 @@ from typing_extensions import override
 
 from lightning_zero3 import trainer_checkpoint
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
-from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.plan import WrapPolicy
 from lightning_zero3.options import (
+    all_reduce,
     barrier,
     broadcast_object,
+    default_backend,
     join_process_group,
     mixed_precision_dtype,
+    optimizer_state_to,
     set_world_ranks,
     validated_options,
 )
@@ -218,9 +216,7 @@ class ZeRO3Strategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        self._process_group_backend = self._process_group_backend or default_backend(self.root_device)
         assert self.cluster_environment is not None
         join_process_group(
             type(self).__name__, self.cluster_environment, self._process_group_backend, timeout=self._timeout,
@@ -249,7 +245,7 @@ class ZeRO3Strategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizer_state_to(self.optimizers, self.root_device)
         count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
 
     @override
@@ -284,6 +280,7 @@ class ZeRO3Strategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         sharded = {id(p.param) for p in self.sharded_model.sharded_params}
         for optimizer in self.optimizers:
+            check_optimizer_fits_shards(optimizer, type(self).__name__)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if params and not any(id(p) in sharded for p in params):
                 raise ValueError(
@@ -314,6 +311,7 @@ class ZeRO3Strategy(ParallelStrategy):
         assert self.lightning_module is not None
         device = self.root_device
         # Tensors still on the meta device are materialised on `device` while sharding.
+        # `_apply` is private: engine/plan.py, Note: nn.Module's registries.
         self.lightning_module._apply(lambda t: t if t.is_meta else t.to(device))
 
     @property
@@ -360,9 +358,7 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return all_reduce(tensor, group, reduce_op)
 
     # ---- whole parameters on demand -------------------------------------------------------
     @contextmanager
@@ -399,12 +395,12 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         trainer_checkpoint.save_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         return trainer_checkpoint.load_checkpoint(self, checkpoint_path, weights_only)
 
     @override
@@ -416,7 +412,7 @@ class ZeRO3Strategy(ParallelStrategy):
         trainer_checkpoint.load_optimizer_state_dict(self, checkpoint)
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: str | Path) -> None:
         trainer_checkpoint.remove_checkpoint(self, filepath)
 
     # ---- teardown ---------------------------------------------------------------------------
@@ -442,7 +438,7 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         if "zero3" not in strategy_registry:
             strategy_registry.register("zero3", cls, description="ZeRO stage 3 (lightning_zero3)")
 
