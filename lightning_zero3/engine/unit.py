@@ -144,9 +144,10 @@ class Unit:
         # Elements of each rank's Reduce-Scatter row: shards, tag column, alignment.
         self.reduce_row_numel = aligned_numel(total + 1, self.reduce_dtype)
         # In-flight or finished-but-unread All-Gather: (work, gathered buffer, its dtype, event
-        # after the issue, tag it carries). The buffer goes back to the pool only after the
-        # wait: the collective uses it on its own stream after `start_gather` returns.
-        self._pending: tuple[object, torch.Tensor, torch.dtype, object, int] | None = None
+        # after the issue, tag it carries, the row of shards sent as it is or None). The buffer
+        # goes back to the pool only after the wait: the collective uses it on its own stream
+        # after `start_gather` returns.
+        self._pending: tuple[object, torch.Tensor, torch.dtype, object, int, torch.Tensor | None] | None = None
         # Each gather row's tag and alignment tail, per (dtype, device), built once on the device.
         self._tails: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
