@@ -141,8 +141,12 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
-        # Tensors still on the meta device are materialised on the device while sharding.
-        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+        # Nothing before `setup_module` (Fabric calls this first): sharding puts the shards,
+        # persistent parameters and buffers on the device one module at a time, so a whole model
+        # in host memory never goes there whole (engine/materialize.py, Note: sharding from host
+        # memory). A module set up already is there.
+        if any(sharded.module is module for sharded in self._sharded.values()):
+            module.to(self.root_device)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -171,6 +175,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             reductions_in_flight=options.reductions_in_flight,
         )
         self._sharded[id(module)] = sharded
+        module.to(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
         for name, old in before.items():
             if after[name] is not old:  # parameters kept whole (persistence_threshold) stay as they are

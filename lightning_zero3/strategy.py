@@ -188,8 +188,8 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         self._failed = False
         self.whole = False
         self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self._setup_model(self.model)  # shards on the device, from wherever the module is
         self.model_to_device()
-        self.model = self._setup_model(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -256,10 +256,12 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
+        # Called after sharding, which put the shards, persistent parameters and buffers on the
+        # device one module at a time (engine/materialize.py, Note: sharding from host memory): a
+        # whole model in host memory, as after a teardown, never goes to the device. What is left
+        # (e.g. torchmetrics states) moves, and the LightningModule learns its device.
         assert self.lightning_module is not None
-        device = self.root_device
-        # Tensors still on the meta device are materialised on `device` while sharding.
-        self.lightning_module._apply(lambda t: t if t.is_meta else t.to(device))
+        self.lightning_module.to(self.root_device)
 
     @property
     def sharded_model(self) -> ShardedModel:
