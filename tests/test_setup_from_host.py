@@ -19,11 +19,14 @@ from tests import lit
 from tests.ranks import run_ranks
 
 
-class _CopiesToMeta(TorchFunctionMode):
-    """Counts the elements of tensors copied onto the meta device that are still alive."""
+class _WholeOnMeta(TorchFunctionMode):
+    """Peak elements of whole parameters on the meta device: copies moved there that are still
+    alive, plus parameters registered on the model there with their whole size (not shards)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
+        named = [(m, name, p) for m in model.modules() for name, p in m._parameters.items()]
+        self.whole = [(m, name, p.numel()) for m, name, p in named if p is not None]
         self.alive: dict[int, int] = {}
         self.peak = 0
 
@@ -33,7 +36,9 @@ class _CopiesToMeta(TorchFunctionMode):
             key = id(out)
             self.alive[key] = out.numel()
             weakref.finalize(out, self.alive.pop, key, None)
-            self.peak = max(self.peak, sum(self.alive.values()))
+            registered = [(m._parameters[name], numel) for m, name, numel in self.whole]
+            moved = sum(numel for p, numel in registered if p is not None and p.is_meta and p.numel() == numel)
+            self.peak = max(self.peak, sum(self.alive.values()) + moved)
         return out
 
 
@@ -45,7 +50,7 @@ def _shard_onto_meta(rank: int, world_size: int) -> dict:
     model = _layers()  # whole, in host memory
     whole = sum(p.numel() for p in model.parameters())
     module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    with _CopiesToMeta() as copies:
+    with _WholeOnMeta(model) as copies:
         ShardedModel(model, device="meta", sync_module_states=False)
     return {
         "peak": copies.peak,
