@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -33,17 +34,15 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
-from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_norm_
+from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
 from lightning_zero3.engine.plan import WrapPolicy
-from lightning_zero3.options import RanksAndDevices, mixed_precision_dtype, validated_options
+from lightning_zero3.options import RanksAndDevices, all_reduce, mixed_precision_dtype, validated_options
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -193,6 +192,8 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     ) -> tuple[nn.Module, list[Optimizer], LRScheduler | None]:
         # Checked before sharding, so that a mistake leaves the model untouched.
         _check_no_state(optimizers, type(self).__name__)
+        for optimizer in optimizers:
+            check_optimizer_fits_shards(optimizer, type(self).__name__, warn=False)  # warned in setup_optimizer
         mine = {id(p) for p in module.parameters()}
         for optimizer in optimizers:
             foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
@@ -208,6 +209,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Check that `optimizer` holds shards; one built before `setup_module` is pointed at them."""
+        check_optimizer_fits_shards(optimizer, type(self).__name__)
         if any(self._shard_of(p) is not None for group in optimizer.param_groups for p in group["params"]):
             _check_no_state([optimizer], type(self).__name__)
             for group in optimizer.param_groups:
@@ -319,15 +321,13 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     def all_reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return all_reduce(tensor, group, reduce_op)
 
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------
     @override
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: str | Path,
         state: dict[str, nn.Module | Optimizer | Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
@@ -341,7 +341,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: str | Path,
         state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
         strict: bool = True,
         weights_only: bool | None = None,
@@ -359,7 +359,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         if "zero3" not in strategy_registry:
             strategy_registry.register("zero3", cls, description="ZeRO stage 3 for Fabric (lightning_zero3)")
 

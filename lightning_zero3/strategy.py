@@ -11,15 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -30,10 +28,16 @@ from typing_extensions import override
 
 from lightning_zero3 import trainer_checkpoint
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
-from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.plan import WrapPolicy
-from lightning_zero3.options import RanksAndDevices, mixed_precision_dtype, validated_options
+from lightning_zero3.options import (
+    RanksAndDevices,
+    all_reduce,
+    mixed_precision_dtype,
+    optimizer_state_to,
+    validated_options,
+)
 from lightning_zero3.precision import sharded_precision
 from lightning_zero3.summary import count_full_parameters, sharded_stats
 
@@ -78,7 +82,8 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             files with ``weights_only=False``), which can run code from the file: only for
             checkpoints from a trusted source whose Lightning state holds arbitrary objects. Default
             False: nothing in a checkpoint runs code (docs/checkpoints.md, "What loading trusts").
-            ``trainer.fit(..., weights_only=False)`` opts in for that one load.
+            ``trainer.fit(..., weights_only=False)`` does not reach this strategy: Lightning passes
+            it only to strategies that restore before setup, and this one restores after.
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
             method ("spawn", "fork", "forkserver").
@@ -194,7 +199,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizer_state_to(self.optimizers, self.root_device)
         count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
 
     @override
@@ -229,6 +234,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         super().setup_optimizers(trainer)
         sharded = {id(p.param) for p in self.sharded_model.sharded_params}
         for optimizer in self.optimizers:
+            check_optimizer_fits_shards(optimizer, type(self).__name__)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if params and not any(id(p) in sharded for p in params):
                 raise ValueError(
@@ -299,9 +305,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     # ---- collectives Lightning uses for metrics/logging -----------------------------------
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return all_reduce(tensor, group, reduce_op)
 
     # ---- whole parameters on demand -------------------------------------------------------
     @contextmanager
@@ -338,12 +342,12 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         trainer_checkpoint.save_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         return trainer_checkpoint.load_checkpoint(self, checkpoint_path, weights_only)
 
     @override
@@ -355,7 +359,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         trainer_checkpoint.load_optimizer_state_dict(self, checkpoint)
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: str | Path) -> None:
         trainer_checkpoint.remove_checkpoint(self, filepath)
 
     # ---- teardown ---------------------------------------------------------------------------
@@ -367,19 +371,21 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def teardown(self) -> None:
         if self.sharded is not None and not self.whole:
             if self._failed:
-                self.sharded.remove_hooks()  # other ranks may be gone: the module stays sharded
+                # Other ranks may be gone: the module stays sharded (and savable) until the next
+                # engine built for it makes it whole (engine/left_sharded.py).
+                self.sharded.leave_sharded()
             else:
                 # Whole parameters in host memory, one unit at a time, as Lightning moves
                 # every model to the CPU at teardown anyway (engine: restore_module).
                 self.sharded.restore_module(device="cpu")
-            # Kept for `stats` and for saving the optimizer (its state is still sharded).
-            self.whole = True
+                # Kept for `stats` and for saving the optimizer (its state is still sharded).
+                self.whole = True
             self.model = self.lightning_module
         super().teardown()
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         if "zero3" not in strategy_registry:
             strategy_registry.register("zero3", cls, description="ZeRO stage 3 (lightning_zero3)")
 

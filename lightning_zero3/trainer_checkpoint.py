@@ -20,15 +20,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import (
     CheckpointError,
+    CheckpointNotFoundError,
     ShardedOptimizerStates,
     ShardedStateDict,
+    all_gather_object,
     atomic_torch_save,
     check_loadable,
     check_state_dict_loadable,
@@ -59,14 +60,14 @@ def lightning_module_state_dict(strategy: ZeRO3Strategy) -> dict[str, Any]:
 
 def optimizer_state(strategy: ZeRO3Strategy, optimizer: Optimizer) -> dict[str, Tensor]:
     if isinstance(optimizer, LightningOptimizer):
-        optimizer = optimizer._optimizer
+        optimizer = optimizer.optimizer
     if strategy.state_dict_type == "sharded":
         return sharded_optimizer_state(strategy.sharded_model, optimizer)
     return full_optimizer_state(strategy.sharded_model, optimizer, to_rank=0)
 
 
 def save_checkpoint(
-    strategy: ZeRO3Strategy, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None
+    strategy: ZeRO3Strategy, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None
 ) -> None:
     if storage_options is not None:
         raise TypeError(
@@ -90,11 +91,13 @@ def save_checkpoint(
     run_and_agree(strategy.sharded_model.world_comm, write, context=context)
 
 
-def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: str | Path, weights_only: bool | None) -> dict[str, Any]:
     path = Path(strategy.broadcast(os.fspath(checkpoint_path)))
     model = strategy.sharded_model
     strict = strategy.lightning_module.strict_loading if strategy.lightning_module is not None else True
     context = f"Cannot load the checkpoint {path}"
+    if not any(all_gather_object(model.world_comm, path.exists(), context=context)):
+        raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (nothing there on any rank)")
     trusted = strategy.trust_checkpoint or weights_only is False
     if path.is_dir():
         comm = model.world_comm
@@ -136,7 +139,7 @@ def load_optimizer_state_dict(strategy: ZeRO3Strategy, checkpoint: Mapping[str, 
         load_full_optimizer_state(strategy.sharded_model, optimizer, state)
 
 
-def remove_checkpoint(strategy: ZeRO3Strategy, filepath: _PATH) -> None:
+def remove_checkpoint(strategy: ZeRO3Strategy, filepath: str | Path) -> None:
     if not strategy.is_global_zero:
         return
     if not os.path.isdir(filepath) and type(strategy.checkpoint_io) is not TorchCheckpointIO:

@@ -74,7 +74,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten  # private: Note below the imports
 
 from lightning_zero3.engine.buffers import return_free_host_memory
 from lightning_zero3.engine.calls import (
@@ -92,6 +92,10 @@ from lightning_zero3.engine.comm import CollectiveError
 from lightning_zero3.engine.held import UNSYNCED_HINT, HeldUnits
 from lightning_zero3.engine.reductions import Reductions
 from lightning_zero3.engine.unit import OrderMismatchError, Unit
+
+# `torch.utils._pytree` is private (torch 2.13 has no public pytree module): it is what FSDP2
+# flattens hook arguments with and where transformers registers its ModelOutput classes, so
+# their tensors are found. Tried: torch 2.13.0. No fallback: a move fails at import, not silently.
 
 if TYPE_CHECKING:
     from lightning_zero3.engine.model import ShardedModel

@@ -20,8 +20,9 @@ from torch import nn
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
+from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
-from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
+from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_counts, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.tags import announce_departure
@@ -65,15 +66,10 @@ class ShardedModel:
         param_init_fn: ParamInitFn | None = None,
         device: torch.device | str | None = None,
         reductions_in_flight: int | None = None,
-        trim_host_memory: bool = True,
+        trim_host_memory: bool = False,
         sync_module_states: bool = True,
     ) -> None:
-        if type(prefetch) is not int or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead); got {prefetch!r}.")
-        if type(persistence_threshold) is not int or persistence_threshold < 0:
-            raise ValueError(f"persistence_threshold must be an int >= 0; got {persistence_threshold!r}.")
-        if reductions_in_flight is not None and (type(reductions_in_flight) is not int or reductions_in_flight < 0):
-            raise ValueError(f"reductions_in_flight must be None or an int >= 0; got {reductions_in_flight!r}.")
+        validate_counts(prefetch, persistence_threshold, reductions_in_flight)
         self.module = module
         replicate_group = None
         if shard_size is not None:
@@ -90,8 +86,10 @@ class ShardedModel:
         self.world_comm = Comm(None)
         self.schedule = Schedule(prefetch)
         self.unit_stats = UnitStats()
-        self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
         target = _device_of(module, device)
+        # Shards left by an earlier engine whose run failed are made whole first (Note: a module left sharded).
+        restore_if_left_sharded(module, world_comm=self.world_comm, device=target)
+        self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
         shards = shard_parameters(
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
             param_init_fn=param_init_fn, sync_module_states=sync_module_states,
@@ -102,9 +100,10 @@ class ShardedModel:
         if reductions_in_flight is None:
             reductions_in_flight = 2 if target.type == "cuda" else 0
         self.reductions_in_flight = reductions_in_flight
-        # CPU parameters: free heap beyond this is given back to the OS after a backward
-        # (buffers.py). Large enough that trimming (and faulting the pages back in) happens
-        # every few steps rather than every step.
+        # Opt-in (`trim_host_memory=True`), CPU parameters only: free heap beyond this is given
+        # back to the OS after a backward (buffers.py). It calls glibc's malloc_trim, which acts
+        # on the whole process, and measured no gain (docs/performance.md, "Memory"), hence off
+        # by default. Large enough that trimming happens every few steps, not every step.
         on_cpu = trim_host_memory and all(s.param.device.type == "cpu" for s in shards.values())
         largest = max(
             (sum(shards[id(e)].numel * shards[id(e)].param.element_size() for e in u.params) for u in self.plan.units),
@@ -449,3 +448,10 @@ class ShardedModel:
         self.remove_hooks()
         restore_whole(self.units, device=torch.device(device))
         self.module.to(device)
+        forget(self.module)
+
+    def leave_sharded(self) -> None:
+        """Remove the hooks, keep the shards in the module, no collective (after a failure: other
+        ranks may be gone). Note: a module left sharded; this object can still save the shards."""
+        self.remove_hooks()
+        leave_sharded(self.module, self)
