@@ -196,11 +196,9 @@ class ShardedModel:
 
     # ---- accounting callbacks from the hooks ----------------------------------------------
     def on_alive_change(self, unit: Unit, delta: int) -> None:
-        """`unit` gained (+1) or lost (-1) a call holding its full parameters, or its gather in
-        flight was issued or dropped (0). Only that unit's membership of `_alive` changes: constant
-        work per event (recounting every unit made a step's bookkeeping grow with units squared;
-        benchmarks/hook_overhead.py). A gather in flight that the unit's own gather then uses is
-        followed by its call's +1."""
+        """`unit` gained (+1) or lost (-1) a call holding full parameters, or a gather in flight
+        was issued or dropped (0): only its membership of `_alive` changes (was: every unit
+        recounted per event, units squared per step; benchmarks/hook_overhead.py)."""
         uid = unit.uid
         self._live_calls[uid] += delta
         if self._live_calls[uid] > 0 or unit.gather_in_flight:
