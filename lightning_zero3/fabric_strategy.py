@@ -34,8 +34,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -44,22 +42,13 @@ from typing_extensions import override
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
 from lightning_zero3.engine.plan import WrapPolicy
-from lightning_zero3.options import (
-    all_reduce,
-    barrier,
-    broadcast_object,
-    default_backend,
-    join_process_group,
-    mixed_precision_dtype,
-    set_world_ranks,
-    validated_options,
-)
+from lightning_zero3.options import RanksAndDevices, all_reduce, mixed_precision_dtype, validated_options
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 
-class ZeRO3FabricStrategy(ParallelStrategy):
+class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
 
     Takes the options of the Trainer's `ZeRO3Strategy` (see its docstring and the README):
@@ -122,34 +111,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     def state_dict_type(self) -> str:
         return self.options.state_dict_type
 
-    # ---- what Fabric asks of a distributed strategy --------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
+    # ---- what Fabric asks of a distributed strategy (and RanksAndDevices in options.py) -------
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -164,21 +126,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        backend = self._process_group_backend or default_backend(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        join_process_group(
-            type(self).__name__, self.cluster_environment, backend, timeout=self.options.timeout,
-            device=self.root_device,
-        )  # fmt: skip
-
-    def _set_world_ranks(self) -> None:
-        set_world_ranks(
-            self.cluster_environment, node_rank=self.node_rank, local_rank=self.local_rank,
-            num_processes=self.num_processes, num_nodes=self.num_nodes, global_rank=self.global_rank,
-        )  # fmt: skip
+        self.join_world(self.options.timeout)
 
     # ---- building and sharding the model ----------------------------------------------------
     @override
@@ -192,9 +140,12 @@ class ZeRO3FabricStrategy(ParallelStrategy):
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
-        # Tensors still on the meta device are materialised on the device while sharding.
-        # `_apply` is private: engine/plan.py, Note: nn.Module's registries.
-        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+        # Nothing before `setup_module` (Fabric calls this first): sharding puts the shards,
+        # persistent parameters and buffers on the device one module at a time, so a whole model
+        # in host memory never goes there whole (engine/materialize.py, Note: sharding from host
+        # memory). A module set up already is there.
+        if any(sharded.module is module for sharded in self._sharded.values()):
+            module.to(self.root_device)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -223,6 +174,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             reductions_in_flight=options.reductions_in_flight,
         )
         self._sharded[id(module)] = sharded
+        module.to(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
         for name, old in before.items():
             if after[name] is not old:  # parameters kept whole (persistence_threshold) stay as they are
@@ -370,14 +322,6 @@ class ZeRO3FabricStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         return all_reduce(tensor, group, reduce_op)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast_object(obj, src)
 
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------
     @override

@@ -1,6 +1,7 @@
 """The options both strategies take (Trainer's `ZeRO3Strategy`, Fabric's `ZeRO3FabricStrategy`),
 checked once, at construction, with a message that says what was expected and how to fix it;
-and joining the process group with an error that names a rank that never arrived.
+joining the process group with an error that names a rank that never arrived; and the rank and
+device properties Lightning asks of both (`RanksAndDevices`).
 
 [Note: Lightning's private names]
 A strategy outside Lightning cannot avoid a few of Lightning's underscored names; each use is
@@ -27,12 +28,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
 from lightning_zero3.dtypes import parse_dtype
@@ -214,11 +216,87 @@ def broadcast_object(obj: T, src: int) -> T:
     return box[0]
 
 
-def set_world_ranks(env: ClusterEnvironment | None, *, node_rank: int, local_rank: int, num_processes: int,
-                    num_nodes: int, global_rank: int) -> None:  # fmt: skip
-    """Tell the cluster environment this rank's global rank and the world size, and
-    Lightning's rank-zero utilities who rank zero is."""
-    if env is not None:
-        env.set_global_rank(node_rank * num_processes + local_rank)
-        env.set_world_size(num_nodes * num_processes)
-    rank_zero_only.rank = global_rank  # type: ignore[attr-defined]  # Lightning's way; not in its stubs
+class _LightningParallel(Protocol):
+    """What `RanksAndDevices` reads from the Lightning strategy it is mixed into."""
+
+    cluster_environment: ClusterEnvironment | None
+    _num_nodes: int  # set in the strategy's __init__
+    _process_group_backend: str | None  # the user's choice, else resolved on joining
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def num_processes(self) -> int: ...
+    def set_world_ranks(self) -> None: ...
+
+
+class RanksAndDevices:
+    """Lightning's rank and device properties and control collectives, the same for the Trainer's
+    `ZeRO3Strategy` and Fabric's `ZeRO3FabricStrategy`: mixed in before Lightning's
+    `ParallelStrategy` (Trainer and Fabric each have their own), which leaves them to each strategy."""
+
+    _num_nodes: int  # set in the strategy's __init__
+    _process_group_backend: str | None  # the user's choice, else resolved on joining
+
+    @property
+    def root_device(self: _LightningParallel) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self: _LightningParallel) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self: _LightningParallel, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self: _LightningParallel) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self: _LightningParallel) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self: _LightningParallel) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self: _LightningParallel) -> None:
+        """Tell the cluster environment this rank's global rank and the world size, and
+        Lightning's rank-zero utilities who rank zero is. The Trainer calls it by this name,
+        Fabric as `_set_world_ranks`."""
+        env = self.cluster_environment
+        if env is not None:
+            env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            env.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's way; not in its stubs
+
+    _set_world_ranks = set_world_ranks
+
+    def join_world(self: _LightningParallel, timeout: timedelta) -> None:
+        """`setup_environment` after Lightning's own: seed, ranks, backend, the process group."""
+        reset_seed()
+        self.set_world_ranks()
+        device = self.root_device
+        backend = self._process_group_backend or default_backend(device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        join_process_group(type(self).__name__, self.cluster_environment, backend, timeout=timeout, device=device)
+
+    def barrier(self: _LightningParallel, *args: Any, **kwargs: Any) -> None:
+        barrier(self.root_device)
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return broadcast_object(obj, src)

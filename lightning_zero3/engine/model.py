@@ -94,7 +94,7 @@ class ShardedModel:
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
             param_init_fn=param_init_fn, sync_module_states=sync_module_states,
         )  # fmt: skip
-        # Reduce-Scatters left running while backward continues (see hooks.py, Note:
+        # Reduce-Scatters left running while backward continues (see reductions.py, Note:
         # asynchronous reduction); each holds one unit's full gradient buffer. None: 2 on CUDA,
         # where they run on their own stream, 0 elsewhere (no gain measured on CPU/gloo).
         if reductions_in_flight is None:
@@ -123,7 +123,9 @@ class ShardedModel:
         # The plan lists registered parameters only, never a None slot.
         owners = (e.owners[0] for e in self.plan.persistent)
         self.persistent: list[nn.Parameter] = cast(list[nn.Parameter], [m._parameters[a] for m, a in owners])
+        # Calls holding full parameters, per unit; units holding some or with a gather in flight.
         self._live_calls = [0] * len(self.units)
+        self._alive: set[int] = set()
         self.comm.tags.set_unit_names(self._unit_name)
         self.comm.describe_step = self._describe_step
         self.hooks = HookDriver(self)
@@ -193,14 +195,20 @@ class ShardedModel:
         return self.world_comm.rank
 
     # ---- accounting callbacks from the hooks ----------------------------------------------
-    def on_alive_change(self, unit: Unit | None, delta: int) -> None:
-        if unit is not None:
-            self._live_calls[unit.uid] += delta
-        alive = [u.uid for u in self.units if self._live_calls[u.uid] > 0 or u.gather_in_flight]
+    def on_alive_change(self, unit: Unit, delta: int) -> None:
+        """`unit` gained (+1) or lost (-1) a call holding full parameters, or a gather in flight
+        was issued or dropped (0): only its membership of `_alive` changes (was: every unit
+        recounted per event, units squared per step; benchmarks/hook_overhead.py)."""
+        uid = unit.uid
+        self._live_calls[uid] += delta
+        if self._live_calls[uid] > 0 or unit.gather_in_flight:
+            self._alive.add(uid)
+        else:
+            self._alive.discard(uid)
         s = self.unit_stats
-        s.alive = len(alive)
+        s.alive = len(self._alive)
         s.peak = max(s.peak, s.alive)
-        s.peak_without_root = max(s.peak_without_root, len([uid for uid in alive if uid != 0]))
+        s.peak_without_root = max(s.peak_without_root, s.alive - (0 in self._alive))
 
     def on_backward_end(self) -> None:
         if self.schedule.passes_recorded == 1:

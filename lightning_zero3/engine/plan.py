@@ -15,9 +15,9 @@ ties; `register_parameter` runs the global registration hooks (materialize.py's 
 Tried: torch 2.13.0. No fallback: they have not changed since torch 1.0, and if they did the
 first setup would fail loudly (every test shards a model). Likewise `Tensor._version`, the
 in-place version counter autograd keeps, which has no public accessor (read in materialize.py
-and hooks.py to see whether a tensor was written), and `nn.Module._apply` (both strategies'
-`model_to_device`): `.to(device)` for every tensor but those still on the meta device, which
-`Module.to` would refuse to copy.
+and hooks.py to see whether a tensor was written). (`nn.Module._apply` is no longer used: the
+strategies move a module with the public `.to(device)` after sharding, when no tensor is left on
+the meta device; materialize.py, Note: sharding from host memory.)
 """
 
 from __future__ import annotations
