@@ -1,24 +1,26 @@
 """`torch.compile` under ZeRO-3 next to DDP: graphs, graph breaks, recompiles, step time.
 
     python benchmarks/compile_check.py                       # backend aot_eager: counts, ~2 min
-    python benchmarks/compile_check.py --backend inductor    # step times with real kernels
+    python benchmarks/compile_check.py --backend inductor    # step times with generated kernels
 
-The GPT of benchmarks/model.py (preset `--size`, default "1m": 4 blocks, width 128) trains
-`--steps` SGD steps on 2 gloo ranks (one thread each), in a fresh pair of processes per variant:
+The GPT of benchmarks/model.py (preset `--size`, default "1m": 4 blocks, width 128, Ψ ≈ 0.8M)
+trains `--steps` SGD steps on 2 gloo ranks (one thread each), in a fresh pair of processes per
+variant:
 
-- ddp-eager / ddp-whole:   `DistributedDataParallel(model)`, then `torch.compile(ddp)` for -whole;
-- ddp-blocks:              `block.compile()` on each transformer block, then DDP;
-- zero3-eager:             `ShardedModel(model)`;
-- zero3-whole:             `model.compile()` (what `self.model.compile()` in `configure_model` does);
-- zero3-wrapped:           `ShardedModel(torch.compile(model))` (`self.model = torch.compile(...)`);
-- zero3-blocks:            `block.compile()` on each block (FSDP2's recommendation).
+- ddp-whole:      `torch.compile(DistributedDataParallel(model))`;
+- ddp-blocks:     `block.compile()` on each transformer block, then DDP;
+- zero3-whole:    `ShardedModel(model)`, then `model.compile()` (what `self.model.compile()` in
+                  `configure_model` and Fabric's re-compile after `setup` do);
+- zero3-wrapped:  `ShardedModel(torch.compile(model))` (`self.model = torch.compile(self.model)`);
+- zero3-blocks:   `block.compile()` on each block (FSDP2's advice).
 
-Counted on rank 0 by a backend that wraps `--backend` and sees every graph dynamo produces:
-graphs compiled (recompiles included), graph breaks and recompiles from dynamo's counters
-(`torch._dynamo.utils.counters`, private: this is a measurement script, not the package), and
-whether the recompile limit was hit. Times: the slowest rank's step, median over the steps
-after `--warmup`; "first" is step 0 (compilation included). Losses are compared with
-ddp-eager's, step by step.
+Each process also trains the variant's eager twin (DDP, or ShardedModel, not compiled) from the
+same seed, step for step in alternating order, so that both see the same machine load:
+"/eager" is the median of the per-step time ratios after `--warmup` steps, "first s" the
+compiled step 0 (compilation included), "loss diff" the largest loss difference from the twin.
+Times are the slowest rank's. Counted on rank 0, by a backend that wraps `--backend`: graphs
+compiled (recompiles included); from dynamo's counters and logs (private, this is a measurement
+script): graph breaks with their reasons, recompiles and "hit config.recompile_limit" warnings.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from benchmarks.launch import run_ranks  # noqa: E402
 from benchmarks.model import build_model, lm_loss, make_batches, make_config, window_length  # noqa: E402
 from tests.ranks import RankFailure  # noqa: E402
 
-VARIANTS = ("ddp-eager", "ddp-whole", "ddp-blocks", "zero3-eager", "zero3-whole", "zero3-wrapped", "zero3-blocks")
+VARIANTS = ("ddp-whole", "ddp-blocks", "zero3-whole", "zero3-wrapped", "zero3-blocks")
 
 
 class CountingBackend:
@@ -118,40 +120,57 @@ def prepare(variant: str, model: torch.nn.Module, backend: CountingBackend) -> t
     return model
 
 
+def timed_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    """One SGD step; returns (the slowest rank's seconds, the loss)."""
+    dist.barrier()
+    start = time.perf_counter()
+    loss = lm_loss(net, x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed), float(loss.detach())
+
+
 def train(rank: int, world_size: int, variant: str, size: str, steps: int, batch: int, backend_name: str) -> dict:
+    """Train `variant` and, step for step in alternating order, its eager twin (the same kind,
+    not compiled), so that both see the same load; the twin gives the eager time and losses."""
     torch._dynamo.reset()
     log = DynamoLog()
     backend = CountingBackend(backend_name)
     windows, vocab = make_batches(
         block_size=window_length(size), batch_size=batch, world_size=world_size, steps=steps, seed=0
     )  # (steps, N, B, T + 1)
-    model = build_model(make_config(size, vocab), seed=0, device=torch.device("cpu"))
-    net = prepare(variant, model, backend)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    times, losses = [], []
+    kind = variant.split("-")[0]
+    nets = {
+        "compiled": prepare(
+            variant, build_model(make_config(size, vocab), seed=0, device=torch.device("cpu")), backend
+        ),
+        "eager": prepare(
+            f"{kind}-eager", build_model(make_config(size, vocab), seed=0, device=torch.device("cpu")), backend
+        ),
+    }
+    optimizers = {name: torch.optim.SGD(net.parameters(), lr=0.1) for name, net in nets.items()}
+    times: dict[str, list[float]] = {"compiled": [], "eager": []}
+    losses: dict[str, list[float]] = {"compiled": [], "eager": []}
     for step in range(steps):
         x, y = windows[step, rank, :, :-1].contiguous(), windows[step, rank, :, 1:].contiguous()  # (B, T) each
-        dist.barrier()
-        start = time.perf_counter()
-        loss = lm_loss(net, x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
-        times.append(float(elapsed))
-        losses.append(float(loss.detach()))
+        for name in ("compiled", "eager") if step % 2 else ("eager", "compiled"):
+            seconds, loss = timed_step(nets[name], optimizers[name], x, y)
+            times[name].append(seconds)
+            losses[name].append(loss)
     return {"times": times, "losses": losses, "graphs": backend.graphs, "ops": backend.ops, **dynamo_counts(log)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="1m")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--backend", default="aot_eager", help="eager, aot_eager or inductor")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if not v.endswith("-eager")))
     parser.add_argument("--verbose", action="store_true", help="print dynamo's frame and stats counters")
     args = parser.parse_args()
     with open("/proc/loadavg") as f:
@@ -165,20 +184,18 @@ def main() -> None:
             )[0]
         except RankFailure as err:  # reported in the table, the other variants still run
             failed[variant] = next(line for line in str(err).splitlines() if line and not line.startswith("---"))
-    reference = results["ddp-eager"]["losses"] if "ddp-eager" in results else next(iter(results.values()))["losses"]
-    eager = {k.split("-")[0]: r for k, r in results.items() if k.endswith("-eager")}
     print(
-        f"{'variant':14} {'graphs':>6} {'breaks':>6} {'recomp':>6} {'limit':>5} {'first s':>8} {'step s':>7}"
-        f" {'/eager':>6} {'loss diff':>9}"
+        f"{'variant':14} {'graphs':>6} {'breaks':>6} {'recomp':>6} {'limit':>5} {'first s':>8} {'eager s':>7}"
+        f" {'step s':>7} {'/eager':>6} {'loss diff':>9}"
     )
     for variant, r in results.items():
-        median = statistics.median(r["times"][args.warmup :])
-        base = eager.get(variant.split("-")[0])
-        ratio = median / statistics.median(base["times"][args.warmup :]) if base else float("nan")
-        diff = max(abs(a - b) for a, b in zip(r["losses"], reference))
+        compiled, eager = r["times"]["compiled"], r["times"]["eager"]
+        ratio = statistics.median(c / e for c, e in zip(compiled[args.warmup :], eager[args.warmup :]))
+        diff = max(abs(a - b) for a, b in zip(r["losses"]["compiled"], r["losses"]["eager"]))
         print(
-            f"{variant:14} {r['graphs']:6d} {r['breaks']:6d} {r['recompiles']:6d} "
-            f"{r['limit_hit']:5d} {r['times'][0]:8.3f} {median:7.3f} {ratio:6.2f} {diff:9.2e}"
+            f"{variant:14} {r['graphs']:6d} {r['breaks']:6d} {r['recompiles']:6d} {r['limit_hit']:5d}"
+            f" {compiled[0]:8.3f} {statistics.median(eager[args.warmup :]):7.3f}"
+            f" {statistics.median(compiled[args.warmup :]):7.3f} {ratio:6.2f} {diff:9.2e}"
         )
         if r["break_reasons"]:
             for reason, count in r["break_reasons"]:

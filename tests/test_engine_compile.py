@@ -1,8 +1,8 @@
 """`torch.compile` on a sharded model, 2 gloo ranks, backend "aot_eager" (dynamo's graphs and
 AOT autograd's saved tensors, without the C++ compile time of inductor). The engine's hooks run
-outside the traced region (hooks.py, Note: torch.compile): compiled per block, every block
-shares one graph and no later step recompiles; compiled whole, the model breaks only at unit
-boundaries; training stays exact against one process either way."""
+outside the traced region (hooks.py, Note: torch.compile): compiled per block, with
+`fullgraph=True`, every block shares one graph and no later step recompiles; compiled whole,
+the model breaks only at unit boundaries; training stays exact against one process either way."""
 
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ def _compiled_training(rank: int, world_size: int, how: str) -> dict:
     torch._dynamo.reset()
     counter = GraphCounter()
     torch.manual_seed(0)
-    reference = MLP()
+    reference = MLP(dim=64)
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(dim=64)
     sharded = ShardedModel(model)
     if how == "blocks":
         for block in model.blocks:
-            block.compile(backend=counter)
+            block.compile(backend=counter, fullgraph=True)  # a graph break inside a block raises
     else:
         model.compile(backend=counter)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
@@ -49,13 +49,22 @@ def _compiled_training(rank: int, world_size: int, how: str) -> dict:
     with torch.compiler.set_stance("fail_on_recompile"):  # a later step that recompiles raises
         for step in range(1, STEPS):
             step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
-    return {"param_diff": max_param_difference(sharded, reference), "graphs": first_step}
+    param_diff = max_param_difference(sharded, reference)
+    # What autograd keeps from the compiled forward to backward: activations, not full weights.
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = model(mlp_batch(STEPS)[0][:6]).sum()
+    kept = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in saved}.values())
+    loss.backward()
+    block_bytes = sum(unit.block_numel * 4 for unit in sharded.units[1:])
+    return {"param_diff": param_diff, "graphs": first_step, "kept": kept, "block_bytes": block_bytes}
 
 
-def test_blocks_compiled_one_by_one_share_one_graph_and_train_exactly():
+def test_blocks_compiled_one_by_one_share_one_full_graph_and_train_exactly():
     for result in run_ranks(_compiled_training, 2, "blocks"):
         assert result["param_diff"] < 1e-5
         assert result["graphs"] == 1, f"{result['graphs']} graphs for 3 identical blocks: the hooks are traced"
+        assert result["kept"] < result["block_bytes"] // 2, f"the compiled blocks keep full weights: {result}"
 
 
 def test_a_model_compiled_whole_breaks_only_at_unit_boundaries_and_trains_exactly():
@@ -64,3 +73,4 @@ def test_a_model_compiled_whole_breaks_only_at_unit_boundaries_and_trains_exactl
     for result in run_ranks(_compiled_training, 2, "whole"):
         assert result["param_diff"] < 1e-5
         assert result["graphs"] <= 3, f"{result['graphs']} graphs: input layer, the blocks' shared graph, head"
+        assert result["kept"] < result["block_bytes"] // 2, f"the compiled model keeps full weights: {result}"
