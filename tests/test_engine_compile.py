@@ -74,3 +74,32 @@ def test_a_model_compiled_whole_breaks_only_at_unit_boundaries_and_trains_exactl
         assert result["param_diff"] < 1e-5
         assert result["graphs"] <= 3, f"{result['graphs']} graphs: input layer, the blocks' shared graph, head"
         assert result["kept"] < result["block_bytes"] // 2, f"the compiled model keeps full weights: {result}"
+
+
+def _fit_blocks_compiled_in_configure_model(rank: int, world_size: int) -> dict:
+    from lightning_zero3 import ZeRO3Strategy
+    from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+
+    class CompiledBlocks(LitMLP):
+        def configure_model(self) -> None:
+            for block in self.net.blocks:
+                block.compile(backend="aot_eager", fullgraph=True)
+
+    become_lightning_rank(rank, world_size)
+    torch.manual_seed(0)
+    model = CompiledBlocks()
+    trainer(ZeRO3Strategy(), world_size, max_epochs=1).fit(model, loader(world_size))
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "losses": model.step_losses}
+
+
+def test_trainer_fit_with_blocks_compiled_in_configure_model_matches_one_process():
+    """What the user guide recommends, through Lightning: exact against the eager reference."""
+    from tests.lit import LitMLP, max_difference, reference_fit
+
+    results = run_ranks(_fit_blocks_compiled_in_configure_model, 2)
+    torch.manual_seed(0)
+    reference = LitMLP()
+    losses = reference_fit(reference, epochs=1)
+    for result in results:
+        assert max_difference(result["state"], reference.state_dict()) < 1e-5
+        assert max(abs(a - b) for a, b in zip(result["losses"], losses)) < 1e-5
