@@ -90,7 +90,8 @@ class ZeRO3Strategy(ParallelStrategy):
             files with ``weights_only=False``), which can run code from the file: only for
             checkpoints from a trusted source whose Lightning state holds arbitrary objects. Default
             False: nothing in a checkpoint runs code (docs/checkpoints.md, "What loading trusts").
-            ``trainer.fit(..., weights_only=False)`` opts in for that one load.
+            ``trainer.fit(..., weights_only=False)`` does not reach this strategy: Lightning passes
+            it only to strategies that restore before setup, and this one restores after.
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
             method ("spawn", "fork", "forkserver").
@@ -427,13 +428,15 @@ class ZeRO3Strategy(ParallelStrategy):
     def teardown(self) -> None:
         if self.sharded is not None and not self.whole:
             if self._failed:
-                self.sharded.remove_hooks()  # other ranks may be gone: the module stays sharded
+                # Other ranks may be gone: the module stays sharded (and savable) until the next
+                # engine built for it makes it whole (engine/left_sharded.py).
+                self.sharded.leave_sharded()
             else:
                 # Whole parameters in host memory, one unit at a time, as Lightning moves
                 # every model to the CPU at teardown anyway (engine: restore_module).
                 self.sharded.restore_module(device="cpu")
-            # Kept for `stats` and for saving the optimizer (its state is still sharded).
-            self.whole = True
+                # Kept for `stats` and for saving the optimizer (its state is still sharded).
+                self.whole = True
             self.model = self.lightning_module
         super().teardown()
 

@@ -27,8 +27,10 @@ from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import (
     CheckpointError,
+    CheckpointNotFoundError,
     ShardedOptimizerStates,
     ShardedStateDict,
+    all_gather_object,
     atomic_torch_save,
     check_loadable,
     check_state_dict_loadable,
@@ -95,6 +97,8 @@ def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: _PATH, weights_onl
     model = strategy.sharded_model
     strict = strategy.lightning_module.strict_loading if strategy.lightning_module is not None else True
     context = f"Cannot load the checkpoint {path}"
+    if not any(all_gather_object(model.world_comm, path.exists(), context=context)):
+        raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (nothing there on any rank)")
     trusted = strategy.trust_checkpoint or weights_only is False
     if path.is_dir():
         comm = model.world_comm

@@ -1,54 +1,22 @@
-"""Code that reads or edits parameters outside forward: Lightning's weight-averaging and pruning
-callbacks are refused before they run, and `grad_norm` reports the whole gradients' norms (DDP's
-numbers), not this rank's shards'."""
+"""Code that reads or edits parameters outside forward: `grad_norm` reports the whole gradients'
+norms (DDP's numbers), not this rank's shards', and an EMA kept on the shards gives DDP's averaged
+weights. Lightning's weight-averaging and pruning callbacks are refused: tested in
+tests/test_lightning_{stochastic_weight_avg,weight_averaging,pruning}.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import lightning.pytorch as pl
-import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from tests import models
 from tests.fabric_helpers import fabric
 from tests.lit import LitMLP, become_lightning_rank, loader, trainer
 from tests.parity import local_slice
 from tests.ranks import run_ranks
-
-CALLBACKS = {
-    "swa": lambda: StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1),
-    "ema": lambda: EMAWeightAveraging(decay=0.9),
-    "pruning": lambda: ModelPruning("l1_unstructured", amount=0.5),
-}
-
-
-def _fit_with(rank: int, world_size: int, name: str) -> str:
-    become_lightning_rank(rank, world_size)
-    try:
-        trainer("zero3", world_size, max_epochs=2, callbacks=[CALLBACKS[name]()]).fit(LitMLP(), loader(world_size))
-    except MisconfigurationException as err:
-        return str(err)
-    return "fit ran"
-
-
-# Adapted from Lightning's callbacks/test_stochastic_weight_avg.py::test_misconfiguration_error_with_sharded_model,
-# which expects the same refusal under its FSDP and DeepSpeed strategies.
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [
-        ("swa", "StochasticWeightAveraging is not supported by ZeRO3Strategy: it averages a whole copy"),
-        ("ema", "EMAWeightAveraging is not supported by ZeRO3Strategy: it averages a whole copy"),
-        ("pruning", "ModelPruning is not supported by ZeRO3Strategy: torch.nn.utils.prune replaces"),
-    ],
-)
-def test_callbacks_that_copy_or_reparametrise_weights_are_refused_on_every_rank(name: str, expected: str) -> None:
-    for message in run_ranks(_fit_with, 2, name):
-        assert expected in message and "docs/user-guide.md" in message
 
 
 class _RecordsGradNorms(LitMLP):

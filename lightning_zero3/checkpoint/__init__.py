@@ -13,7 +13,7 @@ Framework-independent (no Lightning import): a Lightning checkpoint is only a di
 """
 
 from lightning_zero3.checkpoint.consolidate import ConsolidationSummary, Progress, consolidate_checkpoint
-from lightning_zero3.checkpoint.errors import CheckpointError, run_and_agree
+from lightning_zero3.checkpoint.errors import CheckpointError, CheckpointNotFoundError, all_gather_object, run_and_agree
 from lightning_zero3.checkpoint.files import atomic_torch_save, remove_checkpoint
 from lightning_zero3.checkpoint.format import (
     FORMAT_VERSION,
@@ -41,12 +41,14 @@ from lightning_zero3.checkpoint.save import save_sharded, sharded_optimizer_stat
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "ConsolidationSummary",
     "Progress",
     "ShardedCheckpoint",
     "ShardedOptimizerStates",
     "ShardedStateDict",
     "TensorInfo",
+    "all_gather_object",
     "atomic_torch_save",
     "check_loadable",
     "check_state_dict_loadable",

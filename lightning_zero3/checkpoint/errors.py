@@ -22,6 +22,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved, read or loaded; the message names the path and the problem."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """Nothing exists at the checkpoint path on any rank: a `FileNotFoundError` too, as Lightning's
+    own loading raises for a missing `ckpt_path`, so code that catches that keeps working."""
+
+
 def agree(comm: Comm | None, error: str | None, *, context: str | None, if_lost: str | None = None) -> None:
     """Raise the same `CheckpointError` on every rank if any rank reports an error. Without
     `comm` (one process) the error is raised as it is; with it, prefixed by `context` (or by

@@ -20,6 +20,7 @@ from torch import nn
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
+from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
@@ -90,8 +91,10 @@ class ShardedModel:
         self.world_comm = Comm(None)
         self.schedule = Schedule(prefetch)
         self.unit_stats = UnitStats()
-        self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
         target = _device_of(module, device)
+        # Shards left by an earlier engine whose run failed are made whole first (Note: a module left sharded).
+        restore_if_left_sharded(module, world_comm=self.world_comm, device=target)
+        self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
         shards = shard_parameters(
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
             param_init_fn=param_init_fn, sync_module_states=sync_module_states,
@@ -439,3 +442,10 @@ class ShardedModel:
         self.remove_hooks()
         restore_whole(self.units, device=torch.device(device))
         self.module.to(device)
+        forget(self.module)
+
+    def leave_sharded(self) -> None:
+        """Remove the hooks, keep the shards in the module, no collective (after a failure: other
+        ranks may be gone). Note: a module left sharded; this object can still save the shards."""
+        self.remove_hooks()
+        leave_sharded(self.module, self)

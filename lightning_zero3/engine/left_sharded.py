@@ -1,0 +1,81 @@
+"""Modules left holding an engine's shards, and making one whole again before it is sharded anew.
+
+[Note: a module left sharded]
+`ShardedModel.restore_module` makes the module whole again, but it is a collective: after a run
+that failed (other ranks may be gone) the Lightning strategies call `leave_sharded` instead, which
+removes the hooks and keeps the shards in the module. DDP users then fit the same module again
+(resuming from a checkpoint saved on the exception); a new engine would shard the shards, and the
+checkpoint would not fit. So `leave_sharded` remembers the module, and a new engine for it first
+asks every rank (one all_gather_object: every rank is building the engine, so a collective is safe
+now): left sharded on every rank, the previous engine gathers it whole and sharding proceeds as for
+any module; on some ranks only, every rank raises the same error.
+
+The module keeps its engine alive through a forward pre-hook (which also refuses a forward on the
+shards with this explanation); the registry holds both weakly, so a module that is dropped frees
+its engine and its shards.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_zero3.engine.comm import Comm
+
+if TYPE_CHECKING:
+    from lightning_zero3.engine.model import ShardedModel
+
+_HOW_TO_USE = (
+    "Fit, validate, test or predict with it again on every rank (the new run makes it whole first), or build a new "
+    "module and load a checkpoint into it."
+)
+
+
+class _RefuseForward:
+    """The forward pre-hook left on a module left sharded; it holds the engine that can restore it."""
+
+    def __init__(self, engine: ShardedModel) -> None:
+        self.engine = engine
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        raise RuntimeError(
+            f"{type(module).__name__}'s parameters are still this rank's 1-D shards: the run that sharded it failed "
+            f"and left it sharded. {_HOW_TO_USE}"
+        )
+
+
+# Module -> (the engine that left it sharded, the forward pre-hook holding that engine).
+_LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ShardedModel], Any]] = weakref.WeakKeyDictionary()
+
+
+def leave_sharded(module: nn.Module, engine: ShardedModel) -> None:
+    handle = module.register_forward_pre_hook(_RefuseForward(engine))
+    _LEFT[module] = (weakref.ref(engine), handle)
+
+
+def forget(module: nn.Module) -> None:
+    """`module` is whole again (or sharded by a live engine): no longer left sharded."""
+    entry = _LEFT.pop(module, None)
+    if entry is not None:
+        entry[1].remove()
+
+
+def restore_if_left_sharded(module: nn.Module, *, world_comm: Comm, device: torch.device) -> None:
+    """Make `module` whole on `device` if an earlier engine left it sharded on every rank; raise
+    `RuntimeError` on every rank if only some ranks have it sharded. Collective."""
+    entry = _LEFT.get(module)
+    previous = entry[0]() if entry is not None else None
+    left = world_comm.all_gather_object(previous is not None)
+    if not any(left):
+        return
+    if not all(left):
+        ranks = [rank for rank, flag in enumerate(left) if flag]
+        raise RuntimeError(
+            f"{type(module).__name__}'s parameters are still the shards of a failed run on ranks {ranks} only, so it "
+            f"cannot be made whole. Build a new module on every rank and load a checkpoint into it."
+        )
+    assert previous is not None
+    previous.restore_module(device=device)
