@@ -1,8 +1,8 @@
 """Peak RSS per rank over a number of steps of the bare engine, to see whether the process's
 memory stays flat (it should: nothing is kept between steps but shards and optimizer state).
 
-    python benchmarks/heap_growth.py                       # 40 steps, heap trimming on (default)
-    python benchmarks/heap_growth.py --no-trim --steps 40  # without the slack-based malloc_trim
+    python benchmarks/heap_growth.py                       # 40 steps, no heap trimming (the default)
+    python benchmarks/heap_growth.py --trim --steps 40      # with the slack-based malloc_trim (opt-in)
     python benchmarks/heap_growth.py --ddp                 # the same loop under PyTorch DDP
 """
 
@@ -55,11 +55,11 @@ def _train(rank: int, world_size: int, steps: int, trim: bool, ddp: bool) -> tup
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--no-trim", action="store_true", help="ShardedModel(trim_host_memory=False)")
+    parser.add_argument("--trim", action="store_true", help="ShardedModel(trim_host_memory=True)")
     parser.add_argument("--ddp", action="store_true", help="PyTorch DDP instead of the ZeRO-3 engine")
     args = parser.parse_args()
     marks = sorted({0, 9, 19, 29, 39, 79, 119, args.steps - 1} & set(range(args.steps)))
-    for rank, (median, peaks) in enumerate(run_ranks(_train, 2, args.steps, not args.no_trim, args.ddp, timeout_s=900)):
+    for rank, (median, peaks) in enumerate(run_ranks(_train, 2, args.steps, args.trim, args.ddp, timeout_s=900)):
         shown = ", ".join(f"{i + 1}: {peaks[i]}" for i in marks)
         print(f"rank {rank}: median step {median:.3f} s; peak RSS (MiB) after step {shown}")
 

@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -33,35 +34,21 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
-from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_norm_
+from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
 from lightning_zero3.engine.plan import WrapPolicy
-from lightning_zero3.options import (
-    barrier,
-    broadcast_object,
-    join_process_group,
-    mixed_precision_dtype,
-    set_world_ranks,
-    validated_options,
-)
+from lightning_zero3.options import RanksAndDevices, all_reduce, mixed_precision_dtype, validated_options
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 
-class ZeRO3FabricStrategy(ParallelStrategy):
+class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
 
     Takes the options of the Trainer's `ZeRO3Strategy` (see its docstring and the README):
@@ -124,34 +111,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     def state_dict_type(self) -> str:
         return self.options.state_dict_type
 
-    # ---- what Fabric asks of a distributed strategy --------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
+    # ---- what Fabric asks of a distributed strategy (and RanksAndDevices in options.py) -------
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -166,21 +126,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        join_process_group(
-            type(self).__name__, self.cluster_environment, backend, timeout=self.options.timeout,
-            device=self.root_device,
-        )  # fmt: skip
-
-    def _set_world_ranks(self) -> None:
-        set_world_ranks(
-            self.cluster_environment, node_rank=self.node_rank, local_rank=self.local_rank,
-            num_processes=self.num_processes, num_nodes=self.num_nodes, global_rank=self.global_rank,
-        )  # fmt: skip
+        self.join_world(self.options.timeout)
 
     # ---- building and sharding the model ----------------------------------------------------
     @override
@@ -194,8 +140,12 @@ class ZeRO3FabricStrategy(ParallelStrategy):
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
-        # Tensors still on the meta device are materialised on the device while sharding.
-        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+        # Nothing before `setup_module` (Fabric calls this first): sharding puts the shards,
+        # persistent parameters and buffers on the device one module at a time, so a whole model
+        # in host memory never goes there whole (engine/materialize.py, Note: sharding from host
+        # memory). A module set up already is there.
+        if any(sharded.module is module for sharded in self._sharded.values()):
+            module.to(self.root_device)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -224,6 +174,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
             reductions_in_flight=options.reductions_in_flight,
         )
         self._sharded[id(module)] = sharded
+        module.to(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
         for name, old in before.items():
             if after[name] is not old:  # parameters kept whole (persistence_threshold) stay as they are
@@ -241,6 +192,8 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     ) -> tuple[nn.Module, list[Optimizer], LRScheduler | None]:
         # Checked before sharding, so that a mistake leaves the model untouched.
         _check_no_state(optimizers, type(self).__name__)
+        for optimizer in optimizers:
+            check_optimizer_fits_shards(optimizer, type(self).__name__, warn=False)  # warned in setup_optimizer
         mine = {id(p) for p in module.parameters()}
         for optimizer in optimizers:
             foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
@@ -256,6 +209,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Check that `optimizer` holds shards; one built before `setup_module` is pointed at them."""
+        check_optimizer_fits_shards(optimizer, type(self).__name__)
         if any(self._shard_of(p) is not None for group in optimizer.param_groups for p in group["params"]):
             _check_no_state([optimizer], type(self).__name__)
             for group in optimizer.param_groups:
@@ -367,23 +321,13 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     def all_reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast_object(obj, src)
+        return all_reduce(tensor, group, reduce_op)
 
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------
     @override
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: str | Path,
         state: dict[str, nn.Module | Optimizer | Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
@@ -397,7 +341,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: str | Path,
         state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
         strict: bool = True,
         weights_only: bool | None = None,
@@ -415,7 +359,7 @@ class ZeRO3FabricStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         if "zero3" not in strategy_registry:
             strategy_registry.register("zero3", cls, description="ZeRO stage 3 for Fabric (lightning_zero3)")
 

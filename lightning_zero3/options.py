@@ -1,34 +1,49 @@
 """The options both strategies take (Trainer's `ZeRO3Strategy`, Fabric's `ZeRO3FabricStrategy`),
 checked once, at construction, with a message that says what was expected and how to fix it;
-and joining the process group with an error that names a rank that never arrived."""
+joining the process group with an error that names a rank that never arrived; and the rank and
+device properties Lightning asks of both (`RanksAndDevices`).
+
+[Note: Lightning's private names]
+A strategy outside Lightning cannot avoid a few of Lightning's underscored names; each use is
+listed here. Tried: Lightning 2.6.6 (the installed release of the supported range
+`lightning>=2.5,<2.7`). Fallback: none is possible for the launchers (Lightning has no public
+launcher a strategy could use instead); the version pin in pyproject.toml is the guard, and a
+rename fails at import, naming the missing name, not mid-training.
+- `_SubprocessScriptLauncher`, `_MultiProcessingLauncher` (both strategies): the launchers
+  Lightning's own DDP/FSDP strategies set in `_configure_launcher`.
+- Fabric's `_FabricModule._forward_module` (fabric_strategy.py): the module `fabric.setup`
+  wrapped, to find the engine that holds it.
+- Not needed any more: `_sync_ddp_if_available`, `_get_default_process_group_backend_for_device`
+  and `_optimizers_to_device` (`all_reduce`, `default_backend`, `optimizer_state_to` below),
+  `_StrategyRegistry` and `_PATH` (public types), `LightningOptimizer._optimizer` (its public
+  `.optimizer`).
+Replaced by public code: `_init_dist_connection` and `_distributed_is_initialized`
+(`join_process_group` and `_distributed` below call torch.distributed directly).
+"""
 
 from __future__ import annotations
 
+import atexit
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
-from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
+from lightning_zero3.dtypes import parse_dtype
+from lightning_zero3.engine.plan import WrapPolicy, validate_counts, validate_wrap_policy
 
 T = TypeVar("T")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 STATE_DICT_TYPES = ("sharded", "full")
-
-_DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "32": torch.float32,
-    "fp64": torch.float64, "float64": torch.float64, "64": torch.float64,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -68,12 +83,7 @@ def validated_options(
     trust_checkpoint: object = False,
 ) -> ShardingOptions:
     """Check every option; raise `ValueError` naming `owner` (the class), the option and the fix."""
-    if type(prefetch) is not int or prefetch < 0:
-        raise ValueError(f"{owner}(prefetch=...) must be an int >= 0, got {prefetch!r}.")
-    if type(persistence_threshold) is not int or persistence_threshold < 0:
-        raise ValueError(
-            f"{owner}(persistence_threshold=...) must be an int >= 0 (elements), got {persistence_threshold!r}."
-        )
+    validate_counts(prefetch, persistence_threshold, reductions_in_flight, owner=owner)
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"{owner}(state_dict_type=...) must be one of {STATE_DICT_TYPES}, got {state_dict_type!r}.")
     if start_method not in START_METHODS:
@@ -87,36 +97,21 @@ def validated_options(
         )
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(f"{owner}(param_init_fn=...) must be callable; got {param_init_fn!r}.")
-    if reductions_in_flight is not None and (type(reductions_in_flight) is not int or reductions_in_flight < 0):
-        raise ValueError(
-            f"{owner}(reductions_in_flight=...) must be None (2 on CUDA, 0 elsewhere) or an int >= 0 "
-            f"(Reduce-Scatters left running while backward continues); got {reductions_in_flight!r}."
-        )
     if not isinstance(trust_checkpoint, bool):
         raise ValueError(f"{owner}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
     return ShardingOptions(
         wrap_policy=validate_wrap_policy(wrap_policy),
-        prefetch=prefetch,
-        persistence_threshold=persistence_threshold,
+        prefetch=prefetch,  # type: ignore[arg-type]  # an int: validate_counts checked it
+        persistence_threshold=persistence_threshold,  # type: ignore[arg-type]
         shard_size=shard_size,
-        param_dtype=as_dtype(param_dtype, "param_dtype", owner),
-        reduce_dtype=as_dtype(reduce_dtype, "reduce_dtype", owner),
+        param_dtype=parse_dtype(param_dtype, f"{owner}(param_dtype=...)"),
+        reduce_dtype=parse_dtype(reduce_dtype, f"{owner}(reduce_dtype=...)"),
         param_init_fn=param_init_fn,  # type: ignore[arg-type]
         state_dict_type=state_dict_type,  # type: ignore[arg-type]
         timeout=timeout,
         start_method=start_method,  # type: ignore[arg-type]
         reductions_in_flight=reductions_in_flight,  # type: ignore[arg-type]
         trust_checkpoint=trust_checkpoint,
-    )
-
-
-def as_dtype(value: object, option: str, owner: str = "ZeRO3Strategy") -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
-        return value
-    if isinstance(value, str) and value.lower() in _DTYPES:
-        return _DTYPES[value.lower()]
-    raise ValueError(
-        f"{owner}({option}=...) must be a floating torch.dtype or one of {sorted(_DTYPES)}; got {value!r}."
     )
 
 
@@ -130,11 +125,19 @@ def join_process_group(
 ) -> None:
     """Join (or reuse) the default process group; a rank that never arrives fails the others after
     `timeout` with an error naming the address and the likely causes."""
+    if not torch.distributed.is_available():
+        raise RuntimeError(f"{owner} needs torch.distributed, which this torch build does not have.")
+    if torch.distributed.is_initialized():
+        return  # e.g. torchrun's script set it up, or a test harness
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type != "cpu":
         kwargs["device_id"] = device
+    # What Lightning's own strategies do (through a private helper): the store address from
+    # the cluster environment, then the process group.
+    os.environ["MASTER_ADDR"] = env.main_address
+    os.environ["MASTER_PORT"] = str(env.main_port)
     try:
-        _init_dist_connection(env, backend, **kwargs)
+        torch.distributed.init_process_group(backend, rank=env.global_rank(), world_size=env.world_size(), **kwargs)
     except RuntimeError as err:  # torch's DistStoreError/DistNetworkError when a rank never arrives
         raise RuntimeError(
             f"{owner}: the {env.world_size()} ranks did not all join the process group at "
@@ -142,12 +145,61 @@ def join_process_group(
             f"global rank {env.global_rank()}). Check that every node runs the same command with the same "
             f"num_nodes and devices, and that the main address and port are reachable. Cause: {err}"
         ) from err
+    if backend == "nccl":
+        atexit.register(_leave_process_group)  # NCCL warns about a group never destroyed
+    rank_zero_info(f"{owner}: {env.world_size()} processes joined the {backend} process group.")
+
+
+def _leave_process_group() -> None:
+    if _distributed():
+        torch.distributed.destroy_process_group()
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 # ---- what both strategies do the same way with the default process group -------------------
+def all_reduce(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+    """`tensor` reduced in place over `group` (the world by default) with `reduce_op` (a
+    `ReduceOp` or "sum", "mean"/"avg", "max", "min", "product"), as Lightning's strategies
+    reduce logged values; anything but a tensor, or without a process group, is returned as is."""
+    if not isinstance(tensor, torch.Tensor) or not _distributed():
+        return tensor
+    group = torch.distributed.group.WORLD if group is None else group
+    divide = False
+    if isinstance(reduce_op, str):
+        name = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
+        divide = name == "avg" and torch.distributed.get_backend(group) == "gloo"  # gloo has no AVG
+        op = torch.distributed.ReduceOp.SUM if divide else getattr(torch.distributed.ReduceOp, name.upper())
+    else:
+        op = reduce_op if reduce_op is not None else torch.distributed.ReduceOp.SUM
+    torch.distributed.barrier(group=group)
+    torch.distributed.all_reduce(tensor, op=op, group=group)
+    if divide:
+        world = torch.distributed.get_world_size(group)
+        return tensor.div_(world) if tensor.is_floating_point() else tensor.copy_(tensor / world)
+    return tensor
+
+
+def optimizer_state_to(optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move the optimizers' state tensors onto `device`, as Lightning's strategies do after
+    setup; "step" counters stay where they are (torch keeps them on the CPU)."""
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
+
+
+def default_backend(device: torch.device) -> str:
+    """The process-group backend for `device`: "nccl" for CUDA, "gloo" for CPU."""
+    return torch.distributed.get_default_backend_for_device(device)
+
+
 def barrier(device: torch.device) -> None:
     """Wait for every rank (NCCL needs the device to wait on)."""
-    if not _distributed_is_initialized():
+    if not _distributed():
         return
     if torch.distributed.get_backend() == "nccl":
         torch.distributed.barrier(device_ids=[device.index])
@@ -157,18 +209,94 @@ def barrier(device: torch.device) -> None:
 
 def broadcast_object(obj: T, src: int) -> T:
     """`obj` from rank `src` on every rank (pickled: small control values only)."""
-    if not _distributed_is_initialized():
+    if not _distributed():
         return obj
     box = [obj]
     torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
     return box[0]
 
 
-def set_world_ranks(env: ClusterEnvironment | None, *, node_rank: int, local_rank: int, num_processes: int,
-                    num_nodes: int, global_rank: int) -> None:  # fmt: skip
-    """Tell the cluster environment this rank's global rank and the world size, and
-    Lightning's rank-zero utilities who rank zero is."""
-    if env is not None:
-        env.set_global_rank(node_rank * num_processes + local_rank)
-        env.set_world_size(num_nodes * num_processes)
-    rank_zero_only.rank = global_rank  # type: ignore[attr-defined]  # Lightning's way; not in its stubs
+class _LightningParallel(Protocol):
+    """What `RanksAndDevices` reads from the Lightning strategy it is mixed into."""
+
+    cluster_environment: ClusterEnvironment | None
+    _num_nodes: int  # set in the strategy's __init__
+    _process_group_backend: str | None  # the user's choice, else resolved on joining
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def num_processes(self) -> int: ...
+    def set_world_ranks(self) -> None: ...
+
+
+class RanksAndDevices:
+    """Lightning's rank and device properties and control collectives, the same for the Trainer's
+    `ZeRO3Strategy` and Fabric's `ZeRO3FabricStrategy`: mixed in before Lightning's
+    `ParallelStrategy` (Trainer and Fabric each have their own), which leaves them to each strategy."""
+
+    _num_nodes: int  # set in the strategy's __init__
+    _process_group_backend: str | None  # the user's choice, else resolved on joining
+
+    @property
+    def root_device(self: _LightningParallel) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self: _LightningParallel) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self: _LightningParallel, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self: _LightningParallel) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self: _LightningParallel) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self: _LightningParallel) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self: _LightningParallel) -> None:
+        """Tell the cluster environment this rank's global rank and the world size, and
+        Lightning's rank-zero utilities who rank zero is. The Trainer calls it by this name,
+        Fabric as `_set_world_ranks`."""
+        env = self.cluster_environment
+        if env is not None:
+            env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            env.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's way; not in its stubs
+
+    _set_world_ranks = set_world_ranks
+
+    def join_world(self: _LightningParallel, timeout: timedelta) -> None:
+        """`setup_environment` after Lightning's own: seed, ranks, backend, the process group."""
+        reset_seed()
+        self.set_world_ranks()
+        device = self.root_device
+        backend = self._process_group_backend or default_backend(device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        join_process_group(type(self).__name__, self.cluster_environment, backend, timeout=timeout, device=device)
+
+    def barrier(self: _LightningParallel, *args: Any, **kwargs: Any) -> None:
+        barrier(self.root_device)
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return broadcast_object(obj, src)

@@ -11,23 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -35,15 +28,14 @@ from typing_extensions import override
 
 from lightning_zero3 import trainer_checkpoint
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
-from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.plan import WrapPolicy
 from lightning_zero3.options import (
-    barrier,
-    broadcast_object,
-    join_process_group,
+    RanksAndDevices,
+    all_reduce,
     mixed_precision_dtype,
-    set_world_ranks,
+    optimizer_state_to,
     validated_options,
 )
 from lightning_zero3.precision import sharded_precision
@@ -63,7 +55,7 @@ class _RootCall(nn.Module):
         return self.module(*args, **kwargs)
 
 
-class ZeRO3Strategy(ParallelStrategy):
+class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
 
     Args:
@@ -164,39 +156,12 @@ class ZeRO3Strategy(ParallelStrategy):
         # `torch.save(trainer)`) leaves it behind, like Lightning's DDP drops its process group.
         return {**super().__getstate__(), "sharded": None}
 
-    # ---- what Lightning asks of a distributed strategy ------------------------------------
+    # ---- what Lightning asks of a distributed strategy (and RanksAndDevices in options.py) ----
     @property
     def is_distributed(self) -> bool:
         # Lightning only knows its own strategies as distributed; without this no
         # DistributedSampler is inserted and `self.log(..., sync_dist=True)` does nothing.
         return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @property
     @override
@@ -216,22 +181,7 @@ class ZeRO3Strategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        join_process_group(
-            type(self).__name__, self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-            device=self.root_device,
-        )
-
-    def set_world_ranks(self) -> None:
-        set_world_ranks(
-            self.cluster_environment, node_rank=self.node_rank, local_rank=self.local_rank,
-            num_processes=self.num_processes, num_nodes=self.num_nodes, global_rank=self.global_rank,
-        )  # fmt: skip
+        self.join_world(self._timeout)  # options.py: RanksAndDevices
 
     # ---- setup ------------------------------------------------------------------------------
     @override
@@ -243,13 +193,13 @@ class ZeRO3Strategy(ParallelStrategy):
         self._failed = False
         self.whole = False
         self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self._setup_model(self.model)  # shards on the device, from wherever the module is
         self.model_to_device()
-        self.model = self._setup_model(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizer_state_to(self.optimizers, self.root_device)
         count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
 
     @override
@@ -284,6 +234,7 @@ class ZeRO3Strategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         sharded = {id(p.param) for p in self.sharded_model.sharded_params}
         for optimizer in self.optimizers:
+            check_optimizer_fits_shards(optimizer, type(self).__name__)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if params and not any(id(p) in sharded for p in params):
                 raise ValueError(
@@ -311,10 +262,12 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
+        # Called after sharding, which put the shards, persistent parameters and buffers on the
+        # device one module at a time (engine/materialize.py, Note: sharding from host memory): a
+        # whole model in host memory, as after a teardown, never goes to the device. What is left
+        # (e.g. torchmetrics states) moves, and the LightningModule learns its device.
         assert self.lightning_module is not None
-        device = self.root_device
-        # Tensors still on the meta device are materialised on `device` while sharding.
-        self.lightning_module._apply(lambda t: t if t.is_meta else t.to(device))
+        self.lightning_module.to(self.root_device)
 
     @property
     def sharded_model(self) -> ShardedModel:
@@ -351,18 +304,8 @@ class ZeRO3Strategy(ParallelStrategy):
 
     # ---- collectives Lightning uses for metrics/logging -----------------------------------
     @override
-    def barrier(self, name: str | None = None) -> None:
-        barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast_object(obj, src)
-
-    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return all_reduce(tensor, group, reduce_op)
 
     # ---- whole parameters on demand -------------------------------------------------------
     @contextmanager
@@ -399,12 +342,12 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         trainer_checkpoint.save_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         return trainer_checkpoint.load_checkpoint(self, checkpoint_path, weights_only)
 
     @override
@@ -416,7 +359,7 @@ class ZeRO3Strategy(ParallelStrategy):
         trainer_checkpoint.load_optimizer_state_dict(self, checkpoint)
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: str | Path) -> None:
         trainer_checkpoint.remove_checkpoint(self, filepath)
 
     # ---- teardown ---------------------------------------------------------------------------
@@ -442,7 +385,7 @@ class ZeRO3Strategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         if "zero3" not in strategy_registry:
             strategy_registry.register("zero3", cls, description="ZeRO stage 3 (lightning_zero3)")
 

@@ -6,9 +6,12 @@ Lightning's `ModelSummary` callback (and `RichModelSummary`) builds its table in
 method `_summary(trainer, pl_module)`, which picks a `DeepSpeedSummary` for DeepSpeed ZeRO-3
 and counts `p.numel()` otherwise: with shards, 1/N of every layer. There is no public hook for a
 strategy to supply the counts, so the strategy sets `_summary` on each such callback instance to
-a `FullSizeSummaryBuilder` (a picklable module-level class). Tried: Lightning 2.6.6. Fallback:
-if a Lightning release drops `_summary`, nothing is set and a warning says the summary shows
-shard sizes.
+a `FullSizeSummaryBuilder` (a picklable module-level class). Private names used: the callback's
+`_summary` (replaced) and `_max_depth` (read); in `FullSizeSummary`, the summary's `_model` and
+`_max_depth` and `LayerSummary._module`, which Lightning's own subclasses read the same way.
+Tried: Lightning 2.6.6 (the only release in the supported range installed here). Fallback: if
+a Lightning release drops `_summary` or `_max_depth`, nothing is set and a warning says the
+summary shows shard sizes (tests/test_strategy_lightning.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from torch.optim import Optimizer
@@ -61,14 +60,14 @@ def lightning_module_state_dict(strategy: ZeRO3Strategy) -> dict[str, Any]:
 
 def optimizer_state(strategy: ZeRO3Strategy, optimizer: Optimizer) -> dict[str, Tensor]:
     if isinstance(optimizer, LightningOptimizer):
-        optimizer = optimizer._optimizer
+        optimizer = optimizer.optimizer
     if strategy.state_dict_type == "sharded":
         return sharded_optimizer_state(strategy.sharded_model, optimizer)
     return full_optimizer_state(strategy.sharded_model, optimizer, to_rank=0)
 
 
 def save_checkpoint(
-    strategy: ZeRO3Strategy, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None
+    strategy: ZeRO3Strategy, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None
 ) -> None:
     if storage_options is not None:
         raise TypeError(
@@ -92,7 +91,7 @@ def save_checkpoint(
     run_and_agree(strategy.sharded_model.world_comm, write, context=context)
 
 
-def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: str | Path, weights_only: bool | None) -> dict[str, Any]:
     path = Path(strategy.broadcast(os.fspath(checkpoint_path)))
     model = strategy.sharded_model
     strict = strategy.lightning_module.strict_loading if strategy.lightning_module is not None else True
@@ -140,7 +139,7 @@ def load_optimizer_state_dict(strategy: ZeRO3Strategy, checkpoint: Mapping[str, 
         load_full_optimizer_state(strategy.sharded_model, optimizer, state)
 
 
-def remove_checkpoint(strategy: ZeRO3Strategy, filepath: _PATH) -> None:
+def remove_checkpoint(strategy: ZeRO3Strategy, filepath: str | Path) -> None:
     if not strategy.is_global_zero:
         return
     if not os.path.isdir(filepath) and type(strategy.checkpoint_io) is not TorchCheckpointIO:

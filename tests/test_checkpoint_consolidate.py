@@ -9,6 +9,7 @@ import json
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,32 @@ def test_consolidated_file_is_an_ordinary_checkpoint_with_whole_tensors(saved, t
         for key, value in entry.items():
             assert torch.equal(state["state"][index][key], value), (index, key)
     assert summary.world_size == 3 and summary.file_bytes == summary.dst.stat().st_size
+
+
+def test_the_streamed_torch_file_is_a_valid_zip_whose_tensor_records_are_64_byte_aligned(tmp_path):
+    """checkpoint/streaming.py, Note: the torch.save file format: our own writer's output is a
+    zip any tool accepts (CRCs checked), each data record starts on the storage alignment, and
+    tensors given in memory (callback states) are written alongside the streamed ones, shared
+    where they were shared."""
+    from lightning_zero3.checkpoint.streaming import Deferred, stream_torch_save
+
+    real = torch.tensor([1.5, -2.5], requires_grad=True)
+    obj = {"w": Deferred((2, 5), torch.float32, lambda: torch.arange(10.0)), "bf": Deferred((3,), torch.bfloat16,
+           lambda: torch.ones(3)), "extra": {"score": real, "again": real}, "step": 7}  # fmt: skip
+    file = tmp_path / "f.pt"
+    stream_torch_save(obj, file, lambda nbytes: None)
+    with zipfile.ZipFile(file) as archive, open(file, "rb") as raw:
+        assert archive.testzip() is None
+        for info in archive.infolist():
+            raw.seek(info.header_offset + 26)
+            name_length, extra_length = struct.unpack("<HH", raw.read(4))
+            if "/data/" in info.filename:
+                assert (info.header_offset + 30 + name_length + extra_length) % 64 == 0, info.filename
+    for mmap in (False, True):
+        loaded = torch.load(file, weights_only=True, mmap=mmap)
+        assert torch.equal(loaded["w"], torch.arange(10.0).view(2, 5)) and loaded["bf"].dtype == torch.bfloat16
+        assert torch.equal(loaded["extra"]["score"], real.detach()) and loaded["extra"]["score"].requires_grad
+        assert loaded["extra"]["again"] is loaded["extra"]["score"] and loaded["step"] == 7
 
 
 def test_tied_weights_are_present_under_every_name_sharing_one_storage(saved, tmp_path):
@@ -139,15 +166,20 @@ def _save_large_model(rank: int, world_size: int, path: str) -> None:
     save_sharded(path, ShardedModel(model), {"state_dict": model.state_dict()})
 
 
-# The CLI's own code path, run in a fresh process that reports its peak RSS (VmHWM) before and
-# after consolidating, so the imports (torch, lightning) are not counted as consolidation memory.
+# The command as `python -m lightning_zero3` runs it, in a fresh process that reports its peak
+# RSS (VmHWM) before and after consolidating, so the imports (torch, lightning) are not counted
+# as consolidation memory.
 _MEASURED_CLI = """
-import sys
+import runpy, sys
 def peak():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
-from lightning_zero3.__main__ import main
+import lightning_zero3  # torch and lightning: not consolidation memory
 before = peak()
-code = main(sys.argv[1:])
+sys.argv = ["lightning_zero3", *sys.argv[1:]]
+try:
+    runpy.run_module("lightning_zero3", run_name="__main__")
+except SystemExit as exit:
+    code = exit.code
 print(before, peak())
 sys.exit(code)
 """

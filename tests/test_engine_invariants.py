@@ -1,5 +1,6 @@
-"""The invariants of DESIGN.md, measured on real ranks: shard sizes (1), communication per step
-(3) and the number of units whole at once (4)."""
+"""The invariants of docs/design.md, measured on real ranks: shard sizes (1), communication per
+step (3), the number of units whole at once (4), nothing kept between steps (5) and both ways
+of communicating (6)."""
 
 from __future__ import annotations
 

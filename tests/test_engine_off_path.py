@@ -184,6 +184,36 @@ def test_steps_after_an_exception_inside_backward_match_single_process():
         assert result["alive"] == 0, "a unit still holds full parameters"
 
 
+def _steps_without_the_graph_task_id(rank: int, world_size: int) -> dict[str, float]:
+    """Training where torch lacks the private `torch._C._current_graph_task_id` (hooks.py, Note:
+    exceptions): the engine then trusts its own flag for whether a backward is running. With
+    activation checkpointing, whose forwards rerun inside backward, where the answer matters
+    (reentrant: torch's non-reentrant checkpoint needs that function itself)."""
+    from lightning_zero3.engine.calls import autograd_running
+
+    saved = torch._C._current_graph_task_id
+    del torch._C._current_graph_task_id
+    try:
+        assert autograd_running(), "the fallback must assume a backward may be running"
+        torch.manual_seed(0)
+        reference = MLP(checkpointing="reentrant")
+        torch.manual_seed(0)
+        model = MLP(checkpointing="reentrant")
+        sharded = ShardedModel(model, persistence_threshold=64)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+        for step in range(3):
+            step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
+    finally:
+        torch._C._current_graph_task_id = saved
+    return {"param": max_param_difference(sharded, reference), "alive": sharded.unit_stats.alive}
+
+
+def test_without_torchs_graph_task_id_training_still_matches_single_process():
+    for result in run_ranks(_steps_without_the_graph_task_id, 2):
+        assert result["param"] < TOL, f"training differs by {result['param']:.3g}"
+        assert result["alive"] == 0, "a unit still holds full parameters"
+
+
 # ---- persistent parameters no rank used -----------------------------------------------------
 class MLPWithUnusedLayer(MLP):
     """An MLP with a small layer its forward never calls (e.g. a head for another task)."""

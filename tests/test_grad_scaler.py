@@ -97,3 +97,18 @@ def test_trainer_16_mixed_with_a_fused_optimizer_skips_on_every_rank() -> None:
     for result in results:
         first, second = result["shards"]
         assert not torch.equal(first, second)  # step 1 was taken
+
+
+def test_a_torch_whose_grad_scaler_keeps_its_inf_flags_elsewhere_is_refused_at_construction(monkeypatch):
+    """The fallback of engine/optim.py's Note: private GradScaler state: if a torch release
+    moves `found_inf_per_device`, construction raises (on every rank alike) naming the way out,
+    instead of letting ranks decide apart."""
+    import torch.amp.grad_scaler as grad_scaler
+
+    monkeypatch.setattr(grad_scaler, "_refresh_per_optimizer_state", lambda: {"stage": 0, "inf_flags": {}})
+    try:
+        AgreeingGradScaler(None, device="cpu")  # type: ignore[arg-type]
+    except RuntimeError as err:
+        assert "Use precision='bf16-mixed'" in str(err) and torch.__version__ in str(err)
+    else:
+        raise AssertionError("AgreeingGradScaler accepted a GradScaler without found_inf_per_device")

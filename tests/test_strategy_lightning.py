@@ -96,6 +96,18 @@ def test_model_summary_shows_full_parameter_counts() -> None:
         assert per_layer == [full]  # max_depth=1: the one child `net`
 
 
+def test_a_model_summary_without_the_private_summary_method_warns_and_is_left_alone() -> None:
+    """The fallback of summary.py's Note: a Lightning whose ModelSummary has no `_summary`
+    keeps its own table (shard sizes) and says so."""
+    from lightning_zero3.summary import count_full_parameters
+
+    callback = pl.callbacks.ModelSummary()
+    callback._summary = None  # as if this Lightning had dropped the method
+    with pytest.warns(UserWarning, match="ModelSummary changed in this Lightning version: .* this rank.s shards"):
+        count_full_parameters([callback], lambda p: p.numel())
+    assert callback._summary is None
+
+
 class _LitMetrics(LitMLP):
     def __init__(self) -> None:
         super().__init__()

@@ -29,7 +29,6 @@ written once.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -176,6 +175,18 @@ def optimizer_param_names(model: ShardedModel, optimizer: torch.optim.Optimizer)
             )
         groups.append([names[id(p)] for p in group["params"]])
     return groups
+
+
+def param_numbers(groups: Iterable[Iterable[str]]) -> dict[str, int]:
+    """Parameter name -> its number in `optimizer.state_dict()`, which numbers parameters 0, 1,
+    ... in param_groups order; `groups` are the parameter names of each group."""
+    return {name: i for i, name in enumerate(name for group in groups for name in group)}
+
+
+def with_params(param_groups: Iterable[Mapping[str, Any]], params: Iterable[list[Any]]) -> list[dict[str, Any]]:
+    """`param_groups` with each group's "params" replaced by the matching list of `params`
+    (names for numbers, or numbers for names)."""
+    return [{**group, "params": list(ps)} for group, ps in zip(param_groups, params)]
 
 
 # ---- shards as DCP sees them ------------------------------------------------------------------
@@ -410,10 +421,3 @@ def _check_file(directory: Path, name: str, expected: Mapping[str, Any], *, crc:
 
 def _dcp_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.glob("__*_*.distcp"))
-
-
-def dcp_no_dist(fn: Any, no_dist: bool) -> dict[str, bool]:
-    """The `no_dist=` keyword for `dcp.save` / `dcp.load` where torch accepts it. Releases
-    before the supported range (e.g. 2.6) have no such keyword and decide from whether a process
-    group exists: the same answer everywhere but in consolidation inside a distributed program."""
-    return {"no_dist": no_dist} if "no_dist" in inspect.signature(fn).parameters else {}

@@ -17,7 +17,6 @@ from lightning_zero3.checkpoint.format import (
     Pieces,
     ShardedCheckpoint,
     TensorInfo,
-    dcp_no_dist,
     describe_mismatch,
     dtype_name,
     dtype_of,
@@ -25,7 +24,9 @@ from lightning_zero3.checkpoint.format import (
     model_tensors,
     open_sharded,
     optimizer_param_names,
+    param_numbers,
     sharded_by_name,
+    with_params,
 )
 from lightning_zero3.checkpoint.trust import forbidden_global
 from lightning_zero3.engine.comm import Comm
@@ -124,7 +125,7 @@ def load_sharded_optimizers(
         for index, (optimizer, meta, objs) in enumerate(zip(optimizers, saved_meta, saved_objects)):
             groups = optimizer_param_names(model, optimizer)
             _check_groups(ckpt.path, index, [g["params"] for g in objs["param_groups"]], groups)
-            order = {name: i for i, name in enumerate(name for group in groups for name in group)}
+            order = param_numbers(groups)
             state: dict[int, dict[str, Any]] = {}
             for name in set(meta["state"]) | set(objs["state"]):
                 entry = state.setdefault(order[name], dict(objs["state"].get(name, {})))
@@ -145,11 +146,8 @@ def load_sharded_optimizers(
                     else:
                         entry[k] = torch.empty(info["shape"], dtype=dtype)
                         loads.into_whole(key, "tensor", entry[k])
-            param_groups = [
-                {**saved_group, "params": [order[n] for n in names]}
-                for saved_group, names in zip(objs["param_groups"], groups)
-            ]
-            packed_all.append({"state": state, "param_groups": param_groups})
+            numbers = ([order[n] for n in names] for names in groups)
+            packed_all.append({"state": state, "param_groups": with_params(objs["param_groups"], numbers)})
         return loads, packed_all
 
     planned, error = error_of(plan)
@@ -182,7 +180,7 @@ def _dcp_load(targets: dict[str, torch.Tensor], ckpt: ShardedCheckpoint, comm: C
                 targets,
                 storage_reader=ckpt.reader(),
                 process_group=comm.group,
-                **dcp_no_dist(dcp.load, not comm.distributed),
+                no_dist=not comm.distributed,
             )
     except (Exception, dcp.CheckpointException) as err:
         raise CheckpointError(f"Loading {ckpt.path} failed: {describe_error(err)}") from err

@@ -22,10 +22,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_zero3.checkpoint.consolidate import deferred_checkpoint, materialized
+from lightning_zero3.checkpoint.consolidate import deferred_checkpoint
 from lightning_zero3.checkpoint.errors import CheckpointError
 from lightning_zero3.checkpoint.format import open_sharded
 from lightning_zero3.checkpoint.load import load_full_file
+from lightning_zero3.checkpoint.streaming import materialized
 
 ModuleT = TypeVar("ModuleT")
 _LIGHTNING_VERSION_KEY = "pytorch-lightning_version"  # every checkpoint a Trainer saves has it

@@ -33,13 +33,14 @@ from lightning_zero3.checkpoint.format import (
     TRAINER_STATE_FILE,
     Pieces,
     TensorInfo,
-    dcp_no_dist,
     dtype_name,
     fingerprint,
     model_parameter_shapes,
     model_parameters,
     optimizer_param_names,
+    param_numbers,
     sharded_by_name,
+    with_params,
 )
 from lightning_zero3.checkpoint.trust import read_dcp_index
 from lightning_zero3.engine.comm import Comm
@@ -54,14 +55,9 @@ def sharded_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimize
     stays this rank's shard. No collective."""
     packed = optimizer.state_dict()
     groups = optimizer_param_names(model, optimizer)
-    order = [name for group in groups for name in group]
-    state = {order[index]: dict(entry) for index, entry in packed["state"].items()}
-    param_groups = [{**group, "params": names} for group, names in zip(packed["param_groups"], groups)]
-    return {"state": state, "param_groups": param_groups}
-
-
-def _is_shard_state(value: Any, sp: ShardedParam) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == sp.shard_numel
+    name_of = {number: name for name, number in param_numbers(groups).items()}
+    state = {name_of[index]: dict(entry) for index, entry in packed["state"].items()}
+    return {"state": state, "param_groups": with_params(packed["param_groups"], groups)}
 
 
 def _local_piece(sp: ShardedParam, value: torch.Tensor, *, whole: bool, key: str) -> torch.Tensor:
@@ -117,7 +113,7 @@ def _plan_save(
                     state_objs.setdefault(name, {})[k] = v
                     continue
                 dcp_key = f"optimizer_states/{index}/{name}/{k}"
-                if sp is not None and _is_shard_state(v, sp):
+                if sp is not None and sp.is_shard_shaped(v):
                     tensors[dcp_key] = pieces.sharded(v.detach()[: sp.valid_numel()], sp.numel)
                     info = TensorInfo(tuple(sp.full_shape), dtype_name(v.dtype))
                     state_meta.setdefault(name, {})[k] = {"kind": "sharded", **info.as_json()}
@@ -167,8 +163,7 @@ def save_sharded(
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                no_dist = dcp_no_dist(dcp.save, not comm.distributed)
-                dcp.save(tensors, storage_writer=writer, process_group=comm.group, **no_dist)
+                dcp.save(tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed)
         except (Exception, dcp.CheckpointException) as err:
             raise CheckpointError(f"{context}: writing the shards failed: {describe_error(err)}") from err
         mine, error = error_of(lambda: checksums(partial, _rank_files(partial, comm.rank)))

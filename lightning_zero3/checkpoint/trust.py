@@ -52,9 +52,16 @@ def plain_name_problem(directory: Path, name: Any) -> str | None:
         return f"{name!r} is not a file name"
     if "/" in name or "\\" in name or os.sep in name or (os.altsep and os.altsep in name):
         return f"{name!r} is not a plain file name inside the checkpoint directory"
-    file = directory / name
-    if file.is_symlink() and file.resolve().parent != directory.resolve():
-        return f"{name!r} is a link to {os.readlink(file)!r}, outside the checkpoint directory"
+    # A link is followed by reading it, never by stat'ing its target: a link to a plain name in
+    # the directory is followed there; any other target is outside and is not touched.
+    file, hops = directory / name, 0
+    while file.is_symlink():  # an lstat of a name inside the directory
+        target = os.readlink(file)
+        if target in ("", ".", "..") or "/" in target or os.sep in target or (os.altsep and os.altsep in target):
+            return f"{name!r} is a link to {target!r}, outside the checkpoint directory"
+        file, hops = directory / target, hops + 1
+        if hops > 40:
+            return f"{name!r} is a loop of links"
     return None
 
 

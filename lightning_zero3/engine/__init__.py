@@ -3,7 +3,7 @@ imports Lightning."""
 
 from lightning_zero3.engine.comm import CollectiveBytes, CollectiveError, CommStats
 from lightning_zero3.engine.model import ShardedModel, UnitStats
-from lightning_zero3.engine.optim import AgreeingGradScaler, clip_grad_norm_, grad_norm
+from lightning_zero3.engine.optim import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, grad_norm
 from lightning_zero3.engine.shard import ShardedParam, shard_numel
 from lightning_zero3.engine.unit import OrderMismatchError
 
@@ -16,6 +16,7 @@ __all__ = [
     "ShardedModel",
     "ShardedParam",
     "UnitStats",
+    "check_optimizer_fits_shards",
     "clip_grad_norm_",
     "grad_norm",
     "shard_numel",

@@ -80,7 +80,11 @@ _glibc = _load_glibc()
 
 def return_free_host_memory(slack_bytes: int) -> bool:
     """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`) once more than
-    `slack_bytes` of it are free. Returns whether it trimmed.
+    `slack_bytes` of it are free. Returns whether it trimmed. Only with
+    `ShardedModel(trim_host_memory=True)`: glibc's heap is the whole process's, not ours, and
+    no run measured a gain (docs/performance.md, "Memory"). glibc's `malloc_trim` and
+    `mallinfo2` (2.33+) are public C functions, reached through ctypes; elsewhere (musl, macOS,
+    older glibc) this does nothing.
 
     A bound, not the mechanism: the engine's own large buffers are pooled, so after the first
     steps its process memory stays flat (docs/performance.md). What the model allocates

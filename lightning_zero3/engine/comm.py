@@ -225,9 +225,7 @@ class Comm:
                     for r in range(self.world_size)
                 ])  # fmt: skip
             else:
-                work = _native("all_gather_single", "all_gather_into_tensor")(
-                    output.view(-1), rows[self.rank], group=self.group, async_op=True
-                )
+                work = dist.all_gather_single(output.view(-1), rows[self.rank], group=self.group, async_op=True)
             if not async_op:
                 work.wait()
                 return None
@@ -248,9 +246,7 @@ class Comm:
             if self._in_place(full):
                 work = self._send_recv_reduce_scatter(output, rows)
             else:
-                work = _native("reduce_scatter_single", "reduce_scatter_tensor")(
-                    output.view(-1), full.reshape(-1), group=self.group, async_op=True
-                )
+                work = dist.reduce_scatter_single(output.view(-1), full.reshape(-1), group=self.group, async_op=True)
             if not async_op:
                 work.wait()
                 return None
@@ -317,13 +313,6 @@ class Comm:
         start = time.perf_counter()
         work.wait()
         self.stats.gather_wait_s += time.perf_counter() - start
-
-
-def _native(name: str, before: str) -> Any:
-    """torch.distributed's function `name`, or its older name `before` (releases before the
-    supported range, e.g. 2.6, have only those). Looked up at each call, so wrappers installed on
-    `dist` (tests, the benchmark's counter) see it."""
-    return getattr(dist, name, None) or getattr(dist, before)
 
 
 class Works:

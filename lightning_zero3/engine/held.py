@@ -71,7 +71,7 @@ class HeldUnits:
         driver = self.driver
         if self.calls is not None:
             raise RuntimeError("ZeRO-3: gathered_for_inference() is already active; do not nest it.")
-        open_calls = [slot.call for slot in driver._slots if slot.depth]
+        open_calls = [slot.call for unit, slot in zip(driver.units, driver._slots) if slot.depth and unit.params]
         if (driver._in_backward and autograd_running()) or any(
             call is None or call.reduces or call.state is not S.FORWARD for call in open_calls
         ):
@@ -83,7 +83,7 @@ class HeldUnits:
             )
         if driver._in_backward:
             driver._abandon_backward()
-        if open_calls:
+        if driver._open:  # inside a forward: its units keep their calls
             driver._release_stale_prefetches()
         else:
             driver._begin_pass()  # drops prefetches and what an earlier pass left on the modules
@@ -106,13 +106,16 @@ class HeldUnits:
             if call.state is S.FORWARD:
                 self.driver._move(call, S.DONE)
         for slot, depth in zip(self.driver._slots, self._depths):
-            slot.depth = depth  # as on entry: the forward hooks inside came in pairs
+            self.driver._set_depth(slot, depth)  # as on entry: the forward hooks inside came in pairs
 
     def pre_forward(self, unit: Unit, slot: Slot) -> None:
         """A unit's forward inside the context: check it may run on the held tensors."""
         if torch.is_grad_enabled():
             what = f"A forward of unit '{unit.name}' ran with gradients enabled"
             raise RuntimeError(_NO_GRAD_INSIDE.format(what=what))
+        if not unit.params:  # a root without parameters holds nothing
+            self.driver._set_depth(slot, slot.depth + 1)
+            return
         call = slot.call
         assert call is not None and call.state is S.FORWARD, f"ZeRO-3 internal error: unit '{unit.name}' not held"
         if call.versions != self.driver._versions(unit):
@@ -121,10 +124,10 @@ class HeldUnits:
                 f"step or a write to the parameters): the gathered weights are stale. Change parameters "
                 f"outside the context."
             )
-        slot.depth += 1
+        self.driver._set_depth(slot, slot.depth + 1)
 
     def post_forward(self, slot: Slot) -> None:
-        slot.depth = max(slot.depth - 1, 0)  # the call stays in FORWARD
+        self.driver._set_depth(slot, max(slot.depth - 1, 0))  # the call stays in FORWARD
 
     def refuse_backward(self) -> None:
         if self.calls is not None:

@@ -1,6 +1,6 @@
 """Forward and backward hooks that drive units. All autograd plumbing lives in this file and
 in calls.py (the state of one unit call and its autograd Functions); held.py holds units
-gathered across passes for inference.
+gathered across passes for inference, reductions.py the Reduce-Scatters in flight.
 
 [Note: one unit call]
 Each time a unit's module runs forward, its shards are gathered into full tensors (one
@@ -12,7 +12,7 @@ tensor objects survive inside autograd's saved tensors. A hook on the unit's out
 their gradient arrives, before the unit's own backward runs, and gathers again into the same
 storage. When autograd has every full parameter's gradient it calls `GatherParams.backward`,
 which Reduce-Scatters them; each rank's averaged shard gradient is added into `shard.grad`
-(Note: asynchronous reduction). One call, one reduction, added up: that is what makes
+(reductions.py, Note: asynchronous reduction). One call, one reduction, added up: that is what makes
 accumulation, tied weights and modules called twice exact without special cases.
 
 [Note: frozen units]
@@ -51,18 +51,10 @@ The root unit is gathered around the root module's forward. The modules that own
 parameters also carry the unit's forward hooks: inside the root's forward they only nest (and
 re-gather if an optimizer step made the tensors stale, e.g. manual optimization), and called
 directly (`model.net(x)`, `model.generate(...)`) they gather the root unit for their own
-forward, with a backward of its own like any unit call.
-
-[Note: asynchronous reduction]
-`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient to autograd;
-the backward of the next unit computes while it is in flight. The reduced shard gradients are
-added into `shard.grad` by the engine when the reduction is waited for: once more than
-`ShardedModel(reductions_in_flight=k)` are pending (default 0: at once), and for all of them in
-the callback that ends backward, so `.grad` is complete when `backward()` returns. A rank that
-runs different units than the others announces its departure before its next gather (tags.py,
-Note: deferred tag checks), so every rank raises the error naming the unit (where the others'
-next collective cannot be predicted from the record, gloo may still abort that rank). Adding
-(rather than assigning) keeps accumulation, tied weights and modules called twice exact.
+forward, with a backward of its own like any unit call. A root without parameters of its
+own (`nn.Sequential` of blocks) is hooked too: it gathers nothing, but its forward frames the
+pass, so the units inside run in one recorded order and prefetch; unhooked, each top-level unit
+began a pass of its own and announced a departure from the one-unit record.
 
 [Note: recomputation]
 Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
@@ -89,7 +81,6 @@ docs/performance.md, "torch.compile"; tested in tests/test_engine_compile.py.
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -98,7 +89,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten  # private: Note below the imports
 
 from lightning_zero3.engine.buffers import return_free_host_memory
 from lightning_zero3.engine.calls import (
@@ -114,7 +105,12 @@ from lightning_zero3.engine.calls import (
 from lightning_zero3.engine.calls import CallState as S
 from lightning_zero3.engine.comm import CollectiveError
 from lightning_zero3.engine.held import UNSYNCED_HINT, HeldUnits
-from lightning_zero3.engine.unit import OrderMismatchError, PendingReduce, Unit
+from lightning_zero3.engine.reductions import Reductions
+from lightning_zero3.engine.unit import OrderMismatchError, Unit
+
+# `torch.utils._pytree` is private (torch 2.13 has no public pytree module): it is what FSDP2
+# flattens hook arguments with and where transformers registers its ModelOutput classes, so
+# their tensors are found. Tried: torch 2.13.0. No fallback: a move fails at import, not silently.
 
 if TYPE_CHECKING:
     from lightning_zero3.engine.model import ShardedModel
@@ -135,18 +131,22 @@ class HookDriver:
         self.units = model.units
         self.schedule = model.schedule
         self._slots = [Slot() for _ in self.units]
+        # Slots with an open forward hook (depth > 0), kept by `_set_depth`: 0 between passes.
+        self._open = 0
+        # Units whose gather this driver issued ahead (prefetch); some may have been used since.
+        self._prefetched: list[Unit] = []
         # Calls of this pass that may still get a backward.
         self._pending: list[UnitCall] = []
-        # Reduce-Scatters in flight, oldest first (Note: asynchronous reduction).
-        self._reductions: deque[tuple[Unit, PendingReduce]] = deque()
+        # Reduce-Scatters in flight (reductions.py, Note: asynchronous reduction).
+        self._reductions = Reductions(model)
         self._in_backward = False
         # Units held gathered by `ShardedModel.gathered_for_inference()` (held.py).
         self.held = HeldUnits(self)
         self.handles: list[Any] = []
         root = self.units[0]
         for unit in self.units:
-            if not unit.params:
-                continue
+            if not unit.params and unit is not root:
+                continue  # the root is hooked even without parameters: it frames the pass
             modules = [unit.module]
             if unit is root:  # Note: root parameters outside the root's forward
                 owners = {id(m): m for p in root.params for m, _ in p.owners if m is not root.module}
@@ -228,7 +228,7 @@ class HookDriver:
             # hook is owed: the depth stays 0 and the post-forward hook does nothing.
             return None
         if slot.depth:
-            slot.depth += 1  # re-entered (e.g. self(x) inside training_step): already whole
+            self._set_depth(slot, slot.depth + 1)  # re-entered (self(x) inside training_step): already whole
             if current is not None and (
                 current.state is S.REDUCED_IN_FORWARD or current.versions != self._versions(unit)
             ):
@@ -239,26 +239,29 @@ class HookDriver:
             return None
         if self._in_backward and not autograd_running():
             self._abandon_backward()
-        if not self._in_backward and not any(s.depth for s in self._slots):
+        if not self._in_backward and not self._open:
             self._begin_pass()
+        call = None  # a root without parameters gathers nothing: it opens the pass and prefetches
         try:
-            if not self._in_backward:
-                self.model.before_gather(unit, backward=False)  # tags.py: departure notice
-            call = self._gather_call(unit)
+            if unit.params:
+                if not self._in_backward:
+                    self.model.before_gather(unit, backward=False)  # tags.py: departure notice
+                call = self._gather_call(unit)
         except (CollectiveError, OrderMismatchError) as err:
             if torch.is_grad_enabled() or self._in_backward:
                 raise
             raise type(err)(f"{err} {UNSYNCED_HINT}") from err  # held.py, Note: held for inference
-        slot.depth = 1  # last: a pre-forward that raised opens nothing (Note: exceptions)
+        self._set_depth(slot, 1)  # last: a pre-forward that raised opens nothing (Note: exceptions)
         if not self._in_backward:  # evaluation passes prefetch too
-            on_track = self.schedule.forward_on_track
-            for ahead in self.schedule.on_forward(unit.uid):
-                self._prefetch(self.units[ahead])
-            if on_track and not self.schedule.forward_on_track:
-                self._release_stale_prefetches()
-        if not call.reduces and torch.is_grad_enabled():
+            self._prefetch_ahead(unit, backward=False)
+        if call is not None and not call.reduces and torch.is_grad_enabled():
             self._hook_inputs(call, args, kwargs)
         return None
+
+    def _set_depth(self, slot: Slot, depth: int) -> None:
+        """The one place a slot's count of open forward hooks changes, so `_open` stays exact."""
+        self._open += (depth > 0) - (slot.depth > 0)
+        slot.depth = depth
 
     def _hook_inputs(self, call: UnitCall, args: Any, kwargs: Any) -> None:
         """Release a frozen unit's call once its inputs have their gradients (Note: frozen
@@ -281,10 +284,10 @@ class HookDriver:
             return
         if not slot.depth:
             return  # end of a recomputation (see _pre_forward), or a pre-forward that raised
-        slot.depth -= 1
+        self._set_depth(slot, slot.depth - 1)
         if slot.depth:
             return
-        if not self._in_backward and not any(s.depth for s in self._slots):
+        if not self._in_backward and not self._open:
             # The pass's forward is over (or raised): a prefetch it did not use is stale.
             self._release_stale_prefetches()
         if slot.call is None:
@@ -301,11 +304,22 @@ class HookDriver:
         for tensor in outputs:
             tensor.register_hook(partial(self._pre_backward, call))
 
+    def _prefetch_ahead(self, unit: Unit, *, backward: bool) -> None:
+        """`unit` starts: gather the units the record says come next; if it just left the
+        record, drop the prefetches issued from it."""
+        schedule = self.schedule
+        on_track = schedule.backward_on_track if backward else schedule.forward_on_track
+        for ahead in (schedule.on_backward if backward else schedule.on_forward)(unit.uid):
+            self._prefetch(self.units[ahead])
+        if on_track and not (schedule.backward_on_track if backward else schedule.forward_on_track):
+            self._release_stale_prefetches()
+
     def _prefetch(self, unit: Unit) -> None:
         if not unit.params or unit.gather_in_flight or self._slots[unit.uid].call is not None:
             return
         with engine_mode():
             unit.start_gather()
+        self._prefetched.append(unit)
         self.model.on_alive_change(unit, 0)
 
     def _release_stale_prefetches(self) -> None:
@@ -314,11 +328,12 @@ class HookDriver:
         collectives would then pair with different kinds of collectives on the other ranks and
         hang until the timeout); without it, the first unit that differs meets the unit tag
         check (Note: flat layout and unit tag) and fails with both units named."""
-        for unit in self.units:
-            if unit.gather_in_flight:
+        prefetched, self._prefetched = self._prefetched, []
+        for unit in prefetched:
+            if unit.gather_in_flight:  # not used by the unit's gather since
                 with engine_mode():
                     unit.discard_gather()
-        self.model.on_alive_change(None, 0)
+            self.model.on_alive_change(unit, 0)
 
     def _begin_pass(self) -> None:
         self.model.begin_pass_checks()  # tags left by a pass without backward (tags.py)
@@ -358,24 +373,16 @@ class HookDriver:
             with engine_mode():
                 unit.gather(into=call.fulls)
             self._move(call, S.BACKWARD)
-            on_track = self.schedule.backward_on_track
-            for ahead in self.schedule.on_backward(unit.uid):
-                self._prefetch(self.units[ahead])
-            if on_track and not self.schedule.backward_on_track:
-                self._release_stale_prefetches()
+            self._prefetch_ahead(unit, backward=True)
 
     @_eager
     def post_backward(self, call: UnitCall, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Called by `GatherParams.backward` once autograd has every full gradient of the call.
-        Starts the Reduce-Scatter and returns no gradient to autograd (Note: asynchronous
-        reduction)."""
+        Starts the Reduce-Scatter and returns no gradient to autograd (reductions.py, Note:
+        asynchronous reduction)."""
         self._ensure_backward_started()
         unit = call.unit
-        with torch.profiler.record_function(f"ZeRO3::reduce_grads({unit.name})"):
-            grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
-            self._reductions.append((unit, unit.start_reduce(grads)))
-            while len(self._reductions) > self.model.reductions_in_flight:
-                self._finish_reduction()
+        self._reductions.start(unit, grads)
         if call.state is S.FORWARD:
             self._move(call, S.REDUCED_IN_FORWARD)  # tensors stay on the modules until forward ends
         else:
@@ -388,49 +395,33 @@ class HookDriver:
         if call.state is S.BACKWARD:
             self._move(call, S.DONE)
 
-    def _finish_reduction(self) -> None:
-        """Wait for the oldest Reduce-Scatter and add its shard gradients into `.grad`."""
-        unit, pending = self._reductions.popleft()
-        with torch.profiler.record_function(f"ZeRO3::wait_reduce({unit.name})"):
-            shard_grads = unit.finish_reduce(pending)
-        for sharded, grad in zip(unit.params, shard_grads):
-            if grad is None:
-                continue
-            if sharded.param.grad is None:
-                sharded.param.grad = grad  # a view of the unit's reduced buffer: no copy
-            else:
-                sharded.param.grad.add_(grad)
-
     def _abandon_backward(self) -> None:
         """Close a backward that raised (Note: exceptions)."""
-        while self._reductions:
-            unit, pending = self._reductions.popleft()
-            unit.finish_reduce(pending)  # the collective completes; its gradients are dropped
-        for call in self._pending:
-            if call.state in (S.BACKWARD, S.RESHARDED):
-                self._move(call, S.DONE)
+        self._reductions.drop_all()
         for slot in self._slots:
             if slot.call is not None and slot.call.state is S.BACKWARD:
                 self._move(slot.call, S.DONE)
-        self._pending = []
-        self._release_stale_prefetches()
+        self._close_pending()
         self._in_backward = False
 
     @_eager
     def _end_backward(self) -> None:
-        while self._reductions:
-            self._finish_reduction()
+        self._reductions.finish_all()
         self.model.check_tags()  # the step's one host sync, before the optimizer step (tags.py)
-        # Calls whose outputs never reached the loss, and frozen calls whose inputs needed no
-        # gradient: free what a pre-backward re-gathered.
-        for call in self._pending:
-            if call.state in (S.BACKWARD, S.RESHARDED):
-                self._move(call, S.DONE)
-        self._pending = []
-        self._release_stale_prefetches()
+        self._close_pending()
         self.model.reduce_persistent_grads()
         if self.model.host_memory_slack is not None:
             return_free_host_memory(self.model.host_memory_slack)
         self.schedule.end_backward()
         self._in_backward = False
         self.model.on_backward_end()
+
+    def _close_pending(self) -> None:
+        """End of a backward: free what a pre-backward re-gathered for calls whose backward did
+        not finish them (outputs that never reached the loss, frozen calls whose inputs needed no
+        gradient, a backward that raised), and drop unused prefetches."""
+        for call in self._pending:
+            if call.state in (S.BACKWARD, S.RESHARDED):
+                self._move(call, S.DONE)
+        self._pending = []
+        self._release_stale_prefetches()

@@ -20,6 +20,14 @@ between freed full tensors, and the heap cannot give those holes back to the OS:
 shard's memory is allocated first, before any full tensor exists: the shards sit together at
 the bottom, and the full tensors of one module at a time come and go above them. Measured by
 RSS in tests/test_setup_memory.py and examples/measure_setup_memory.py.
+
+[Note: sharding from host memory]
+A model built whole in host memory (or made whole again by a teardown, as between `fit` and
+`validate`) is sharded from there: the shards are allocated on the target device, and each
+module's own parameters go to the device only for as long as it takes to broadcast and cut
+them, so the device never holds more than the shards and one module's whole parameters.
+Persistent parameters and buffers move to the device for good. The strategy therefore does
+not move the module to its device before sharding (strategy.py, `model_to_device`).
 """
 
 from __future__ import annotations
@@ -110,14 +118,33 @@ def shard_parameters(
     # Note: shards before full tensors
     storage = {
         id(entry): torch.empty(
-            shard_numel(entry.param.numel(), comm.world_size),
-            dtype=entry.param.dtype,
-            device=device if entry.param.is_meta else entry.param.device,
+            shard_numel(entry.param.numel(), comm.world_size), dtype=entry.param.dtype, device=device
         )
         for unit in plan.units
         for entry in unit.params
     }
     shards: dict[int, ShardedParam] = {}
+
+    def shard_own_tensors(module: nn.Module) -> None:
+        """This module's own tensors that are still whole (a tied parameter is sharded once), on
+        `device`; its transient copies die on return (Note: sharding from host memory)."""
+        whole = [
+            (attr, p, _on(p, device, keep=(id(module), attr) in persistent))
+            for attr, p in module._parameters.items()
+            if p is not None and ((id(module), attr) in persistent or _key(entry_of, module, attr) not in shards)
+        ]
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+        buffers = [b for b in module._buffers.values() if b is not None]
+        if sync_module_states and world_comm.world_size > 1:
+            _broadcast_from_rank0([full for _, _, full in whole] + buffers, world_comm)
+        for attr, param, full in whole:
+            planned = entry_of.get((id(module), attr))
+            if planned is None:
+                continue  # persistent: stays whole on every rank
+            shards[id(planned)] = _shard(full, param, planned, comm, into=storage.pop(id(planned)))
+
     for module in root.modules():
         if _is_meta(module):
             tied = [a for a, p in module._parameters.items() if p is not None and not p.is_meta]
@@ -140,20 +167,7 @@ def shard_parameters(
                     f"param_init_fn (e.g. a rotary inv_freq or a causal mask computed in __init__).",
                     stacklevel=2,
                 )
-        # This module's own tensors that are still whole (a tied parameter is sharded once).
-        whole = [
-            (attr, p)
-            for attr, p in module._parameters.items()
-            if p is not None and ((id(module), attr) in persistent or _key(entry_of, module, attr) not in shards)
-        ]
-        buffers = [b for b in module._buffers.values() if b is not None]
-        if sync_module_states and world_comm.world_size > 1:
-            _broadcast_from_rank0([p.data for _, p in whole] + buffers, world_comm)
-        for attr, full in whole:
-            planned = entry_of.get((id(module), attr))
-            if planned is None:
-                continue  # persistent: stays whole on every rank
-            shards[id(planned)] = _shard(full, planned, comm, into=storage.pop(id(planned)))
+        shard_own_tensors(module)
     missing = [e.names[0] for u in plan.units for e in u.params if id(e) not in shards]
     assert not missing, f"parameters not reached while sharding: {missing}"
     return shards
@@ -227,10 +241,23 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
                 offset += t.numel()
 
 
-def _shard(full: torch.Tensor, entry: ParamEntry, comm: Comm, *, into: torch.Tensor) -> ShardedParam:
+def _on(param: nn.Parameter, device: torch.device, *, keep: bool) -> torch.Tensor:
+    """`param`'s whole values on `device`: moved there for good if it is `keep` (persistent),
+    else a transient copy that lives until its shard is cut (Note: sharding from host memory)."""
+    if param.device == device:
+        return param.data
+    if keep:
+        param.data = param.data.to(device)
+        return param.data
+    return param.detach().to(device)
+
+
+def _shard(
+    full: torch.Tensor, param: nn.Parameter, entry: ParamEntry, comm: Comm, *, into: torch.Tensor
+) -> ShardedParam:
     with torch.no_grad():
         into.copy_(shard_slice(full, comm.rank, comm.world_size))
-    shard = nn.Parameter(into, requires_grad=full.requires_grad)
+    shard = nn.Parameter(into, requires_grad=param.requires_grad)
     for module, attr in entry.owners:
         module._parameters[attr] = shard
     entry.param = shard  # the plan must not keep the whole tensor alive

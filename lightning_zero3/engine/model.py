@@ -22,7 +22,7 @@ from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
-from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_wrap_policy
+from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_counts, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.tags import announce_departure
@@ -66,15 +66,10 @@ class ShardedModel:
         param_init_fn: ParamInitFn | None = None,
         device: torch.device | str | None = None,
         reductions_in_flight: int | None = None,
-        trim_host_memory: bool = True,
+        trim_host_memory: bool = False,
         sync_module_states: bool = True,
     ) -> None:
-        if type(prefetch) is not int or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead); got {prefetch!r}.")
-        if type(persistence_threshold) is not int or persistence_threshold < 0:
-            raise ValueError(f"persistence_threshold must be an int >= 0; got {persistence_threshold!r}.")
-        if reductions_in_flight is not None and (type(reductions_in_flight) is not int or reductions_in_flight < 0):
-            raise ValueError(f"reductions_in_flight must be None or an int >= 0; got {reductions_in_flight!r}.")
+        validate_counts(prefetch, persistence_threshold, reductions_in_flight)
         self.module = module
         replicate_group = None
         if shard_size is not None:
@@ -99,15 +94,16 @@ class ShardedModel:
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
             param_init_fn=param_init_fn, sync_module_states=sync_module_states,
         )  # fmt: skip
-        # Reduce-Scatters left running while backward continues (see hooks.py, Note:
+        # Reduce-Scatters left running while backward continues (see reductions.py, Note:
         # asynchronous reduction); each holds one unit's full gradient buffer. None: 2 on CUDA,
         # where they run on their own stream, 0 elsewhere (no gain measured on CPU/gloo).
         if reductions_in_flight is None:
             reductions_in_flight = 2 if target.type == "cuda" else 0
         self.reductions_in_flight = reductions_in_flight
-        # CPU parameters: free heap beyond this is given back to the OS after a backward
-        # (buffers.py). Large enough that trimming (and faulting the pages back in) happens
-        # every few steps rather than every step.
+        # Opt-in (`trim_host_memory=True`), CPU parameters only: free heap beyond this is given
+        # back to the OS after a backward (buffers.py). It calls glibc's malloc_trim, which acts
+        # on the whole process, and measured no gain (docs/performance.md, "Memory"), hence off
+        # by default. Large enough that trimming happens every few steps, not every step.
         on_cpu = trim_host_memory and all(s.param.device.type == "cpu" for s in shards.values())
         largest = max(
             (sum(shards[id(e)].numel * shards[id(e)].param.element_size() for e in u.params) for u in self.plan.units),
@@ -127,7 +123,9 @@ class ShardedModel:
         # The plan lists registered parameters only, never a None slot.
         owners = (e.owners[0] for e in self.plan.persistent)
         self.persistent: list[nn.Parameter] = cast(list[nn.Parameter], [m._parameters[a] for m, a in owners])
+        # Calls holding full parameters, per unit; units holding some or with a gather in flight.
         self._live_calls = [0] * len(self.units)
+        self._alive: set[int] = set()
         self.comm.tags.set_unit_names(self._unit_name)
         self.comm.describe_step = self._describe_step
         self.hooks = HookDriver(self)
@@ -197,14 +195,20 @@ class ShardedModel:
         return self.world_comm.rank
 
     # ---- accounting callbacks from the hooks ----------------------------------------------
-    def on_alive_change(self, unit: Unit | None, delta: int) -> None:
-        if unit is not None:
-            self._live_calls[unit.uid] += delta
-        alive = [u.uid for u in self.units if self._live_calls[u.uid] > 0 or u.gather_in_flight]
+    def on_alive_change(self, unit: Unit, delta: int) -> None:
+        """`unit` gained (+1) or lost (-1) a call holding full parameters, or a gather in flight
+        was issued or dropped (0): only its membership of `_alive` changes (was: every unit
+        recounted per event, units squared per step; benchmarks/hook_overhead.py)."""
+        uid = unit.uid
+        self._live_calls[uid] += delta
+        if self._live_calls[uid] > 0 or unit.gather_in_flight:
+            self._alive.add(uid)
+        else:
+            self._alive.discard(uid)
         s = self.unit_stats
-        s.alive = len(alive)
+        s.alive = len(self._alive)
         s.peak = max(s.peak, s.alive)
-        s.peak_without_root = max(s.peak_without_root, len([uid for uid in alive if uid != 0]))
+        s.peak_without_root = max(s.peak_without_root, s.alive - (0 in self._alive))
 
     def on_backward_end(self) -> None:
         if self.schedule.passes_recorded == 1:

@@ -1,7 +1,10 @@
-"""Gradient norm and clipping over shards: the global norm needs one All-Reduce of a scalar."""
+"""Optimizers on shards: the gradient norm and clipping (the global norm needs one All-Reduce of a
+scalar), the optimizers that cannot step on 1-D shards, and a GradScaler whose ranks agree."""
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -10,32 +13,15 @@ from lightning_zero3.engine.model import ShardedModel
 
 
 def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of the gradient of the whole (unsharded) model, the same on every rank.
-
-    Shard gradients are disjoint pieces of the full gradient (padding is zero), so their
-    p-th powers add up across ranks; a parameter kept whole is identical on every rank and
-    counts once (its share is divided by N before the sum)."""
-    grads_sharded: list[torch.Tensor] = []
-    grads_whole: list[torch.Tensor] = []
-    for p in parameters:
-        if p.grad is None:
-            continue
-        (grads_sharded if model.sharded_param(p) is not None else grads_whole).append(p.grad.detach())
-    device = next(iter(model.module.parameters())).device
-    n = model.comm.world_size
-    if norm_type == float("inf"):
-        local = torch.zeros((), device=device)
-        for g in grads_sharded + grads_whole:
-            if g.numel():  # an empty shard (more ranks than elements) has no maximum
-                local = torch.maximum(local, g.abs().max().float())
-        model.comm.all_reduce(local, what="gradient norm (max)", op="max")
-        return local
+    """The norm of the gradient of the whole (unsharded) model, the same on every rank, from one
+    All-Reduce of a scalar (Note: norms from shards)."""
     order = float(norm_type)
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads_sharded:
-        local += torch.linalg.vector_norm(g, order, dtype=torch.float64) ** order
-    for g in grads_whole:
-        local += torch.linalg.vector_norm(g, order, dtype=torch.float64) ** order / n
+    shares = _local_shares(model, list(parameters), order)
+    if order == math.inf:
+        local = shares.max() if len(shares) else shares.new_zeros(())
+        model.comm.all_reduce(local, what="gradient norm (max)", op="max")
+        return local.float()
+    local = shares.sum()
     model.comm.all_reduce(local, what="gradient norm")
     return (local ** (1.0 / order)).float()
 
@@ -44,26 +30,41 @@ def grad_norms(
     model: ShardedModel, parameters: list[torch.Tensor], norm_type: float = 2.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the norm of each parameter's whole gradient, the norm of all of them together), the
-    same on every rank, from one All-Reduce of one value per parameter. Parameters without a
-    gradient count as zero (every rank must pass the same list)."""
+    same on every rank, from one All-Reduce of one value per parameter (Note: norms from
+    shards). Parameters without a gradient count as zero (every rank must pass the same list)."""
+    order = float(norm_type)
+    local = _local_shares(model, parameters, order)
+    if order == math.inf:
+        model.comm.all_reduce(local, what="gradient norms (max)", op="max")
+        return local.float(), (local.max() if len(local) else local.new_zeros(())).float()
+    model.comm.all_reduce(local, what="gradient norms")
+    return (local ** (1.0 / order)).float(), (local.sum() ** (1.0 / order)).float()
+
+
+def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: float) -> torch.Tensor:
+    """This rank's share of each parameter's gradient norm, in float64, one value per parameter.
+
+    [Note: norms from shards]
+    Shard gradients are disjoint pieces of the full gradient (padding is zero), so their p-th
+    powers summed over ranks are the p-th power of the whole gradient's norm. A parameter kept
+    whole has the same gradient on every rank: its share is divided by N, so the sum over ranks
+    counts it once. For p = inf the share is the largest absolute value (the max over ranks is
+    the whole gradient's); an empty shard (more ranks than elements) or no gradient shares 0."""
     device = next(iter(model.module.parameters())).device
     n = model.comm.world_size
-    p = float(norm_type)
-    local = torch.zeros(len(parameters), dtype=torch.float64, device=device)
-    for i, param in enumerate(parameters):
-        if param.grad is None:
-            continue
-        g = param.grad.detach()
-        whole = model.sharded_param(param) is None  # the same gradient on every rank
-        if p == float("inf"):
-            local[i] = g.abs().max().double() if g.numel() else 0.0
+    shares = []
+    for param in parameters:
+        g = param.grad.detach() if param.grad is not None else None
+        if g is None or g.numel() == 0:
+            shares.append(torch.zeros((), dtype=torch.float64, device=device))
+        elif order == math.inf:
+            shares.append(g.abs().max().double())
         else:
-            local[i] = torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p / (n if whole else 1)
-    if p == float("inf"):
-        model.comm.all_reduce(local, what="gradient norms (max)", op="max")
-        return local.float(), local.max().float() if len(local) else torch.zeros((), device=device)
-    model.comm.all_reduce(local, what="gradient norms")
-    return (local ** (1.0 / p)).float(), (local.sum() ** (1.0 / p)).float()
+            share = torch.linalg.vector_norm(g, order, dtype=torch.float64) ** order
+            shares.append(share if model.sharded_param(param) is not None else share / n)
+    if not shares:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([s.to(device) for s in shares])
 
 
 def clip_grad_norm_(
@@ -78,6 +79,52 @@ def clip_grad_norm_(
         assert p.grad is not None
         p.grad.detach().mul_(coef.to(p.grad.dtype))
     return total
+
+
+# ---- optimizers that cannot step on 1-D shards ------------------------------------------------
+# [Note: optimizers that need shapes]
+# Every sharded parameter is this rank's 1-D piece (shard.py, Note: shard layout; the decision is
+# in docs/design.md, "One-dimensional shards"). Element-wise optimizers (SGD, Adam, AdamW,
+# RMSprop, ...) step on it exactly as on the whole parameter. These do not: their update of an
+# element depends on the parameter's shape or on all of it, so on shards they would silently
+# compute something else (or fail at the first step). Matched by class name, anywhere in the
+# optimizer's class hierarchy, since most of them live outside torch.
+SHAPE_AWARE_OPTIMIZERS = {
+    "Adafactor": "factors its second moment into row and column statistics of each weight matrix",
+    "Muon": "orthogonalises each weight matrix (it needs 2-D parameters)",
+    "Shampoo": "preconditions each weight matrix by its row and column statistics",
+    "DistributedShampoo": "preconditions each weight matrix by its row and column statistics",
+    "SOAP": "preconditions each weight matrix by its row and column statistics",
+    "Lamb": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
+    "LAMB": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
+    "FusedLAMB": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
+    "LARS": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
+    "Lars": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
+    "LBFGS": "takes dot products over all parameters, which would cover only this rank's pieces",
+}
+
+
+def check_optimizer_fits_shards(optimizer: torch.optim.Optimizer, owner: str, *, warn: bool = True) -> None:
+    """Refuse an optimizer of `SHAPE_AWARE_OPTIMIZERS` with a `ValueError` naming `owner` (Note:
+    optimizers that need shapes); with `warn`, warn about a param group without parameters, the
+    usual sign of a `p.dim() >= 2` filter, which selects no 1-D shard."""
+    for cls in type(optimizer).__mro__:
+        reason = SHAPE_AWARE_OPTIMIZERS.get(cls.__name__)
+        if reason is not None:
+            raise ValueError(
+                f"{owner} cannot train with {type(optimizer).__name__}: it {reason}, but here each parameter is "
+                f"this rank's 1-D piece of the flattened parameter, so its updates would silently differ from a "
+                f"single process's. Use an element-wise optimizer (SGD, Adam, AdamW, ...), or train this model "
+                f"with DDP or FSDP."
+            )
+    empty = [i for i, group in enumerate(optimizer.param_groups) if not group["params"]]
+    if warn and empty:
+        warnings.warn(
+            f"{owner}: param group(s) {empty} of {type(optimizer).__name__} hold no parameter. Under ZeRO-3 every "
+            f"sharded parameter is 1-D (this rank's piece), so a rule such as `p.dim() >= 2` selects none of "
+            f"them: choose groups by parameter name or owning module instead (docs/user-guide.md).",
+            stacklevel=3,
+        )
 
 
 class AgreeingGradScaler(torch.amp.GradScaler):

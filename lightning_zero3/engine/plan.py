@@ -4,6 +4,20 @@ A unit is a module whose parameters are gathered together. The root module is al
 (it owns what no other unit claims). A parameter reached from several units (tied weights, a
 module shared by two blocks) belongs to their lowest common ancestor unit, so it is gathered
 once and is whole wherever it is used.
+
+[Note: nn.Module's registries]
+The engine reads a module's own `_parameters`, `_buffers` and `_modules` dicts (here,
+materialize.py, model.py) and writes `_parameters` (materialize.py) directly. They are private
+by name but are how `nn.Module` stores what it registers; FSDP2's `_fully_shard` uses them the
+same way. The public views do not do: `named_children()` and `named_parameters()` yield a
+module or parameter registered under two names once, and the plan needs every name to keep
+ties; `register_parameter` runs the global registration hooks (materialize.py's meta hook).
+Tried: torch 2.13.0. No fallback: they have not changed since torch 1.0, and if they did the
+first setup would fail loudly (every test shards a model). Likewise `Tensor._version`, the
+in-place version counter autograd keeps, which has no public accessor (read in materialize.py
+and hooks.py to see whether a tensor was written). (`nn.Module._apply` is no longer used: the
+strategies move a module with the public `.to(device)` after sharding, when no tensor is left on
+the meta device; materialize.py, Note: sharding from host memory.)
 """
 
 from __future__ import annotations
@@ -60,6 +74,28 @@ def validate_wrap_policy(policy: object) -> WrapPolicy:
         f"wrap_policy must be None (automatic), a set of nn.Module classes, or a callable "
         f"(module) -> bool; got {policy!r}. Example: wrap_policy={{MyTransformerBlock}}."
     )
+
+
+def validate_counts(
+    prefetch: object, persistence_threshold: object, reductions_in_flight: object, *, owner: str | None = None
+) -> None:
+    """Check the engine's numeric options; the `ValueError` names the option as
+    `owner(option=...)` when an `owner` (the strategy class) is given."""
+
+    def bad(option: str, expected: str, value: object) -> ValueError:
+        where = f"{owner}({option}=...)" if owner is not None else option
+        return ValueError(f"{where} must be {expected}; got {value!r}.")
+
+    if type(prefetch) is not int or prefetch < 0:
+        raise bad("prefetch", "an int >= 0 (units gathered ahead)", prefetch)
+    if type(persistence_threshold) is not int or persistence_threshold < 0:
+        raise bad("persistence_threshold", "an int >= 0 (elements)", persistence_threshold)
+    if reductions_in_flight is not None and (type(reductions_in_flight) is not int or reductions_in_flight < 0):
+        raise bad(
+            "reductions_in_flight",
+            "None (2 on CUDA, 0 elsewhere) or an int >= 0 (Reduce-Scatters left running while backward continues)",
+            reductions_in_flight,
+        )
 
 
 def _automatic_units(root: nn.Module) -> set[nn.Module]:

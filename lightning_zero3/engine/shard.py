@@ -67,6 +67,11 @@ class ShardedParam:
         r = self.rank if rank is None else rank
         return max(0, min(self.shard_numel, self.numel - r * self.shard_numel))
 
+    def is_shard_shaped(self, value: object) -> bool:
+        """Whether `value` is a tensor laid out like this parameter's shard (1-D, `shard_numel`
+        elements): optimizer state kept per element, as Adam's moments are."""
+        return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == self.shard_numel
+
     def load_full(self, full: torch.Tensor) -> None:
         """Overwrite this rank's shard from a full tensor (same on every rank)."""
         if full.numel() != self.numel:

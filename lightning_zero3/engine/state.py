@@ -11,10 +11,6 @@ from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam, shard_slice
 
 
-def _is_shard_state(value: Any, sharded: ShardedParam) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == sharded.shard_numel
-
-
 def gather_shard_tensor(model: ShardedModel, sharded: ShardedParam, shard: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind per-rank `shard`s laid out like `sharded` (one All-Gather)."""
     n = model.comm.world_size
@@ -43,7 +39,7 @@ def full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer, 
         entry = dict(entry)  # state_dict() shares the live per-parameter dicts
         if sharded is not None:
             for key, value in entry.items():
-                if _is_shard_state(value, sharded):
+                if sharded.is_shard_shaped(value):
                     full = gather_shard_tensor(model, sharded, value)
                     entry[key] = full.cpu() if keep else None
         state[index] = entry

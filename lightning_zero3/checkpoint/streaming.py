@@ -1,0 +1,285 @@
+"""Writers that produce one tensor at a time: a file in `torch.save`'s format or a safetensors
+file whose tensors are `Deferred`, read only when their bytes are written (consolidate.py,
+Note: streaming consolidation)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import math
+import os
+import pickle
+import struct
+import sys
+import warnings
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, SupportsIndex
+
+import torch
+
+from lightning_zero3.checkpoint.errors import CheckpointError
+from lightning_zero3.checkpoint.files import fsync_file
+
+
+# ---- tensors produced on demand -------------------------------------------------------------
+class Deferred:
+    """A tensor of known shape and dtype whose data `produce()` returns when it is written."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        produce: Callable[[], torch.Tensor],
+        *,
+        requires_grad: bool = False,
+    ) -> None:
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.produce = produce
+        self.requires_grad = requires_grad
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Deferred:
+        """A tensor already in memory (e.g. in a callback's state), written like the others."""
+        return cls(tuple(tensor.shape), tensor.dtype, lambda: tensor, requires_grad=tensor.requires_grad)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+    def materialize(self) -> torch.Tensor:
+        tensor = self.produce().detach().to("cpu", self.dtype).reshape(self.shape).contiguous()
+        if tensor.untyped_storage().nbytes() != self.nbytes:
+            tensor = tensor.clone()  # a view of a bigger storage: write only this tensor's bytes
+        return tensor
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        # Pickled as torch pickles a contiguous CPU tensor (Note: the torch.save file format).
+        stride = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
+        storage = DeferredStorage(self)
+        return torch._utils._rebuild_tensor_v2, (storage, 0, self.shape, stride, self.requires_grad, OrderedDict())
+
+
+class DeferredStorage:
+    def __init__(self, tensor: Deferred) -> None:
+        self.tensor = tensor
+
+
+@functools.cache
+def _storage_classes() -> dict[torch.dtype, type]:
+    """dtype -> the storage class torch.save names for it (torch.FloatStorage, ...), from torch's
+    public legacy storage classes (reading their dtype warns that TypedStorage is deprecated)."""
+    classes: dict[torch.dtype, type] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for name in dir(torch):
+            cls = getattr(torch, name) if name.endswith("Storage") else None
+            if isinstance(cls, type) and issubclass(cls, torch.TypedStorage) and cls is not torch.TypedStorage:
+                dtype = getattr(cls, "dtype", None)
+                if isinstance(dtype, torch.dtype):
+                    classes.setdefault(dtype, cls)
+    return classes
+
+
+def stream_torch_save(obj: Any, file: Path, on_tensor: Callable[[int], None]) -> None:
+    """`torch.save(obj, file)` where `obj` may hold `Deferred` tensors, written one storage at
+    a time (Note: the torch.save file format). Every plain tensor in `obj` is written the same
+    way; other tensor types (sparse, quantized, subclasses) are refused with a message. Readable
+    by plain `torch.load` (also with weights_only=True and mmap=True)."""
+    records: dict[str, Deferred] = {}  # storage key -> tensor, in pickling order
+    storage_class = _storage_classes()
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            if isinstance(o, DeferredStorage):
+                key = str(len(records))
+                records[key] = o.tensor
+                if o.tensor.dtype not in storage_class:
+                    raise CheckpointError(
+                        f"cannot write a tensor of dtype {o.tensor.dtype}: torch has no storage class for it"
+                    )
+                return "storage", storage_class[o.tensor.dtype], key, "cpu", o.tensor.numel
+            if isinstance(o, (torch.TypedStorage, torch.UntypedStorage)):
+                raise CheckpointError(
+                    "the checkpoint holds a tensor that is not a plain dense tensor (sparse, quantized or a "
+                    "subclass) outside its state dict; consolidation writes plain tensors only"
+                )
+            return None
+
+        def reducer_override(self, o: Any) -> Any:
+            # Plain tensors in the checkpoint's other entries (callback and loop states).
+            if type(o) is torch.Tensor and o.layout == torch.strided and not o.is_quantized:
+                return Deferred.of(o).__reduce_ex__(2)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=2).dump(obj)  # each Deferred is pickled once (pickle's memo)
+    with open(file, "wb") as f:
+        archive = TorchZipWriter(f)
+        try:
+            archive.write_header(buffer.getvalue())
+            del buffer
+            for key, deferred in records.items():
+                tensor = deferred.materialize()
+                archive.write_storage(key, tensor)
+                on_tensor(deferred.nbytes)
+                del tensor
+            archive.close()
+        except BaseException:
+            archive.abandon()
+            raise
+    fsync_file(file)
+
+
+class TorchZipWriter:
+    """A writer of the zip archive `torch.save` produces, on the standard library's `zipfile`.
+
+    [Note: the torch.save file format]
+    `torch.save` writes an uncompressed zip archive (PyTorch's "zip file format", readable with
+    any zip tool) whose records, all under one top-level folder, are in this order:
+        data.pkl            the object, pickled (protocol 2); every storage is the persistent id
+                            ("storage", storage class such as torch.FloatStorage, key, location,
+                            numel), every tensor `torch._utils._rebuild_tensor_v2(storage, offset,
+                            size, stride, requires_grad, hooks)`: the names `torch.load`, also
+                            with weights_only=True, rebuilds tensors from
+        .format_version     "1"
+        .storage_alignment  the alignment of each data record's bytes in the file (64), which
+                            `torch.load(mmap=True)` relies on
+        byteorder           "little" or "big"
+        data/<key>          each storage's raw bytes, in the order they were first pickled
+        version             the archive format version, "3"
+    We write these records ourselves so that each storage can be produced, written and freed in
+    turn (torch.save needs every tensor in memory at once). The layout was read from torch 2.13's
+    `torch.serialization._save` and checked against `torch.save`'s output: the tests load our
+    files with plain `torch.load` (weights_only, mmap). `torch._utils._rebuild_tensor_v2` is the
+    one private name involved: the format names it in every file, so every writer must.
+    Replaced here: `torch._C.PyTorchFileWriter` (private) driven as `torch.serialization._save`
+    drives it, which torch 2.10 could not keep within the memory bound (docs/user-guide.md).
+    """
+
+    FOLDER = "archive"
+    ZIP_VERSION = "3\n"
+
+    def __init__(self, file: Any) -> None:
+        from torch.utils.serialization import config
+
+        self.file = file
+        self.alignment = int(config.save.storage_alignment)
+        self.zip = zipfile.ZipFile(file, "w", compression=zipfile.ZIP_STORED)
+
+    def write_header(self, pickled: bytes) -> None:
+        """data.pkl and the small records that precede the storages."""
+        self._record("data.pkl", pickled)
+        self._record(".format_version", b"1")
+        self._record(".storage_alignment", str(self.alignment).encode())
+        self._record("byteorder", sys.byteorder.encode())
+
+    def write_storage(self, key: str, tensor: torch.Tensor) -> None:
+        """The record of storage `key`: the bytes of contiguous CPU `tensor`, not copied."""
+        # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
+        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        self._record(f"data/{key}", data)
+
+    def close(self) -> None:
+        self._record("version", self.ZIP_VERSION.encode())
+        self.zip.close()
+
+    def abandon(self) -> None:
+        """After a failed write: close the archive, ignoring a second failure (a full disk); the
+        caller removes the file."""
+        with contextlib.suppress(Exception):
+            self.zip.close()
+
+    def _record(self, name: str, data: bytes | memoryview) -> None:
+        info = zipfile.ZipInfo(f"{self.FOLDER}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type = zipfile.ZIP_STORED
+        info.file_size = len(data) if isinstance(data, bytes) else data.nbytes
+        # The data starts after the 30-byte local header, the name, our padding field and the
+        # 20-byte ZIP64 field that force_zip64 adds: pad it to the storage alignment, with an
+        # extra field of its own ID (0x4246, as torch's writer does).
+        start = self.file.tell() + 30 + len(info.filename.encode()) + 4 + 20
+        padding = -start % self.alignment
+        info.extra = struct.pack("<HH", 0x4246, padding) + b"Z" * padding
+        with self.zip.open(info, "w", force_zip64=True) as out:
+            assert self.file.tell() % self.alignment == 0, "record data not aligned"
+            out.write(data)
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+
+def stream_safetensors(
+    tensors: dict[str, Deferred], file: Path, metadata: dict[str, str], on_tensor: Callable[[int], None]
+) -> None:
+    """A safetensors file (8-byte header length, JSON header, raw little-endian bytes) written
+    one tensor at a time: the header's offsets come from the shapes alone. Tied weights are
+    written under each name (safetensors has no aliasing)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, deferred in tensors.items():
+        if deferred.dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"tensor '{name}' has dtype {deferred.dtype}, which safetensors cannot store")
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[deferred.dtype],
+            "shape": list(deferred.shape),
+            "data_offsets": [offset, offset + deferred.nbytes],
+        }
+        offset += deferred.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for deferred in tensors.values():
+            tensor = deferred.materialize()
+            if sys.byteorder != "little":
+                raise CheckpointError("safetensors output needs a little-endian machine")
+            # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
+            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+            on_tensor(deferred.nbytes)
+            del tensor
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def find_deferred(obj: Any) -> list[Deferred]:
+    if isinstance(obj, Deferred):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in find_deferred(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in find_deferred(v)]
+    return []
+
+
+def materialized(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """`obj` with every `Deferred` read into a tensor, one at a time; a `Deferred` found under
+    several names (tied weights) becomes one tensor under each."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, Deferred):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.materialize()
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+        out.update((k, materialized(v, memo)) for k, v in obj.items())
+        return out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(materialized(v, memo) for v in obj)
+    return obj
+
+
+__all__ = ["Deferred", "TorchZipWriter", "find_deferred", "materialized", "stream_safetensors", "stream_torch_save"]
