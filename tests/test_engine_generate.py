@@ -103,6 +103,30 @@ def test_ranks_reaching_eos_at_different_steps_inside_gathered_for_inference_nee
         assert result["alive"] == 0 and not result["shadowed"]
 
 
+def _one_rank_generates(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    reference = tiny_gpt2()
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    sharded = ShardedModel(model)
+    from transformers.integrations import is_fsdp_managed_module
+
+    with sharded.gathered_for_inference():
+        got = _generate(model, SAME_PROMPT) if rank == 0 else None  # synced_gpus left to HF
+    return {"got": got, "expected": _generate(reference, SAME_PROMPT), "fsdp": is_fsdp_managed_module(model)}
+
+
+def test_hf_does_not_sync_a_sharded_model_so_one_rank_can_generate_inside_gathered_for_inference():
+    """The decision behind "pass synced_gpus=True outside the context" (user-guide.md): the
+    engine does not mark modules `_is_fsdp_managed_module`, HF's cue for turning synced_gpus on.
+    Marked, HF would All-Reduce a flag per token on the one rank sampling text for a log, which
+    waits for the others until the timeout; and dynamo would stop compiling the model (docs)."""
+    pytest.importorskip("transformers")
+    results = run_ranks(_one_rank_generates, 2)
+    assert results[0]["got"] == results[0]["expected"]
+    assert not any(result["fsdp"] for result in results)
+
+
 def _unsynced_default(rank: int, world_size: int) -> str:
     try:
         result = _tokens(rank, world_size, False, PROMPTS, False)

@@ -62,13 +62,28 @@ unit's output hook has already re-gathered it (state BACKWARD), so the recompute
 the shadowed full tensors and frees nothing. Reentrant: the first forward ran under no_grad (no
 backward state), so the recomputation is an ordinary forward with its own `GatherParams`, and
 the inner backward that follows reduces it.
+
+[Note: torch.compile]
+The hooks gather, release and reduce: collectives, storage moves, data pointers and per-call
+Python state (call states, depths, versions). Dynamo can put none of it in a graph, and the
+values it would guard on change every call: traced, the hooks cut a compiled GPT into 39 graphs
+with 23 graph breaks and recompiled `start_gather` up to the recompile limit (issue 15). Every
+entry point the engine gives torch (forward pre/post hooks, the hooks on outputs and inputs,
+`post_backward`, the callbacks of backward) is wrapped in `torch.compiler.disable` (`_eager`):
+dynamo ends the graph at the hook, runs the hook eagerly and resumes after it, and the compiled
+code reads the full tensors the hook put on the modules as ordinary graph inputs. A block
+compiled by itself (`block.compile()`, as FSDP2 advises) runs its hooks before and after its
+graph, and blocks of one class share that graph. A model compiled whole is cut at every hooked
+module: each unit's module and the modules that own root parameters. Measured in
+docs/performance.md, "torch.compile"; tested in tests/test_engine_compile.py.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -99,6 +114,13 @@ from lightning_zero3.engine.unit import OrderMismatchError, Unit
 
 if TYPE_CHECKING:
     from lightning_zero3.engine.model import ShardedModel
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def _eager(hook: _Hook) -> _Hook:
+    """`hook` runs eagerly, never traced by dynamo (Note: torch.compile)."""
+    return torch.compiler.disable(hook, recursive=True, reason="ZeRO-3 hooks run eagerly: collectives, storage moves")
 
 
 class HookDriver:
@@ -193,6 +215,7 @@ class HookDriver:
         self._move(call, S.FORWARD)
         return call
 
+    @_eager
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         slot = self._slots[unit.uid]
         if self.held.active:
@@ -247,11 +270,13 @@ class HookDriver:
         if tensors:
             register_multi_grad_hook(tensors, partial(self._after_input_grads, weakref.ref(call)), mode="all")
 
+    @_eager
     def _after_input_grads(self, call_ref: weakref.ref[UnitCall], grads: Any) -> None:
         call = call_ref()
         if call is not None:
             self.finish_call(call)
 
+    @_eager
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         slot = self._slots[unit.uid]
         if self.held.active:
@@ -331,9 +356,11 @@ class HookDriver:
         self.schedule.begin_backward()
         Variable._execution_engine.queue_callback(self._end_backward)
 
+    @_eager
     def _on_persistent_grad(self, param: torch.Tensor) -> None:
         self._ensure_backward_started()
 
+    @_eager
     def _pre_backward(self, call: UnitCall, grad: torch.Tensor) -> None:
         if call.state not in (S.RESHARDED, S.DONE) or not call.fulls:
             return  # gathered already, or a call that owes no backward
@@ -348,6 +375,7 @@ class HookDriver:
             self._move(call, S.BACKWARD)
             self._prefetch_ahead(unit, backward=True)
 
+    @_eager
     def post_backward(self, call: UnitCall, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Called by `GatherParams.backward` once autograd has every full gradient of the call.
         Starts the Reduce-Scatter and returns no gradient to autograd (reductions.py, Note:
@@ -376,6 +404,7 @@ class HookDriver:
         self._close_pending()
         self._in_backward = False
 
+    @_eager
     def _end_backward(self) -> None:
         self._reductions.finish_all()
         self.model.check_tags()  # the step's one host sync, before the optimizer step (tags.py)

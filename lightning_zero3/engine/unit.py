@@ -35,12 +35,19 @@ number: exact in every dtype.
 The full parameters of one gather are views of one block of `world_size * S` elements taken
 from the unit's `BufferPool`, parameter i at offset `world_size * o_i` (its padded full data),
 so one `split_with_sizes_copy` per rank moves that rank's row into place. Autograd keeps those
-tensors (or views of them) from forward to backward, so `release` cannot drop them: it moves
-the block's memory out of their storage and back into the pool
-(`UntypedStorage._swap_data_ptr_`), leaving the storage empty, and the backward's re-gather
-moves a pooled block in again. The few blocks the pool holds are then reused step after step:
-no allocation, no page faults on fresh memory and no heap fragmentation from full parameters,
-although autograd holds every unit's (empty) tensors until its backward.
+tensors (or views of them) from forward to backward, so `release` cannot drop them: it empties
+their storage, and the backward's re-gather fills it again. Two ways (`moves_blocks`):
+- CUDA and every other device: `untyped_storage().resize_(0)` frees the memory and `resize_(n)`
+  allocates it again (public; FSDP2 does the same), and the caching allocator reuses its blocks.
+- CPU, where freeing and allocating go through the C heap: the block's memory moves out of the
+  storage into the pool and a pooled block moves back in (`UntypedStorage._swap_data_ptr_`,
+  private, not in torch's stubs; tried on torch 2.13, and 2.14.1 in session 2's suite run). The
+  pool's few blocks are reused step after step. `python benchmarks/storage_paths.py` (2 ranks,
+  medians per step, load 7-8): 20m model, resize_ costs 1.3-4.2% more CPU time than the swap (3 rounds) and 6x the page
+  faults (62k vs 10k); 5m model, no difference in CPU time (0.988), 1.25x the faults. A torch
+  without `_swap_data_ptr_` takes the resize_ path (tests/test_engine_storage.py trains on both).
+The storage moves run inside the hooks, never inside a compiled graph (hooks.py, Note:
+torch.compile).
 """
 
 from __future__ import annotations
@@ -60,8 +67,8 @@ from lightning_zero3.engine.tags import OrderMismatchError, exact_integers
 
 __all__ = ["ALIGN_BYTES", "OrderMismatchError", "PendingReduce", "Unit", "aligned_numel"]
 
-# Moving a block of memory between two storages (Note: full-parameter blocks); older torch
-# releases without it free and re-allocate instead.
+# Moving a block of memory between two storages (Note: full-parameter blocks): private, so
+# its absence selects the resize_ path.
 _SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 # Each rank's chunk of a collective starts at a multiple of this many bytes (NCCL alignment).
@@ -72,6 +79,12 @@ def aligned_numel(numel: int, dtype: torch.dtype) -> int:
     """`numel` rounded up so that `numel` elements of `dtype` fill a multiple of ALIGN_BYTES."""
     per = max(1, ALIGN_BYTES // dtype.itemsize)
     return -(-numel // per) * per
+
+
+def moves_blocks(device: torch.device) -> bool:
+    """Whether emptied full-parameter storages on `device` give their memory to the pool and
+    take a pooled block back (CPU), rather than being freed and allocated (Note: full-parameter blocks)."""
+    return _SWAP_STORAGE and device.type == "cpu"
 
 
 def tag_numel(dtype: torch.dtype) -> int:
@@ -342,7 +355,7 @@ class Unit:
 
     def _refill(self, storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
         """Give an emptied full-parameter storage a block of memory again."""
-        if _SWAP_STORAGE:
+        if moves_blocks(storage.device):
             block = self.pool.take(self.block_numel, dtype, storage.device)
             # the block's memory moves into `storage`; private API, not in torch's stubs (Note: full-parameter blocks)
             storage._swap_data_ptr_(block.untyped_storage())  # type: ignore[attr-defined]
@@ -358,7 +371,7 @@ class Unit:
         storage = fulls[0].untyped_storage()  # all full parameters of a gather share it
         if storage.size() == 0:
             return
-        if _SWAP_STORAGE and storage.size() == self.block_numel * fulls[0].element_size():
+        if moves_blocks(storage.device) and storage.size() == self.block_numel * fulls[0].element_size():
             holder = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device)
             # `storage` is left empty; private API, not in torch's stubs (Note: full-parameter blocks)
             holder.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]
