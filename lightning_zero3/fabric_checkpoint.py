@@ -34,6 +34,7 @@ from lightning_zero3.checkpoint import (
     load_sharded_model,
     load_sharded_optimizers,
     open_sharded,
+    require_exists,
     run_and_agree,
     save_sharded,
     sharded_optimizer_state,
@@ -145,6 +146,7 @@ def load(
         )
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         model = strategy.sharded_model(state)
+        require_exists(model.world_comm, file, context=context)
         if file.is_dir():
             _load_sharded_model(model, file, strict=strict, context=context, trusted=trusted)
         else:
@@ -159,6 +161,7 @@ def load(
             f"`fabric.load(path, {{'model': model, 'optimizer': optimizer}})`: the model's shards are loaded in place."
         )
     module_key, model, optimizers, rest = _split(strategy, state, "load")
+    require_exists(model.world_comm, file, context=context)
     if file.is_dir():
         ckpt = _load_sharded_model(model, file, strict=strict, context=context, trusted=trusted)
         saved = run_and_agree(model.world_comm, ckpt.trainer_state, context=context)

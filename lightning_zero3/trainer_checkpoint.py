@@ -26,10 +26,8 @@ from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import (
     CheckpointError,
-    CheckpointNotFoundError,
     ShardedOptimizerStates,
     ShardedStateDict,
-    all_gather_object,
     atomic_torch_save,
     check_loadable,
     check_state_dict_loadable,
@@ -37,6 +35,7 @@ from lightning_zero3.checkpoint import (
     load_sharded_model,
     load_sharded_optimizers,
     open_sharded,
+    require_exists,
     run_and_agree,
     save_sharded,
     sharded_optimizer_state,
@@ -96,8 +95,7 @@ def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: str | Path, weight
     model = strategy.sharded_model
     strict = strategy.lightning_module.strict_loading if strategy.lightning_module is not None else True
     context = f"Cannot load the checkpoint {path}"
-    if not any(all_gather_object(model.world_comm, path.exists(), context=context)):
-        raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (nothing there on any rank)")
+    require_exists(model.world_comm, path, context=context)
     trusted = strategy.trust_checkpoint or weights_only is False
     if path.is_dir():
         comm = model.world_comm

@@ -102,6 +102,27 @@ def test_misuse_gives_clear_errors_on_every_rank() -> None:
         assert "set up each module once" in errors["twice"]
 
 
+def _load_missing(rank: int, world_size: int, missing: str) -> dict[str, str]:
+    f = fabric(rank, world_size)
+    plain = models.MLP()
+    model, optimizer = f.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    errors = {}
+    for how, state in (("state", {"model": model, "optimizer": optimizer}), ("raw", model)):
+        try:
+            f.load(missing, state) if how == "state" else f.load_raw(missing, model)
+        except FileNotFoundError as err:
+            errors[how] = f"{type(err).__name__}: {err}"
+    return errors
+
+
+def test_loading_a_missing_path_is_file_not_found_on_every_rank(tmp_path: Any) -> None:
+    missing = str(tmp_path / "never-saved.ckpt")
+    for errors in run_ranks(_load_missing, 2, missing):
+        assert set(errors) == {"state", "raw"}, errors
+        for message in errors.values():
+            assert message.startswith("CheckpointNotFoundError: Checkpoint file not found") and missing in message
+
+
 def test_zero3_name_builds_the_fabric_strategy() -> None:
     from lightning_zero3 import ZeRO3FabricStrategy
 

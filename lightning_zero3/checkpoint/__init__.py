@@ -13,7 +13,13 @@ Framework-independent (no Lightning import): a Lightning checkpoint is only a di
 """
 
 from lightning_zero3.checkpoint.consolidate import ConsolidationSummary, Progress, consolidate_checkpoint
-from lightning_zero3.checkpoint.errors import CheckpointError, CheckpointNotFoundError, all_gather_object, run_and_agree
+from lightning_zero3.checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    all_gather_object,
+    require_exists,
+    run_and_agree,
+)
 from lightning_zero3.checkpoint.files import atomic_torch_save, remove_checkpoint
 from lightning_zero3.checkpoint.format import (
     FORMAT_VERSION,
@@ -49,6 +55,7 @@ __all__ = [
     "ShardedStateDict",
     "TensorInfo",
     "all_gather_object",
+    "require_exists",
     "atomic_torch_save",
     "check_loadable",
     "check_state_dict_loadable",

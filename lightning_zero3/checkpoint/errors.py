@@ -11,6 +11,7 @@ A rank that dies or times out makes that all_gather fail on the others: they rai
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -25,6 +26,13 @@ class CheckpointError(RuntimeError):
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """Nothing exists at the checkpoint path on any rank: a `FileNotFoundError` too, as Lightning's
     own loading raises for a missing `ckpt_path`, so code that catches that keeps working."""
+
+
+def require_exists(comm: Comm, path: Path, *, context: str) -> None:
+    """Raise `CheckpointNotFoundError` on every rank when nothing exists at `path` on any rank
+    (a path on one rank only is left to the loading's own checks, which name that rank)."""
+    if not any(all_gather_object(comm, path.exists(), context=context)):
+        raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (nothing there on any rank)")
 
 
 def agree(comm: Comm | None, error: str | None, *, context: str | None, if_lost: str | None = None) -> None:
