@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero3.engine import accounting
+from lightning_zero3.engine.accounting import LiveUnits, UnitStats
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
@@ -37,16 +38,6 @@ def _device_of(module: nn.Module, device: torch.device | str | None) -> torch.de
         if not t.is_meta:
             return t.device
     return torch.device("cpu")
-
-
-@dataclass
-class UnitStats:
-    """How many units hold full parameters (or an in-flight gather) now, and the peak."""
-
-    alive: int = 0
-    peak: int = 0
-    # The peak not counting the root unit, which is whole for the entire forward and backward.
-    peak_without_root: int = 0
 
 
 class ShardedModel:
@@ -124,8 +115,7 @@ class ShardedModel:
         owners = (e.owners[0] for e in self.plan.persistent)
         self.persistent: list[nn.Parameter] = cast(list[nn.Parameter], [m._parameters[a] for m, a in owners])
         # Calls holding full parameters, per unit; units holding some or with a gather in flight.
-        self._live_calls = [0] * len(self.units)
-        self._alive: set[int] = set()
+        self.live_units = LiveUnits(len(self.units), self.unit_stats)
         self.comm.tags.set_unit_names(self._unit_name)
         self.comm.describe_step = self._describe_step
         self.hooks = HookDriver(self)
@@ -194,29 +184,18 @@ class ShardedModel:
     def global_rank(self) -> int:
         return self.world_comm.rank
 
-    # ---- accounting callbacks from the hooks ----------------------------------------------
+    # ---- accounting callbacks from the hooks (accounting.py) -------------------------------
     def on_alive_change(self, unit: Unit, delta: int) -> None:
         """`unit` gained (+1) or lost (-1) a call holding full parameters, or a gather in flight
-        was issued or dropped (0): only its membership of `_alive` changes (was: every unit
-        recounted per event, units squared per step; benchmarks/hook_overhead.py)."""
-        uid = unit.uid
-        self._live_calls[uid] += delta
-        if self._live_calls[uid] > 0 or unit.gather_in_flight:
-            self._alive.add(uid)
-        else:
-            self._alive.discard(uid)
-        s = self.unit_stats
-        s.alive = len(self._alive)
-        s.peak = max(s.peak, s.alive)
-        s.peak_without_root = max(s.peak_without_root, s.alive - (0 in self._alive))
+        was issued or dropped (0)."""
+        self.live_units.change(unit, delta)
 
     def on_backward_end(self) -> None:
         if self.schedule.passes_recorded == 1:
             self.check_order_across_ranks()
 
     def reset_peaks(self) -> None:
-        self.unit_stats.peak = self.unit_stats.alive
-        self.unit_stats.peak_without_root = self.unit_stats.alive
+        self.live_units.reset_peaks()
 
     # ---- cross-rank agreement -------------------------------------------------------------
     def check_order_across_ranks(self) -> None:
@@ -378,62 +357,17 @@ class ShardedModel:
                     f"{unexpected[:10]}. Load a checkpoint of the same model or pass strict=False."
                 )
 
-    # ---- model-state accounting ----------------------------------------------------------
+    # ---- model-state accounting (accounting.py) -------------------------------------------
     def model_state_bytes(self, optimizers: list[torch.optim.Optimizer] | None = None) -> dict[str, int]:
         """Bytes of model state this rank holds between steps: parameter shards (and persistent
         parameters), gradient shards, and optimizer state for them."""
-        params = [p.param for p in self.sharded_params] + self.persistent
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        optim_bytes = 0
-        mine = {id(p) for p in params}
-        for optimizer in optimizers or []:
-            for param, state in optimizer.state.items():
-                if id(param) not in mine:
-                    continue
-                for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        optim_bytes += value.numel() * value.element_size()
-        return {
-            "param": param_bytes,
-            "grad": grad_bytes,
-            "optimizer": optim_bytes,
-            "total": param_bytes + grad_bytes + optim_bytes,
-        }
+        return accounting.model_state_bytes(self, optimizers)
 
     def expected_step_bytes(self, *, across_groups: bool = False) -> dict[str, int]:
-        """Payload bytes per training step that the design predicts (Note: flat layout): a
-        unit is All-Gathered for forward and again for its backward, and Reduce-Scattered once if
-        it has a trainable parameter. A frozen unit runs backward only when its input needs a
-        gradient: that is read from the recorded backward order (before the first step, it is
-        assumed to). Sizes are each rank's row, the padded parameters plus the tag, rounded up
-        to 16 bytes (unit.py, Note: flat layout and unit tag). Trainable persistent parameters
-        add one All-Reduce of their gradients and one element each (the count of ranks that
-        produced it, so that an unused one keeps grad None). With
-        `across_groups` (hierarchical sharding): what crosses between shard groups, one
-        All-Reduce of each rank's reduced shard gradients (1/G of the gradient)."""
-        n = self.comm.world_size
-        trainable_persistent = [p for p in self.persistent if p.requires_grad]
-        persistent = sum((p.numel() + 1) * p.element_size() for p in trainable_persistent)
-        trainable_units = [u for u in self.units if u.params and any(p.requires_grad for p in u.params)]
-        if across_groups:
-            if self.replicate_comm is None:
-                return {}
-            shards = sum(u.reduce_row_numel * u.reduce_dtype.itemsize for u in trainable_units)
-            return {"all_reduce": shards + persistent}
-        expected = {"all_gather": 0, "reduce_scatter": 0}
-        for unit in self.units:
-            if not unit.params:
-                continue
-            gather = n * unit.row_numel() * unit.param_dtype.itemsize
-            trainable = unit in trainable_units
-            recorded = self.schedule.backward_order
-            has_backward = trainable or recorded is None or unit.uid in recorded
-            expected["all_gather"] += gather * (2 if has_backward else 1)
-            expected["reduce_scatter"] += n * unit.reduce_row_numel * unit.reduce_dtype.itemsize if trainable else 0
-        if persistent and n > 1:
-            expected["all_reduce"] = persistent
-        return expected
+        """Payload bytes per training step that the design predicts: each rank's All-Gather and
+        Reduce-Scatter rows, the persistent parameters' All-Reduce; with `across_groups`, what
+        crosses between shard groups (accounting.expected_step_bytes says how it is counted)."""
+        return accounting.expected_step_bytes(self, across_groups=across_groups)
 
     def remove_hooks(self) -> None:
         self.hooks.remove()

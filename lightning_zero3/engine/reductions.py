@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_zero3.engine.unit import PendingReduce, Unit
+from lightning_zero3.engine.reduce import PendingReduce
+from lightning_zero3.engine.unit import Unit
 
 if TYPE_CHECKING:
     from lightning_zero3.engine.model import ShardedModel

@@ -147,7 +147,7 @@ def announce_departure(model: Any, unit: Any, *, backward: bool) -> None:
     if ahead >= len(order):
         return  # nothing predictable: the tag checks at the next collectives must do
     expected = model.units[order[ahead]]
-    if not expected.params or expected.gather_in_flight or model._live_calls[expected.uid] > 0:
+    if not expected.params or expected.gather_in_flight or model.live_units.calls[expected.uid] > 0:
         return
     notice = DEPARTED | unit.tag
     tags = expected.announce(notice)

@@ -1,6 +1,6 @@
 """`Unit`: the parameters gathered by one collective, and the three things done to them:
 gather (All-Gather shards -> full tensors), release, and start_reduce/finish_reduce (Reduce-Scatter full
-gradients -> averaged shard gradients).
+gradients -> averaged shard gradients; done by reduce.py).
 
 [Note: flat layout and unit tag]
 Each rank sends one flat row: its shards of the unit's parameters back to back (shard i at
@@ -53,19 +53,18 @@ torch.compile).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from lightning_zero3.engine import reduce
 from lightning_zero3.engine.buffers import BufferPool
-from lightning_zero3.engine.comm import Comm, Works
+from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.reduce import PendingReduce
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.tags import OrderMismatchError, exact_integers
 
-__all__ = ["ALIGN_BYTES", "OrderMismatchError", "PendingReduce", "Unit", "aligned_numel"]
+__all__ = ["ALIGN_BYTES", "OrderMismatchError", "Unit", "aligned_numel"]
 
 # Moving a block of memory between two storages (Note: full-parameter blocks): private, so
 # its absence selects the resize_ path.
@@ -379,117 +378,15 @@ class Unit:
         else:
             storage.resize_(0)
 
-    # ---- reduce ---------------------------------------------------------------------------
+    # ---- reduce (reduce.py) ---------------------------------------------------------------
     def start_reduce(self, grads: list[torch.Tensor | None]) -> PendingReduce:
-        """Issue the Reduce-Scatter of full gradients asynchronously (None: no gradient, sent as
-        zeros); `finish_reduce` waits and returns the shard gradients. With shard groups, the
-        All-Reduce across groups follows without waiting on the host (Note: streams)."""
-        like = self._like()
-        n, width, s = self.world_size, self.reduce_row_numel, self.shard_numel
-        self.comm.advance_reductions()  # older reductions' All-Reduces go out first, in order
-        streams = self.comm.streams(like.device)
-        out = torch.empty(width, dtype=self.reduce_dtype, device=like.device)  # on the compute stream
-        with streams.on("reduce"), torch.no_grad():
-            full = self.pool.take(n * width, self.reduce_dtype, like.device).view(n, width)  # (N, row)
-            # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
-            blocks = []
-            zero = full.new_zeros(())  # a parameter without a gradient (frozen): zeros, not allocated per parameter
-            for p, grad in zip(self.params, grads):
-                if grad is None:
-                    blocks.append(zero.expand(n, p.shard_numel))
-                    continue
-                flat = grad.reshape(-1)
-                if p.numel != n * p.shard_numel:
-                    flat = F.pad(flat, (0, n * p.shard_numel - p.numel))
-                blocks.append(flat.view(n, p.shard_numel))
-            torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
-            full[:, s:].zero_()
-            full[(self.comm.rank + 1) % n, s] = self.reduce_code  # the next rank checks it
-            work = self.comm.reduce_scatter(out, full, what=f"gradients of unit '{self.name}'", async_op=True)
-            done = streams.event()
-        pending = PendingReduce(
-            work=work, out=out, full=full, present=[g is not None for g in grads], grads=grads, done=done
-        )
-        if self.replicate is not None:
-            self.comm.awaiting_replication.append((self, pending))
-            if streams.enabled:
-                self.comm.advance_reductions()  # stream-ordered: no host wait
-        return pending
-
-    def _wait_reduction(
-        self, pending: PendingReduce, collective: str, what: str, code: int, stream: str | None
-    ) -> None:
-        """Wait for `pending`'s collective in flight (on `stream`, None: the current one) and
-        record the tag column it brought, which must read `code` (tags.py)."""
-        streams = self.comm.streams(pending.out.device)
-        try:
-            with streams.on(stream, wait_current=False):
-                streams.wait_for(pending.done)
-                if pending.work is not None:
-                    pending.work.wait()
-                received = pending.out[self.shard_numel :][:1].to(torch.int64)
-                pending.done = streams.event()
-        except RuntimeError as err:
-            self.comm.tags.raise_pending_mismatch()
-            raise self.comm.failed(collective, what, err) from err
-        self.comm.tags.expect(collective, self.name, received, [code])
-
-    def _wait_scatter(self, pending: PendingReduce) -> None:
-        """Wait for the Reduce-Scatter itself; record the tag it brought (tags.py)."""
-        if pending.scattered:
-            return
-        pending.scattered = True
-        what, stream = f"gradients of unit '{self.name}'", "reduce" if pending.replicating else None
-        self._wait_reduction(pending, "Reduce-Scatter", what, self.reduce_code, stream)
+        """Issue the Reduce-Scatter of full gradients (None: no gradient) asynchronously (reduce.py)."""
+        return reduce.start_reduce(self, grads)
 
     def start_replication(self, pending: PendingReduce) -> None:
-        """With shard groups: once the Reduce-Scatter is done, All-Reduce this rank's piece
-        with the same piece in the other groups, asynchronously (comm.advance_reductions)."""
-        assert self.replicate is not None
-        pending.replicating = True
-        self._wait_scatter(pending)
-        streams = self.comm.streams(pending.out.device)
-        with streams.on("reduce", after=pending.done, wait_current=False):  # not behind the compute
-            what = f"gradients of unit '{self.name}' across shard groups"
-            pending.work = self.replicate.all_reduce(pending.out, what=what, async_op=True)
-            pending.done = streams.event()
+        """With shard groups: All-Reduce the reduced piece across groups, asynchronously (reduce.py)."""
+        reduce.start_replication(self, pending)
 
     def finish_reduce(self, pending: PendingReduce) -> list[torch.Tensor | None]:
-        """Wait for `start_reduce`'s collectives; return this rank's averaged shard gradients in
-        the shard dtype (views of one flat buffer), None where no gradient was given."""
-        n = self.world_size
-        if self.replicate is not None:
-            self.comm.advance_reductions(until=pending)
-            groups = self.replicate.world_size
-            what = f"gradients of unit '{self.name}' across shard groups"
-            self._wait_reduction(pending, "All-Reduce", what, self.reduce_code * groups, None)
-            n *= groups
-        else:
-            self._wait_scatter(pending)
-            self.comm.streams(pending.out.device).wait_for(pending.done)
-        # The current stream has waited for every use of `full` and of the gradients.
-        self.pool.give(pending.full.view(-1))
-        pending.grads = []
-        out = pending.out[: self.shard_numel]
-        out.div_(n)  # sum over all ranks / N: the same average DDP takes
-        if out.dtype != self.shard_dtype:
-            out = out.to(self.shard_dtype)
-        return [
-            out[o : o + p.shard_numel] if present else None
-            for p, o, present in zip(self.params, self.offsets, pending.present)
-        ]
-
-
-@dataclass(eq=False)
-class PendingReduce:
-    """A Reduce-Scatter (then, with shard groups, an All-Reduce) in flight. `full` and the
-    gradients are kept until the wait: the collective and the copy-in read them on their streams."""
-
-    work: dist.Work | Works | None  # None: nothing to wait for (one rank)
-    out: torch.Tensor
-    full: torch.Tensor
-    present: list[bool]
-    grads: list[torch.Tensor | None] = field(default_factory=list)
-    done: object = None  # event after the last queued operation (CUDA), else None
-    scattered: bool = False
-    replicating: bool = False
+        """Wait for `start_reduce`'s collectives; this rank's averaged shard gradients (reduce.py)."""
+        return reduce.finish_reduce(self, pending)
