@@ -123,8 +123,21 @@ def _eager(hook: _Hook) -> _Hook:
     return torch.compiler.disable(hook, recursive=True, reason="ZeRO-3 hooks run eagerly: collectives, storage moves")
 
 
+DEEPCOPY_REFUSED = (
+    "A module sharded by lightning_zero3 cannot be deep-copied: its parameters are this rank's 1-D "
+    "shards and its hooks belong to the sharding engine. Make the copy before setup (in __init__ or "
+    "configure_model: it is then sharded with the module), or build a new module and load the "
+    "whole weights into it (ShardedModel.full_state_dict, or a checkpoint)."
+)
+
+
 class HookDriver:
     """Installs the hooks on a `ShardedModel`'s unit modules and runs the unit life cycle."""
+
+    def __deepcopy__(self, memo: dict) -> HookDriver:
+        # Reached through the hooks when a sharded module is deep-copied (an EMA teacher made
+        # after setup): without this, `copy` fails deep inside on the process group.
+        raise TypeError(DEEPCOPY_REFUSED)
 
     def __init__(self, model: ShardedModel) -> None:
         self.model = model

@@ -1,0 +1,35 @@
+"""`copy.deepcopy` of a module while it is sharded (an EMA teacher made in `on_fit_start`, say)
+is refused with an explanation on every rank: its parameters are this rank's shards and its hooks
+belong to the engine, whose process group cannot be copied (before: "cannot pickle
+'ProcessGroup' object" from deep inside `copy`, on 2+ ranks only). Once the module is whole
+again, it copies as any module does."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from lightning_zero3.engine import ShardedModel
+from tests.models import MLP
+from tests.ranks import run_ranks
+
+
+def _deepcopy_while_sharded_then_whole(rank: int, world_size: int) -> dict[str, str]:
+    torch.manual_seed(0)
+    model = MLP()
+    sharded = ShardedModel(model)
+    try:
+        copy.deepcopy(model)
+        refused = ""
+    except TypeError as err:
+        refused = str(err)
+    sharded.restore_module(device=torch.device("cpu"))
+    whole = copy.deepcopy(model)
+    return {"refused": refused, "whole_shapes": str([tuple(p.shape) for p in whole.parameters()])}
+
+
+def test_deepcopy_of_a_sharded_module_is_refused_with_the_fix_on_every_rank():
+    for result in run_ranks(_deepcopy_while_sharded_then_whole, 2):
+        assert "deep-copied" in result["refused"] and "before" in result["refused"], result["refused"]
+        assert result["whole_shapes"] == str([tuple(p.shape) for p in MLP().parameters()])
