@@ -80,7 +80,9 @@ class ShardedModel:
         target = _device_of(module, device)
         # Shards left by an earlier engine whose run failed are made whole first (Note: a module left sharded).
         restore_if_left_sharded(module, world_comm=self.world_comm, device=target)
-        self.plan = make_plan(module, validate_wrap_policy(wrap_policy), persistence_threshold)
+        self.plan = make_plan(
+            module, validate_wrap_policy(wrap_policy), persistence_threshold, shard_group_size=self.comm.world_size
+        )
         shards = shard_parameters(
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
             param_init_fn=param_init_fn, sync_module_states=sync_module_states,

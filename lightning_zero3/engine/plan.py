@@ -130,8 +130,18 @@ def _common_ancestor(units: list[UnitPlan]) -> UnitPlan:
     return common[0]
 
 
-def make_plan(root: nn.Module, policy: WrapPolicy = None, persistence_threshold: int = 0) -> Plan:
-    """Choose units and assign parameters. Deterministic: every rank builds the same plan."""
+def make_plan(
+    root: nn.Module, policy: WrapPolicy = None, persistence_threshold: int = 0, shard_group_size: int = 1
+) -> Plan:
+    """Choose units and assign parameters. Deterministic: every rank builds the same plan.
+
+    A parameter of at most `shard_group_size` elements (every 0-d one among them) stays whole
+    whatever `persistence_threshold` says: its shard would be a single element, and a single
+    element broadcasts against any shape, so code that reads it outside its unit (a forward of
+    another unit using `block.scale`) would compute silently wrong numbers on the ranks whose
+    element is padding, where any larger shard fails on its shape. Kept whole it is exact; it
+    costs at most `shard_group_size` elements of each such parameter.
+    """
     unit_modules = _unit_modules(root, policy)
     root_unit = UnitPlan(module=root, name="<root>", parent=None)
     units: list[UnitPlan] = [root_unit]
@@ -178,7 +188,7 @@ def make_plan(root: nn.Module, policy: WrapPolicy = None, persistence_threshold:
                 owners.append((module, attr))
                 names.append(name)
         entry.owners, entry.names = owners, names
-        if entry.param.numel() <= persistence_threshold:
+        if entry.param.numel() <= max(persistence_threshold, shard_group_size):
             persistent.append(entry)
         else:
             _common_ancestor(param_units[key]).params.append(entry)
