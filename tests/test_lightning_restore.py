@@ -140,6 +140,7 @@ def test_model_saving_loading(resumed: dict[str, Any]) -> None:
     """Adapted from `test_model_saving_loading` (one process there): the module loaded from
     `trainer.save_checkpoint`'s checkpoint predicts what the trained module predicted."""
     loaded = load_module(ValLossModel, resumed["root"] / "model.ckpt")
+    assert resumed["first"], "nothing to compare"
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in resumed["first"].items())
     loaded.eval()
     with torch.no_grad():
