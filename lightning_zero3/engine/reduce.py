@@ -32,7 +32,6 @@ class PendingReduce:
     grads: list[torch.Tensor | None] = field(default_factory=list)
     done: object = None  # event after the last queued operation (CUDA), else None
     scattered: bool = False
-    replicating: bool = False
 
 
 def start_reduce(unit: Unit, grads: list[torch.Tensor | None]) -> PendingReduce:
@@ -95,7 +94,7 @@ def _wait_scatter(unit: Unit, pending: PendingReduce) -> None:
     if pending.scattered:
         return
     pending.scattered = True
-    what, stream = f"gradients of unit '{unit.name}'", "reduce" if pending.replicating else None
+    what, stream = f"gradients of unit '{unit.name}'", "reduce" if unit.replicate is not None else None
     _wait_reduction(unit, pending, "Reduce-Scatter", what, unit.reduce_code, stream)
 
 
@@ -103,7 +102,6 @@ def start_replication(unit: Unit, pending: PendingReduce) -> None:
     """With shard groups: once the Reduce-Scatter is done, All-Reduce this rank's piece with
     the same piece in the other groups, asynchronously (comm.advance_reductions)."""
     assert unit.replicate is not None
-    pending.replicating = True
     _wait_scatter(unit, pending)
     streams = unit.comm.streams(pending.out.device)
     with streams.on("reduce", after=pending.done, wait_current=False):  # not behind the compute
