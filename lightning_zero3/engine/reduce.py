@@ -29,11 +29,9 @@ class PendingReduce:
     work: dist.Work | Works | None  # None: nothing to wait for (one rank)
     out: torch.Tensor
     full: torch.Tensor
-    present: list[bool]
     grads: list[torch.Tensor | None] = field(default_factory=list)
     done: object = None  # event after the last queued operation (CUDA), else None
     scattered: bool = False
-    replicating: bool = False
 
 
 def start_reduce(unit: Unit, grads: list[torch.Tensor | None]) -> PendingReduce:
@@ -64,8 +62,7 @@ def start_reduce(unit: Unit, grads: list[torch.Tensor | None]) -> PendingReduce:
         full[(comm.rank + 1) % n, s] = unit.reduce_code  # the next rank checks it
         work = comm.reduce_scatter(out, full, what=f"gradients of unit '{unit.name}'", async_op=True)
         done = streams.event()
-    present = [g is not None for g in grads]
-    pending = PendingReduce(work=work, out=out, full=full, present=present, grads=grads, done=done)
+    pending = PendingReduce(work=work, out=out, full=full, grads=grads, done=done)
     if unit.replicate is not None:
         comm.awaiting_replication.append((unit, pending))
         if streams.enabled:
@@ -97,7 +94,7 @@ def _wait_scatter(unit: Unit, pending: PendingReduce) -> None:
     if pending.scattered:
         return
     pending.scattered = True
-    what, stream = f"gradients of unit '{unit.name}'", "reduce" if pending.replicating else None
+    what, stream = f"gradients of unit '{unit.name}'", "reduce" if unit.replicate is not None else None
     _wait_reduction(unit, pending, "Reduce-Scatter", what, unit.reduce_code, stream)
 
 
@@ -105,7 +102,6 @@ def start_replication(unit: Unit, pending: PendingReduce) -> None:
     """With shard groups: once the Reduce-Scatter is done, All-Reduce this rank's piece with
     the same piece in the other groups, asynchronously (comm.advance_reductions)."""
     assert unit.replicate is not None
-    pending.replicating = True
     _wait_scatter(unit, pending)
     streams = unit.comm.streams(pending.out.device)
     with streams.on("reduce", after=pending.done, wait_current=False):  # not behind the compute
@@ -129,6 +125,7 @@ def finish_reduce(unit: Unit, pending: PendingReduce) -> list[torch.Tensor | Non
         unit.comm.streams(pending.out.device).wait_for(pending.done)
     # The current stream has waited for every use of `full` and of the gradients.
     unit.pool.give(pending.full.view(-1))
+    present = [g is not None for g in pending.grads]
     pending.grads = []
     out = pending.out[: unit.shard_numel]
     out.div_(n)  # sum over all ranks / N: the same average DDP takes
@@ -136,5 +133,5 @@ def finish_reduce(unit: Unit, pending: PendingReduce) -> list[torch.Tensor | Non
         out = out.to(unit.shard_dtype)
     return [
         out[o : o + p.shard_numel] if present else None
-        for p, o, present in zip(unit.params, unit.offsets, pending.present)
+        for p, o, present in zip(unit.params, unit.offsets, present)
     ]
