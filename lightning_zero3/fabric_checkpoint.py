@@ -29,11 +29,11 @@ from torch.optim import Optimizer
 from lightning_zero3.checkpoint import (
     CheckpointError,
     atomic_torch_save,
-    check_loadable,
     check_state_dict_loadable,
     load_sharded_model,
     load_sharded_optimizers,
-    open_sharded,
+    open_checked,
+    raise_if,
     require_exists,
     run_and_agree,
     save_sharded,
@@ -205,8 +205,7 @@ def load(
 
 
 def _load_sharded_model(model: ShardedModel, path: Path, *, strict: bool, context: str, trusted: bool) -> Any:
-    ckpt = open_sharded(path, comm=model.world_comm, trusted=trusted)
-    run_and_agree(model.world_comm, lambda: _raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
+    ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted)
     load_sharded_model(ckpt, model)
     return ckpt
 
@@ -228,10 +227,5 @@ def _read_checked(
             f"was saved with"
         )
     state_dict = checkpoint[module_key] if module_key is not None else checkpoint
-    _raise_if(check_state_dict_loadable(path, state_dict, model, strict=strict))
+    raise_if(check_state_dict_loadable(path, state_dict, model, strict=strict))
     return checkpoint
-
-
-def _raise_if(problem: str | None) -> None:
-    if problem is not None:
-        raise CheckpointError(problem)

@@ -29,12 +29,12 @@ from lightning_zero3.checkpoint import (
     ShardedOptimizerStates,
     ShardedStateDict,
     atomic_torch_save,
-    check_loadable,
     check_state_dict_loadable,
     load_full_file,
     load_sharded_model,
     load_sharded_optimizers,
-    open_sharded,
+    open_checked,
+    raise_if,
     require_exists,
     run_and_agree,
     save_sharded,
@@ -98,17 +98,15 @@ def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: str | Path, weight
     require_exists(model.world_comm, path, context=context)
     trusted = strategy.trust_checkpoint or weights_only is False
     if path.is_dir():
-        comm = model.world_comm
-        ckpt = open_sharded(path, comm=comm, trusted=trusted)
-        run_and_agree(comm, lambda: _raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
-        return run_and_agree(comm, ckpt.lightning_dict, context=context)
+        ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted)
+        return run_and_agree(model.world_comm, ckpt.lightning_dict, context=context)
 
     def read() -> dict[str, Any]:
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             checkpoint = load_full_file(path, weights_only=not trusted)
         else:
             checkpoint = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        _raise_if(check_state_dict_loadable(path, checkpoint["state_dict"], model, strict=strict))
+        raise_if(check_state_dict_loadable(path, checkpoint["state_dict"], model, strict=strict))
         return checkpoint
 
     return run_and_agree(model.world_comm, read, context=context)
@@ -149,8 +147,3 @@ def remove_checkpoint(strategy: ZeRO3Strategy, filepath: str | Path) -> None:
         # Rank 0 only, as Lightning calls it: a warning, not an exception, keeps the ranks in
         # step; what is not a checkpoint stays (Note: what a save may replace).
         log.warning(str(err))
-
-
-def _raise_if(problem: str | None) -> None:
-    if problem is not None:
-        raise CheckpointError(problem)

@@ -17,6 +17,7 @@ from lightning_zero3.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     all_gather_object,
+    raise_if,
     require_exists,
     run_and_agree,
 )
@@ -40,6 +41,7 @@ from lightning_zero3.checkpoint.load import (
     load_sharded,
     load_sharded_model,
     load_sharded_optimizers,
+    open_checked,
 )
 from lightning_zero3.checkpoint.plain import load_checkpoint, load_from_checkpoint
 from lightning_zero3.checkpoint.save import save_sharded, sharded_optimizer_state
@@ -58,6 +60,8 @@ __all__ = [
     "require_exists",
     "atomic_torch_save",
     "check_loadable",
+    "open_checked",
+    "raise_if",
     "check_state_dict_loadable",
     "consolidate_checkpoint",
     "describe_mismatch",

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of, raise_if, run_and_agree
 from lightning_zero3.checkpoint.format import (
     Pieces,
     ShardedCheckpoint,
@@ -32,6 +32,13 @@ from lightning_zero3.checkpoint.trust import forbidden_global
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
+
+
+def open_checked(path: Path, model: ShardedModel, *, strict: bool, context: str, trusted: bool) -> ShardedCheckpoint:
+    """Open the sharded checkpoint `path` and check it fits `model`; every rank raises if any rank found a problem."""
+    ckpt = open_sharded(path, comm=model.world_comm, trusted=trusted)
+    run_and_agree(model.world_comm, lambda: raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
+    return ckpt
 
 
 def check_loadable(ckpt: ShardedCheckpoint, model: ShardedModel, *, strict: bool) -> str | None:
