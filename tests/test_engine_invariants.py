@@ -92,13 +92,29 @@ def test_parameters_at_or_below_persistence_threshold_stay_whole():
 
 
 # ---- 3. communication per step ----------------------------------------------------------------
+def _kept_for_backward(sharded) -> set[int]:
+    """The units gathered once per step, by the rule of hooks.py's Note: kept for backward: the
+    root, the last unit of the recorded forward order, and the units around it (TinyGPT's
+    blocks.1 around blocks.1.mlp.2), whose forward ends after it."""
+    assert sharded.schedule.forward_order is not None
+    last = sharded.units[sharded.schedule.forward_order[-1]].module
+    around = {u.uid for u in sharded.units if last in list(u.module.modules())}
+    return {sharded.units[0].uid} | around
+
+
 def _step_bytes(rank: int, world_size: int, model_name: str, prefetch: int, persistence_threshold: int = 0) -> dict:
     _, sharded, _ = _train(
         model_name, rank, world_size, steps=2, prefetch=prefetch, persistence_threshold=persistence_threshold
     )
     last = sharded.stats.last_step
+    kept = _kept_for_backward(sharded)
     units = [
-        {"padded": sum(math.ceil(p.numel / world_size) for p in u.params), "numel": u.numel, "params": len(u.params)}
+        {
+            "padded": sum(math.ceil(p.numel / world_size) for p in u.params),
+            "numel": u.numel,
+            "params": len(u.params),
+            "kept": u.uid in kept,
+        }
         for u in sharded.units
         if u.params
     ]
@@ -116,7 +132,8 @@ def _step_bytes(rank: int, world_size: int, model_name: str, prefetch: int, pers
 def test_step_communication_is_two_gathers_and_one_reduce_scatter_of_every_unit(model_name, world_size, prefetch):
     """Steady state (step 2): forward All-Gather + backward All-Gather + Reduce-Scatter, each of
     every unit's padded parameters plus one tag element per rank, each rank's row rounded up to
-    16 bytes; nothing else is sent. On the wire each rank sends (N-1)/N of the payload.
+    16 bytes; nothing else is sent. The root and the last unit are kept gathered from forward
+    into backward: one All-Gather each. On the wire each rank sends (N-1)/N of the payload.
     Prefetching issues no extra gathers."""
     n, elem = world_size, 4  # fp32
     for result in run_ranks(_step_bytes, world_size, model_name, prefetch):
@@ -126,12 +143,15 @@ def test_step_communication_is_two_gathers_and_one_reduce_scatter_of_every_unit(
         # padding < N per param, then per rank and unit a tag and < 16 bytes of alignment
         overhead = sum(u["params"] * (n - 1) + n * (1 + 16 // elem) for u in units)
         assert psi * elem < per_pass <= (psi + overhead) * elem, "a pass does not move ~Psi elements"
-        assert result["expected"] == {"all_gather": 2 * per_pass, "reduce_scatter": per_pass}
+        kept = [u for u in units if u["kept"]]
+        assert len(kept) >= 2, "the root and the last block both hold parameters in these models"
+        gathered = 2 * per_pass - sum(n * _row_bytes(u["padded"] + 1, elem) for u in kept)
+        assert result["expected"] == {"all_gather": gathered, "reduce_scatter": per_pass}
         assert set(result["kinds"]) == {"all_gather", "reduce_scatter"}, f"other traffic: {result['kinds']}"
         gathers, gather_payload, gather_wire = result["kinds"]["all_gather"]
         reduces, reduce_payload, reduce_wire = result["kinds"]["reduce_scatter"]
-        assert (gathers, reduces) == (2 * len(units), len(units))
-        assert (gather_payload, reduce_payload) == (2 * per_pass, per_pass)
+        assert (gathers, reduces) == (2 * len(units) - len(kept), len(units))
+        assert (gather_payload, reduce_payload) == (gathered, per_pass)
         assert gather_wire * n == gather_payload * (n - 1)
         assert reduce_wire * n == reduce_payload * (n - 1)
 
@@ -144,7 +164,8 @@ def test_frozen_units_and_persistent_parameters_send_what_expected_step_bytes_sa
         measured = {kind: payload for kind, (_, payload, _) in result["kinds"].items()}
         assert "all_reduce" in measured and measured == result["expected"]
         gathers, reduces = result["kinds"]["all_gather"][0], result["kinds"]["reduce_scatter"][0]
-        assert (gathers, reduces) == (2 * len(result["units"]), len(result["units"]) - 1)
+        kept = sum(u["kept"] for u in result["units"])
+        assert (gathers, reduces) == (2 * len(result["units"]) - kept, len(result["units"]) - 1)
 
 
 # torch.distributed functions the engine may call per step, and what each does. The native
@@ -198,7 +219,9 @@ def _torch_distributed_calls(rank: int, world_size: int) -> dict:
     # Both collectives move the (N, S + 1) fp32 buffer of every unit (S + tag column), each
     # rank's row rounded up to 16 bytes.
     payload = sum(world_size * _row_bytes(u.shard_numel + 1, 4) for u in units)
-    return {"calls": by_name, "units": len(units), "payload": payload}
+    kept = [u for u in units if u.uid in _kept_for_backward(sharded)]
+    kept_payload = sum(world_size * _row_bytes(u.shard_numel + 1, 4) for u in kept)
+    return {"calls": by_name, "units": len(units), "payload": payload, "kept": len(kept), "kept_payload": kept_payload}
 
 
 def test_on_gloo_a_gather_is_one_broadcast_per_rank_and_a_reduce_scatter_sends_each_peer_its_row():
@@ -210,7 +233,8 @@ def test_on_gloo_a_gather_is_one_broadcast_per_rank_and_a_reduce_scatter_sends_e
         for result in run_ranks(_torch_distributed_calls, n):
             units, payload = result["units"], result["payload"]
             assert set(result["calls"]) == {"broadcast", "isend", "irecv"}, result["calls"]
-            assert result["calls"]["broadcast"] == (2 * units * n, 2 * payload)
+            gathers = 2 * units - result["kept"]  # the root and the last unit: once (hooks.py, Note: kept for backward)
+            assert result["calls"]["broadcast"] == (gathers * n, 2 * payload - result["kept_payload"])
             sent = payload * (n - 1) // n
             assert result["calls"]["isend"] == (units * (n - 1), sent)
             assert result["calls"]["irecv"] == (units * (n - 1), sent)

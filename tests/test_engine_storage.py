@@ -35,6 +35,13 @@ def _train(rank: int, world_size: int, path: str) -> dict:
     block_numels = {u.block_numel for u in sharded.units}
     kept, pooled = [], []
     saved: list[torch.Tensor] = []
+
+    def count_pooled(*_: object) -> None:
+        # Registered after the engine's hooks: blocks.0 has just been released. Full-parameter
+        # blocks waiting in the pool (its free lists, keyed by numel, dtype, device).
+        pooled.append(sum(len(free) for (numel, _, _), free in sharded.pool._free.items() if numel in block_numels))
+
+    model.blocks[0].register_forward_hook(count_pooled)
     for step in range(3):
         x, y = mlp_batch(step)
         F.mse_loss(reference(x), y).backward()
@@ -42,8 +49,6 @@ def _train(rank: int, world_size: int, path: str) -> dict:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
         kept.append(_saved_bytes(saved))
-        # Full-parameter blocks waiting in the pool (its free lists, keyed by numel, dtype, device).
-        pooled.append(sum(len(free) for (numel, _, _), free in sharded.pool._free.items() if numel in block_numels))
         loss.backward()
         for optimizer in optimizers:
             optimizer.step()
@@ -53,6 +58,7 @@ def _train(rank: int, world_size: int, path: str) -> dict:
         "kept": kept,
         "pooled": pooled,
         "block_bytes": block_bytes,
+        "last_block_bytes": sharded.units[-1].block_numel * 4,
     }
 
 
@@ -62,9 +68,11 @@ def test_both_storage_paths_release_full_weights_after_forward_and_train_exactly
         pytest.skip("this torch has no UntypedStorage._swap_data_ptr_: only the resize_ path exists")
     for result in run_ranks(_train, 2, path):
         assert result["param_diff"] < 1e-5
-        # After forward autograd keeps activations (a few KiB), not the blocks' full weights.
-        assert max(result["kept"]) < result["block_bytes"] // 2, result
-        # swap: released blocks wait in the pool for the backward's re-gathers; resize: freed.
+        # After forward autograd keeps activations (a few KiB) and the last block's full weights,
+        # kept for backward (hooks.py, Note: kept for backward), not the other blocks'.
+        last = result["last_block_bytes"]
+        assert max(result["kept"]) < last + (result["block_bytes"] - last) // 2, result
+        # swap: a released block waits in the pool for the next gather; resize: freed.
         assert min(result["pooled"]) >= 1 if path == "swap" else max(result["pooled"]) == 0, result
 
 

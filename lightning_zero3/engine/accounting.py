@@ -81,15 +81,17 @@ def model_state_bytes(model: ShardedModel, optimizers: list[torch.optim.Optimize
 
 def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> dict[str, int]:
     """Payload bytes per training step that the design predicts (Note: flat layout): a
-    unit is All-Gathered for forward and again for its backward, and Reduce-Scattered once if
-    it has a trainable parameter. A frozen unit runs backward only when its input needs a
-    gradient: that is read from the recorded backward order (before the first step, it is
-    assumed to). Sizes are each rank's row, the padded parameters plus the tag, rounded up
-    to 16 bytes (unit.py, Note: flat layout and unit tag). Trainable persistent parameters
-    add one All-Reduce of their gradients and one element each (the count of ranks that
-    produced it, so that an unused one keeps grad None). With
-    `across_groups` (hierarchical sharding): what crosses between shard groups, one
-    All-Reduce of each rank's reduced shard gradients (1/G of the gradient)."""
+    unit is All-Gathered for forward and again for its backward, except the units kept from
+    forward into backward (the root; once an order is recorded, the last unit and the units
+    around it too: hooks.py, Note: kept for backward), and Reduce-Scattered once if it has a
+    trainable parameter. A frozen unit runs backward only when its input needs a gradient:
+    that is read from the recorded backward order (before the first step, it is assumed to).
+    Sizes are each rank's row, the padded parameters plus the tag, rounded up to 16 bytes
+    (unit.py, Note: flat layout and unit tag). Trainable persistent parameters add one
+    All-Reduce of their gradients and one element each (the count of ranks that produced it,
+    so that an unused one keeps grad None). With `across_groups` (hierarchical sharding):
+    what crosses between shard groups, one All-Reduce of each rank's reduced shard gradients
+    (1/G of the gradient)."""
     n = model.comm.world_size
     trainable_persistent = [p for p in model.persistent if p.requires_grad]
     persistent = sum((p.numel() + 1) * p.element_size() for p in trainable_persistent)
@@ -100,6 +102,7 @@ def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> 
         shards = sum(u.reduce_row_numel * u.reduce_dtype.itemsize for u in trainable_units)
         return {"all_reduce": shards + persistent}
     expected = {"all_gather": 0, "reduce_scatter": 0}
+    kept = _kept_for_backward(model)
     for unit in model.units:
         if not unit.params:
             continue
@@ -107,8 +110,20 @@ def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> 
         trainable = unit in trainable_units
         recorded = model.schedule.backward_order
         has_backward = trainable or recorded is None or unit.uid in recorded
-        expected["all_gather"] += gather * (2 if has_backward else 1)
+        expected["all_gather"] += gather * (2 if has_backward and unit.uid not in kept else 1)
         expected["reduce_scatter"] += n * unit.reduce_row_numel * unit.reduce_dtype.itemsize if trainable else 0
     if persistent and n > 1:
         expected["all_reduce"] = persistent
     return expected
+
+
+def _kept_for_backward(model: ShardedModel) -> set[int]:
+    """Units gathered once per step because backward begins with them (hooks.py, Note: kept for
+    backward): the root, and once an order is recorded the last unit to start forward with every
+    unit whose module encloses it (their forward ends after it)."""
+    kept = {model.units[0].uid}
+    order = model.schedule.forward_order
+    if order:
+        last = model.units[order[-1]].module
+        kept.update(u.uid for u in model.units if any(m is last for m in u.module.modules()))
+    return kept

@@ -8,12 +8,15 @@ unit alive or not, take the tensors off the modules):
 
     SHARDED --gather--> FORWARD --post-forward--> RESHARDED --pre-backward--> BACKWARD --post-backward--> DONE
     FORWARD --post-forward, no backward owed (no_grad, outputs without grad)----------------> DONE
+    FORWARD --post-forward of a unit that ends the forward--> KEPT --pre-backward--> BACKWARD
     FORWARD --backward inside the unit's own forward (manual optimization)--> REDUCED_IN_FORWARD
-    REDUCED_IN_FORWARD --post-forward--> DONE;   RESHARDED --backward never reached it--> DONE
+    REDUCED_IN_FORWARD --post-forward--> DONE;   RESHARDED or KEPT --backward never reached it--> DONE
+    KEPT --a new pass began before the backward--> RESHARDED
     DONE --pre-backward of a second backward (retain_graph)--> BACKWARD
 
-Per unit the driver keeps a `Slot`: the call whose tensors are on the modules and how many
-forward hooks of the unit are open (a unit called inside itself, or the owner modules of root
+Per unit the driver keeps a `Slot`: the call whose tensors are on the modules, the call kept
+gathered for backward (hooks.py, Note: kept for backward), and how many forward hooks of the
+unit are open (a unit called inside itself, or the owner modules of root
 parameters inside the root's forward, gather once). A pass begins when a unit starts forward
 while no unit is open and no backward runs; `_begin_pass` drops what an earlier pass left.
 Post-forward hooks are registered with `always_call=True`, so a forward that raises closes its
@@ -48,7 +51,8 @@ class CallState(Enum):
     SHARDED = "sharded"  # created, not gathered yet
     FORWARD = "unsharded for forward"  # full parameters gathered and on the modules
     RESHARDED = "resharded, awaiting backward"  # storage freed, autograd keeps the tensor objects
-    BACKWARD = "unsharded for backward"  # gathered again for the unit's backward
+    KEPT = "kept unsharded for backward"  # ends the forward: not released, off the modules
+    BACKWARD = "unsharded for backward"  # gathered again (or kept) for the unit's backward
     REDUCED_IN_FORWARD = "reduced inside its forward"  # manual optimization: still on the modules
     DONE = "done"  # nothing held, no backward owed
 
@@ -58,8 +62,9 @@ LEGAL = {
     (S.SHARDED, S.FORWARD), (S.FORWARD, S.RESHARDED), (S.FORWARD, S.DONE),
     (S.FORWARD, S.REDUCED_IN_FORWARD), (S.REDUCED_IN_FORWARD, S.DONE), (S.RESHARDED, S.BACKWARD),
     (S.RESHARDED, S.DONE), (S.BACKWARD, S.DONE), (S.DONE, S.BACKWARD),
+    (S.FORWARD, S.KEPT), (S.KEPT, S.BACKWARD), (S.KEPT, S.RESHARDED), (S.KEPT, S.DONE),
 }  # fmt: skip
-HOLDING = (S.FORWARD, S.BACKWARD, S.REDUCED_IN_FORWARD)  # states whose storage is filled
+HOLDING = (S.FORWARD, S.KEPT, S.BACKWARD, S.REDUCED_IN_FORWARD)  # states whose storage is filled
 
 
 class UnitCall:
@@ -118,10 +123,12 @@ def autograd_running() -> bool:
 
 
 class Slot:
-    """Per unit: the call whose full tensors are on the modules, and the open forward hooks."""
+    """Per unit: the call whose full tensors are on the modules, the call kept gathered for
+    backward (state KEPT, off the modules), and the open forward hooks."""
 
-    __slots__ = ("call", "depth")
+    __slots__ = ("call", "kept", "depth")
 
     def __init__(self) -> None:
         self.call: UnitCall | None = None
+        self.kept: UnitCall | None = None
         self.depth = 0

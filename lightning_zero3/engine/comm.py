@@ -314,6 +314,11 @@ class Comm:
         self.stats.current[Collective.OBJECT.value].add(0, 0)
         return out
 
+    @staticmethod
+    def completed(work: Any) -> bool:
+        """Whether an async collective has completed (or failed); never waits."""
+        return work is None or bool(work.is_completed())
+
     def wait(self, work: Any) -> None:
         """Wait on an async All-Gather, charging the blocked time to `gather_wait_s`."""
         if work is None:
@@ -329,6 +334,9 @@ class Works:
     def __init__(self, works: list[Any], then: Any = None) -> None:
         self.works = works
         self.then = then
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
     def wait(self) -> bool:
         for work in self.works:

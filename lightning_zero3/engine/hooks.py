@@ -15,6 +15,22 @@ which Reduce-Scatters them; each rank's averaged shard gradient is added into `s
 (reductions.py, Note: asynchronous reduction). One call, one reduction, added up: that is what makes
 accumulation, tied weights and modules called twice exact without special cases.
 
+[Note: kept for backward]
+Backward begins with the units that ended the forward: the root (the LM head, the final norm)
+and the last unit of the recorded forward order. Releasing them at their post-forward only to
+gather them again when backward begins costs one All-Gather each per step and frees nothing
+that matters: the memory is back before anything else is released. So a post-forward that
+closes a call owing a backward moves it to KEPT when its unit is the root or the forward has run
+the whole recorded order (`Schedule.forward_complete`): the tensors leave the modules (outside
+its forward a module shows its shards, as every unit does) but keep their storage, and the
+pre-backward puts them back without a collective. FSDP2 keeps its root this way
+(reshard_after_forward=False); torchtitan does so for its last block as well. Every rank decides alike:
+the root is the same unit everywhere and the record is the same on every rank (schedule.py). A
+kept call whose backward does not follow gives its memory back: when a new pass begins (KEPT ->
+RESHARDED, its backward would gather again), when the forward ends with nothing that needs a
+gradient (an exception caught mid-forward), or when a backward ends without reaching it (KEPT ->
+DONE). All-Gather bytes per step: 2Ψ - Ψ_root - Ψ_last instead of 2Ψ.
+
 [Note: frozen units]
 A unit without a trainable parameter still runs backward whenever its input needs a gradient
 (LoRA, partial fine-tuning), and autograd saves its full weights for that. It is released after
@@ -176,6 +192,7 @@ class HookDriver:
                 self.handles.append(param.register_post_accumulate_grad_hook(self._on_persistent_grad))
 
     def remove(self) -> None:
+        self._release_kept()  # a forward whose backward never came (a fit that failed in between)
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
@@ -185,7 +202,11 @@ class HookDriver:
         old = call.state
         assert (old, state) in LEGAL, f"ZeRO-3 internal error: unit '{call.unit.name}' {old.name} -> {state.name}"
         slot = self._slots[call.unit.uid]
-        if state in (S.RESHARDED, S.DONE) and slot.call is call:
+        if state is S.KEPT:
+            slot.kept = call
+        elif old is S.KEPT and slot.kept is call:
+            slot.kept = None
+        if state in (S.RESHARDED, S.DONE, S.KEPT) and slot.call is call:
             slot.call = None
             for sharded in call.unit.params:
                 for module, attr in sharded.owners:
@@ -195,7 +216,7 @@ class HookDriver:
                 for module, attr in sharded.owners:
                     module.__dict__[attr] = full
             slot.call = call
-        if state is S.RESHARDED or (state is S.DONE and old is S.BACKWARD):
+        if state is S.RESHARDED or (state is S.DONE and old in (S.BACKWARD, S.KEPT)):
             with engine_mode():  # autograd keeps the tensor objects; the memory goes to the pool
                 call.unit.release(call.fulls)
         elif state is S.DONE and old is S.FORWARD and not call.reduces:
@@ -300,22 +321,35 @@ class HookDriver:
         self._set_depth(slot, slot.depth - 1)
         if slot.depth:
             return
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not self._in_backward and not self._open:
-            # The pass's forward is over (or raised): a prefetch it did not use is stale.
+            # The pass's forward is over (or raised): a prefetch it did not use is stale, and
+            # with no output that needs a gradient, so is what it kept (Note: kept for backward).
             self._release_stale_prefetches()
+            if not outputs:
+                self._release_kept()
         if slot.call is None:
             return
         call = slot.call
-        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if call.state is not S.FORWARD or not outputs:
             # Reduced inside its forward, no_grad, nothing of it needs a gradient, or the
             # forward raised (output None): no backward owed.
             self._move(call, S.DONE)
             return
-        self._move(call, S.RESHARDED)
+        self._move(call, S.KEPT if self._ends_forward(unit) else S.RESHARDED)
         self._pending.append(call)
         for tensor in outputs:
             tensor.register_hook(partial(self._pre_backward, call))
+
+    def _ends_forward(self, unit: Unit) -> bool:
+        """Whether backward begins with this unit's call, so it is kept (Note: kept for backward)."""
+        return not self._in_backward and (unit is self.units[0] or self.schedule.forward_complete)
+
+    def _release_kept(self) -> None:
+        """Kept calls whose backward has not begun give their memory back; it gathers again."""
+        for slot in self._slots:
+            if slot.kept is not None:
+                self._move(slot.kept, S.RESHARDED)
 
     def _prefetch_ahead(self, unit: Unit, *, backward: bool) -> None:
         """`unit` starts: gather the units the record says come next; if it just left the
@@ -328,7 +362,8 @@ class HookDriver:
             self._release_stale_prefetches()
 
     def _prefetch(self, unit: Unit) -> None:
-        if not unit.params or unit.gather_in_flight or self._slots[unit.uid].call is not None:
+        slot = self._slots[unit.uid]
+        if not unit.params or unit.gather_in_flight or slot.call is not None or slot.kept is not None:
             return
         with engine_mode():
             unit.start_gather()
@@ -354,6 +389,7 @@ class HookDriver:
         # forward hook is open, so a call still on its modules is a leftover of a pass that
         # raised (Note: exceptions).
         self._release_stale_prefetches()
+        self._release_kept()  # the previous pass's backward did not come (yet): it gathers again
         for slot in self._slots:
             if slot.call is not None:
                 self._move(slot.call, S.DONE)
@@ -375,16 +411,17 @@ class HookDriver:
 
     @_eager
     def _pre_backward(self, call: UnitCall, grad: torch.Tensor) -> None:
-        if call.state not in (S.RESHARDED, S.DONE) or not call.fulls:
+        if call.state not in (S.RESHARDED, S.KEPT, S.DONE) or not call.fulls:
             return  # gathered already, or a call that owes no backward
         self._ensure_backward_started()
         unit = call.unit
         with torch.profiler.record_function(f"ZeRO3::pre_backward({unit.name})"):
-            if call.state is S.DONE:
-                self._pending.append(call)  # a second backward through a retained graph
-            self.model.before_gather(unit, backward=True)  # tags.py: departure notice
-            with engine_mode():
-                unit.gather(into=call.fulls)
+            if call.state is not S.KEPT:  # a kept call is whole already (Note: kept for backward)
+                if call.state is S.DONE:
+                    self._pending.append(call)  # a second backward through a retained graph
+                self.model.before_gather(unit, backward=True)  # tags.py: departure notice
+                with engine_mode():
+                    unit.gather(into=call.fulls)
             self._move(call, S.BACKWARD)
             self._prefetch_ahead(unit, backward=True)
 
@@ -434,7 +471,7 @@ class HookDriver:
         not finish them (outputs that never reached the loss, frozen calls whose inputs needed no
         gradient, a backward that raised), and drop unused prefetches."""
         for call in self._pending:
-            if call.state in (S.BACKWARD, S.RESHARDED):
+            if call.state in (S.BACKWARD, S.RESHARDED, S.KEPT):
                 self._move(call, S.DONE)
         self._pending = []
         self._release_stale_prefetches()

@@ -37,6 +37,12 @@ class Schedule:
         """Whether the backward pass in progress still follows the record."""
         return self._backward_on_track
 
+    @property
+    def forward_complete(self) -> bool:
+        """Whether the forward pass in progress has run the whole recorded order (and no more)."""
+        order = self.forward_order
+        return self._forward_on_track and order is not None and len(self._forward_seen) == len(order)
+
     def begin_forward(self) -> None:
         self._forward_seen = []
         self._forward_on_track = True

@@ -13,7 +13,11 @@ A mismatch raises the same `OrderMismatchError`, naming the first unit that diff
 The deferred check costs nothing when ranks agree. When they do not, the collectives after the
 first mismatch pair up wrongly; so the ledger checks at once (`closely`) whenever this rank has
 no recorded order yet or has departed from it, and a rank whose collective fails (its peer
-raised and left) raises the recorded mismatch rather than the echo. A rank that departs from
+raised and left) raises the recorded mismatch rather than the echo. The mismatch may have
+arrived in a gather this rank prefetched and has not waited for yet (units kept for backward,
+hooks.py, shift where ranks on different paths first differ): before the check, every gather in
+flight whose collective has completed records its tags (`settle`); one still running is never
+waited for, so a failing rank cannot hang on it. A rank that departs from
 the recorded order alone first announces it (`hooks.py` calls `ShardedModel.before_gather`):
 it joins the All-Gather the others issue next, with their size, carrying a marked tag, so no
 rank meets a collective of an unexpected size (which gloo answers by aborting the process).
@@ -59,6 +63,9 @@ class TagLedger:
         self.closely = True
         # Device-to-host reads issued by checks: the engine's only per-step sync.
         self.host_reads = 0
+        # Gathers in flight, by unit tag: a callable that records the gather's tags if its
+        # collective has completed and never waits (Note: deferred tag checks).
+        self.in_flight: dict[int, Callable[[], None]] = {}
 
     def set_unit_names(self, unit_name: Callable[[int], str]) -> None:
         self._unit_name = unit_name
@@ -110,6 +117,8 @@ class TagLedger:
     def raise_pending_mismatch(self) -> None:
         """Called when a collective failed: if a tag already showed that ranks disagree, that
         is the cause, not the failure (the peer that noticed first has left)."""
+        for settle in list(self.in_flight.values()):
+            settle()
         try:
             self.check()
         except OrderMismatchError:

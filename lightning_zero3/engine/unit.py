@@ -262,6 +262,20 @@ class Unit:
             work = self.comm.all_gather(recv, send, async_op=True, what=f"unit '{self.name}'", fill_own_row=own is None)
             issued = streams.event()
         self._pending = (work, recv, dtype, issued, tag, own)
+        self.comm.tags.in_flight[self.tag] = self._settle_if_arrived
+
+    def _settle_if_arrived(self) -> None:
+        """A collective failed elsewhere: if this unit's gather in flight has completed, record
+        the tags it brought; never wait for it (tags.py, Note: deferred tag checks)."""
+        if self._pending is None or not self.comm.completed(self._pending[0]):
+            return
+        try:
+            gathered, _ = self._wait_gather()
+        except OrderMismatchError:
+            raise  # the cause, found by the check inside
+        except RuntimeError:
+            return  # it failed too: the check that follows reports what the others brought
+        self.pool.give(gathered.view(-1))
 
     def discard_gather(self) -> None:
         """Drop a prefetch that the step did not use (the collective still completes)."""
@@ -276,6 +290,7 @@ class Unit:
         assert self._pending is not None
         work, recv, dtype, issued, tag, own = self._pending
         self._pending = None
+        self.comm.tags.in_flight.pop(self.tag, None)
         try:
             self.comm.streams(recv.device).wait_for(issued)
             self.comm.wait(work)

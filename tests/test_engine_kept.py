@@ -1,0 +1,184 @@
+"""The units that end the forward (the root, the last unit of the recorded order) stay gathered
+into backward instead of being released and gathered again at once (hooks.py, Note: kept for
+backward). What is alive is read off the storages of the tensors autograd saved inside each
+block, not off the engine's counters; every variant trains like one process."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+import torch.nn.functional as F
+
+from lightning_zero3.engine import ShardedModel
+from tests.models import MLP, Block, mlp_batch
+from tests.parity import local_slice, max_param_difference
+from tests.ranks import run_ranks
+
+TOL = 1e-5
+DIM = 64  # a block's full weights (~50 KB) stand well above its saved activations
+WEIGHT_SHAPES = {tuple(p.shape) for p in Block(DIM).parameters() if p.dim() == 2}
+
+
+class SavedPerBlock:
+    """The tensors autograd saves inside each block's forward, by block index."""
+
+    def __init__(self, model: MLP) -> None:
+        self.saved: dict[int, list[torch.Tensor]] = {}
+        self._stack = ExitStack()
+        for index, block in enumerate(model.blocks):
+            # Registered after sharding: inside the engine's hooks, i.e. around the block's own compute.
+            block.register_forward_pre_hook(lambda *_, index=index: self._enter(index))
+            block.register_forward_hook(lambda *_: self._stack.close(), always_call=True)
+
+    def _enter(self, index: int) -> None:
+        tensors = self.saved[index] = []
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: tensors.append(t) or t, lambda t: t)
+        self._stack.enter_context(hooks)
+
+    def weight_bytes(self, index: int) -> int:
+        """Bytes held by the saved tensors of block `index` that have a weight's full shape."""
+        return sum(t.untyped_storage().nbytes() for t in self.saved.get(index, []) if tuple(t.shape) in WEIGHT_SHAPES)
+
+
+def _setup(rank: int, world_size: int) -> tuple[MLP, MLP, ShardedModel, list[torch.optim.Optimizer]]:
+    torch.manual_seed(0)
+    reference = MLP(dim=DIM)
+    torch.manual_seed(0)
+    model = MLP(dim=DIM)
+    sharded = ShardedModel(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    return reference, model, sharded, optimizers
+
+
+def _step(reference, model, optimizers, seed, rank, world_size) -> None:
+    x, y = mlp_batch(seed)
+    F.mse_loss(reference(x), y).backward()
+    F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _after_forward(rank: int, world_size: int) -> dict:
+    reference, model, sharded, optimizers = _setup(rank, world_size)
+    _step(reference, model, optimizers, 0, rank, world_size)  # records the order
+    saved = SavedPerBlock(model)
+    x, y = mlp_batch(1)
+    loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+    held = [saved.weight_bytes(i) for i in range(len(model.blocks))]
+    shapes = [tuple(p.shape) for p in model.blocks[-1].parameters()]
+    loss.backward()
+    F.mse_loss(reference(x), y).backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    return {"held": held, "shapes": shapes, "diff": max_param_difference(sharded, reference)}
+
+
+def test_after_forward_only_the_last_block_holds_its_full_weights_and_it_shows_its_shards():
+    for result in run_ranks(_after_forward, 2):
+        *released, last = result["held"]
+        assert released == [0, 0] and last > 0, result["held"]
+        assert all(len(shape) == 1 for shape in result["shapes"]), "outside forward a module shows its 1-D shards"
+        assert result["diff"] < TOL
+
+
+def _second_forward_before_backward(rank: int, world_size: int) -> dict:
+    reference, model, sharded, optimizers = _setup(rank, world_size)
+    _step(reference, model, optimizers, 0, rank, world_size)
+    saved = SavedPerBlock(model)
+    (x1, y1), (x2, y2) = mlp_batch(1), mlp_batch(2)
+    first = F.mse_loss(model(local_slice(x1, rank, world_size)), local_slice(y1, rank, world_size))
+    first_saved = saved.saved[len(model.blocks) - 1]
+    kept_then = sum(t.untyped_storage().nbytes() for t in first_saved)
+    second = F.mse_loss(model(local_slice(x2, rank, world_size)), local_slice(y2, rank, world_size))
+    kept_after = sum(t.untyped_storage().nbytes() for t in first_saved)
+    (first + second).backward()
+    (F.mse_loss(reference(x1), y1) + F.mse_loss(reference(x2), y2)).backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+    for seed in (3, 4):
+        _step(reference, model, optimizers, seed, rank, world_size)
+    return {"kept_then": kept_then, "kept_after": kept_after, "diff": max_param_difference(sharded, reference)}
+
+
+def test_a_second_forward_before_backward_releases_what_the_first_kept_and_both_backwards_are_exact():
+    for result in run_ranks(_second_forward_before_backward, 2):
+        # The first pass's last block gave back its full weights (about 2 x 64 x 64 x 4 bytes).
+        assert result["kept_then"] - result["kept_after"] >= 2 * DIM * DIM * 4, result
+        assert result["diff"] < TOL
+
+
+class HeadFails(RuntimeError):
+    pass
+
+
+def _forward_raising_after_the_last_block(rank: int, world_size: int) -> dict:
+    reference, model, sharded, optimizers = _setup(rank, world_size)
+    _step(reference, model, optimizers, 0, rank, world_size)
+    saved = SavedPerBlock(model)
+    armed = [True]
+
+    def fail_once(*_: object) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise HeadFails("the head failed (simulated)")
+
+    model.head.register_forward_pre_hook(fail_once)  # after every block: the last one is kept by then
+    x, y = mlp_batch(1)
+    try:
+        model(local_slice(x, rank, world_size))
+    except HeadFails:
+        pass
+    left = sum(saved.weight_bytes(i) for i in range(len(model.blocks)))
+    for seed in (2, 3):
+        _step(reference, model, optimizers, seed, rank, world_size)
+    return {"left": left, "diff": max_param_difference(sharded, reference)}
+
+
+def test_a_forward_that_raises_after_the_last_block_gives_back_what_it_kept():
+    for result in run_ranks(_forward_raising_after_the_last_block, 2):
+        assert result["left"] == 0, "the kept block still holds its full weights after the forward raised"
+        assert result["diff"] < TOL
+
+
+def _backward_not_reaching_the_last_block(rank: int, world_size: int) -> dict:
+    reference, model, sharded, optimizers = _setup(rank, world_size)
+    _step(reference, model, optimizers, 0, rank, world_size)
+    saved = SavedPerBlock(model)
+    hidden: dict[str, torch.Tensor] = {}
+    for m in (reference, model):
+        m.blocks[0].register_forward_hook(lambda module, args, out, m=m: hidden.__setitem__(str(id(m)), out))
+    x, _ = mlp_batch(1)
+    model(local_slice(x, rank, world_size))
+    reference(x)
+    # The loss reads the first block's output only: backward never reaches the last block.
+    (hidden[str(id(model))].pow(2).sum() * world_size / x.size(0)).backward()
+    left = saved.weight_bytes(len(model.blocks) - 1)
+    (hidden[str(id(reference))].pow(2).sum() / x.size(0)).backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"left": left, "diff": max_param_difference(sharded, reference)}
+
+
+def test_a_backward_that_never_reaches_the_last_block_gives_back_what_it_kept():
+    for result in run_ranks(_backward_not_reaching_the_last_block, 2):
+        assert result["left"] == 0, "the kept block still holds its full weights after the backward"
+        assert result["diff"] < TOL
+
+
+def _hooks_removed_between_forward_and_backward(rank: int, world_size: int) -> int:
+    reference, model, sharded, optimizers = _setup(rank, world_size)
+    _step(reference, model, optimizers, 0, rank, world_size)
+    saved = SavedPerBlock(model)
+    x, _ = mlp_batch(1)
+    model(local_slice(x, rank, world_size))  # its loss fails, say, and the fit ends
+    sharded.leave_sharded()
+    return saved.weight_bytes(len(model.blocks) - 1)
+
+
+def test_removing_the_hooks_after_a_forward_without_backward_gives_back_what_it_kept():
+    for left in run_ranks(_hooks_removed_between_forward_and_backward, 2):
+        assert left == 0, "the kept block still holds its full weights after the hooks were removed"
