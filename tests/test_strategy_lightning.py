@@ -195,7 +195,8 @@ def test_stats_report_formula_bytes_and_sharded_model_state(world_size: int) -> 
         last, expected = stats["last_step"], stats["expected_step_bytes"]
         assert last["all_gather"]["payload_bytes"] == expected["all_gather"]
         assert last["reduce_scatter"]["payload_bytes"] == expected["reduce_scatter"]
-        assert last["all_gather"]["calls"] == 2 * stats["units"]
+        # Twice per unit but once for the root and the last block (engine/hooks.py, Note: kept for backward).
+        assert last["all_gather"]["calls"] == 2 * stats["units"] - 2
         assert last["reduce_scatter"]["calls"] == stats["units"]
         # Padded parameters plus a tag per rank per unit: at most a few elements above Ψ.
         assert full * 4 <= expected["reduce_scatter"] <= (full + stats["units"] * world_size * 8) * 4
