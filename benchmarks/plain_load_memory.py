@@ -5,10 +5,18 @@ fresh process, for 12 Linear(2048, 2048) layers (192 MiB of fp32 weights) saved 
     PYTHONPATH=. python benchmarks/plain_load_memory.py DIR save
     PYTHONPATH=. python benchmarks/plain_load_memory.py DIR dict
     PYTHONPATH=. python benchmarks/plain_load_memory.py DIR module
+
+and of consolidating it into one file (docs/checkpoints.md, "How the streaming works"): through
+the command, which sets glibc's mmap threshold in its own process, and through the library call,
+which leaves the allocator alone:
+
+    PYTHONPATH=. python benchmarks/plain_load_memory.py DIR consolidate-command
+    PYTHONPATH=. python benchmarks/plain_load_memory.py DIR consolidate-call
 """
 
 from __future__ import annotations
 
+import runpy
 import sys
 
 import lightning.pytorch as pl
@@ -50,8 +58,18 @@ def main(directory: str, what: str) -> None:
     before = peak_rss()
     if what == "dict":
         lightning_zero3.load_checkpoint(path)
-    else:
+    elif what == "module":
         lightning_zero3.load_from_checkpoint(Stack, path)
+    elif what == "consolidate-command":  # as `python -m lightning_zero3 consolidate` runs it
+        sys.argv = ["lightning_zero3", "consolidate", path, f"{directory}/consolidated.ckpt"]
+        try:
+            runpy.run_module("lightning_zero3", run_name="__main__")
+        except SystemExit as exit:
+            assert not exit.code, exit.code
+    elif what == "consolidate-call":
+        lightning_zero3.consolidate_checkpoint(path, f"{directory}/consolidated.ckpt")
+    else:
+        raise SystemExit(f"unknown mode {what!r}: save, dict, module, consolidate-command or consolidate-call")
     growth = peak_rss() - before
     print(f"{what}: {weights / 2**20:.0f} MiB of weights, peak RSS growth {growth / 2**20:.0f} MiB")
 

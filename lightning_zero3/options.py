@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -113,6 +113,22 @@ def validated_options(
         reductions_in_flight=reductions_in_flight,  # type: ignore[arg-type]
         trust_checkpoint=trust_checkpoint,
     )
+
+
+class OptionAttribute:
+    """A strategy attribute that is one field of `strategy.options`: reading it reads the field,
+    assigning it replaces `strategy.options` with a copy validated as at construction, so that
+    `strategy.prefetch = -1` raises the constructor's `ValueError` instead of failing at setup."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, strategy: Any, owner: type | None = None) -> Any:
+        return self if strategy is None else getattr(strategy.options, self.name)
+
+    def __set__(self, strategy: Any, value: object) -> None:
+        current = {f.name: getattr(strategy.options, f.name) for f in fields(strategy.options)}
+        strategy.options = validated_options(type(strategy).__name__, **{**current, self.name: value})
 
 
 def mixed_precision_dtype(precision: str) -> torch.dtype | None:

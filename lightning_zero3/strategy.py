@@ -32,6 +32,7 @@ from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.plan import WrapPolicy
 from lightning_zero3.options import (
+    OptionAttribute,
     RanksAndDevices,
     all_reduce,
     mixed_precision_dtype,
@@ -94,6 +95,21 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     strategy_name = "zero3"
 
+    # The options live in `self.options` (a validated `ShardingOptions`, as in the Fabric
+    # strategy); these public names read them and, assigned, replace them validated.
+    wrap_policy = OptionAttribute()
+    prefetch = OptionAttribute()
+    persistence_threshold = OptionAttribute()
+    shard_size = OptionAttribute()
+    param_dtype = OptionAttribute()
+    reduce_dtype = OptionAttribute()
+    param_init_fn = OptionAttribute()
+    state_dict_type = OptionAttribute()
+    trust_checkpoint = OptionAttribute()
+    timeout = OptionAttribute()
+    start_method = OptionAttribute()
+    reductions_in_flight = OptionAttribute()
+
     def __init__(
         self,
         *,
@@ -123,25 +139,13 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        options = validated_options(
+        self.options = validated_options(
             type(self).__name__, wrap_policy=wrap_policy, prefetch=prefetch,
             persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
             timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
             trust_checkpoint=trust_checkpoint,
         )  # fmt: skip
-        self.wrap_policy = options.wrap_policy
-        self.prefetch = options.prefetch
-        self.persistence_threshold = options.persistence_threshold
-        self.shard_size = options.shard_size
-        self.param_dtype = options.param_dtype
-        self.reduce_dtype = options.reduce_dtype
-        self.param_init_fn = options.param_init_fn
-        self.state_dict_type = options.state_dict_type
-        self._timeout = options.timeout
-        self._start_method = options.start_method
-        self.reductions_in_flight = options.reductions_in_flight
-        self.trust_checkpoint = options.trust_checkpoint
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         # The engine that holds this run's shards; None outside setup..teardown.
@@ -171,17 +175,17 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
+        if self.options.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             # Teardown makes parameters whole again, so the launcher's copy of rank 0's
             # state_dict back into the main process has full shapes.
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.options.start_method)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.join_world(self._timeout)  # options.py: RanksAndDevices
+        self.join_world(self.options.timeout)  # options.py: RanksAndDevices
 
     # ---- setup ------------------------------------------------------------------------------
     @override

@@ -300,4 +300,3 @@ def restore_whole(units: list[Unit], *, device: torch.device) -> None:
             param = nn.Parameter(tensor, requires_grad=sharded.requires_grad)
             for module, attr in sharded.owners:
                 module.register_parameter(attr, param)  # tied weights stay tied
-

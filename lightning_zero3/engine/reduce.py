@@ -132,6 +132,5 @@ def finish_reduce(unit: Unit, pending: PendingReduce) -> list[torch.Tensor | Non
     if out.dtype != unit.shard_dtype:
         out = out.to(unit.shard_dtype)
     return [
-        out[o : o + p.shard_numel] if present else None
-        for p, o, present in zip(unit.params, unit.offsets, present)
+        out[o : o + p.shard_numel] if present else None for p, o, present in zip(unit.params, unit.offsets, present)
     ]
