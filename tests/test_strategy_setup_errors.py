@@ -3,8 +3,6 @@ must not raise a second error of its own that hides the first."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -43,5 +41,3 @@ def test_a_module_that_cannot_be_initialised_on_meta_fails_with_its_own_error_on
     for message in run_ranks(_fit_built_on_meta_without_reset, 2):
         assert message.startswith("ValueError: _NoReset has tensors ['weight']"), message
         assert "param_init_fn" in message, message
-
-
