@@ -385,6 +385,17 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
                 # Kept for `stats` and for saving the optimizer (its state is still sharded).
                 self.whole = True
             self.model = self.lightning_module
+        module = self.lightning_module
+        if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            # Setup failed while the module was still (partly) on the meta device, e.g. a module
+            # without reset_parameters() built in configure_model(): Lightning's move to the CPU
+            # would raise "Cannot copy out of meta tensor" and hide that error. Skip the move.
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
         super().teardown()
 
     @classmethod

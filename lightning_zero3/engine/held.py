@@ -16,10 +16,11 @@ inside a forward with gradients, a grad-enabled forward or a backward inside rai
 have no autograd parent and would get no Reduce-Scatter), and so does a forward after the shards
 changed (an optimizer step inside). Exit moves every call it gathered to DONE whatever
 happened inside, and the next pass starts afresh.
-Outside the context, HF generation stays in step only with `synced_gpus=True` (HF turns it on
-for DeepSpeed and FSDP only): a rank that stopped early leaves the others waiting in a gather.
-Such a gather's error, in a pass without gradients, says so (`UNSYNCED_HINT`); the rank that
-stopped cannot be told, it is no longer in the model.
+Outside the context, HF generation stays in step only with `synced_gpus=True`, which the
+engine fills in when the caller leaves it unset (generation.py, Note: synced generation by
+default). With an explicit `synced_gpus=False`, a rank that stopped early leaves the others
+waiting in a gather. Such a gather's error, in a pass without gradients, says so
+(`UNSYNCED_HINT`); the rank that stopped cannot be told, it is no longer in the model.
 """
 
 from __future__ import annotations

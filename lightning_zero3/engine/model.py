@@ -20,6 +20,7 @@ from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accounting import LiveUnits, UnitStats
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
+from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
@@ -121,6 +122,10 @@ class ShardedModel:
         self.comm.tags.set_unit_names(self._unit_name)
         self.comm.describe_step = self._describe_step
         self.hooks = HookDriver(self)
+        # HF generate() outside gathered_for_inference() keeps the ranks in step by default
+        # (generation.py, Note: synced generation by default).
+        ranks = self.comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
+        self._synced_generate = install_synced_generate(module, lambda: self.hooks.held.active, ranks=ranks)
 
     def _unit_name(self, uid: int) -> str:
         return self.units[uid].name if 0 <= uid < len(self.units) else f"<unknown unit {uid}>"
@@ -373,6 +378,7 @@ class ShardedModel:
 
     def remove_hooks(self) -> None:
         self.hooks.remove()
+        remove_synced_generate(self._synced_generate)
 
     def restore_module(self, *, device: torch.device | str = "cpu") -> None:
         """Make `module` an ordinary module again, on `device`: whole parameters (gathered one
