@@ -89,7 +89,8 @@ def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> 
     add one All-Reduce of their gradients and one element each (the count of ranks that
     produced it, so that an unused one keeps grad None). With
     `across_groups` (hierarchical sharding): what crosses between shard groups, one
-    All-Reduce of each rank's reduced shard gradients (1/G of the gradient)."""
+    All-Reduce of each rank's reduced shard gradients (1/G of the gradient), and the
+    persistent parameters' All-Reduce, which runs over all ranks (persistent.py)."""
     n = model.comm.world_size
     trainable_persistent = [p for p in model.persistent if p.requires_grad]
     persistent = sum((p.numel() + 1) * p.element_size() for p in trainable_persistent)
@@ -109,6 +110,6 @@ def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> 
         has_backward = trainable or recorded is None or unit.uid in recorded
         expected["all_gather"] += gather * (2 if has_backward else 1)
         expected["reduce_scatter"] += n * unit.reduce_row_numel * unit.reduce_dtype.itemsize if trainable else 0
-    if persistent and n > 1:
+    if persistent and n > 1 and model.replicate_comm is None:  # with shard groups: counted across them
         expected["all_reduce"] = persistent
     return expected

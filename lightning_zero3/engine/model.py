@@ -23,6 +23,7 @@ from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
+from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_counts, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
 from lightning_zero3.engine.shard import ShardedParam
@@ -116,6 +117,13 @@ class ShardedModel:
         # The plan lists registered parameters only, never a None slot.
         owners = (e.owners[0] for e in self.plan.persistent)
         self.persistent: list[nn.Parameter] = cast(list[nn.Parameter], [m._parameters[a] for m, a in owners])
+        # Their gradients are averaged over every rank in one All-Reduce. With shard groups that
+        # is a collective over the whole world, counted with the traffic across groups.
+        persistent_comm = self.comm
+        if self.replicate_comm is not None:
+            persistent_comm = Comm(None, pool=self.pool)
+            persistent_comm.stats = self.replicate_comm.stats
+        self.persistent_grads = PersistentGrads(self.persistent, persistent_comm)
         # Calls holding full parameters, per unit; units holding some or with a gather in flight.
         self.live_units = LiveUnits(len(self.units), self.unit_stats)
         self.comm.tags.set_unit_names(self._unit_name)
@@ -219,30 +227,9 @@ class ShardedModel:
 
     # ---- gradients of persistent parameters -----------------------------------------------
     def reduce_persistent_grads(self) -> None:
-        """All-Reduce (average) the gradients of parameters kept whole on every rank. One
-        element per parameter rides along in the same All-Reduce and counts the ranks that
-        produced its gradient: a parameter no rank used keeps `grad=None`, as in one process
-        (a zero gradient would still move it under weight decay and momentum). Only a rank
-        missing a gradient reads the counts back (a device-to-host copy on GPU)."""
-        params = [p for p in self.persistent if p.requires_grad]
-        total = self.world_comm.world_size
-        if not params or total == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        present = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
-        flat = torch.cat([*(g.reshape(-1) for g in grads), present])
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(flat, what="gradients of persistent parameters")
-        if self.replicate_comm is not None:
-            self.replicate_comm.all_reduce(flat, what="gradients of persistent parameters across shard groups")
-        used = [True] * len(params)
-        if not all(p.grad is not None for p in params):
-            used = (flat[-len(params) :] > 0).tolist()
-        flat = flat[: -len(params)].div_(total)
-        offset = 0
-        for p, is_used in zip(params, used):
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone() if is_used else None
-            offset += p.numel()
+        """All-Reduce (average) the gradients of parameters kept whole on every rank, over all
+        ranks (persistent.py, Note: persistent gradients in one buffer)."""
+        self.persistent_grads.reduce()
 
     # ---- whole parameters outside forward -------------------------------------------------
     @contextmanager
