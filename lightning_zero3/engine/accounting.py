@@ -53,7 +53,7 @@ class LiveUnits:
 
     def reset_peaks(self) -> None:
         self.stats.peak = self.stats.alive
-        self.stats.peak_without_root = self.stats.alive
+        self.stats.peak_without_root = self.stats.alive - (0 in self._alive)
 
 
 def model_state_bytes(model: ShardedModel, optimizers: list[torch.optim.Optimizer] | None = None) -> dict[str, int]:
