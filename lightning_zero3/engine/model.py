@@ -19,6 +19,7 @@ from torch import nn
 from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accounting import LiveUnits, UnitStats
 from lightning_zero3.engine.buffers import BufferPool
+from lightning_zero3.engine.calls import CallState
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
@@ -359,7 +360,16 @@ class ShardedModel:
         return accounting.expected_step_bytes(self, across_groups=across_groups)
 
     def remove_hooks(self) -> None:
-        self.hooks.remove()
+        """Remove the hooks. Calls still holding full parameters (a backward that raised leaves
+        its re-gathered units on the modules, hooks.py, Note: exceptions) are closed first: their
+        tensors would otherwise shadow the registered parameters for good. No collective: the
+        Reduce-Scatters of such a backward are dropped unwaited (leave_sharded may follow a
+        failure where other ranks are gone)."""
+        driver = self.hooks
+        for slot in driver._slots:  # Note: HookDriver.remove() is the better home (hooks.py)
+            if slot.call is not None:
+                driver._move(slot.call, CallState.DONE)
+        driver.remove()
 
     def restore_module(self, *, device: torch.device | str = "cpu") -> None:
         """Make `module` an ordinary module again, on `device`: whole parameters (gathered one
