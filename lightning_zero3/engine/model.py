@@ -253,27 +253,39 @@ class ShardedModel:
         saved = [p.detach().clone() for p in persistent] if modifier_rank is None else []
         shards: dict[int, torch.Tensor] = {}
         gathered: list[tuple[Unit, list[torch.Tensor]]] = []
-        for unit in units:
-            fulls = unit.gather(dtype=unit.shard_dtype)
-            gathered.append((unit, fulls))
-            for sharded, full in zip(unit.params, fulls):
-                if sharded in chosen:
-                    shards[id(sharded)] = sharded.param.data
-                    sharded.param.data = full
-        self.comm.tags.check()  # outside any pass: check the tags of these gathers now
+
+        def put_shards_back() -> list[tuple[ShardedParam, torch.Tensor]]:
+            """The shards back on the parameters; returns (parameter, its whole data)."""
+            wholes = []
+            for unit in units:
+                for sharded in unit.params:
+                    if id(sharded) in shards:
+                        wholes.append((sharded, sharded.param.data))
+                        sharded.param.data = shards.pop(id(sharded))
+            return wholes
+
+        try:
+            for unit in units:
+                fulls = unit.gather(dtype=unit.shard_dtype)
+                gathered.append((unit, fulls))
+                for sharded, full in zip(unit.params, fulls):
+                    if sharded in chosen:
+                        shards[id(sharded)] = sharded.param.data
+                        sharded.param.data = full
+            self.comm.tags.check()  # outside any pass: check the tags of these gathers now
+        except BaseException:  # a failed gather or tag check: shards back, no collective
+            put_shards_back()
+            for unit, fulls in gathered:
+                unit.release(fulls)
+            raise
         try:
             yield
         finally:
-            for unit in units:
-                for sharded in unit.params:
-                    if id(sharded) not in shards:
-                        continue
-                    full = sharded.param.data
-                    sharded.param.data = shards[id(sharded)]
-                    if modifier_rank is not None:
-                        what = f"'{sharded.name}' from rank {modifier_rank}"
-                        self.world_comm.broadcast(full, src=modifier_rank, what=what)
-                        sharded.load_full(full)
+            for sharded, full in put_shards_back():
+                if modifier_rank is not None:
+                    what = f"'{sharded.name}' from rank {modifier_rank}"
+                    self.world_comm.broadcast(full, src=modifier_rank, what=what)
+                    sharded.load_full(full)
             for unit, fulls in gathered:
                 unit.release(fulls)  # the blocks go back to the pool
             if modifier_rank is not None:
