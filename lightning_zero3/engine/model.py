@@ -19,7 +19,7 @@ from torch import nn
 from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accounting import LiveUnits, UnitStats
 from lightning_zero3.engine.buffers import BufferPool
-from lightning_zero3.engine.calls import CallState
+from lightning_zero3.engine.calls import CallState, engine_mode
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
@@ -266,7 +266,8 @@ class ShardedModel:
 
         try:
             for unit in units:
-                fulls = unit.gather(dtype=unit.shard_dtype)
+                with engine_mode():  # Note: inference mode (hooks.py): the blocks go to the pool
+                    fulls = unit.gather(dtype=unit.shard_dtype)
                 gathered.append((unit, fulls))
                 for sharded, full in zip(unit.params, fulls):
                     if sharded in chosen:
@@ -275,8 +276,9 @@ class ShardedModel:
             self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         except BaseException:  # a failed gather or tag check: shards back, no collective
             put_shards_back()
-            for unit, fulls in gathered:
-                unit.release(fulls)
+            with engine_mode():
+                for unit, fulls in gathered:
+                    unit.release(fulls)
             raise
         try:
             yield
@@ -286,8 +288,9 @@ class ShardedModel:
                     what = f"'{sharded.name}' from rank {modifier_rank}"
                     self.world_comm.broadcast(full, src=modifier_rank, what=what)
                     sharded.load_full(full)
-            for unit, fulls in gathered:
-                unit.release(fulls)  # the blocks go back to the pool
+            with engine_mode():
+                for unit, fulls in gathered:
+                    unit.release(fulls)  # the blocks go back to the pool
             if modifier_rank is not None:
                 for p in persistent:
                     self.world_comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
@@ -319,15 +322,16 @@ class ShardedModel:
         keep = to_rank is None or self.global_rank == to_rank
         full_by_id: dict[int, torch.Tensor] = {}
         state = self.module.state_dict()
-        for unit in self.units:
-            if not unit.params:
-                continue
-            if keep:  # host tensors of their own; the gathered block goes back to the pool
-                outputs = [torch.empty(p.full_shape, dtype=unit.shard_dtype) for p in unit.params]
-                unit.gather_into(outputs, dtype=unit.shard_dtype)
-                full_by_id.update((id(sharded.param), out) for sharded, out in zip(unit.params, outputs))
-            else:  # every rank joins the All-Gather
-                unit.release(unit.gather(dtype=unit.shard_dtype))
+        with engine_mode():  # Note: inference mode (hooks.py): the blocks go back to the pool
+            for unit in self.units:
+                if not unit.params:
+                    continue
+                if keep:  # host tensors of their own; the gathered block goes back to the pool
+                    outputs = [torch.empty(p.full_shape, dtype=unit.shard_dtype) for p in unit.params]
+                    unit.gather_into(outputs, dtype=unit.shard_dtype)
+                    full_by_id.update((id(sharded.param), out) for sharded, out in zip(unit.params, outputs))
+                else:  # every rank joins the All-Gather
+                    unit.release(unit.gather(dtype=unit.shard_dtype))
         self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         if not keep:
             return {}
@@ -389,7 +393,8 @@ class ShardedModel:
         there, hooks removed. Collective: call it on every rank. The shards and this object stay
         valid for reading (`stats`, the optimizer's sharded state), not for training."""
         self.remove_hooks()
-        restore_whole(self.units, device=torch.device(device))
+        with engine_mode():  # whole parameters that can train; pool blocks that can be reused
+            restore_whole(self.units, device=torch.device(device))
         self.module.to(device)
         forget(self.module)
 
