@@ -42,6 +42,10 @@ def _entry(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
+        # Every rank connected before any starts: a rank whose `fn` returns at once (a check
+        # that raises before any collective) would otherwise leave the group while a slower
+        # one is still connecting ("Gloo connectFullMesh failed" under load).
+        dist.barrier()
         return call_in_group(fn, rank, world_size, args)
 
     report(queue, rank, work)

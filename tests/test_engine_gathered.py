@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.tags import OrderMismatchError
 from tests.models import MLP, TinyGPT
 from tests.ranks import run_ranks
 
@@ -116,3 +117,20 @@ def test_evaluation_forwards_return_their_blocks_to_the_pool() -> None:
             model(torch.randn(4, 32))
     receive = unit.world_size * unit.row_numel(unit.shard_dtype) * 4
     assert sharded.pool.cached_bytes == receive + unit.block_numel * 4  # one of each, reused
+
+
+def test_a_tag_check_that_raises_on_entry_leaves_every_parameter_its_shard() -> None:
+    """One process; the check after the gathers raises (as a mismatch between ranks would):
+    no parameter keeps the gathered whole data (was: all of them did, for good)."""
+    model = MLP()
+    sharded = ShardedModel(model)
+    before = {name: (p.shape, p.data_ptr()) for name, p in model.named_parameters()}
+
+    def mismatch() -> None:
+        raise OrderMismatchError("ranks gathered different units")
+
+    sharded.comm.tags.closely = False  # the gathers defer their checks to that one
+    sharded.comm.tags.check = mismatch  # type: ignore[method-assign]
+    with pytest.raises(OrderMismatchError), sharded.gathered_parameters():
+        pass
+    assert {name: (p.shape, p.data_ptr()) for name, p in model.named_parameters()} == before

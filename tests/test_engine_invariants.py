@@ -243,7 +243,8 @@ def test_on_gloo_a_gather_is_one_broadcast_per_rank_and_a_reduce_scatter_sends_e
 # ---- 4. units whole at once -------------------------------------------------------------------
 def _peak_units(rank: int, world_size: int, prefetch: int) -> dict:
     _, sharded, _ = _train("deep_mlp", rank, world_size, steps=2, prefetch=prefetch)
-    return {"peak_without_root": sharded.unit_stats.peak_without_root, "alive": sharded.unit_stats.alive}
+    stats = sharded.unit_stats
+    return {"peak": stats.peak, "peak_without_root": stats.peak_without_root, "alive": stats.alive}
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
@@ -256,7 +257,19 @@ def test_at_most_one_plus_prefetch_units_are_whole_besides_the_root(prefetch):
     for result in run_ranks(_peak_units, 2, prefetch):
         assert result["peak_without_root"] <= 1 + prefetch, f"more units whole than 1 + prefetch: {result}"
         assert result["peak_without_root"] == 1 + prefetch, f"prefetch did not gather ahead: {result}"
+        assert result["peak"] == 2 + prefetch, f"the peak counting the root is not one more: {result}"
         assert result["alive"] == 0, f"units left whole after the step: {result}"
+
+
+def test_peaks_reset_while_the_root_is_whole_leave_the_root_out_of_peak_without_root():
+    """One process: peaks reset inside a block's forward (root and that block whole) then
+    count 2 units, 1 without the root (was: 2 without the root, the root counted in)."""
+    model = MLP()
+    sharded = ShardedModel(model, prefetch=0)
+    model.blocks[0].register_forward_pre_hook(lambda *_: sharded.reset_peaks())
+    with torch.no_grad():
+        model(mlp_batch(0)[0])
+    assert (sharded.unit_stats.peak, sharded.unit_stats.peak_without_root) == (2, 1)
 
 
 # ---- 5. nothing kept between steps ------------------------------------------------------------

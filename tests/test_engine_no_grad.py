@@ -103,3 +103,27 @@ def test_training_after_evaluation_forwards_matches_reference(mode):
     """Nothing an evaluation forward gathers (inference tensors included) leaks into training."""
     for diff in run_ranks(_train_around_evaluations, 2, mode):
         assert diff < 1e-5, f"parameters differ from the reference by {diff:.3g}"
+
+
+def _whole_under_inference_mode(sharded: ShardedModel, what: str) -> None:
+    if what == "full_state_dict":
+        sharded.full_state_dict()
+    elif what == "gathered_parameters":
+        with sharded.gathered_parameters():
+            pass
+    else:
+        sharded.restore_module()
+
+
+@pytest.mark.parametrize("what", ["full_state_dict", "gathered_parameters", "restore_module"])
+def test_whole_parameters_taken_under_inference_mode_leave_training_possible(what: str) -> None:
+    """One process. Lightning runs validation (and a checkpoint saved from its end) under
+    inference_mode on NCCL: the pooled blocks and restored parameters made there must not be
+    inference tensors (was: the next training step raised "Inplace update to inference tensor")."""
+    model = MLP()
+    sharded = ShardedModel(model)
+    with torch.inference_mode():
+        _whole_under_inference_mode(sharded, what)
+    x, y = mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.shard import ShardedParam
-from lightning_zero3.engine.tags import exact_integers
+from lightning_zero3.engine.tags import OrderMismatchError, exact_integers
 from lightning_zero3.engine.unit import Unit
 from tests.models import MLP, mlp_batch
 from tests.parity import local_slice, max_param_difference, step_side_by_side
@@ -192,3 +192,59 @@ def test_a_collective_timeout_names_the_last_collectives_and_the_recorded_order(
     assert "last collectives, oldest first: All-Gather of unit" in message, message
     assert "No unit order is recorded yet (first step)" in message, message
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message, message
+
+
+class _Leaf(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.Linear(hidden, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class _Outer(nn.Module):
+    """A unit with two nested units of different sizes; `use_w` picks which one runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.v, self.w = _Leaf(4), _Leaf(13)
+        self.use_w = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return self.w(h) if self.use_w else self.v(h)
+
+
+class _OuterTwice(nn.Module):
+    """Forward order [root, u, u.v, u, u.v]: `u` is open while `u.v` runs and called again next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.u = _Outer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.u(self.u(self.inp(x)))
+
+
+def _departure_inside_an_outer_unit(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    model = _OuterTwice()
+    ShardedModel(model, wrap_policy=lambda m: isinstance(m, (_Outer, _Leaf)), prefetch=1)
+    model(torch.randn(4, 8)).sum().backward()
+    model.u.use_w = rank == 1  # rank 1 runs u.w where the record has u.v
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+    except OrderMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_departure_where_the_next_recorded_unit_is_held_still_raises_on_every_rank():
+    """Rank 1 departs inside `u`, and the record's next unit is `u` again, which rank 1 holds.
+    The others' next All-Gather is that `u`: rank 1 announces in it (was: skipped because it
+    held `u`, so its gather of u.w met their gather of u, a size mismatch gloo aborts on)."""
+    for message in run_ranks(_departure_inside_an_outer_unit, 2, timeout_s=TIMEOUT_S):
+        assert "mismatch" in message and "'u.w' (departed from the recorded order)" in message, message

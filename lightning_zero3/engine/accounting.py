@@ -53,7 +53,7 @@ class LiveUnits:
 
     def reset_peaks(self) -> None:
         self.stats.peak = self.stats.alive
-        self.stats.peak_without_root = self.stats.alive
+        self.stats.peak_without_root = self.stats.alive - (0 in self._alive)
 
 
 def model_state_bytes(model: ShardedModel, optimizers: list[torch.optim.Optimizer] | None = None) -> dict[str, int]:
@@ -91,7 +91,8 @@ def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> 
     All-Reduce of their gradients and one element each (the count of ranks that produced it,
     so that an unused one keeps grad None). With `across_groups` (hierarchical sharding):
     what crosses between shard groups, one All-Reduce of each rank's reduced shard gradients
-    (1/G of the gradient)."""
+    (1/G of the gradient), and the persistent parameters' All-Reduce, which runs over all ranks
+    (persistent.py)."""
     n = model.comm.world_size
     trainable_persistent = [p for p in model.persistent if p.requires_grad]
     persistent = sum((p.numel() + 1) * p.element_size() for p in trainable_persistent)
@@ -112,7 +113,7 @@ def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> 
         has_backward = trainable or recorded is None or unit.uid in recorded
         expected["all_gather"] += gather * (2 if has_backward and unit.uid not in kept else 1)
         expected["reduce_scatter"] += n * unit.reduce_row_numel * unit.reduce_dtype.itemsize if trainable else 0
-    if persistent and n > 1:
+    if persistent and n > 1 and model.replicate_comm is None:  # with shard groups: counted across them
         expected["all_reduce"] = persistent
     return expected
 

@@ -192,7 +192,15 @@ class HookDriver:
                 self.handles.append(param.register_post_accumulate_grad_hook(self._on_persistent_grad))
 
     def remove(self) -> None:
-        self._release_kept()  # a forward whose backward never came (a fit that failed in between)
+        """Remove the hooks. Calls still holding full parameters are closed first: a kept call
+        whose backward never came (a fit that failed in between) gives its memory back, and
+        the calls a backward that raised left on the modules (Note: exceptions) would shadow the
+        registered parameters for good. No collective: the Reduce-Scatters of such a backward
+        are dropped unwaited (leave_sharded may follow a failure where other ranks are gone)."""
+        self._release_kept()
+        for slot in self._slots:
+            if slot.call is not None:
+                self._move(slot.call, S.DONE)
         for handle in self.handles:
             handle.remove()
         self.handles.clear()

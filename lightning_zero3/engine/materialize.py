@@ -114,7 +114,8 @@ def shard_parameters(
         for entry in unit.params:
             for module, attr in entry.owners:
                 entry_of[(id(module), attr)] = entry
-    persistent = {(id(m), a) for entry in plan.persistent for m, a in entry.owners}
+    persistent_entry_of = {(id(m), a): entry for entry in plan.persistent for m, a in entry.owners}
+    persistent = set(persistent_entry_of)
     # Note: shards before full tensors
     storage = {id(entry): shard for unit in plan.units for entry, shard in _shard_storage(unit.params, comm, device)}
     shards: dict[int, ShardedParam] = {}
@@ -153,6 +154,7 @@ def shard_parameters(
             versions = {n: _version(module, n) for n in meta_buffers}
             with torch.no_grad():
                 init(module)
+            _tie_persistent(module, persistent_entry_of)
             untouched = [n for n in meta_buffers if _version(module, n) == versions[n]]
             if untouched:
                 warnings.warn(
@@ -178,6 +180,19 @@ def _shard_storage(
         return [(e, torch.empty(n, dtype=e.param.dtype, device=device)) for e, n in zip(entries, numels)]
     dtype = entries[0].param.dtype
     return list(zip(entries, tensors_in_one_row(numels, send_row_numel(sum(numels), dtype), dtype, device)))
+
+
+def _tie_persistent(module: nn.Module, persistent_entry_of: dict[tuple[int, str], ParamEntry]) -> None:
+    """A persistent parameter `module` just materialised replaces the meta one on every owner
+    (tied weights stay one parameter; a planned one is registered on every owner by `_shard`).
+    Was: a later owner materialised a parameter of its own, which the engine never averaged."""
+    for attr, param in module._parameters.items():
+        entry = persistent_entry_of.get((id(module), attr))
+        if entry is None or param is None:
+            continue
+        entry.param = param
+        for owner, owner_attr in entry.owners:
+            owner._parameters[owner_attr] = param
 
 
 def _version(module: nn.Module, buffer: str) -> int:

@@ -19,11 +19,13 @@ from torch import nn
 from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accounting import LiveUnits, UnitStats
 from lightning_zero3.engine.buffers import BufferPool
+from lightning_zero3.engine.calls import engine_mode
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
+from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_counts, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
 from lightning_zero3.engine.shard import ShardedParam
@@ -117,6 +119,13 @@ class ShardedModel:
         # The plan lists registered parameters only, never a None slot.
         owners = (e.owners[0] for e in self.plan.persistent)
         self.persistent: list[nn.Parameter] = cast(list[nn.Parameter], [m._parameters[a] for m, a in owners])
+        # Their gradients are averaged over every rank in one All-Reduce. With shard groups that
+        # is a collective over the whole world, counted with the traffic across groups.
+        persistent_comm = self.comm
+        if self.replicate_comm is not None:
+            persistent_comm = Comm(None, pool=self.pool)
+            persistent_comm.stats = self.replicate_comm.stats
+        self.persistent_grads = PersistentGrads(self.persistent, persistent_comm)
         # Calls holding full parameters, per unit; units holding some or with a gather in flight.
         self.live_units = LiveUnits(len(self.units), self.unit_stats)
         self.comm.tags.set_unit_names(self._unit_name)
@@ -224,30 +233,9 @@ class ShardedModel:
 
     # ---- gradients of persistent parameters -----------------------------------------------
     def reduce_persistent_grads(self) -> None:
-        """All-Reduce (average) the gradients of parameters kept whole on every rank. One
-        element per parameter rides along in the same All-Reduce and counts the ranks that
-        produced its gradient: a parameter no rank used keeps `grad=None`, as in one process
-        (a zero gradient would still move it under weight decay and momentum). Only a rank
-        missing a gradient reads the counts back (a device-to-host copy on GPU)."""
-        params = [p for p in self.persistent if p.requires_grad]
-        total = self.world_comm.world_size
-        if not params or total == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        present = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
-        flat = torch.cat([*(g.reshape(-1) for g in grads), present])
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(flat, what="gradients of persistent parameters")
-        if self.replicate_comm is not None:
-            self.replicate_comm.all_reduce(flat, what="gradients of persistent parameters across shard groups")
-        used = [True] * len(params)
-        if not all(p.grad is not None for p in params):
-            used = (flat[-len(params) :] > 0).tolist()
-        flat = flat[: -len(params)].div_(total)
-        offset = 0
-        for p, is_used in zip(params, used):
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone() if is_used else None
-            offset += p.numel()
+        """All-Reduce (average) the gradients of parameters kept whole on every rank, over all
+        ranks (persistent.py, Note: persistent gradients in one buffer)."""
+        self.persistent_grads.reduce()
 
     # ---- whole parameters outside forward -------------------------------------------------
     @contextmanager
@@ -270,29 +258,44 @@ class ShardedModel:
         saved = [p.detach().clone() for p in persistent] if modifier_rank is None else []
         shards: dict[int, torch.Tensor] = {}
         gathered: list[tuple[Unit, list[torch.Tensor]]] = []
-        for unit in units:
-            fulls = unit.gather(dtype=unit.shard_dtype)
-            gathered.append((unit, fulls))
-            for sharded, full in zip(unit.params, fulls):
-                if sharded in chosen:
-                    shards[id(sharded)] = sharded.param.data
-                    sharded.param.data = full
-        self.comm.tags.check()  # outside any pass: check the tags of these gathers now
+
+        def put_shards_back() -> list[tuple[ShardedParam, torch.Tensor]]:
+            """The shards back on the parameters; returns (parameter, its whole data)."""
+            wholes = []
+            for unit in units:
+                for sharded in unit.params:
+                    if id(sharded) in shards:
+                        wholes.append((sharded, sharded.param.data))
+                        sharded.param.data = shards.pop(id(sharded))
+            return wholes
+
+        try:
+            for unit in units:
+                with engine_mode():  # Note: inference mode (hooks.py): the blocks go to the pool
+                    fulls = unit.gather(dtype=unit.shard_dtype)
+                gathered.append((unit, fulls))
+                for sharded, full in zip(unit.params, fulls):
+                    if sharded in chosen:
+                        shards[id(sharded)] = sharded.param.data
+                        sharded.param.data = full
+            self.comm.tags.check()  # outside any pass: check the tags of these gathers now
+        except BaseException:  # a failed gather or tag check: shards back, no collective
+            put_shards_back()
+            with engine_mode():
+                for unit, fulls in gathered:
+                    unit.release(fulls)
+            raise
         try:
             yield
         finally:
-            for unit in units:
-                for sharded in unit.params:
-                    if id(sharded) not in shards:
-                        continue
-                    full = sharded.param.data
-                    sharded.param.data = shards[id(sharded)]
-                    if modifier_rank is not None:
-                        what = f"'{sharded.name}' from rank {modifier_rank}"
-                        self.world_comm.broadcast(full, src=modifier_rank, what=what)
-                        sharded.load_full(full)
-            for unit, fulls in gathered:
-                unit.release(fulls)  # the blocks go back to the pool
+            for sharded, full in put_shards_back():
+                if modifier_rank is not None:
+                    what = f"'{sharded.name}' from rank {modifier_rank}"
+                    self.world_comm.broadcast(full, src=modifier_rank, what=what)
+                    sharded.load_full(full)
+            with engine_mode():
+                for unit, fulls in gathered:
+                    unit.release(fulls)  # the blocks go back to the pool
             if modifier_rank is not None:
                 for p in persistent:
                     self.world_comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
@@ -324,15 +327,16 @@ class ShardedModel:
         keep = to_rank is None or self.global_rank == to_rank
         full_by_id: dict[int, torch.Tensor] = {}
         state = self.module.state_dict()
-        for unit in self.units:
-            if not unit.params:
-                continue
-            if keep:  # host tensors of their own; the gathered block goes back to the pool
-                outputs = [torch.empty(p.full_shape, dtype=unit.shard_dtype) for p in unit.params]
-                unit.gather_into(outputs, dtype=unit.shard_dtype)
-                full_by_id.update((id(sharded.param), out) for sharded, out in zip(unit.params, outputs))
-            else:  # every rank joins the All-Gather
-                unit.release(unit.gather(dtype=unit.shard_dtype))
+        with engine_mode():  # Note: inference mode (hooks.py): the blocks go back to the pool
+            for unit in self.units:
+                if not unit.params:
+                    continue
+                if keep:  # host tensors of their own; the gathered block goes back to the pool
+                    outputs = [torch.empty(p.full_shape, dtype=unit.shard_dtype) for p in unit.params]
+                    unit.gather_into(outputs, dtype=unit.shard_dtype)
+                    full_by_id.update((id(sharded.param), out) for sharded, out in zip(unit.params, outputs))
+                else:  # every rank joins the All-Gather
+                    unit.release(unit.gather(dtype=unit.shard_dtype))
         self.comm.tags.check()  # outside any pass: check the tags of these gathers now
         if not keep:
             return {}
@@ -377,6 +381,8 @@ class ShardedModel:
         return accounting.expected_step_bytes(self, across_groups=across_groups)
 
     def remove_hooks(self) -> None:
+        """Remove the hooks (`HookDriver.remove` first closes the calls still holding full
+        parameters; no collective) and the synced `generate` (generation.py)."""
         self.hooks.remove()
         remove_synced_generate(self._synced_generate)
 
@@ -386,7 +392,8 @@ class ShardedModel:
         there, hooks removed. Collective: call it on every rank. The shards and this object stay
         valid for reading (`stats`, the optimizer's sharded state), not for training."""
         self.remove_hooks()
-        restore_whole(self.units, device=torch.device(device))
+        with engine_mode():  # whole parameters that can train; pool blocks that can be reused
+            restore_whole(self.units, device=torch.device(device))
         self.module.to(device)
         forget(self.module)
 

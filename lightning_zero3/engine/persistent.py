@@ -1,0 +1,122 @@
+"""`PersistentGrads`: the gradients of parameters kept whole on every rank (`persistence_threshold`,
+and every parameter of at most one element per rank), averaged over all ranks after each backward.
+
+[Note: persistent gradients in one buffer]
+Their gradients are All-Reduced as one flat buffer per dtype, with one element per parameter
+after them that counts the ranks which produced its gradient: a parameter no rank used keeps
+`grad=None`, as in one process (a zero gradient would still move it under weight decay and
+momentum). After the All-Reduce each `.grad` becomes a view of that buffer (no copy), as the
+sharded gradients are views of their unit's reduced buffer (reductions.py). Autograd then adds
+the next micro-batch's gradient into those views in place, and `zero_grad(set_to_none=False)`
+zeroes them in place, so the next backward finds every gradient already in the buffer and
+All-Reduces it where it lies: no copy, no allocation. Anything else (`set_to_none=True`, a
+`.grad` assigned by the user, a gradient autograd made out of place under `create_graph=True`,
+a parameter missing its gradient) takes the copy path: one new buffer, one `cat` into it. The
+engine holds the buffer weakly, so with `set_to_none=True` it dies with the views, as a whole
+gradient would. The counts are read back on the host (a device-to-host copy on GPU) only by a
+rank that is itself missing a gradient.
+With shard groups the All-Reduce runs over all N ranks at once, not inside the group and then
+across groups: one collective instead of two blocking ones; the sum's order differs from the
+two-level sum by float rounding (docs/accounting.md, "Hierarchical sharding").
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from lightning_zero3.engine.comm import Comm
+
+__all__ = ["PersistentGrads"]
+
+
+class _Bucket:
+    """The trainable persistent parameters of one dtype and device, and their flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        # The buffer whose views are the `.grad`s after the last reduction (held weakly).
+        self.flat: weakref.ref[torch.Tensor] | None = None
+
+    def views_in_place(self) -> torch.Tensor | None:
+        """The buffer, if every parameter's `.grad` is still its view at its place; else None."""
+        flat = self.flat() if self.flat is not None else None
+        if flat is None:
+            return None
+        base, offset = flat.data_ptr(), 0
+        for p in self.params:
+            g = p.grad
+            if (
+                g is None
+                or g._base is not flat
+                or g.data_ptr() != base + offset * flat.element_size()
+                or g.shape != p.shape
+                or not g.is_contiguous()
+            ):
+                return None
+            offset += p.numel()
+        return flat
+
+
+class PersistentGrads:
+    """Averages the persistent parameters' gradients over `comm`'s ranks (Note: persistent
+    gradients in one buffer)."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Comm) -> None:
+        self.params = params
+        self.comm = comm
+        self._buckets: dict[tuple[int, ...], list[_Bucket]] = {}
+        # How many reductions took the copy path (a new buffer): for tests and benchmarks.
+        self.copies = 0
+
+    def _buckets_for(self, params: list[nn.Parameter]) -> list[_Bucket]:
+        """One bucket per (dtype, device), kept while the set of trainable parameters holds."""
+        key = tuple(id(p) for p in params)
+        buckets = self._buckets.get(key)
+        if buckets is None:
+            by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+            for p in params:
+                by_kind.setdefault((p.dtype, p.device), []).append(p)
+            self._buckets = {key: [_Bucket(group) for group in by_kind.values()]}
+            buckets = self._buckets[key]
+        return buckets
+
+    def reduce(self) -> None:
+        """All-Reduce (average) the gradients; collective: every rank calls it after a backward."""
+        params = [p for p in self.params if p.requires_grad]
+        if not params or self.comm.world_size == 1:
+            return
+        for bucket in self._buckets_for(params):
+            self._reduce(bucket)
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        params, k = bucket.params, len(bucket.params)
+        flat = bucket.views_in_place()
+        in_place = flat is not None
+        if flat is None:
+            self.copies += 1
+            like = params[0]
+            flat = torch.empty(bucket.numel + k, dtype=like.dtype, device=like.device)
+            zero = flat.new_zeros(())  # a missing gradient: zeros, not allocated per parameter
+            parts = [p.grad.reshape(-1) if p.grad is not None else zero.expand(p.numel()) for p in params]
+            with torch.no_grad():
+                torch.cat(parts, out=flat[: bucket.numel])
+        with torch.no_grad():
+            counts = flat[bucket.numel :]
+            counts.fill_(1)  # this rank produced every gradient, but ...
+            missing = [i for i, p in enumerate(params) if p.grad is None]
+            for i in missing:
+                counts[i].zero_()  # ... these (one small kernel each, off the steady state)
+            self.comm.all_reduce(flat, what="gradients of persistent parameters")
+            used = (counts > 0).tolist() if missing else [True] * k  # the only host read
+            flat[: bucket.numel].div_(self.comm.world_size)
+        bucket.flat = weakref.ref(flat)
+        if in_place:
+            return  # every `.grad` is a view of `flat` already
+        offset = 0
+        for p, is_used in zip(params, used):
+            p.grad = flat[offset : offset + p.numel()].view_as(p) if is_used else None
+            offset += p.numel()
