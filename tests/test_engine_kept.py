@@ -5,15 +5,18 @@ block, not off the engine's counters; every variant trains like one process."""
 
 from __future__ import annotations
 
+import re
+import time
 from contextlib import ExitStack
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel
 from tests.models import MLP, Block, mlp_batch
 from tests.parity import local_slice, max_param_difference
-from tests.ranks import run_ranks
+from tests.ranks import RankFailure, run_ranks
 
 TOL = 1e-5
 DIM = 64  # a block's full weights (~50 KB) stand well above its saved activations
@@ -182,3 +185,37 @@ def _hooks_removed_between_forward_and_backward(rank: int, world_size: int) -> i
 def test_removing_the_hooks_after_a_forward_without_backward_gives_back_what_it_kept():
     for left in run_ranks(_hooks_removed_between_forward_and_backward, 2):
         assert left == 0, "the kept block still holds its full weights after the hooks were removed"
+
+
+def _loss_from_the_first_block_on_rank_1(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    model = MLP(dim=DIM)
+    ShardedModel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hidden: list[torch.Tensor] = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: hidden.append(out))
+    for step in range(2):
+        hidden.clear()
+        x, y = mlp_batch(step)
+        out = model(local_slice(x, rank, world_size))
+        if step == 1 and rank == 1:  # backward begins at blocks.0 here, at the root on rank 0
+            loss = hidden[0].pow(2).mean()
+        else:
+            loss = F.mse_loss(out, local_slice(y, rank, world_size))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return "finished"
+
+
+def test_a_rank_whose_backward_begins_elsewhere_names_the_mismatch_on_every_rank():
+    """Rank 0's backward begins with the kept root and last block (no gathers), rank 1's at
+    blocks.0: rank 1 must not send its departure notice with a gather of a unit the others keep
+    (they never gather it; gloo aborts on the size mismatch), and both ranks must say why."""
+    start = time.perf_counter()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_loss_from_the_first_block_on_rank_1, 2, timeout_s=20)
+    text = str(failure.value)
+    assert time.perf_counter() - start < 10, f"noticed only after a timeout:\n{text}"
+    per_rank = re.split(r"--- rank \d+ ---\n", text)[1:]
+    assert len(per_rank) == 2 and all(e.startswith("OrderMismatchError") for e in per_rank), text

@@ -353,6 +353,10 @@ class HookDriver:
         """Whether backward begins with this unit's call, so it is kept (Note: kept for backward)."""
         return not self._in_backward and (unit is self.units[0] or self.schedule.forward_complete)
 
+    def is_kept(self, unit: Unit) -> bool:
+        """Whether a call of `unit` is kept gathered for a backward that has not reached it."""
+        return self._slots[unit.uid].kept is not None
+
     def _release_kept(self) -> None:
         """Kept calls whose backward has not begun give their memory back; it gathers again."""
         for slot in self._slots:

@@ -153,6 +153,12 @@ def announce_departure(model: Any, unit: Any, *, backward: bool) -> None:
     # What a rank on the record gathers next: the unit itself at the start of a pass or
     # without prefetch, else the unit `prefetch` places ahead.
     ahead = position if position == 0 or schedule.prefetch == 0 else position + schedule.prefetch
+    if backward:
+        # Units kept from forward into backward are never gathered there (hooks.py, Note: kept
+        # for backward): the others' next gather is the first unit after them. This rank kept
+        # what they kept (its forward followed the same record) and has not reached them yet.
+        while ahead < len(order) and model.hooks.is_kept(model.units[order[ahead]]):
+            ahead += 1
     if ahead >= len(order):
         return  # nothing predictable: the tag checks at the next collectives must do
     expected = model.units[order[ahead]]
