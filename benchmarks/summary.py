@@ -184,7 +184,8 @@ def check_targets(backends: dict[str, dict[str, Any]], *, psi: int, world_size: 
     add(
         "bytes per step = formula",
         same and set(counted) == {"all_gather", "reduce_scatter"},
-        f"counted {counted}, engine {engine}, formula {expected}; {payload / (psi * 4):.4f} Ψb (3 by design)",
+        f"counted {counted}, engine {engine}, formula {expected}; {payload / (psi * 4):.4f} Ψb "
+        "(by design 3 less the share of the root and the last block, gathered once: kept into backward)",
     )
     for other in ("fsdp2", "deepspeed"):
         if other in backends:

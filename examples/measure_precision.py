@@ -94,7 +94,17 @@ def main() -> None:
         rows.append((policy, result))
     psi, units = rows[0][1]["psi"], rows[0][1]["units"]
     print(f"GPT --size {args.size}: Ψ = {psi:,} parameters, {units} units, N = {world_size} ranks; last of 3 steps")
-    print(f"fp32 formula: 2 All-Gathers + 1 Reduce-Scatter of Ψ·4 bytes = 12Ψ = {12 * psi:,} bytes (+ tags)\n")
+    fp32 = rows[0][1]
+    fp32_ag, fp32_rs = fp32["expected"]["all_gather"], fp32["expected"]["reduce_scatter"]
+    measured = fp32["last"]["all_gather"][1] + fp32["last"]["reduce_scatter"][1]
+    # The root and the last block stay gathered from forward into backward (hooks.py, Note: kept
+    # for backward): the All-Gathers move 2Ψ - Ψ_root - Ψ_last, the Reduce-Scatter Ψ.
+    print(
+        f"fp32 expected_step_bytes(): All-Gather (2Ψ - Ψ_root - Ψ_last)·4 = {fp32_ag:,} ({fp32_ag / (4 * psi):.3f}Ψ·4)"
+        f" + Reduce-Scatter Ψ·4 = {fp32_rs:,} ({fp32_rs / (4 * psi):.3f}Ψ·4)"
+    )
+    total = fp32_ag + fp32_rs
+    print(f"  = {total:,} bytes = {total / psi:.3f}Ψ (tags and padding included); measured {measured:,}\n")
     header = (
         f"{'Trainer precision / options':<36}{'shards':>10}{'gathers':>10}{'reduce':>10}{'grads':>10}"
         f"{'all_gather':>12}{'reduce_scat':>12}{'bytes/Ψ':>8}{'= formula':>10}{'state B':>11}{'loss':>7}"
@@ -109,8 +119,11 @@ def main() -> None:
             f"{label:<36}{_name(shard):>10}{gathered:>10}{_name(r['reduce']):>10}{_name(grad):>10}"
             f"{ag:>12,}{rs:>12,}{(ag + rs) / psi:>8.3f}{str(exact):>10}{r['state']['total']:>11,}{r['loss']:>7.3f}"
         )
-    print("\nbytes/Ψ: payload of the step per parameter (12 = fp32; 16-bit gathers with fp32 reduction: 8;")
-    print("everything 16-bit: 6), slightly above because of the 32-bit unit tag per rank per unit and padding.")
+    gathers = fp32_ag / (4 * psi)  # Ψ-multiples gathered per step: 2 less the kept units' share
+    print(f"\nbytes/Ψ: payload of the step per parameter, about {gathers:.3f} × the gathered dtype's bytes")
+    print(f"+ 1 × the reduce dtype's: fp32 {4 * gathers + 4:.2f}; 16-bit gathers + fp32 reduce {2 * gathers + 4:.2f};")
+    print(f"all 16-bit {2 * gathers + 2:.2f}. {gathers:.3f} = 2 - (Ψ_root + Ψ_last)/Ψ, tags and padding included:")
+    print("the root and the last block are gathered once per step, kept from forward into backward.")
     print("state B: this rank's parameter shards + gradient shards + AdamW state, in bytes.")
     print("loss: rank 0's after 3 steps. \"16-true\" gives nan: AdamW's default eps=1e-8 is 0 in float16, so its")
     print("update divides by zero; one process without sharding does the same.")

@@ -316,7 +316,7 @@ def report(stats: dict, *, prefetch: int, steps: int, wall_s: float, module: Cha
         f"{expected['all_gather']:,}, reduce_scatter {expected['reduce_scatter']:,}"
     )
     print(
-        f"  All-Gather x2 + Reduce-Scatter payload {payload:,} = {payload / (psi * b):.3f} Ψb "
+        f"  All-Gather 2Ψ-Ψ_root-Ψ_last + Reduce-Scatter Ψ payload {payload:,} = {payload / (psi * b):.3f} Ψb "
         f"(DDP: one All-Reduce of Ψb = {psi * b:,})"
     )
     across = stats["last_step_across_groups"]
