@@ -90,6 +90,10 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         reductions_in_flight: gradient Reduce-Scatters left running while backward continues
             (each holds one unit's full gradient buffer). None (default): 2 on CUDA, 0 elsewhere
             (on CPU/gloo no gain was measured).
+        cpu_transport: how CPU tensors' All-Gathers and Reduce-Scatters travel: "process_group"
+            (default: gloo, loopback TCP between ranks on one host) or "shared_memory" (a file in
+            /dev/shm mapped by every rank; all ranks of a shard group must be on one host; see
+            docs/performance.md, "Shared-memory transport"). No effect on CUDA tensors.
     """
 
     strategy_name = "zero3"
@@ -110,6 +114,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
         reductions_in_flight: int | None = None,
+        cpu_transport: Literal["process_group", "shared_memory"] = "process_group",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -128,7 +133,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
             timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
-            trust_checkpoint=trust_checkpoint,
+            trust_checkpoint=trust_checkpoint, cpu_transport=cpu_transport,
         )  # fmt: skip
         self.wrap_policy = options.wrap_policy
         self.prefetch = options.prefetch
@@ -142,6 +147,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         self._start_method = options.start_method
         self.reductions_in_flight = options.reductions_in_flight
         self.trust_checkpoint = options.trust_checkpoint
+        self.cpu_transport = options.cpu_transport
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         # The engine that holds this run's shards; None outside setup..teardown.
@@ -224,6 +230,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             param_init_fn=self.param_init_fn,
             device=self.root_device,
             reductions_in_flight=self.reductions_in_flight,
+            cpu_transport=self.cpu_transport,
         )
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, self.sharded, device=self.root_device)

@@ -40,12 +40,16 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["SharedArena", "SharedMemoryError", "host_identity"]
+__all__ = ["CPU_TRANSPORTS", "SharedArena", "SharedMemoryError", "host_identity", "validate_cpu_transport"]
+
+# How CPU tensors' All-Gathers and Reduce-Scatters travel: through the process group (gloo), or
+# through a shared-memory file when every rank of the group is on one host.
+CPU_TRANSPORTS = ("process_group", "shared_memory")
 
 # Bytes each slot set starts at a multiple of (a cache line; every dtype's size divides it).
 _ALIGN = 64
@@ -63,6 +67,15 @@ def host_identity() -> str:
     except OSError:
         boot = "?"
     return f"{socket.gethostname()}/{boot}"
+
+
+def validate_cpu_transport(value: object, *, owner: str | None = None) -> None:
+    """`ValueError` unless `value` is one of CPU_TRANSPORTS."""
+    if value not in CPU_TRANSPORTS:
+        where = f"{owner}(cpu_transport=...)" if owner is not None else "cpu_transport"
+        raise ValueError(
+            f"{where} must be one of {CPU_TRANSPORTS} ('shared_memory': ranks on one host only); got {value!r}."
+        )
 
 
 def _aligned(nbytes: int) -> int:
@@ -97,8 +110,8 @@ class SharedArena:
             where = ", ".join(f"rank {r}: {h.split('/')[0]}" for r, h in enumerate(hosts))
             raise SharedMemoryError(
                 f"The shared-memory transport needs every rank of the process group on one host, but they "
-                f"run on several [{where}]. Use transport='gloo' for ranks on several hosts (or shard_size "
-                f"= the processes per node, so that each shard group is on one host)."
+                f"run on several [{where}]. Use cpu_transport='process_group' for ranks on several hosts "
+                f"(or shard_size = the processes per node, so that each shard group is on one host)."
             )
         self.storage = self._map(directory, 2 * self.set_bytes, exchange)
 
@@ -121,9 +134,9 @@ class SharedArena:
         if problems or storage is None:
             raise SharedMemoryError(
                 f"The shared-memory transport could not be set up: {'; '.join(problems)}. Free space in "
-                f"{directory} (e.g. a larger --shm-size for a container), or use transport='gloo'."
+                f"{directory} (e.g. a larger --shm-size for a container), or use cpu_transport='process_group'."
             )
-        return storage
+        return cast(torch.UntypedStorage, storage)
 
     def fits(self, nbytes: int) -> bool:
         """Whether a collective of `nbytes` (the larger of what it writes and reads) fits a slot set."""
