@@ -5,7 +5,12 @@ Bytes are counted two ways per collective:
 - payload: the size of the full tensor the collective produces or consumes (All-Gather: the
   gathered output; Reduce-Scatter: the unreduced input; All-Reduce: the tensor);
 - wire: what one rank sends with the ring algorithm, (N-1)/N of the payload for All-Gather and
-  Reduce-Scatter and 2(N-1)/N for All-Reduce. It is zero on one rank.
+  Reduce-Scatter and 2(N-1)/N for All-Reduce. It is zero on one rank. Through the shared-memory
+  transport (shm.py) nothing goes over a wire: there "wire" counts what the other ranks read of
+  this rank's data out of the shared file, which is the same (N-1)/N of the payload (its row,
+  read by N-1 ranks; its N-1 rows of the gradient, read by one rank each). The transport's
+  barrier, one 8-byte gloo All-Reduce per collective, is its own synchronisation, as gloo's
+  handshakes are, and is not counted.
 
 [Note: gloo]
 gloo's All-Gather receives into a temporary buffer and copies it out, and its Reduce-Scatter
