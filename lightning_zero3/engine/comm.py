@@ -199,6 +199,12 @@ class Comm:
         if not self.distributed or self.world_size == 1:
             return
         assert self.group is not None
+        backend = str(dist.get_backend(self.group))
+        if "gloo" not in backend:  # the barrier is an All-Reduce of a CPU tensor
+            raise ValueError(
+                f"cpu_transport='shared_memory' needs a process group that takes CPU tensors (gloo); this one is "
+                f"{backend!r}. Use cpu_transport='process_group'."
+            )
         self.shared = SharedArena(group=self.group, rank=self.rank, world_size=self.world_size,
                                   set_bytes=set_bytes, exchange=self.all_gather_object)  # fmt: skip
 
