@@ -205,8 +205,13 @@ class Comm:
                 f"cpu_transport='shared_memory' needs a process group that takes CPU tensors (gloo); this one is "
                 f"{backend!r}. Use cpu_transport='process_group'."
             )
-        self.shared = SharedArena(group=self.group, rank=self.rank, world_size=self.world_size,
-                                  set_bytes=set_bytes, exchange=self.all_gather_object)  # fmt: skip
+        group = self.group
+
+        def barrier_sum(flag: torch.Tensor) -> None:
+            dist.all_reduce(flag, group=group)
+
+        self.shared = SharedArena(rank=self.rank, world_size=self.world_size, set_bytes=set_bytes,
+                                  exchange=self.all_gather_object, all_reduce=barrier_sum)  # fmt: skip
 
     def _through_shared(self, tensor: torch.Tensor, nbytes: int) -> SharedArena | None:
         """The arena to run a collective on `tensor` moving `nbytes` through, or None."""

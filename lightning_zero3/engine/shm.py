@@ -1,6 +1,7 @@
 """`SharedArena`: All-Gathers and Reduce-Scatters of CPU tensors through one shared-memory file,
-for the ranks of a process group that all run on one host. Part of comm.py (which owns it and
-chooses it per collective); a small gloo All-Reduce is its only torch.distributed call.
+for the ranks of a process group that all run on one host. Part of comm.py, which owns it,
+chooses it per collective and hands it its two ways to reach the other ranks (comm.py is the
+only module that calls torch.distributed): a small gloo All-Reduce and `all_gather_object`.
 
 [Note: shared-memory transport]
 On gloo a collective's bytes go through loopback TCP: the kernel copies them into socket
@@ -43,7 +44,6 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["CPU_TRANSPORTS", "SharedArena", "SharedMemoryError", "host_identity", "validate_cpu_transport"]
 
@@ -83,21 +83,22 @@ def _aligned(nbytes: int) -> int:
 
 
 class SharedArena:
-    """Two slot sets of `set_bytes` each in one shared file, mapped by every rank of `group`.
+    """Two slot sets of `set_bytes` each in one shared file, mapped by every rank of a group.
     Building it is collective: every rank of the group must call it. `exchange` gathers one
-    picklable object per rank (Comm.all_gather_object)."""
+    picklable object per rank (Comm.all_gather_object); `all_reduce` sums a CPU tensor over
+    the group in place (the barrier)."""
 
     def __init__(
         self,
         *,
-        group: dist.ProcessGroup,
         rank: int,
         world_size: int,
         set_bytes: int,
         exchange: Callable[[Any], list[Any]],
+        all_reduce: Callable[[torch.Tensor], None],
         directory: str = "/dev/shm",
     ) -> None:
-        self.group = group
+        self._all_reduce = all_reduce
         self.rank = rank
         self.world_size = world_size
         self.set_bytes = _aligned(set_bytes)
@@ -155,7 +156,7 @@ class SharedArena:
     def _barrier(self) -> None:
         """Every rank has written its part of this collective; see the Note for why one suffices."""
         self._flag.fill_(self.sequence)
-        dist.all_reduce(self._flag, group=self.group)
+        self._all_reduce(self._flag)
         if int(self._flag.item()) != self.world_size * self.sequence:
             raise RuntimeError(
                 f"shared-memory collective {self.sequence} met a rank at another collective (sequence sum "
