@@ -7,6 +7,7 @@ trees spreads drift in load over both.
 
     git worktree add --detach /tmp/base <commit>      # tree A
     python benchmarks/ab_trees.py --a /tmp/base --b . --backend engine-p1 --rounds 4
+    python benchmarks/ab_trees.py --a . --b . --backend engine-p1 --backend-b engine-p1-shm   # two options
 
 Both trees must have `benchmarks/compare.py` (the run itself is compare.py's `run_once`).
 """
@@ -41,9 +42,9 @@ print("AB_RESULT " + json.dumps({k: s[k] for k in ("median_s", "median_cpu_s", "
 """
 
 
-def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_tree(tree: Path, args: argparse.Namespace, backend: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, "-c", _CHILD, args.backend, args.size, str(args.devices), str(args.steps),
+    cmd = [sys.executable, "-c", _CHILD, backend, args.size, str(args.devices), str(args.steps),
            str(args.warmup), str(args.batch_size)]  # fmt: skip
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
     for line in done.stdout.splitlines():
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--a", type=Path, required=True, help="tree A (the baseline)")
     p.add_argument("--b", type=Path, required=True, help="tree B (the change)")
     p.add_argument("--backend", default="engine-p1")
+    p.add_argument("--backend-b", help="tree B's backend, when it differs (e.g. an option: engine-p1-shm)")
     p.add_argument("--size", default="20m")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4)
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         pair = {}
         for name, tree in trees.items():
             load = os.getloadavg()[0]
-            pair[name] = run_tree(tree, args)
+            pair[name] = run_tree(tree, args, args.backend_b if name == "B" and args.backend_b else args.backend)
             runs.append({"round": k, "tree": name, "load": load, **pair[name]})
             print(f"round {k + 1} {name}: wall {pair[name]['median_s']:.3f} s, CPU {pair[name]['median_cpu_s']:.3f} s "
                   f"(load {load:.2f})", flush=True)  # fmt: skip

@@ -31,12 +31,15 @@ BACKENDS: dict[str, tuple[str, int | None]] = {
     "zero3-p2": ('Lightning strategy="zero3", prefetch=2', 2),
     "engine-p1": ("ShardedModel without Lightning, prefetch=1", 1),
     "engine-p1-async": ("ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", 1),
+    "engine-p1-shm": ("ShardedModel without Lightning, prefetch=1, cpu_transport='shared_memory'", 1),
+    "zero3-p1-shm": ('Lightning strategy="zero3", prefetch=1, cpu_transport="shared_memory"', 1),
     "deepspeed": ("DeepSpeed ZeRO-3, its defaults", None),
     "deepspeed-strict": ("DeepSpeed ZeRO-3, ~1 block live", None),
     "lightning-deepspeed": ("Lightning DeepSpeedStrategy(stage=3)", None),
 }
-# DeepSpeed is optional (benchmarks/deepspeed_backend.py): not in the default set.
-DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name]
+# DeepSpeed is optional (benchmarks/deepspeed_backend.py): not in the default set; nor is the
+# shared-memory transport (an option, not the default; engine/shm.py).
+DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name and not name.endswith("-shm")]
 
 
 @dataclass
@@ -151,7 +154,9 @@ def _run_raw(
     elif spec.backend.startswith("engine-"):
         from lightning_zero3.engine import ShardedModel
 
-        extra = {"reductions_in_flight": 1} if spec.backend.endswith("-async") else {}
+        extra: dict[str, Any] = {"reductions_in_flight": 1} if spec.backend.endswith("-async") else {}
+        if spec.backend.endswith("-shm"):
+            extra["cpu_transport"] = "shared_memory"
         sharded = ShardedModel(model, prefetch=BACKENDS[spec.backend][1], **extra)
     else:
         raise ValueError(f"unknown backend {spec.backend!r}")
@@ -252,7 +257,8 @@ def _run_lightning(
         del config["gradient_accumulation_steps"]  # Lightning sets it from accumulate_grad_batches
         strategy = cpu_deepspeed_strategy(config, local_rank=rank)
     else:
-        strategy = ZeRO3Strategy(prefetch=BACKENDS[spec.backend][1])
+        transport = "shared_memory" if spec.backend.endswith("-shm") else "process_group"
+        strategy = ZeRO3Strategy(prefetch=BACKENDS[spec.backend][1], cpu_transport=transport)
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=spec.accelerator,

@@ -15,6 +15,8 @@ _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 def _bytes_from(entry: dict) -> str:
     if "formula" in entry["step_bytes_source"]:
         return "formula"
+    if "CommStats" in entry["step_bytes_source"]:
+        return "engine's CommStats (shared memory)"
     via = [f"{kind.replace('_', '-')} as {v['via']}" for kind, v in entry["step_bytes"].items() if "via" in v]
     return "counted" + (f" ({'; '.join(via)})" if via else "")
 
@@ -32,6 +34,8 @@ _SHORT = {
     "zero3-p2": "Lightning zero3 p=2",
     "engine-p1": "ShardedModel p=1",
     "engine-p1-async": "ShardedModel p=1 async RS",
+    "engine-p1-shm": "ShardedModel p=1 shm",
+    "zero3-p1-shm": "Lightning zero3 p=1 shm",
     "deepspeed": "DeepSpeed ZeRO-3",
     "deepspeed-strict": "DeepSpeed ZeRO-3 strict",
     "lightning-deepspeed": "Lightning DeepSpeed",

@@ -55,7 +55,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
     param_init_fn, state_dict_type ("sharded" directory or "full" file for `fabric.save`),
     timeout, start_method ("popen" re-runs the script per rank; "spawn"/"fork"/"forkserver"
-    need `fabric.launch(function)`), process_group_backend, reductions_in_flight and
+    need `fabric.launch(function)`), process_group_backend, reductions_in_flight, cpu_transport and
     trust_checkpoint (`fabric.load` unpickles without restriction: checkpoint/trust.py).
     """
 
@@ -77,6 +77,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         process_group_backend: str | None = None,
         reductions_in_flight: int | None = None,
         trust_checkpoint: bool = False,
+        cpu_transport: Literal["process_group", "shared_memory"] = "process_group",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -95,7 +96,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
             timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
-            trust_checkpoint=trust_checkpoint,
+            trust_checkpoint=trust_checkpoint, cpu_transport=cpu_transport,
         )  # fmt: skip
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -172,6 +173,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             param_init_fn=options.param_init_fn,
             device=self.root_device,
             reductions_in_flight=options.reductions_in_flight,
+            cpu_transport=options.cpu_transport,
         )
         self._sharded[id(module)] = sharded
         module.to(self.root_device)  # what sharding did not place (e.g. torchmetrics states)

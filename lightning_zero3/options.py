@@ -39,6 +39,7 @@ from torch import nn
 
 from lightning_zero3.dtypes import parse_dtype
 from lightning_zero3.engine.plan import WrapPolicy, validate_counts, validate_wrap_policy
+from lightning_zero3.engine.shm import validate_cpu_transport
 
 T = TypeVar("T")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -64,6 +65,8 @@ class ShardingOptions:
     reductions_in_flight: int | None = None
     # Unpickle checkpoint files without restrictions (checkpoint/trust.py).
     trust_checkpoint: bool = False
+    # How CPU gathers and reductions travel (engine/shm.py): "process_group" or "shared_memory".
+    cpu_transport: str = "process_group"
 
 
 def validated_options(
@@ -81,6 +84,7 @@ def validated_options(
     start_method: object,
     reductions_in_flight: object = None,
     trust_checkpoint: object = False,
+    cpu_transport: object = "process_group",
 ) -> ShardingOptions:
     """Check every option; raise `ValueError` naming `owner` (the class), the option and the fix."""
     validate_counts(prefetch, persistence_threshold, reductions_in_flight, owner=owner)
@@ -97,6 +101,7 @@ def validated_options(
         )
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(f"{owner}(param_init_fn=...) must be callable; got {param_init_fn!r}.")
+    validate_cpu_transport(cpu_transport, owner=owner)
     if not isinstance(trust_checkpoint, bool):
         raise ValueError(f"{owner}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
     return ShardingOptions(
@@ -112,6 +117,7 @@ def validated_options(
         start_method=start_method,  # type: ignore[arg-type]
         reductions_in_flight=reductions_in_flight,  # type: ignore[arg-type]
         trust_checkpoint=trust_checkpoint,
+        cpu_transport=cpu_transport,  # type: ignore[arg-type]  # checked above
     )
 
 

@@ -91,6 +91,10 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         reductions_in_flight: gradient Reduce-Scatters left running while backward continues
             (each holds one unit's full gradient buffer). None (default): 2 on CUDA, 0 elsewhere
             (on CPU/gloo no gain was measured).
+        cpu_transport: how CPU tensors' All-Gathers and Reduce-Scatters travel: "process_group"
+            (default: gloo, loopback TCP between ranks on one host) or "shared_memory" (a file in
+            /dev/shm mapped by every rank; all ranks of a shard group must be on one host; see
+            docs/performance.md, "Shared-memory transport"). No effect on CUDA tensors.
     """
 
     strategy_name = "zero3"
@@ -109,6 +113,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     timeout = OptionAttribute()
     start_method = OptionAttribute()
     reductions_in_flight = OptionAttribute()
+    cpu_transport = OptionAttribute()
 
     def __init__(
         self,
@@ -126,6 +131,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
         reductions_in_flight: int | None = None,
+        cpu_transport: Literal["process_group", "shared_memory"] = "process_group",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -144,7 +150,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
             timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
-            trust_checkpoint=trust_checkpoint,
+            trust_checkpoint=trust_checkpoint, cpu_transport=cpu_transport,
         )  # fmt: skip
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -228,6 +234,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             param_init_fn=self.param_init_fn,
             device=self.root_device,
             reductions_in_flight=self.reductions_in_flight,
+            cpu_transport=self.cpu_transport,
         )
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, self.sharded, device=self.root_device)

@@ -5,7 +5,12 @@ Bytes are counted two ways per collective:
 - payload: the size of the full tensor the collective produces or consumes (All-Gather: the
   gathered output; Reduce-Scatter: the unreduced input; All-Reduce: the tensor);
 - wire: what one rank sends with the ring algorithm, (N-1)/N of the payload for All-Gather and
-  Reduce-Scatter and 2(N-1)/N for All-Reduce. It is zero on one rank.
+  Reduce-Scatter and 2(N-1)/N for All-Reduce. It is zero on one rank. Through the shared-memory
+  transport (shm.py) nothing goes over a wire: there "wire" counts what the other ranks read of
+  this rank's data out of the shared file, which is the same (N-1)/N of the payload (its row,
+  read by N-1 ranks; its N-1 rows of the gradient, read by one rank each). The transport's
+  barrier, one 8-byte gloo All-Reduce per collective, is its own synchronisation, as gloo's
+  handshakes are, and is not counted.
 
 [Note: gloo]
 gloo's All-Gather receives into a temporary buffer and copies it out, and its Reduce-Scatter
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event
+from lightning_zero3.engine.shm import SharedArena
 from lightning_zero3.engine.tags import TagLedger
 
 
@@ -150,6 +156,9 @@ class Comm:
         # Build CPU collectives from in-place operations (Note: gloo); tests turn it off to run
         # the native collectives, the path NCCL takes.
         self.gloo_in_place = self.distributed and "gloo" in str(dist.get_backend(self.group))
+        # Same-host ranks: CPU All-Gathers and Reduce-Scatters through shared memory (shm.py,
+        # Note: shared-memory transport); None: through the process group.
+        self.shared: SharedArena | None = None
         # One rank: collectives are local copies. benchmarks/gpu_check.py turns it off to run
         # real NCCL collectives at world size 1.
         self.one_rank_shortcut = True
@@ -183,6 +192,33 @@ class Comm:
             unit.start_replication(pending)
             if pending is until:
                 return
+
+    def use_shared_memory(self, set_bytes: int) -> None:
+        """Send CPU All-Gathers and Reduce-Scatters of up to `set_bytes` through a shared-memory
+        file (shm.py); larger ones keep the process group. Collective: every rank calls it."""
+        if not self.distributed or self.world_size == 1:
+            return
+        assert self.group is not None
+        backend = str(dist.get_backend(self.group))
+        if "gloo" not in backend:  # the barrier is an All-Reduce of a CPU tensor
+            raise ValueError(
+                f"cpu_transport='shared_memory' needs a process group that takes CPU tensors (gloo); this one is "
+                f"{backend!r}. Use cpu_transport='process_group'."
+            )
+        group = self.group
+
+        def barrier_sum(flag: torch.Tensor) -> None:
+            dist.all_reduce(flag, group=group)
+
+        self.shared = SharedArena(rank=self.rank, world_size=self.world_size, set_bytes=set_bytes,
+                                  exchange=self.all_gather_object, all_reduce=barrier_sum)  # fmt: skip
+
+    def _through_shared(self, tensor: torch.Tensor, nbytes: int) -> SharedArena | None:
+        """The arena to run a collective on `tensor` moving `nbytes` through, or None."""
+        shared = self.shared
+        if shared is None or tensor.device.type != "cpu" or not shared.fits(nbytes):
+            return None
+        return shared
 
     def _in_place(self, tensor: torch.Tensor) -> bool:
         """Whether collectives on `tensor` are built from in-place operations (Note: gloo)."""
@@ -225,6 +261,10 @@ class Comm:
         if not self.distributed or (self.world_size == 1 and self.one_rank_shortcut):
             return None  # one rank: its row is the whole output
         try:
+            shared = self._through_shared(output, output.numel() * output.element_size())
+            if shared is not None:
+                shared.all_gather(rows, source, fill_own_row=fill_own_row)
+                return None  # synchronous (shm.py, Note: shared-memory transport)
             if self._in_place(output):
                 work = Works([
                     dist.broadcast(source if r == self.rank else rows[r], src=self._global[r], group=self.group,
@@ -250,6 +290,10 @@ class Comm:
             output.view(-1).copy_(rows[0])  # one rank: nothing to sum
             return None
         try:
+            shared = self._through_shared(full, self.world_size * full.numel() * full.element_size())
+            if shared is not None:
+                shared.reduce_scatter(output.view(-1), rows)
+                return None  # synchronous (shm.py, Note: shared-memory transport)
             if self._in_place(full):
                 work = self._send_recv_reduce_scatter(output, rows)
             else:

@@ -29,6 +29,7 @@ from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_counts, validate_wrap_policy
 from lightning_zero3.engine.schedule import Schedule, first_difference
 from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.shm import validate_cpu_transport
 from lightning_zero3.engine.tags import announce_departure
 from lightning_zero3.engine.unit import OrderMismatchError, Unit
 
@@ -62,8 +63,10 @@ class ShardedModel:
         reductions_in_flight: int | None = None,
         trim_host_memory: bool = False,
         sync_module_states: bool = True,
+        cpu_transport: str = "process_group",
     ) -> None:
         validate_counts(prefetch, persistence_threshold, reductions_in_flight)
+        validate_cpu_transport(cpu_transport)
         self.module = module
         replicate_group = None
         if shard_size is not None:
@@ -130,11 +133,26 @@ class ShardedModel:
         self.live_units = LiveUnits(len(self.units), self.unit_stats)
         self.comm.tags.set_unit_names(self._unit_name)
         self.comm.describe_step = self._describe_step
+        # Opt-in: CPU gathers and reductions through a shared-memory file (shm.py, Note:
+        # shared-memory transport); needs every rank of the shard group on this host.
+        if cpu_transport == "shared_memory" and target.type == "cpu":
+            self.comm.use_shared_memory(self._largest_collective_bytes())
         self.hooks = HookDriver(self)
         # HF generate() outside gathered_for_inference() keeps the ranks in step by default
         # (generation.py, Note: synced generation by default).
         ranks = self.comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
         self._synced_generate = install_synced_generate(module, lambda: self.hooks.held.active, ranks=ranks)
+
+    def _largest_collective_bytes(self) -> int:
+        """Bytes the largest unit's All-Gather (N rows) or Reduce-Scatter (N regions of N rows:
+        shm.py) needs in a shared-memory slot set, in the dtypes a training step uses."""
+        n = self.comm.world_size
+        sizes = [0]
+        for unit in self.units:
+            if unit.params:
+                sizes.append(n * unit.row_numel() * unit.param_dtype.itemsize)
+                sizes.append(n * n * unit.reduce_row_numel * unit.reduce_dtype.itemsize)
+        return max(sizes)
 
     def _unit_name(self, uid: int) -> str:
         return self.units[uid].name if 0 <= uid < len(self.units) else f"<unknown unit {uid}>"
