@@ -30,6 +30,7 @@ CHOSEN = {
     "timeout": timedelta(minutes=3),
     "start_method": "spawn",
     "reductions_in_flight": 1,
+    "cpu_transport": "shared_memory",
 }
 NORMALISED = {**CHOSEN, "param_dtype": torch.bfloat16}
 
