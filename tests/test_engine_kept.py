@@ -282,3 +282,34 @@ def test_a_root_call_inside_another_units_forward_is_not_kept():
     for result in run_ranks(_root_called_inside_blocks, 2):
         assert result["held"] == 0, "root calls inside the blocks still hold the shared layer's full weights"
         assert result["diff"] < TOL and result["alive"] == 0, result
+
+
+class _Work:
+    """A collective's handle that has (or has not) completed; waiting on it is recorded."""
+
+    def __init__(self, completed: bool) -> None:
+        self.completed = completed
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+def test_a_failed_collective_settles_only_the_gathers_in_flight_that_completed():
+    """The failure path reads the tags of prefetched gathers that have arrived and never waits
+    on one still running: its peer may never issue it (tags.py, Note: deferred tag checks)."""
+    model = MLP(dim=DIM)
+    sharded = ShardedModel(model)  # one process: collectives are local copies
+    running, arrived = sharded.units[1], sharded.units[2]
+    works = {}
+    for unit, completed in ((running, False), (arrived, True)):
+        unit.start_gather()
+        works[unit.uid] = _Work(completed)
+        unit._pending = (works[unit.uid], *unit._pending[1:])
+    sharded.comm.tags.raise_pending_mismatch()
+    assert not works[running.uid].waited and running.gather_in_flight, "waited on a gather still running"
+    assert works[arrived.uid].waited and not arrived.gather_in_flight, "an arrived gather was not settled"
