@@ -11,7 +11,7 @@ unit alive or not, take the tensors off the modules):
     FORWARD --post-forward of a unit that ends the forward--> KEPT --pre-backward--> BACKWARD
     FORWARD --backward inside the unit's own forward (manual optimization)--> REDUCED_IN_FORWARD
     REDUCED_IN_FORWARD --post-forward--> DONE;   RESHARDED or KEPT --backward never reached it--> DONE
-    KEPT --a new pass began before the backward--> RESHARDED
+    KEPT --a new pass began, the forward ended without an output needing a gradient, hooks removed--> RESHARDED
     DONE --pre-backward of a second backward (retain_graph)--> BACKWARD
 
 Per unit the driver keeps a `Slot`: the call whose tensors are on the modules, the call kept

@@ -20,16 +20,19 @@ Backward begins with the units that ended the forward: the root (the LM head, th
 and the last unit of the recorded forward order. Releasing them at their post-forward only to
 gather them again when backward begins costs one All-Gather each per step and frees nothing
 that matters: the memory is back before anything else is released. So a post-forward that
-closes a call owing a backward moves it to KEPT when its unit is the root or the forward has run
-the whole recorded order (`Schedule.forward_complete`): the tensors leave the modules (outside
-its forward a module shows its shards, as every unit does) but keep their storage, and the
-pre-backward puts them back without a collective. FSDP2 keeps its root this way
-(reshard_after_forward=False); torchtitan does so for its last block as well. Every rank decides alike:
-the root is the same unit everywhere and the record is the same on every rank (schedule.py). A
-kept call whose backward does not follow gives its memory back: when a new pass begins (KEPT ->
-RESHARDED, its backward would gather again), when the forward ends with nothing that needs a
-gradient (an exception caught mid-forward), or when a backward ends without reaching it (KEPT ->
-DONE). All-Gather bytes per step: 2Ψ - Ψ_root - Ψ_last instead of 2Ψ.
+closes a call owing a backward moves it to KEPT when its unit is the root and it closes the
+pass (a root layer called inside another unit's forward, outside the root's own, is followed
+by the rest of that forward), or when the forward has run the whole recorded order
+(`Schedule.forward_complete`); either happens at most once per unit and pass. The tensors leave
+the modules (outside its forward a module shows its shards, as every unit does) but keep their
+storage, and the pre-backward puts them back without a collective. FSDP2 keeps its root this
+way (reshard_after_forward=False); torchtitan does so for its last block as well. Every rank
+decides alike: the root is the same unit everywhere, the nesting of calls and the record are
+the same on every rank (schedule.py). A kept call whose backward does not follow gives its
+memory back: when a new pass begins (KEPT -> RESHARDED, its backward would gather again), when
+the forward ends with nothing that needs a gradient (an exception caught mid-forward), when the
+hooks are removed, or when a backward ends without reaching it (KEPT -> DONE). All-Gather
+bytes per step: 2Ψ - Ψ_root - Ψ_last instead of 2Ψ.
 
 [Note: frozen units]
 A unit without a trainable parameter still runs backward whenever its input needs a gradient
@@ -211,6 +214,7 @@ class HookDriver:
         assert (old, state) in LEGAL, f"ZeRO-3 internal error: unit '{call.unit.name}' {old.name} -> {state.name}"
         slot = self._slots[call.unit.uid]
         if state is S.KEPT:
+            assert slot.kept is None, f"ZeRO-3 internal error: unit '{call.unit.name}' kept twice"
             slot.kept = call
         elif old is S.KEPT and slot.kept is call:
             slot.kept = None
@@ -350,8 +354,12 @@ class HookDriver:
             tensor.register_hook(partial(self._pre_backward, call))
 
     def _ends_forward(self, unit: Unit) -> bool:
-        """Whether backward begins with this unit's call, so it is kept (Note: kept for backward)."""
-        return not self._in_backward and (unit is self.units[0] or self.schedule.forward_complete)
+        """Whether backward begins with this unit's call, so it is kept (Note: kept for backward):
+        a root call that closes the pass (not one inside another unit's forward), or any call
+        that ends once the forward has run the whole record."""
+        if self._in_backward:
+            return False
+        return (unit is self.units[0] and not self._open) or self.schedule.forward_complete
 
     def is_kept(self, unit: Unit) -> bool:
         """Whether a call of `unit` is kept gathered for a backward that has not reached it."""
