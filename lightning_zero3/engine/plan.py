@@ -179,15 +179,16 @@ def make_plan(
 
     persistent: list[ParamEntry] = []
     for key, entry in entries.items():
-        # The same (module, attr) can be reached through several paths; keep each once.
+        # The same (module, attr) can be reached through several paths (a module registered
+        # under two parents): keep each owner once, but every name, as `state_dict()` lists
+        # the tensor under each path and `full_state_dict` must give the whole one under all.
         seen: set[tuple[int, str]] = set()
-        owners, names = [], []
-        for (module, attr), name in zip(entry.owners, entry.names):
+        owners = []
+        for module, attr in entry.owners:
             if (id(module), attr) not in seen:
                 seen.add((id(module), attr))
                 owners.append((module, attr))
-                names.append(name)
-        entry.owners, entry.names = owners, names
+        entry.owners, entry.names = owners, list(dict.fromkeys(entry.names))
         if entry.param.numel() <= max(persistence_threshold, shard_group_size):
             persistent.append(entry)
         else:
