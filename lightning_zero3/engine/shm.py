@@ -165,7 +165,8 @@ class SharedArena:
         flag = self._flag
         flag[0], flag[1], flag[2], flag[3] = sequence, -sequence, code, -code
         self._all_reduce_max(flag)
-        high, low, high_code, low_code = flag[0].item(), -flag[1].item(), flag[2].item(), -flag[3].item()
+        high, minus_low, high_code, minus_low_code = flag.tolist()
+        low, low_code = -minus_low, -minus_low_code
         if (high, low, high_code, low_code) != (sequence, sequence, code, code):
             raise RuntimeError(
                 f"shared-memory collective {sequence} ({kind} of {nbytes:,} bytes) met a rank at another "
