@@ -42,6 +42,7 @@ def _train(rank: int, world_size: int, transport: str, steps: int) -> dict:
         "shards": [p.detach().clone() for p in model.parameters()],
         "bytes": {k: (v.calls, v.payload_bytes, v.wire_bytes) for k, v in stats.items() if k != "object"},
         "shared_collectives": sharded.comm.shared.sequence if sharded.comm.shared is not None else 0,
+        "gather_wait_s": sharded.stats.last_step_gather_wait_s,
     }
 
 
@@ -68,6 +69,16 @@ def test_bytes_are_counted_alike_on_both_transports():
     for gloo, shm in run_ranks(_both_transports, 2, timeout_s=TIMEOUT_S):
         assert gloo["bytes"] == shm["bytes"]
         assert shm["bytes"]["all_gather"][1] > 0
+
+
+def _one_step_through_shared_memory(rank: int, world_size: int) -> dict:
+    return _train(rank, world_size, "shared_memory", 1)
+
+
+def test_time_blocked_in_shared_memory_gathers_is_counted_as_gather_wait():
+    """The transport blocks at issue, not in `wait`: a wait of 0 would claim prefetch hid it all."""
+    for result in run_ranks(_one_step_through_shared_memory, 2, timeout_s=TIMEOUT_S):
+        assert result["gather_wait_s"] > 0
 
 
 def _no_shm_file_of(pid: int) -> bool:

@@ -80,7 +80,8 @@ class CommStats:
 
     current: dict[str, CollectiveBytes] = field(default_factory=lambda: defaultdict(CollectiveBytes))
     last_step: dict[str, CollectiveBytes] = field(default_factory=dict)
-    # Seconds spent blocked in `wait()` on All-Gathers: what prefetch failed to hide.
+    # Seconds spent blocked in `wait()` on All-Gathers: what prefetch failed to hide. On the
+    # shared-memory transport, which is synchronous, the whole asynchronous-path All-Gather.
     gather_wait_s: float = 0.0
     last_step_gather_wait_s: float = 0.0
 
@@ -263,8 +264,11 @@ class Comm:
         try:
             shared = self._through_shared(output, output.numel() * output.element_size())
             if shared is not None:
+                start = time.perf_counter()
                 shared.all_gather(rows, source, fill_own_row=fill_own_row)
-                return None  # synchronous (shm.py, Note: shared-memory transport)
+                if async_op:  # synchronous (shm.py): the step is blocked here, not later in `wait`
+                    self.stats.gather_wait_s += time.perf_counter() - start
+                return None
             if self._in_place(output):
                 work = Works([
                     dist.broadcast(source if r == self.rank else rows[r], src=self._global[r], group=self.group,
