@@ -241,3 +241,24 @@ def test_ranks_at_one_shared_collective_with_different_sizes_raise_instead_of_re
     for outcome in run_ranks(_out_of_step, 2, "another size", timeout_s=TIMEOUT_S):
         assert outcome.startswith("All-Gather of unit 'u' failed on rank"), outcome
         assert "of 32 to 64 bytes" in outcome, outcome
+
+
+def _interleaved(rank: int, world_size: int) -> tuple[list[list[float]], int]:
+    from lightning_zero3.engine.comm import Comm
+
+    comm = Comm()
+    comm.use_shared_memory(64)  # one slot set: 16 fp32, i.e. rows of 8 at 2 ranks
+    assert comm.shared is not None
+    big = torch.zeros(world_size * 32)
+    work = comm.all_gather(big, torch.full((32,), float(rank)), async_op=True, what="big")  # gloo, left in flight
+    small = [torch.zeros(world_size * 8) for _ in range(3)]
+    for k, out in enumerate(small):
+        comm.all_gather(out, torch.full((8,), 10.0 * k + rank), async_op=True, what="small")
+    comm.wait(work)
+    return [t.view(world_size, -1)[:, 0].tolist() for t in (big, *small)], comm.shared.sequence
+
+
+def test_a_gather_too_large_for_the_arena_goes_through_gloo_in_flight_between_shared_memory_ones():
+    for rows, shared_collectives in run_ranks(_interleaved, 2, timeout_s=TIMEOUT_S):
+        assert rows == [[0.0, 1.0], [0.0, 1.0], [10.0, 11.0], [20.0, 21.0]]
+        assert shared_collectives == 3  # the three small ones; the large one did not use a slot set
