@@ -41,12 +41,11 @@ def _rank(rank: int, world_size: int, size: str, calls: int, rounds: int) -> dic
     from lightning_zero3.engine import ShardedModel
 
     model = build_model(make_config(size, 128), seed=0, device=torch.device("cpu"))
-    sharded = ShardedModel(model, prefetch=0)
+    sharded = ShardedModel(model, prefetch=0, cpu_transport="shared_memory")  # the arena sized as in training
     comm = sharded.comm
     comm.tags.closely = False  # as in steady training: tags checked once per step
     unit = max(sharded.units, key=lambda u: u.shard_numel)  # a block
     n, row, chunk = world_size, unit.row_numel(), unit.reduce_row_numel
-    comm.use_shared_memory(max(n * row, n * n * chunk) * 4)
     arena = comm.shared
     grads = [torch.randn(p.full_shape) for p in unit.params]
     own, recv = torch.randn(row), torch.empty(n, row)
@@ -117,10 +116,15 @@ def main(argv: list[str] | None = None) -> None:
     gather = [g - s for g, s in zip(medians["unit: gather + release [gloo]"], medians["unit: gather + release [shm]"])]
     red = "unit: start_reduce + finish_reduce"
     reduce = [g - s for g, s in zip(medians[f"{red} [gloo]"], medians[f"{red} [shm]"])]
-    step = [13 * g + 7 * r for g, r in zip(gather, reduce)]
+    # Per step: every unit (the blocks and the root) reduced once, gathered in forward and again in
+    # backward except the root and the last block, kept from forward into backward (README).
+    units = make_config(args.size, 128).n_layer + 1
+    gathers, reductions = 2 * units - 2, units
+    step = [gathers * g + reductions * r for g, r in zip(gather, reduce)]
     print(
         f"process CPU saved per gather {gather[0]:.2f} / {gather[1]:.2f} ms, per reduction {reduce[0]:.2f} / "
-        f"{reduce[1]:.2f} ms; per 20m step (13 gathers + 7 reductions): {step[0]:.1f} / {step[1]:.1f} ms"
+        f"{reduce[1]:.2f} ms; per {args.size} step ({gathers} gathers + {reductions} reductions): "
+        f"{step[0]:.1f} / {step[1]:.1f} ms"
     )
 
 

@@ -50,7 +50,7 @@ def summarize_run(backend: str, ranks: list[dict[str, Any]], *, warmup: int) -> 
         out["step_bytes_source"] = "formula (DDP's C++ reducer)"
     elif backend.endswith("-shm") and "engine_step_bytes" in ranks[0]:
         # Shared-memory collectives never reach torch.distributed, whose counter sees only
-        # their 8-byte barriers (kept below); the engine's own count is the one there is.
+        # their 32-byte barriers (kept below); the engine's own count is the one there is.
         out["step_bytes"] = {k: v for k, v in ranks[0]["engine_step_bytes"].items() if k != "object"}
         out["counted_step_bytes"] = ranks[0]["steps"][-1]["comm"]
         out["step_bytes_source"] = "engine's CommStats (shared memory, not seen at torch.distributed)"

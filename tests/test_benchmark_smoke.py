@@ -78,7 +78,7 @@ def test_benchmark_smoke_shared_memory_trains_bitwise_like_gloo_through_the_trai
     assert shm["losses"] == gloo["losses"]
     assert "CommStats" in shm["step_bytes_source"]
     assert {k: v["payload_bytes"] for k, v in shm["step_bytes"].items()} == shm["expected_step_bytes"]
-    assert set(shm["counted_step_bytes"]) == {"all_reduce"}  # the 8-byte barriers, nothing else
+    assert set(shm["counted_step_bytes"]) == {"all_reduce"}  # the 32-byte barriers, nothing else
 
 
 def test_benchmark_smoke_deepspeed_matches_ddp_and_is_counted(smoke: dict[str, Any]) -> None:

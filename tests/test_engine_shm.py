@@ -42,6 +42,7 @@ def _train(rank: int, world_size: int, transport: str, steps: int) -> dict:
         "shards": [p.detach().clone() for p in model.parameters()],
         "bytes": {k: (v.calls, v.payload_bytes, v.wire_bytes) for k, v in stats.items() if k != "object"},
         "shared_collectives": sharded.comm.shared.sequence if sharded.comm.shared is not None else 0,
+        "gather_wait_s": sharded.stats.last_step_gather_wait_s,
     }
 
 
@@ -68,6 +69,16 @@ def test_bytes_are_counted_alike_on_both_transports():
     for gloo, shm in run_ranks(_both_transports, 2, timeout_s=TIMEOUT_S):
         assert gloo["bytes"] == shm["bytes"]
         assert shm["bytes"]["all_gather"][1] > 0
+
+
+def _one_step_through_shared_memory(rank: int, world_size: int) -> dict:
+    return _train(rank, world_size, "shared_memory", 1)
+
+
+def test_time_blocked_in_shared_memory_gathers_is_counted_as_gather_wait():
+    """The transport blocks at issue, not in `wait`: a wait of 0 would claim prefetch hid it all."""
+    for result in run_ranks(_one_step_through_shared_memory, 2, timeout_s=TIMEOUT_S):
+        assert result["gather_wait_s"] > 0
 
 
 def _no_shm_file_of(pid: int) -> bool:
@@ -104,6 +115,16 @@ def _arena(rank: int, world_size: int, set_bytes: int, fail: str) -> str:
         torch.UntypedStorage.from_file = cannot_map  # type: ignore[method-assign]
     if fail == "die" and rank == 1:
         torch.UntypedStorage.from_file = lambda *a, **k: os._exit(3)  # type: ignore[method-assign]
+    if fail == "die before mapping" and rank == 1:  # rank 0 has created the file, not yet sent its name
+        exchange, calls = Comm.all_gather_object, []
+
+        def dies_at_the_second_exchange(self: Comm, obj: object) -> list[object]:
+            calls.append(obj)
+            if len(calls) == 2:
+                os._exit(3)
+            return exchange(self, obj)
+
+        Comm.all_gather_object = dies_at_the_second_exchange  # type: ignore[method-assign]
     if fail == "host" and rank == 1:
         shm.host_identity = lambda: "elsewhere/1"  # type: ignore[assignment]
     try:
@@ -130,10 +151,11 @@ def test_a_dev_shm_that_cannot_hold_the_arena_fails_on_every_rank_naming_the_fix
     assert {n for n in os.listdir("/dev/shm") if n.startswith(PREFIX)} <= before
 
 
-def test_a_rank_dying_during_setup_leaves_no_file_in_dev_shm():
+@pytest.mark.parametrize("fail", ["die", "die before mapping"])
+def test_a_rank_dying_during_setup_leaves_no_file_in_dev_shm(fail):
     before = {n for n in os.listdir("/dev/shm") if n.startswith(PREFIX)}
     with pytest.raises(RankFailure) as failure:
-        run_ranks(_arena, 2, 1 << 20, "die", timeout_s=5)
+        run_ranks(_arena, 2, 1 << 20, fail, timeout_s=5)
     assert "exited with code 3" in str(failure.value), str(failure.value)
     assert {n for n in os.listdir("/dev/shm") if n.startswith(PREFIX)} <= before
 
@@ -181,16 +203,21 @@ def test_an_unknown_transport_is_refused_at_construction():
         )  # fmt: skip
 
 
-def _out_of_step(rank: int, world_size: int) -> str:
+def _out_of_step(rank: int, world_size: int, case: str = "one more") -> str:
     from lightning_zero3.engine.comm import CollectiveError, Comm
 
     comm = Comm()
     comm.use_shared_memory(1 << 16)
     assert comm.shared is not None
-    if rank == 1:
+    width = 8
+    if case == "one more" and rank == 1:
         comm.shared.sequence += 1  # as if rank 1 had run one shared-memory collective more
+    if case == "summing alike":
+        comm.shared.sequence += rank  # 0, 1, 2: they sum as three 1s, what rank 1 expects of a sum
+    if case == "another size" and rank == 1:
+        width = 4  # the same collective number, a different (smaller) unit: both fit the arena
     try:
-        comm.all_gather(torch.zeros(2 * 8), torch.ones(8), async_op=False, what="unit 'u'")
+        comm.all_gather(torch.zeros(world_size * width), torch.ones(width), async_op=False, what="unit 'u'")
     except CollectiveError as err:
         return str(err)
     return "gathered"
@@ -200,3 +227,38 @@ def test_ranks_out_of_step_on_the_shared_slots_raise_instead_of_reading_unwritte
     for outcome in run_ranks(_out_of_step, 2, timeout_s=TIMEOUT_S):
         assert outcome.startswith("All-Gather of unit 'u' failed on rank"), outcome
         assert "met a rank at another collective" in outcome, outcome
+
+
+def test_ranks_out_of_step_raise_on_every_rank_even_where_their_sequence_numbers_sum_as_if_in_step():
+    """Rank 1 (at 1 of 0, 1, 2) must not go on alone and hang at its next collective."""
+    for outcome in run_ranks(_out_of_step, 3, "summing alike", timeout_s=TIMEOUT_S):
+        assert "met a rank at another collective" in outcome, outcome
+        assert "at shared-memory collectives 0 to 2" in outcome, outcome
+
+
+def test_ranks_at_one_shared_collective_with_different_sizes_raise_instead_of_reading_stale_rows():
+    """Rank 0 would read rank 1's row where a collective two before left rows of its own size."""
+    for outcome in run_ranks(_out_of_step, 2, "another size", timeout_s=TIMEOUT_S):
+        assert outcome.startswith("All-Gather of unit 'u' failed on rank"), outcome
+        assert "of 32 to 64 bytes" in outcome, outcome
+
+
+def _interleaved(rank: int, world_size: int) -> tuple[list[list[float]], int]:
+    from lightning_zero3.engine.comm import Comm
+
+    comm = Comm()
+    comm.use_shared_memory(64)  # one slot set: 16 fp32, i.e. rows of 8 at 2 ranks
+    assert comm.shared is not None
+    big = torch.zeros(world_size * 32)
+    work = comm.all_gather(big, torch.full((32,), float(rank)), async_op=True, what="big")  # gloo, left in flight
+    small = [torch.zeros(world_size * 8) for _ in range(3)]
+    for k, out in enumerate(small):
+        comm.all_gather(out, torch.full((8,), 10.0 * k + rank), async_op=True, what="small")
+    comm.wait(work)
+    return [t.view(world_size, -1)[:, 0].tolist() for t in (big, *small)], comm.shared.sequence
+
+
+def test_a_gather_too_large_for_the_arena_goes_through_gloo_in_flight_between_shared_memory_ones():
+    for rows, shared_collectives in run_ranks(_interleaved, 2, timeout_s=TIMEOUT_S):
+        assert rows == [[0.0, 1.0], [0.0, 1.0], [10.0, 11.0], [20.0, 21.0]]
+        assert shared_collectives == 3  # the three small ones; the large one did not use a slot set

@@ -4,6 +4,7 @@ replaces it validated as the constructor validates it."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from datetime import timedelta
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_zero3 import ZeRO3Strategy
+from lightning_zero3.options import ShardingOptions
 
 
 def _init(module: nn.Module) -> None:
@@ -36,6 +38,7 @@ NORMALISED = {**CHOSEN, "param_dtype": torch.bfloat16}
 
 
 def test_every_option_reads_back_under_its_public_name_and_in_options() -> None:
+    assert set(CHOSEN) == {f.name for f in fields(ShardingOptions)}  # a new option is tested too
     strategy = ZeRO3Strategy(**CHOSEN)
     for name, value in NORMALISED.items():
         assert getattr(strategy, name) == value, name

@@ -9,7 +9,7 @@ Bytes are counted two ways per collective:
   transport (shm.py) nothing goes over a wire: there "wire" counts what the other ranks read of
   this rank's data out of the shared file, which is the same (N-1)/N of the payload (its row,
   read by N-1 ranks; its N-1 rows of the gradient, read by one rank each). The transport's
-  barrier, one 8-byte gloo All-Reduce per collective, is its own synchronisation, as gloo's
+  barrier, one 32-byte gloo All-Reduce per collective, is its own synchronisation, as gloo's
   handshakes are, and is not counted.
 
 [Note: gloo]
@@ -80,7 +80,8 @@ class CommStats:
 
     current: dict[str, CollectiveBytes] = field(default_factory=lambda: defaultdict(CollectiveBytes))
     last_step: dict[str, CollectiveBytes] = field(default_factory=dict)
-    # Seconds spent blocked in `wait()` on All-Gathers: what prefetch failed to hide.
+    # Seconds spent blocked in `wait()` on All-Gathers: what prefetch failed to hide. On the
+    # shared-memory transport, which is synchronous, the whole asynchronous-path All-Gather.
     gather_wait_s: float = 0.0
     last_step_gather_wait_s: float = 0.0
 
@@ -207,11 +208,11 @@ class Comm:
             )
         group = self.group
 
-        def barrier_sum(flag: torch.Tensor) -> None:
-            dist.all_reduce(flag, group=group)
+        def barrier_max(flag: torch.Tensor) -> None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
 
         self.shared = SharedArena(rank=self.rank, world_size=self.world_size, set_bytes=set_bytes,
-                                  exchange=self.all_gather_object, all_reduce=barrier_sum)  # fmt: skip
+                                  exchange=self.all_gather_object, all_reduce_max=barrier_max)  # fmt: skip
 
     def _through_shared(self, tensor: torch.Tensor, nbytes: int) -> SharedArena | None:
         """The arena to run a collective on `tensor` moving `nbytes` through, or None."""
@@ -263,8 +264,11 @@ class Comm:
         try:
             shared = self._through_shared(output, output.numel() * output.element_size())
             if shared is not None:
+                start = time.perf_counter()
                 shared.all_gather(rows, source, fill_own_row=fill_own_row)
-                return None  # synchronous (shm.py, Note: shared-memory transport)
+                if async_op:  # synchronous (shm.py): the step is blocked here, not later in `wait`
+                    self.stats.gather_wait_s += time.perf_counter() - start
+                return None
             if self._in_place(output):
                 work = Works([
                     dist.broadcast(source if r == self.rank else rows[r], src=self._global[r], group=self.group,

@@ -13,9 +13,13 @@ Ranks on one host can instead map one file in /dev/shm and copy straight into an
   for every other rank j, then one barrier, then each rank sums row r (its own) over ranks in
   rank order, its own input's row read in place: the same additions in the same order as the
   send/recv path (comm.py, Note: gloo), so the result is bitwise the same.
-The barrier is a gloo All-Reduce of one int64, the collective's sequence number: every rank
-must hold the same (sum = N x it), so a rank whose shared-memory collectives fell out of step
-with the others' raises instead of reading a slot the others have not written.
+The barrier is a gloo All-Reduce (maximum) of four int64: the collective's sequence number, a
+code of its kind and size, and both negated. Each rank gets back the largest and the smallest
+of each over the ranks, so all of them see alike whether every rank is at this same collective;
+if not, every rank raises, instead of reading a slot the others have not written, or rows a
+collective two before left there (whose unit tags would pass the checks). A sum would not do:
+it can match by chance (sequence numbers 2, 3, 4 sum as three 3s), and the rank it matches for
+would go on alone and hang at its next collective.
 
 Double buffering: the file holds two slot sets; collective k uses set k % 2. A rank writes set
 s at collective k only after its barrier of collective k - 1 returned, which happens only once
@@ -85,8 +89,8 @@ def _aligned(nbytes: int) -> int:
 class SharedArena:
     """Two slot sets of `set_bytes` each in one shared file, mapped by every rank of a group.
     Building it is collective: every rank of the group must call it. `exchange` gathers one
-    picklable object per rank (Comm.all_gather_object); `all_reduce` sums a CPU tensor over
-    the group in place (the barrier)."""
+    picklable object per rank (Comm.all_gather_object); `all_reduce_max` takes the element-wise
+    maximum of a CPU int64 tensor over the group, in place (the barrier)."""
 
     def __init__(
         self,
@@ -95,17 +99,17 @@ class SharedArena:
         world_size: int,
         set_bytes: int,
         exchange: Callable[[Any], list[Any]],
-        all_reduce: Callable[[torch.Tensor], None],
+        all_reduce_max: Callable[[torch.Tensor], None],
         directory: str = "/dev/shm",
     ) -> None:
-        self._all_reduce = all_reduce
+        self._all_reduce_max = all_reduce_max
         self.rank = rank
         self.world_size = world_size
         self.set_bytes = _aligned(set_bytes)
         # Collectives done so far; collective k uses set k % 2 (Note: shared-memory transport).
         self.sequence = 0
-        # The barrier's one integer, reused.
-        self._flag = torch.zeros(1, dtype=torch.int64)
+        # The barrier's integers, reused: sequence, -sequence, code, -code (Note: shared-memory transport).
+        self._flag = torch.zeros(4, dtype=torch.int64)
         hosts = exchange(host_identity())
         if len(set(hosts)) > 1:
             where = ", ".join(f"rank {r}: {h.split('/')[0]}" for r, h in enumerate(hosts))
@@ -117,12 +121,11 @@ class SharedArena:
         self.storage = self._map(directory, 2 * self.set_bytes, exchange)
 
     def _map(self, directory: str, nbytes: int, exchange: Callable[[Any], list[Any]]) -> torch.UntypedStorage:
-        path, problem = None, None
-        if self.rank == 0:
-            path, problem = _create(directory, nbytes)
-        path = exchange((path, problem))[0][0]
-        storage, mine = None, None
+        created, problem = _create(directory, nbytes) if self.rank == 0 else (None, None)
+        storage, problems = None, []
         try:
+            path = exchange((created, problem))[0][0]
+            mine = None
             if path is not None:
                 try:
                     storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
@@ -130,8 +133,10 @@ class SharedArena:
                     mine = f"rank {self.rank} could not map {path}: {err}"
             problems = [p for p in exchange(problem or mine) if p]
         finally:
-            if self.rank == 0 and path is not None:
-                os.unlink(path)  # every rank has mapped it or failed to: the name is no longer needed
+            # Every rank has mapped it or failed to, or an exchange raised (a rank left): the name
+            # is no longer needed either way.
+            if created is not None:
+                os.unlink(created)
         if problems or storage is None:
             raise SharedMemoryError(
                 f"The shared-memory transport could not be set up: {'; '.join(problems)}. Free space in "
@@ -153,14 +158,21 @@ class SharedArena:
         view = torch.empty(0, dtype=dtype)
         return view.set_(self.storage, offset // dtype.itemsize, shape)  # type: ignore[call-overload]
 
-    def _barrier(self) -> None:
-        """Every rank has written its part of this collective; see the Note for why one suffices."""
-        self._flag.fill_(self.sequence)
-        self._all_reduce(self._flag)
-        if int(self._flag.item()) != self.world_size * self.sequence:
+    def _barrier(self, kind: str, nbytes: int) -> None:
+        """Every rank has written its part of this collective, and every rank is at this same
+        collective (`kind` of `nbytes`), or every rank raises; see the Note for why one suffices."""
+        sequence, code = self.sequence, 2 * nbytes + (kind == "Reduce-Scatter")
+        flag = self._flag
+        flag[0], flag[1], flag[2], flag[3] = sequence, -sequence, code, -code
+        self._all_reduce_max(flag)
+        high, minus_low, high_code, minus_low_code = flag.tolist()
+        low, low_code = -minus_low, -minus_low_code
+        if (high, low, high_code, low_code) != (sequence, sequence, code, code):
             raise RuntimeError(
-                f"shared-memory collective {self.sequence} met a rank at another collective (sequence sum "
-                f"{int(self._flag.item())}, expected {self.world_size * self.sequence})"
+                f"shared-memory collective {sequence} ({kind} of {nbytes:,} bytes) met a rank at another "
+                f"collective: the ranks are at shared-memory collectives {low} to {high}, of {low_code // 2:,} to "
+                f"{high_code // 2:,} bytes. They ran different collectives at this point (e.g. different units, "
+                f"data-dependent control flow); every rank raises this"
             )
 
     def all_gather(self, rows: torch.Tensor, own: torch.Tensor, *, fill_own_row: bool) -> None:
@@ -168,7 +180,7 @@ class SharedArena:
         n, me = self.world_size, self.rank
         slots = self._slots(rows.dtype, (n, rows.shape[1]))
         slots[me].copy_(own)
-        self._barrier()
+        self._barrier("All-Gather", slots.numel() * slots.element_size())
         for r in range(n):
             if r != me or (fill_own_row and own.data_ptr() != rows[me].data_ptr()):
                 rows[r].copy_(slots[r])
@@ -182,7 +194,7 @@ class SharedArena:
         for r in range(n):
             if r != me:
                 regions[me, r].copy_(rows[r])
-        self._barrier()
+        self._barrier("Reduce-Scatter", regions.numel() * regions.element_size())
         parts = [rows[me] if r == me else regions[r, me] for r in range(n)]
         torch.add(parts[0], parts[1], out=out)  # rank order, as the send/recv path (comm.py, Note: gloo)
         for part in parts[2:]:
