@@ -97,6 +97,11 @@ def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[st
     last = {kind: vars(b).copy() for kind, b in sharded.stats.last_step.items()}
     full_params = sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent)
     across = sharded.replicate_stats
+    # The formula for the step `last_step` measured (the first step keeps fewer units whole).
+    expected = sharded.last_step_expected or {
+        "inside": sharded.expected_step_bytes(),
+        "across": sharded.expected_step_bytes(across_groups=True),
+    }
     return {
         "world_size": sharded.world_comm.world_size,
         "shard_size": sharded.comm.world_size,
@@ -105,10 +110,10 @@ def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[st
         "last_step_across_groups": {k: vars(b).copy() for k, b in across.last_step.items()} if across else {},
         # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
         "last_step_control": {k: vars(b).copy() for k, b in sharded.world_comm.stats.last_step.items()},
-        "expected_step_bytes_across_groups": sharded.expected_step_bytes(across_groups=True),
+        "expected_step_bytes_across_groups": expected["across"],
         "full_parameters": full_params,
         "last_step": last,
-        "expected_step_bytes": sharded.expected_step_bytes(),
+        "expected_step_bytes": expected["inside"],
         "gather_wait_s": sharded.stats.last_step_gather_wait_s,
         "units": len([u for u in sharded.units if u.params]),
         "units_alive": sharded.unit_stats.alive,

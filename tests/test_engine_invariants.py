@@ -10,6 +10,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel
 from tests.models import MLP, TinyGPT, gpt_batch, mlp_batch, mlp_frozen_block
@@ -352,3 +353,30 @@ def test_native_collectives_and_gloo_in_place_ones_train_alike(world_size):
         for name in a["grads"]:
             assert (a["grads"][name] - b["grads"][name]).abs().max().item() <= tol, name
         assert a["calls"] == b["calls"]
+
+
+def _bytes_of_each_step(rank: int, world_size: int) -> list[tuple[int, int]]:
+    """(measured, formula for that step) All-Gather bytes of steps 1, 2 and 3."""
+    torch.manual_seed(0)
+    model = MLP()
+    sharded = ShardedModel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pairs = []
+    for step in range(3):
+        x, y = mlp_batch(step)
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sharded.end_step()
+        assert sharded.last_step_expected is not None
+        measured = sharded.stats.last_step["all_gather"].payload_bytes
+        pairs.append((measured, sharded.last_step_expected["inside"]["all_gather"]))
+    return pairs
+
+
+def test_the_formula_reported_with_a_step_is_the_one_for_that_step():
+    """The first step has no recorded order and keeps only the root whole into backward; from
+    the second on the last block too. Each step's bytes sit next to the formula for that step."""
+    for pairs in run_ranks(_bytes_of_each_step, 2):
+        assert all(measured == formula for measured, formula in pairs), pairs
+        assert pairs[0][0] > pairs[1][0] == pairs[2][0], "the first step gathers the last block once more"

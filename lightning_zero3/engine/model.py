@@ -138,6 +138,9 @@ class ShardedModel:
         if cpu_transport == "shared_memory" and target.type == "cpu":
             self.comm.use_shared_memory(self._largest_collective_bytes())
         self.hooks = HookDriver(self)
+        # The byte formula for the step in progress and for the last one closed (`end_step`).
+        self._step_expected = self._expected_both()
+        self.last_step_expected: dict[str, dict[str, int]] | None = None
         # HF generate() outside gathered_for_inference() keeps the ranks in step by default
         # (generation.py, Note: synced generation by default).
         ranks = self.comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
@@ -207,12 +210,19 @@ class ShardedModel:
         return self.replicate_comm.stats if self.replicate_comm is not None else None
 
     def end_step(self) -> None:
-        """Close the step's traffic accounting: `stats.last_step` becomes this step's."""
+        """Close the step's traffic accounting: `stats.last_step` becomes this step's, and
+        `last_step_expected` the formula for it, as it stood when the step began (the first
+        step has no recorded order: accounting.expected_step_bytes)."""
         self.comm.stats.end_step()
         if self.replicate_comm is not None:
             self.replicate_comm.stats.end_step()
         if self.world_comm is not self.comm:
             self.world_comm.stats.end_step()
+        self.last_step_expected = self._step_expected
+        self._step_expected = self._expected_both()
+
+    def _expected_both(self) -> dict[str, dict[str, int]]:
+        return {"inside": self.expected_step_bytes(), "across": self.expected_step_bytes(across_groups=True)}
 
     @property
     def global_rank(self) -> int:
