@@ -17,6 +17,7 @@ from lightning_zero3.options import validated_options
 from tests.models import MLP, mlp_batch
 from tests.parity import local_slice
 from tests.ranks import RankFailure, run_ranks
+from tests.test_engine_tags import _tampered_tag
 
 TIMEOUT_S = 20
 PREFIX = "lightning_zero3-"
@@ -167,29 +168,8 @@ def test_ranks_on_different_hosts_are_refused_on_every_rank():
         assert "cpu_transport='process_group'" in outcome, outcome
 
 
-def _tampered_tag(rank: int, world_size: int) -> str:
-    """Rank 1 labels blocks.1 as blocks.2 at step 2: same-sized units pair up wrongly."""
-    torch.manual_seed(0)
-    model = MLP(depth=3)
-    sharded = ShardedModel(model, prefetch=1, cpu_transport="shared_memory")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(2):
-        if step == 1 and rank == 1:
-            by_name = {unit.name: unit for unit in sharded.units}
-            by_name["blocks.1"].tag = by_name["blocks.2"].tag
-        x, y = mlp_batch(step)
-        loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
-        try:
-            loss.backward()
-        except RuntimeError as err:
-            return f"backward raised {type(err).__name__}: {err}"
-        optimizer.step()
-        optimizer.zero_grad()
-    return "finished"
-
-
 def test_ranks_gathering_different_units_through_shared_memory_fail_naming_the_unit():
-    for outcome in run_ranks(_tampered_tag, 2, timeout_s=TIMEOUT_S):
+    for outcome in run_ranks(_tampered_tag, 2, "shared_memory", timeout_s=TIMEOUT_S):
         assert outcome.startswith("backward raised OrderMismatchError"), outcome
         assert "'blocks.1'" in outcome, outcome
 

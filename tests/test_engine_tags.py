@@ -149,13 +149,13 @@ def test_every_rank_leaving_the_order_alike_still_trains_exactly(prefetch):
         assert diff < 1e-5, diff
 
 
-def _tampered_tag(rank: int, world_size: int) -> str:
+def _tampered_tag(rank: int, world_size: int, cpu_transport: str = "process_group") -> str:
     """Rank 1 labels blocks.1 as blocks.2 from step 2 on: the ranks follow the same order, but
     their collectives now pair different units of the same size (what a wrong pairing looks like
     on the wire), and no collective fails."""
     torch.manual_seed(0)
     model = MLP(depth=3)
-    sharded = ShardedModel(model, prefetch=1)
+    sharded = ShardedModel(model, prefetch=1, cpu_transport=cpu_transport)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         if step == 1 and rank == 1:
