@@ -98,10 +98,8 @@ def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[st
     full_params = sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent)
     across = sharded.replicate_stats
     # The formula for the step `last_step` measured (the first step keeps fewer units whole).
-    expected = sharded.last_step_expected or {
-        "inside": sharded.expected_step_bytes(),
-        "across": sharded.expected_step_bytes(across_groups=True),
-    }
+    inside = sharded.last_step_expected_bytes()
+    across_expected = sharded.last_step_expected_bytes(across_groups=True)
     return {
         "world_size": sharded.world_comm.world_size,
         "shard_size": sharded.comm.world_size,
@@ -110,10 +108,12 @@ def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[st
         "last_step_across_groups": {k: vars(b).copy() for k, b in across.last_step.items()} if across else {},
         # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
         "last_step_control": {k: vars(b).copy() for k, b in sharded.world_comm.stats.last_step.items()},
-        "expected_step_bytes_across_groups": expected["across"],
+        "expected_step_bytes_across_groups": (
+            across_expected if across_expected is not None else sharded.expected_step_bytes(across_groups=True)
+        ),
         "full_parameters": full_params,
         "last_step": last,
-        "expected_step_bytes": expected["inside"],
+        "expected_step_bytes": inside if inside is not None else sharded.expected_step_bytes(),
         "gather_wait_s": sharded.stats.last_step_gather_wait_s,
         "units": len([u for u in sharded.units if u.params]),
         "units_alive": sharded.unit_stats.alive,

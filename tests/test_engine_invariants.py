@@ -368,9 +368,10 @@ def _bytes_of_each_step(rank: int, world_size: int) -> list[tuple[int, int]]:
         optimizer.step()
         optimizer.zero_grad()
         sharded.end_step()
-        assert sharded.last_step_expected is not None
+        expected = sharded.last_step_expected_bytes()
+        assert expected is not None
         measured = sharded.stats.last_step["all_gather"].payload_bytes
-        pairs.append((measured, sharded.last_step_expected["inside"]["all_gather"]))
+        pairs.append((measured, expected["all_gather"]))
     return pairs
 
 

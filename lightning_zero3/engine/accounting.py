@@ -79,7 +79,14 @@ def model_state_bytes(model: ShardedModel, optimizers: list[torch.optim.Optimize
     }
 
 
-def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> dict[str, int]:
+# The recorded (forward, backward) unit orders a step ran with (schedule.py): what the formula
+# depends on besides the model's layout.
+Orders = tuple[list[int] | None, list[int] | None]
+
+
+def expected_step_bytes(
+    model: ShardedModel, *, across_groups: bool = False, orders: Orders | None = None
+) -> dict[str, int]:
     """Payload bytes per training step that the design predicts (Note: flat layout): a
     unit is All-Gathered for forward and again for its backward, except the units kept from
     forward into backward (the root; once an order is recorded, the last unit and the units
@@ -92,7 +99,8 @@ def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> 
     so that an unused one keeps grad None). With `across_groups` (hierarchical sharding):
     what crosses between shard groups, one All-Reduce of each rank's reduced shard gradients
     (1/G of the gradient), and the persistent parameters' All-Reduce, which runs over all ranks
-    (persistent.py)."""
+    (persistent.py). `orders`: the record a step ran with (default: the current one)."""
+    forward_order, backward_order = orders or (model.schedule.forward_order, model.schedule.backward_order)
     n = model.comm.world_size
     trainable_persistent = [p for p in model.persistent if p.requires_grad]
     persistent = sum((p.numel() + 1) * p.element_size() for p in trainable_persistent)
@@ -103,14 +111,13 @@ def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> 
         shards = sum(u.reduce_row_numel * u.reduce_dtype.itemsize for u in trainable_units)
         return {"all_reduce": shards + persistent}
     expected = {"all_gather": 0, "reduce_scatter": 0}
-    kept = _kept_for_backward(model)
+    kept = _kept_for_backward(model, forward_order)
     for unit in model.units:
         if not unit.params:
             continue
         gather = n * unit.row_numel() * unit.param_dtype.itemsize
         trainable = unit in trainable_units
-        recorded = model.schedule.backward_order
-        has_backward = trainable or recorded is None or unit.uid in recorded
+        has_backward = trainable or backward_order is None or unit.uid in backward_order
         expected["all_gather"] += gather * (2 if has_backward and unit.uid not in kept else 1)
         expected["reduce_scatter"] += n * unit.reduce_row_numel * unit.reduce_dtype.itemsize if trainable else 0
     if persistent and n > 1 and model.replicate_comm is None:  # with shard groups: counted across them
@@ -118,12 +125,11 @@ def expected_step_bytes(model: ShardedModel, *, across_groups: bool = False) -> 
     return expected
 
 
-def _kept_for_backward(model: ShardedModel) -> set[int]:
+def _kept_for_backward(model: ShardedModel, order: list[int] | None) -> set[int]:
     """Units gathered once per step because backward begins with them (hooks.py, Note: kept for
     backward): the root, and once an order is recorded the last unit to start forward with every
     unit whose module encloses it (their forward ends after it)."""
     kept = {model.units[0].uid}
-    order = model.schedule.forward_order
     if order:
         last = model.units[order[-1]].module
         kept.update(u.uid for u in model.units if any(m is last for m in u.module.modules()))

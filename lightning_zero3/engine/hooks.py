@@ -200,10 +200,7 @@ class HookDriver:
         the calls a backward that raised left on the modules (Note: exceptions) would shadow the
         registered parameters for good. No collective: the Reduce-Scatters of such a backward
         are dropped unwaited (leave_sharded may follow a failure where other ranks are gone)."""
-        self._release_kept()
-        for slot in self._slots:
-            if slot.call is not None:
-                self._move(slot.call, S.DONE)
+        self._drop_leftovers()
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
@@ -365,6 +362,16 @@ class HookDriver:
         """Whether a call of `unit` is kept gathered for a backward that has not reached it."""
         return self._slots[unit.uid].kept is not None
 
+    def _drop_leftovers(self) -> None:
+        """Between passes (a new one begins, or the hooks go), in one walk over the units: a
+        kept call gives its memory back (its backward, if it still comes, gathers again), and a
+        call still on its modules, left by a pass that raised (Note: exceptions), is closed."""
+        for slot in self._slots:
+            if slot.kept is not None:
+                self._move(slot.kept, S.RESHARDED)
+            if slot.call is not None:
+                self._move(slot.call, S.DONE)
+
     def _release_kept(self) -> None:
         """Kept calls whose backward has not begun give their memory back; it gathers again."""
         for slot in self._slots:
@@ -409,10 +416,7 @@ class HookDriver:
         # forward hook is open, so a call still on its modules is a leftover of a pass that
         # raised (Note: exceptions).
         self._release_stale_prefetches()
-        self._release_kept()  # the previous pass's backward did not come (yet): it gathers again
-        for slot in self._slots:
-            if slot.call is not None:
-                self._move(slot.call, S.DONE)
+        self._drop_leftovers()
         self._pending = []
         self.schedule.begin_forward()
 

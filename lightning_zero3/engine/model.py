@@ -138,9 +138,10 @@ class ShardedModel:
         if cpu_transport == "shared_memory" and target.type == "cpu":
             self.comm.use_shared_memory(self._largest_collective_bytes())
         self.hooks = HookDriver(self)
-        # The byte formula for the step in progress and for the last one closed (`end_step`).
-        self._step_expected = self._expected_both()
-        self.last_step_expected: dict[str, dict[str, int]] | None = None
+        # The recorded orders the step in progress runs with, and those of the last one closed
+        # (`end_step`): what `last_step_expected_bytes` evaluates the formula with.
+        self._orders_in_force: accounting.Orders = (None, None)
+        self._last_step_orders: accounting.Orders | None = None
         # HF generate() outside gathered_for_inference() keeps the ranks in step by default
         # (generation.py, Note: synced generation by default).
         ranks = self.comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
@@ -211,18 +212,22 @@ class ShardedModel:
 
     def end_step(self) -> None:
         """Close the step's traffic accounting: `stats.last_step` becomes this step's, and
-        `last_step_expected` the formula for it, as it stood when the step began (the first
-        step has no recorded order: accounting.expected_step_bytes)."""
+        `last_step_expected_bytes` gives the formula for it, with the record it ran with (the
+        first step has none: accounting.expected_step_bytes). Nothing is computed here."""
         self.comm.stats.end_step()
         if self.replicate_comm is not None:
             self.replicate_comm.stats.end_step()
         if self.world_comm is not self.comm:
             self.world_comm.stats.end_step()
-        self.last_step_expected = self._step_expected
-        self._step_expected = self._expected_both()
+        # The schedule replaces its order lists when the record changes, never edits them.
+        self._last_step_orders = self._orders_in_force
+        self._orders_in_force = (self.schedule.forward_order, self.schedule.backward_order)
 
-    def _expected_both(self) -> dict[str, dict[str, int]]:
-        return {"inside": self.expected_step_bytes(), "across": self.expected_step_bytes(across_groups=True)}
+    def last_step_expected_bytes(self, *, across_groups: bool = False) -> dict[str, int] | None:
+        """`expected_step_bytes` for the step `stats.last_step` measured; None before any."""
+        if self._last_step_orders is None:
+            return None
+        return accounting.expected_step_bytes(self, across_groups=across_groups, orders=self._last_step_orders)
 
     @property
     def global_rank(self) -> int:
