@@ -173,7 +173,6 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             param_init_fn=options.param_init_fn,
             device=self.root_device,
             reductions_in_flight=options.reductions_in_flight,
-            cpu_transport=options.cpu_transport,
         )
         self._sharded[id(module)] = sharded
         module.to(self.root_device)  # what sharding did not place (e.g. torchmetrics states)

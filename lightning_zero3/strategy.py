@@ -234,7 +234,6 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             param_init_fn=self.param_init_fn,
             device=self.root_device,
             reductions_in_flight=self.reductions_in_flight,
-            cpu_transport=self.cpu_transport,
         )
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, self.sharded, device=self.root_device)

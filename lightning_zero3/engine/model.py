@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accounting import LiveUnits, UnitStats
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.calls import engine_mode
+from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
 from lightning_zero3.engine.hooks import HookDriver
@@ -50,23 +51,26 @@ class ShardedModel:
     def __init__(
         self,
         module: nn.Module,
+        config: ShardingConfig | None = None,
         *,
         group: dist.ProcessGroup | None = None,
-        shard_size: int | None = None,
-        wrap_policy: WrapPolicy = None,
-        prefetch: int = 1,
-        persistence_threshold: int = 0,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        param_init_fn: ParamInitFn | None = None,
         device: torch.device | str | None = None,
-        reductions_in_flight: int | None = None,
-        trim_host_memory: bool = False,
         sync_module_states: bool = True,
-        cpu_transport: str = "process_group",
+        **options: Any,
     ) -> None:
-        validate_counts(prefetch, persistence_threshold, reductions_in_flight)
-        validate_cpu_transport(cpu_transport)
+        """`config` holds every option (config.py); `ShardedModel(module, prefetch=2)` builds one
+        from keyword arguments instead. `group` replaces the world (not with `shard_size`)."""
+        if config is None:
+            config = ShardingConfig(**options)
+        elif options:
+            raise ValueError(f"Pass options either in `config` or as keyword arguments, not both: {sorted(options)}.")
+        self.config = config
+        shard_size, wrap_policy, prefetch = config.shard_size, config.wrap_policy, config.prefetch
+        persistence_threshold, param_dtype, reduce_dtype = (
+            config.persistence_threshold, config.param_dtype, config.reduce_dtype,
+        )  # fmt: skip
+        param_init_fn, reductions_in_flight = config.param_init_fn, config.reductions_in_flight
+        trim_host_memory, cpu_transport = False, "process_group"
         self.module = module
         replicate_group = None
         if shard_size is not None:
@@ -87,7 +91,7 @@ class ShardedModel:
         # Shards left by an earlier engine whose run failed are made whole first (Note: a module left sharded).
         restore_if_left_sharded(module, world_comm=self.world_comm, device=target)
         self.plan = make_plan(
-            module, validate_wrap_policy(wrap_policy), persistence_threshold, shard_group_size=self.comm.world_size
+            module, wrap_policy, persistence_threshold, shard_group_size=self.comm.world_size
         )
         shards = shard_parameters(
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,

@@ -1,0 +1,85 @@
+"""`ShardingConfig`: every option of the engine, defined once and validated once.
+
+Both Lightning strategies take these as keyword arguments and hand them here unchanged
+(options.py); `ShardedModel(module, config)` takes the object whole. A field is added here
+and nowhere else: the strategies pass on whatever this dataclass declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zero3.dtypes import parse_dtype
+from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """What the user chose for the engine, validated and normalised (dtype names to dtypes).
+
+    Args:
+        wrap_policy: which modules form units (gathered together). None: each repeated child
+            of an ``nn.ModuleList``/``nn.Sequential`` that holds parameters; or a set of module
+            classes; or ``callable(module) -> bool``.
+        prefetch: units All-Gathered ahead of the one computing (0 turns prefetch off).
+        persistence_threshold: parameters with at most this many elements stay whole on every
+            rank; their gradients are All-Reduced.
+        shard_size: hierarchical sharding: shard within groups of this many consecutive ranks
+            (e.g. the processes of one node) and replicate across groups. None: the whole world.
+        param_dtype: dtype parameters are gathered and computed in (e.g. "bf16"). None: what the
+            precision implies (the strategies), else the model's dtype.
+        reduce_dtype: dtype gradients are Reduce-Scattered in. None: fp32 (exact).
+        param_init_fn: initialises one module's own parameters when the model was built on the
+            meta device. None: the module's ``reset_parameters()``.
+        reductions_in_flight: Reduce-Scatters left running while backward continues (each holds
+            one unit's gradient buffer). None: 2 on CUDA, 0 elsewhere (no gain measured on gloo).
+    """
+
+    wrap_policy: WrapPolicy = None
+    prefetch: int = 1
+    persistence_threshold: int = 0
+    shard_size: int | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    reductions_in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(option: str, expected: str) -> ValueError:
+            return ValueError(f"{option} must be {expected}; got {getattr(self, option)!r}.")
+
+        if type(self.prefetch) is not int or self.prefetch < 0:
+            raise bad("prefetch", "an int >= 0 (units gathered ahead)")
+        if type(self.persistence_threshold) is not int or self.persistence_threshold < 0:
+            raise bad("persistence_threshold", "an int >= 0 (elements)")
+        if self.reductions_in_flight is not None and (
+            type(self.reductions_in_flight) is not int or self.reductions_in_flight < 0
+        ):
+            raise bad(
+                "reductions_in_flight",
+                "None (2 on CUDA, 0 elsewhere) or an int >= 0 (Reduce-Scatters left running while backward continues)",
+            )
+        if self.shard_size is not None and (type(self.shard_size) is not int or self.shard_size < 1):
+            raise bad(
+                "shard_size",
+                "None (whole world) or a positive int that divides the number of ranks, e.g. the devices per node",
+            )
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise bad("param_init_fn", "callable")
+        # Normalised in place: the dataclass is frozen to its users, not to its own constructor.
+        object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))
+        object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
+        object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
+
+
+def config_field_names(config_type: type[Any]) -> frozenset[str]:
+    """The option names a config dataclass declares."""
+    return frozenset(f.name for f in fields(config_type))
+
+
+__all__ = ["ShardingConfig", "config_field_names"]
