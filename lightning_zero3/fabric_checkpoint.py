@@ -19,31 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero3.checkpoint import (
-    CheckpointError,
-    atomic_torch_save,
-    check_state_dict_loadable,
-    load_sharded_model,
-    load_sharded_optimizers,
-    open_checked,
-    raise_if,
-    require_exists,
-    run_and_agree,
-    save_sharded,
-    sharded_optimizer_state,
-)
-from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
+from lightning_zero3.checkpoint import CheckpointError, load_sharded_model, load_sharded_optimizers, run_and_agree
+from lightning_zero3.core import ReadFile, ShardedRun
+from lightning_zero3.engine.state import load_full_optimizer_state
+from lightning_zero3.options import full_file_writer
 
-if TYPE_CHECKING:
-    from lightning_zero3.fabric_strategy import ZeRO3FabricStrategy
+OWNER = "ZeRO3FabricStrategy"  # the class these functions serve, named in their messages
 
 FABRIC_KEY = "fabric"  # in a sharded checkpoint: {"module": key, "optimizers": [keys], "metadata": {...}}
 
@@ -53,20 +40,20 @@ def _stateful(obj: Any) -> bool:
 
 
 def _split(
-    strategy: ZeRO3FabricStrategy, state: dict[str, Any], verb: str
-) -> tuple[str, ShardedModel, list[tuple[str, Optimizer]], dict[str, Any]]:
-    """(the model's key, its engine, (key, optimizer) pairs, every other entry)."""
+    run_of: Callable[[nn.Module], ShardedRun], state: dict[str, Any], verb: str
+) -> tuple[str, ShardedRun, list[tuple[str, Optimizer]], dict[str, Any]]:
+    """(the model's key, its run, (key, optimizer) pairs, every other entry)."""
     modules = [key for key, obj in state.items() if isinstance(obj, nn.Module)]
     if len(modules) != 1:
         raise ValueError(
-            f"`fabric.{verb}` with {type(strategy).__name__} needs exactly one model in the state, e.g. "
+            f"`fabric.{verb}` with {OWNER} needs exactly one model in the state, e.g. "
             f"{{'model': model, 'optimizer': optimizer}}; got {len(modules)} ({modules}). To {verb} several models, "
             f"call `fabric.{verb}` once per model with its own path."
         )
     module_key = modules[0]
-    model = strategy.sharded_model(state[module_key])
+    run = run_of(state[module_key])
     optimizers = [(key, obj) for key, obj in state.items() if isinstance(obj, Optimizer)]
-    mine = {id(p) for p in model.module.parameters()}
+    mine = {id(p) for p in run.engine.module.parameters()}
     for key, optimizer in optimizers:
         if not all(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(
@@ -74,7 +61,7 @@ def _split(
                 f"'{module_key}'. Put each model with its own optimizers in its own checkpoint."
             )
     rest = {key: obj for key, obj in state.items() if key != module_key and not isinstance(obj, Optimizer)}
-    return module_key, model, optimizers, rest
+    return module_key, run, optimizers, rest
 
 
 def _filtered(key: str, value: Any, filter: dict[str, Callable[[str, Any], bool]]) -> Any:
@@ -84,87 +71,74 @@ def _filtered(key: str, value: Any, filter: dict[str, Callable[[str, Any], bool]
 
 
 def save(
-    strategy: ZeRO3FabricStrategy,
-    path: str,
+    run_of: Callable[[nn.Module], ShardedRun],
+    path: Path,
     state: dict[str, Any],
+    checkpoint_io: CheckpointIO,
     *,
     filter: dict[str, Callable[[str, Any], bool]] | None = None,
 ) -> None:
-    module_key, model, optimizers, rest = _split(strategy, state, "save")
-    if strategy.state_dict_type == "sharded":
+    module_key, run, optimizers, rest = _split(run_of, state, "save")
+    if run.sharded_checkpoints:
         if filter:
             raise ValueError(
-                f"`fabric.save(..., filter=...)` needs {type(strategy).__name__}(state_dict_type='full'): a sharded "
-                f"checkpoint stores the whole model state, so that it loads at any number of ranks."
+                f"`fabric.save(..., filter=...)` needs {OWNER}(state_dict_type='full'): a sharded checkpoint stores "
+                f"the whole model state, so that it loads at any number of ranks."
             )
         metadata = {key: obj.state_dict() if _stateful(obj) else obj for key, obj in rest.items()}
         checkpoint = {
-            "state_dict": model.module.state_dict(),  # this rank's shards
-            "optimizer_states": [sharded_optimizer_state(model, optimizer) for _, optimizer in optimizers],
+            "state_dict": run.model_state_dict(),  # this rank's shards
+            "optimizer_states": [run.optimizer_state(optimizer) for _, optimizer in optimizers],
             FABRIC_KEY: {"module": module_key, "optimizers": [key for key, _ in optimizers], "metadata": metadata},
         }
-        save_sharded(Path(path), model, checkpoint)
-        return
-    full: dict[str, Any] = {}
-    for key, obj in state.items():
-        if key == module_key:
-            value: Any = model.full_state_dict(to_rank=0)
-        elif isinstance(obj, Optimizer):
-            value = full_optimizer_state(model, obj, to_rank=0)
-        else:
-            value = obj.state_dict() if _stateful(obj) else obj
-        full[key] = _filtered(key, value, filter or {})
-
-    def write() -> None:
-        if model.global_rank != 0:
-            return
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:
-            atomic_torch_save(full, path)
-        else:
-            strategy.checkpoint_io.save_checkpoint(full, path)
-
-    context = f"Saving the checkpoint {path} failed (any previous one is unchanged)"
-    run_and_agree(model.world_comm, write, context=context)
+    else:
+        checkpoint = {}
+        for key, obj in state.items():
+            if key == module_key:
+                value: Any = run.model_state_dict()
+            elif isinstance(obj, Optimizer):
+                value = run.optimizer_state(obj)
+            else:
+                value = obj.state_dict() if _stateful(obj) else obj
+            checkpoint[key] = _filtered(key, value, filter or {})
+    run.save(path, checkpoint, full_file_writer(checkpoint_io))
 
 
 def load(
-    strategy: ZeRO3FabricStrategy,
-    path: str,
+    run_of: Callable[[nn.Module], ShardedRun],
+    file: Path,
     state: nn.Module | Optimizer | dict[str, Any] | None,
+    read_file: ReadFile,
     *,
     strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
-    file = Path(path)
     context = f"Cannot load the checkpoint {file}"
-    # Unpickle without restriction only when asked to (checkpoint/trust.py, Note: checkpoint trust model).
-    trusted = strategy.options.trust_checkpoint or weights_only is False
     if isinstance(state, Optimizer):
         raise NotImplementedError(
-            f"{type(strategy).__name__} cannot load an optimizer alone: its state is keyed by the model's parameter "
+            f"{OWNER} cannot load an optimizer alone: its state is keyed by the model's parameter "
             f"names. Use `fabric.load(path, {{'model': model, 'optimizer': optimizer}})`."
         )
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
-        model = strategy.sharded_model(state)
-        require_exists(model.world_comm, file, context=context)
+        run = run_of(state)
+        trusted = run.trusted(weights_only)
         if file.is_dir():
-            _load_sharded_model(model, file, strict=strict, context=context, trusted=trusted)
+            load_sharded_model(run.open_sharded(file, strict=strict, trusted=trusted, context=context), run.engine)
         else:
-            raw = run_and_agree(
-                model.world_comm, lambda: _read_checked(file, model, None, strict, trusted), context=context
-            )
-            model.load_full_state_dict(raw, strict=strict)
+            raw = run.read_full(file, read_file, trusted=trusted, strict=strict, context=context, key=None)
+            run.engine.load_full_state_dict(raw, strict=strict)
         return {}
     if not state:
         raise ValueError(
-            f"`fabric.load(path)` with {type(strategy).__name__} needs the objects to load into, e.g. "
+            f"`fabric.load(path)` with {OWNER} needs the objects to load into, e.g. "
             f"`fabric.load(path, {{'model': model, 'optimizer': optimizer}})`: the model's shards are loaded in place."
         )
-    module_key, model, optimizers, rest = _split(strategy, state, "load")
-    require_exists(model.world_comm, file, context=context)
+    module_key, run, optimizers, rest = _split(run_of, state, "load")
+    trusted = run.trusted(weights_only)
     if file.is_dir():
-        ckpt = _load_sharded_model(model, file, strict=strict, context=context, trusted=trusted)
-        saved = run_and_agree(model.world_comm, ckpt.trainer_state, context=context)
+        ckpt = run.open_sharded(file, strict=strict, trusted=trusted, context=context)
+        load_sharded_model(ckpt, run.engine)
+        saved = run_and_agree(run.engine.world_comm, ckpt.trainer_state, context=context)
         extra = dict(saved["extra"])
         # A Trainer's checkpoint has no "fabric" entry: its optimizers are in order, the rest is metadata.
         info = extra.pop(FABRIC_KEY, None) or {"optimizers": [key for key, _ in optimizers], "metadata": extra}
@@ -175,16 +149,14 @@ def load(
                     f"{context}: it holds the optimizers {info['optimizers']} but the state passed to `fabric.load` "
                     f"has {sorted(by_key)}; pass all of them (or none)."
                 )
-            load_sharded_optimizers(ckpt, model, [by_key[key] for key in info["optimizers"]])
+            load_sharded_optimizers(ckpt, run.engine, [by_key[key] for key in info["optimizers"]])
         metadata = dict(info["metadata"])
     else:
-        checkpoint = run_and_agree(
-            model.world_comm, lambda: _read_checked(file, model, module_key, strict, trusted), context=context
-        )
-        model.load_full_state_dict(checkpoint.pop(module_key), strict=strict)
+        checkpoint = run.read_full(file, read_file, trusted=trusted, strict=strict, context=context, key=module_key)
+        run.engine.load_full_state_dict(checkpoint.pop(module_key), strict=strict)
         for key, optimizer in optimizers:
             if key in checkpoint:
-                load_full_optimizer_state(model, optimizer, checkpoint.pop(key))
+                load_full_optimizer_state(run.engine, optimizer, checkpoint.pop(key))
             elif strict:
                 raise KeyError(f"{context}: it has no entry '{key}'. Pass strict=False to load without it.")
         metadata = checkpoint
@@ -202,30 +174,3 @@ def load(
         else:
             state[key] = metadata.pop(key)
     return metadata
-
-
-def _load_sharded_model(model: ShardedModel, path: Path, *, strict: bool, context: str, trusted: bool) -> Any:
-    ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted)
-    load_sharded_model(ckpt, model)
-    return ckpt
-
-
-def _read_checked(
-    path: Path, model: ShardedModel, module_key: str | None, strict: bool, trusted: bool
-) -> dict[str, Any]:
-    """A full file, memory-mapped (ranks share the page cache), checked against the model:
-    with `module_key`, a Fabric checkpoint whose entry `module_key` is the state dict; without,
-    a plain state dict."""
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist")
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
-    if not isinstance(checkpoint, dict):
-        raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a dict")
-    if module_key is not None and module_key not in checkpoint:
-        raise CheckpointError(
-            f"{path} has no entry '{module_key}' (it has {sorted(checkpoint)[:8]}); pass the model under the key it "
-            f"was saved with"
-        )
-    state_dict = checkpoint[module_key] if module_key is not None else checkpoint
-    raise_if(check_state_dict_loadable(path, state_dict, model, strict=strict))
-    return checkpoint

@@ -23,9 +23,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
@@ -40,9 +39,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
+from lightning_zero3.core import ShardedRun
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
-from lightning_zero3.engine.plan import WrapPolicy
-from lightning_zero3.options import RanksAndDevices, all_reduce, mixed_precision_dtype, validated_options
+from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, full_file_reader, split_options
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -51,12 +50,9 @@ if TYPE_CHECKING:
 class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
 
-    Takes the options of the Trainer's `ZeRO3Strategy` (see its docstring and the README):
-    wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
-    param_init_fn, state_dict_type ("sharded" directory or "full" file for `fabric.save`),
-    timeout, start_method ("popen" re-runs the script per rank; "spawn"/"fork"/"forkserver"
-    need `fabric.launch(function)`), process_group_backend, reductions_in_flight, cpu_transport and
-    trust_checkpoint (`fabric.load` unpickles without restriction: checkpoint/trust.py).
+    Takes the options of the Trainer's `ZeRO3Strategy` (its docstring, the README), read back as
+    `strategy.config` and `strategy.lightning_options`. With start_method "spawn"/"fork"/
+    "forkserver", ranks are started by `fabric.launch(function)`.
     """
 
     strategy_name = "zero3"
@@ -64,25 +60,13 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     def __init__(
         self,
         *,
-        wrap_policy: WrapPolicy = None,
-        prefetch: int = 1,
-        persistence_threshold: int = 0,
-        shard_size: int | None = None,
-        param_dtype: torch.dtype | str | None = None,
-        reduce_dtype: torch.dtype | str | None = None,
-        param_init_fn: Callable[[nn.Module], None] | None = None,
-        state_dict_type: Literal["sharded", "full"] = "sharded",
-        timeout: timedelta = timedelta(minutes=30),
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        process_group_backend: str | None = None,
-        reductions_in_flight: int | None = None,
-        trust_checkpoint: bool = False,
-        cpu_transport: Literal["process_group", "shared_memory"] = "process_group",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        **options: Any,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -91,33 +75,23 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
-        self.options = validated_options(
-            type(self).__name__, wrap_policy=wrap_policy, prefetch=prefetch,
-            persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
-            timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
-            trust_checkpoint=trust_checkpoint, cpu_transport=cpu_transport,
-        )  # fmt: skip
+        self.config, self.lightning_options = split_options(type(self).__name__, options)
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         # One engine per module set up (a GAN has two), by the module's id.
-        self._sharded: dict[int, ShardedModel] = {}
+        self._runs: dict[int, ShardedRun] = {}
         # id(whole parameter replaced by a shard) -> (a weak reference to it, its shard), so that
         # an optimizer built before setup can be pointed at the shards (Note: optimizers created
         # before setup). The weak reference tells a reused id apart and lets the whole tensor be
         # freed once no optimizer holds it.
         self._replaced: dict[int, tuple[weakref.ref[Tensor], nn.Parameter]] = {}
 
-    @property
-    def state_dict_type(self) -> str:
-        return self.options.state_dict_type
-
     # ---- what Fabric asks of a distributed strategy (and RanksAndDevices in options.py) -------
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.options.start_method != "popen":
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.options.start_method)
+        if self.lightning_options.start_method != "popen":
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
         else:
             # Also where the ranks were started outside (torchrun, SLURM, our own children): the
             # launcher then only sets each rank's torch threads to its share of the cores. Without
@@ -127,15 +101,17 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.join_world(self.options.timeout)
+        self.join_world(self.lightning_options.timeout)
 
     # ---- building and sharding the model ----------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         # empty_init: build on the meta device; setup_module materialises, initialises and shards
         # one module at a time (engine/materialize.py), so no rank ever holds the whole model.
+        # Otherwise in host memory, as under Lightning's FSDP (never whole on the device).
         stack = ExitStack()
-        stack.enter_context(torch.device("meta") if empty_init else self.root_device)
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
         stack.enter_context(self.precision.module_init_context())
         return stack
 
@@ -145,36 +121,20 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         # persistent parameters and buffers on the device one module at a time, so a whole model
         # in host memory never goes there whole (engine/materialize.py, Note: sharding from host
         # memory). A module set up already is there.
-        if any(sharded.module is module for sharded in self._sharded.values()):
+        if any(run.engine.module is module for run in self._runs.values()):
             module.to(self.root_device)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard `module` in place (its parameters become this rank's 1-D shards) and return it."""
-        if id(module) in self._sharded or any(sm.module is module for sm in self._sharded.values()):
+        if id(module) in self._runs or any(run.engine.module is module for run in self._runs.values()):
             raise ValueError(f"{type(self).__name__}: this module was set up already; set up each module once.")
-        options = self.options
-        param_dtype = options.param_dtype or mixed_precision_dtype(getattr(self.precision, "precision", ""))
-        if options.param_dtype is not None and options.param_dtype.itemsize < 4 and type(self.precision) is Precision:
-            raise ValueError(
-                f"{type(self).__name__}(param_dtype={options.param_dtype}) computes in 16 bits, but Fabric's "
-                f"precision is 32-true, so inputs stay fp32 and the first layer fails on mixed dtypes. Use "
-                f"Fabric(precision='bf16-mixed') (autocast; param_dtype then defaults to bf16) or cast inputs."
-            )
         before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
-        sharded = ShardedModel(
-            module,
-            wrap_policy=options.wrap_policy,
-            prefetch=options.prefetch,
-            persistence_threshold=options.persistence_threshold,
-            shard_size=options.shard_size if options.shard_size != self.world_size else None,
-            param_dtype=param_dtype,
-            reduce_dtype=options.reduce_dtype,
-            param_init_fn=options.param_init_fn,
-            device=self.root_device,
-            reductions_in_flight=options.reductions_in_flight,
-        )
-        self._sharded[id(module)] = sharded
+        sharded = build_engine(
+            type(self).__name__, module, self.config,
+            precision=self.precision, world_size=self.world_size, device=self.root_device,
+        )  # fmt: skip
+        self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options)
         module.to(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
         for name, old in before.items():
@@ -215,7 +175,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             _check_no_state([optimizer], type(self).__name__)
             for group in optimizer.param_groups:
                 group["params"] = [shard if (shard := self._shard_of(p)) is not None else p for p in group["params"]]
-        known = {id(p) for sm in self._sharded.values() for p in sm.module.parameters()}
+        known = {id(p) for run in self._runs.values() for p in run.engine.module.parameters()}
         unknown = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in known]
         if unknown:
             raise ValueError(
@@ -234,22 +194,25 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     def sharded_model(self, module: nn.Module | None = None) -> ShardedModel:
         """The engine holding `module`'s shards (a module set up with Fabric, or the one inside
         the wrapper `fabric.setup` returned); with one model set up, `module` may be omitted."""
-        if module is None and len(self._sharded) == 1:
-            return next(iter(self._sharded.values()))
+        return self._run_of(module).engine
+
+    def _run_of(self, module: nn.Module | None = None) -> ShardedRun:
+        if module is None and len(self._runs) == 1:
+            return next(iter(self._runs.values()))
         inner = getattr(module, "_forward_module", module)  # Fabric's wrapper around what setup returned
         for candidate in (module, inner):
-            if candidate is not None and id(candidate) in self._sharded:
-                return self._sharded[id(candidate)]
+            if candidate is not None and id(candidate) in self._runs:
+                return self._runs[id(candidate)]
         raise ValueError(
             f"{type(self).__name__}: {type(module).__name__ if module is not None else 'no module'} was not set up "
-            f"with this strategy ({len(self._sharded)} set up). Pass the model returned by `fabric.setup(...)`."
+            f"with this strategy ({len(self._runs)} set up). Pass the model returned by `fabric.setup(...)`."
         )
 
     def _model_of_optimizer(self, optimizer: Optimizer) -> ShardedModel:
         first = next((p for group in optimizer.param_groups for p in group["params"]), None)
-        for sharded in self._sharded.values():
-            if any(p is first for p in sharded.module.parameters()):
-                return sharded
+        for run in self._runs.values():
+            if any(p is first for p in run.engine.module.parameters()):
+                return run.engine
         raise ValueError(f"{type(self).__name__}: the optimizer holds no parameter of a model set up with Fabric.")
 
     # ---- a training step ------------------------------------------------------------------
@@ -312,9 +275,9 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         if module is None:
             return self.sharded_model()
         inner = getattr(module, "_forward_module", module)
-        for sharded in self._sharded.values():
-            if any(m is inner for m in sharded.module.modules()):
-                return sharded
+        for run in self._runs.values():
+            if any(m is inner for m in run.engine.module.modules()):
+                return run.engine
         return self.sharded_model(module)
 
     # ---- collectives Fabric uses -----------------------------------------------------------
@@ -337,7 +300,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         "full" one ordinary file from rank 0 with whole tensors. Both load at any world size."""
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
-        fabric_checkpoint.save(self, self.broadcast(str(path)), state, filter=filter)
+        fabric_checkpoint.save(self._run_of, Path(self.broadcast(str(path))), state, self.checkpoint_io, filter=filter)
 
     @override
     def load_checkpoint(
@@ -348,14 +311,19 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """`fabric.load`: a sharded directory or a full file, saved at any world size."""
-        return fabric_checkpoint.load(self, self.broadcast(str(path)), state, strict=strict, weights_only=weights_only)
+        read = full_file_reader(self.checkpoint_io, weights_only=weights_only, lightning_file=False)
+        file = Path(self.broadcast(str(path)))
+        return fabric_checkpoint.load(self._run_of, file, state, read, strict=strict, weights_only=weights_only)
 
     # ---- teardown ---------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        for sharded in self._sharded.values():
-            sharded.remove_hooks()
-        self._sharded.clear()
+        # Fabric tells a strategy nothing of failures, so teardown makes no collective: each module
+        # is left sharded, its forward refused, until a new setup makes it whole (core.py, Note:
+        # run lifecycle). `gathered_parameters` or a full save gives whole weights before this.
+        for run in self._runs.values():
+            run.end(failed=True)
+        self._runs.clear()
         super().teardown()
 
     @classmethod

@@ -25,21 +25,23 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 import torch
-from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
-from lightning_zero3.dtypes import parse_dtype
-from lightning_zero3.engine.plan import WrapPolicy, validate_counts, validate_wrap_policy
-from lightning_zero3.engine.shm import validate_cpu_transport
+from lightning_zero3.checkpoint import atomic_torch_save, load_full_file
+from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.config import ShardingConfig, config_field_names
 
 T = TypeVar("T")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -48,98 +50,101 @@ STATE_DICT_TYPES = ("sharded", "full")
 
 
 @dataclass(frozen=True)
-class ShardingOptions:
-    """What the user chose, validated and normalised (dtype names turned into dtypes)."""
+class LightningOptions:
+    """The options only the Lightning strategies have (the engine's are `ShardingConfig`).
 
-    wrap_policy: WrapPolicy
-    prefetch: int
-    persistence_threshold: int
-    shard_size: int | None
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-    param_init_fn: Callable[[nn.Module], None] | None
-    state_dict_type: str
-    timeout: timedelta
-    start_method: StartMethod
-    # Reduce-Scatters left running while backward continues; None: 2 on CUDA, 0 elsewhere.
-    reductions_in_flight: int | None = None
-    # Unpickle checkpoint files without restrictions (checkpoint/trust.py).
+    Args:
+        state_dict_type: "sharded" (a directory, each rank its shards) or "full" (one file
+            written by rank 0) checkpoints.
+        trust_checkpoint: unpickle checkpoint files without restriction, which can run code
+            from the file (checkpoint/trust.py). Default False.
+        timeout: process-group timeout: a rank that never arrives fails the others after it.
+        start_method: "popen" (re-run the script per rank) or a multiprocessing start method.
+    """
+
+    state_dict_type: Literal["sharded", "full"] = "sharded"
     trust_checkpoint: bool = False
-    # How CPU gathers and reductions travel (engine/shm.py): "process_group" or "shared_memory".
-    cpu_transport: str = "process_group"
+    timeout: timedelta = timedelta(minutes=30)
+    start_method: StartMethod = "popen"
+
+    def __post_init__(self) -> None:
+        def bad(option: str, expected: str) -> ValueError:
+            return ValueError(f"LightningOptions({option}=...) must be {expected}; got {getattr(self, option)!r}.")
+
+        if self.state_dict_type not in STATE_DICT_TYPES:
+            raise bad("state_dict_type", f"one of {STATE_DICT_TYPES}")
+        if not isinstance(self.trust_checkpoint, bool):
+            raise bad("trust_checkpoint", "a bool")
+        if not isinstance(self.timeout, timedelta):
+            raise bad("timeout", "a datetime.timedelta")
+        if self.start_method not in START_METHODS:
+            raise bad("start_method", f"one of {START_METHODS}")
 
 
-def validated_options(
-    owner: str,
-    *,
-    wrap_policy: object,
-    prefetch: object,
-    persistence_threshold: object,
-    shard_size: object,
-    param_dtype: object,
-    reduce_dtype: object,
-    param_init_fn: object,
-    state_dict_type: object,
-    timeout: object,
-    start_method: object,
-    reductions_in_flight: object = None,
-    trust_checkpoint: object = False,
-    cpu_transport: object = "process_group",
-) -> ShardingOptions:
-    """Check every option; raise `ValueError` naming `owner` (the class), the option and the fix."""
-    validate_counts(prefetch, persistence_threshold, reductions_in_flight, owner=owner)
-    if state_dict_type not in STATE_DICT_TYPES:
-        raise ValueError(f"{owner}(state_dict_type=...) must be one of {STATE_DICT_TYPES}, got {state_dict_type!r}.")
-    if start_method not in START_METHODS:
-        raise ValueError(f"{owner}(start_method=...) must be one of {START_METHODS}, got {start_method!r}.")
-    if not isinstance(timeout, timedelta):
-        raise ValueError(f"{owner}(timeout=...) must be a datetime.timedelta, got {timeout!r}.")
-    if shard_size is not None and (type(shard_size) is not int or shard_size < 1):
-        raise ValueError(
-            f"{owner}(shard_size=...) must be None (whole world) or a positive int that divides the number of "
-            f"ranks, e.g. the devices per node; got {shard_size!r}."
+def split_options(owner: str, options: dict[str, Any]) -> tuple[ShardingConfig, LightningOptions]:
+    """A strategy's keyword options as the engine's config and the Lightning-only ones, each
+    validated once; errors name `owner` (the strategy class) as the constructor the user called."""
+    engine_names, lightning_names = config_field_names(ShardingConfig), config_field_names(LightningOptions)
+    unknown = sorted(set(options) - engine_names - lightning_names)
+    if unknown:
+        raise TypeError(
+            f"{owner} got unknown options {unknown}. Its options are {sorted(engine_names | lightning_names)} "
+            f"(docs: README, 'Options')."
         )
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise ValueError(f"{owner}(param_init_fn=...) must be callable; got {param_init_fn!r}.")
-    validate_cpu_transport(cpu_transport, owner=owner)
-    if not isinstance(trust_checkpoint, bool):
-        raise ValueError(f"{owner}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
-    return ShardingOptions(
-        wrap_policy=validate_wrap_policy(wrap_policy),
-        prefetch=prefetch,  # type: ignore[arg-type]  # an int: validate_counts checked it
-        persistence_threshold=persistence_threshold,  # type: ignore[arg-type]
-        shard_size=shard_size,
-        param_dtype=parse_dtype(param_dtype, f"{owner}(param_dtype=...)"),
-        reduce_dtype=parse_dtype(reduce_dtype, f"{owner}(reduce_dtype=...)"),
-        param_init_fn=param_init_fn,  # type: ignore[arg-type]
-        state_dict_type=state_dict_type,  # type: ignore[arg-type]
-        timeout=timeout,
-        start_method=start_method,  # type: ignore[arg-type]
-        reductions_in_flight=reductions_in_flight,  # type: ignore[arg-type]
-        trust_checkpoint=trust_checkpoint,
-        cpu_transport=cpu_transport,  # type: ignore[arg-type]  # checked above
-    )
-
-
-class OptionAttribute:
-    """A strategy attribute that is one field of `strategy.options`: reading it reads the field,
-    assigning it replaces `strategy.options` with a copy validated as at construction, so that
-    `strategy.prefetch = -1` raises the constructor's `ValueError` instead of failing at setup."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, strategy: Any, owner: type | None = None) -> Any:
-        return self if strategy is None else getattr(strategy.options, self.name)
-
-    def __set__(self, strategy: Any, value: object) -> None:
-        current = {f.name: getattr(strategy.options, f.name) for f in fields(strategy.options)}
-        strategy.options = validated_options(type(strategy).__name__, **{**current, self.name: value})
+    try:
+        config = ShardingConfig(**{k: v for k, v in options.items() if k in engine_names})
+        lightning = LightningOptions(**{k: v for k, v in options.items() if k in lightning_names})
+    except ValueError as err:  # "ShardingConfig(prefetch=...) must be ..." -> "ZeRO3Strategy(prefetch=...) ..."
+        message = re.sub(r"^(ShardingConfig|LightningOptions)\(", f"{owner}(", str(err))
+        raise ValueError(message if message != str(err) else f"{owner}: {err}") from None
+    return config, lightning
 
 
 def mixed_precision_dtype(precision: str) -> torch.dtype | None:
     """The gather dtype a precision flag implies: 16-bit for the "-mixed" flags."""
     return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+
+def build_engine(
+    owner: str, module: nn.Module, config: ShardingConfig, *, precision: object, world_size: int, device: torch.device
+) -> ShardedModel:
+    """Shard `module` as both strategies do: the gather dtype defaults to what the precision
+    plugin implies, and 16-bit compute under a 32-bit plugin is refused before anything changes."""
+    narrow = config.param_dtype is not None and config.param_dtype.itemsize < 4
+    flag = str(getattr(precision, "precision", ""))
+    if narrow and flag in ("32-true", "64-true"):
+        raise ValueError(
+            f"{owner}(param_dtype={config.param_dtype}) computes in 16 bits, but the precision is {flag}, "
+            f"so inputs stay fp32 and the first layer fails on mixed dtypes. Use precision='bf16-mixed' (autocast; "
+            f"param_dtype then defaults to bf16) or cast inputs."
+        )
+    config = replace(
+        config,
+        param_dtype=config.param_dtype or mixed_precision_dtype(flag),
+        shard_size=config.shard_size if config.shard_size != world_size else None,
+    )
+    return ShardedModel(module, config, device=device)
+
+
+def full_file_writer(checkpoint_io: CheckpointIO) -> Callable[[dict[str, Any], Path], None]:
+    """How a full checkpoint file is written: atomically by us for Lightning's default plugin,
+    else by the user's plugin (its own format and guarantees)."""
+    if type(checkpoint_io) is TorchCheckpointIO:
+        return atomic_torch_save
+    return lambda checkpoint, path: checkpoint_io.save_checkpoint(checkpoint, path)
+
+
+def full_file_reader(
+    checkpoint_io: CheckpointIO, *, weights_only: bool | None, lightning_file: bool
+) -> Callable[[Path, bool], dict[str, Any]]:
+    """How a full checkpoint file is read, `(path, trusted) -> dict`: memory-mapped by us for
+    Lightning's default plugin (`lightning_file`: a Trainer checkpoint, checked to have a
+    "state_dict"), else by the user's plugin."""
+    if type(checkpoint_io) is not TorchCheckpointIO:
+        return lambda path, trusted: checkpoint_io.load_checkpoint(path, weights_only=weights_only or not trusted)
+    if lightning_file:
+        return lambda path, trusted: load_full_file(path, weights_only=not trusted)
+    return lambda path, trusted: torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
 
 
 def join_process_group(

@@ -8,11 +8,11 @@ engine does.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
-from datetime import timedelta
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed
@@ -28,17 +28,10 @@ from typing_extensions import override
 
 from lightning_zero3 import trainer_checkpoint
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
+from lightning_zero3.core import Lifecycle, ShardedRun
 from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
 from lightning_zero3.engine.materialize import parameters_on_meta
-from lightning_zero3.engine.plan import WrapPolicy
-from lightning_zero3.options import (
-    OptionAttribute,
-    RanksAndDevices,
-    all_reduce,
-    mixed_precision_dtype,
-    optimizer_state_to,
-    validated_options,
-)
+from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, optimizer_state_to, split_options
 from lightning_zero3.precision import sharded_precision
 from lightning_zero3.summary import count_full_parameters, sharded_stats
 
@@ -59,84 +52,29 @@ class _RootCall(nn.Module):
 class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
 
-    Args:
-        wrap_policy: which modules form units (gathered together). None: each repeated child
-            of an ``nn.ModuleList``/``nn.Sequential`` that holds parameters; or a set of module
-            classes; or ``callable(module) -> bool``.
-        prefetch: units All-Gathered ahead of the one computing (0 turns prefetch off).
-        persistence_threshold: parameters with at most this many elements stay whole on every
-            rank; their gradients are All-Reduced.
-        shard_size: hierarchical sharding: shard within groups of this many consecutive ranks
-            (e.g. the processes of one node) and replicate across groups. Gathers stay inside a
-            group; only 1/shard_size of each gradient crosses between groups. Model state per
-            rank is 16Ψ/shard_size bytes. None (default): shard over the whole world.
-        param_dtype: dtype parameters are gathered and computed in (e.g. "bf16"). Default: what
-            the Trainer's precision implies ("bf16-mixed" -> bf16, "16-mixed" -> fp16), else the
-            model's dtype. The shards, the optimizer's master copy, keep the model's dtype.
-        reduce_dtype: dtype gradients are reduce-scattered in. Default fp32 (exact); "bf16"
-            halves the gradient traffic.
-        param_init_fn: initialises one module's own parameters when the model was built on the
-            meta device (in ``configure_model`` or ``trainer.init_module(empty_init=True)``).
-            Default: the module's ``reset_parameters()``.
-        state_dict_type: "sharded" or "full" checkpoints.
-        trust_checkpoint: load checkpoints with plain pickle (DCP's index, trainer_state.pt, full
-            files with ``weights_only=False``), which can run code from the file: only for
-            checkpoints from a trusted source whose Lightning state holds arbitrary objects. Default
-            False: nothing in a checkpoint runs code (docs/checkpoints.md, "What loading trusts").
-            ``trainer.fit(..., weights_only=False)`` does not reach this strategy: Lightning passes
-            it only to strategies that restore before setup, and this one restores after.
-        timeout: process-group timeout: a rank that never arrives fails the others after it.
-        start_method: "popen" (re-run the script per rank, default), or a multiprocessing start
-            method ("spawn", "fork", "forkserver").
-        reductions_in_flight: gradient Reduce-Scatters left running while backward continues
-            (each holds one unit's full gradient buffer). None (default): 2 on CUDA, 0 elsewhere
-            (on CPU/gloo no gain was measured).
-        cpu_transport: how CPU tensors' All-Gathers and Reduce-Scatters travel: "process_group"
-            (default: gloo, loopback TCP between ranks on one host) or "shared_memory" (a file in
-            /dev/shm mapped by every rank; all ranks of a shard group must be on one host; see
-            docs/performance.md, "Shared-memory transport"). No effect on CUDA tensors.
+    Takes keyword options only: those of the engine (`lightning_zero3.engine.ShardingConfig`:
+    wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
+    param_init_fn, reductions_in_flight) and the Lightning-only ones (`LightningOptions`:
+    state_dict_type, trust_checkpoint, timeout, start_method), documented there and in the README;
+    plus Lightning's own (accelerator, parallel_devices, cluster_environment, checkpoint_io,
+    precision_plugin, process_group_backend). They are read back as `strategy.config` and
+    `strategy.lightning_options`; replace one with `dataclasses.replace(strategy.config, prefetch=2)`,
+    which validates it again. A ``param_dtype`` of None follows the Trainer's precision
+    ("bf16-mixed" -> bf16, "16-mixed" -> fp16).
     """
 
     strategy_name = "zero3"
 
-    # The options live in `self.options` (a validated `ShardingOptions`, as in the Fabric
-    # strategy); these public names read them and, assigned, replace them validated.
-    wrap_policy = OptionAttribute()
-    prefetch = OptionAttribute()
-    persistence_threshold = OptionAttribute()
-    shard_size = OptionAttribute()
-    param_dtype = OptionAttribute()
-    reduce_dtype = OptionAttribute()
-    param_init_fn = OptionAttribute()
-    state_dict_type = OptionAttribute()
-    trust_checkpoint = OptionAttribute()
-    timeout = OptionAttribute()
-    start_method = OptionAttribute()
-    reductions_in_flight = OptionAttribute()
-    cpu_transport = OptionAttribute()
-
     def __init__(
         self,
         *,
-        wrap_policy: WrapPolicy = None,
-        prefetch: int = 1,
-        persistence_threshold: int = 0,
-        shard_size: int | None = None,
-        param_dtype: torch.dtype | str | None = None,
-        reduce_dtype: torch.dtype | str | None = None,
-        param_init_fn: Callable[[nn.Module], None] | None = None,
-        state_dict_type: Literal["sharded", "full"] = "sharded",
-        trust_checkpoint: bool = False,
-        timeout: timedelta = timedelta(minutes=30),
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        process_group_backend: str | None = None,
-        reductions_in_flight: int | None = None,
-        cpu_transport: Literal["process_group", "shared_memory"] = "process_group",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        **options: Any,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -145,26 +83,19 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.options = validated_options(
-            type(self).__name__, wrap_policy=wrap_policy, prefetch=prefetch,
-            persistence_threshold=persistence_threshold, shard_size=shard_size, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, param_init_fn=param_init_fn, state_dict_type=state_dict_type,
-            timeout=timeout, start_method=start_method, reductions_in_flight=reductions_in_flight,
-            trust_checkpoint=trust_checkpoint, cpu_transport=cpu_transport,
-        )  # fmt: skip
+        self.config, self.lightning_options = split_options(type(self).__name__, options)
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
-        # The engine that holds this run's shards; None outside setup..teardown.
-        self.sharded: ShardedModel | None = None
-        # True after teardown put whole parameters back on the module.
-        self.whole = False
+        # The module under ZeRO-3 (core.py, Note: run lifecycle); None before the first setup.
+        self.run: ShardedRun | None = None
+        # Set by `on_exception`: teardown then makes no collective (other ranks may be gone).
         self._failed = False
 
     @override
     def __getstate__(self) -> dict[str, Any]:
         # The engine holds this process's process groups and hooks; a pickled strategy (as in
         # `torch.save(trainer)`) leaves it behind, like Lightning's DDP drops its process group.
-        return {**super().__getstate__(), "sharded": None}
+        return {**super().__getstate__(), "run": None}
 
     # ---- what Lightning asks of a distributed strategy (and RanksAndDevices in options.py) ----
     @property
@@ -181,17 +112,17 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.options.start_method == "popen":
+        if self.lightning_options.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             # Teardown makes parameters whole again, so the launcher's copy of rank 0's
             # state_dict back into the main process has full shapes.
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.options.start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.join_world(self.options.timeout)  # options.py: RanksAndDevices
+        self.join_world(self.lightning_options.timeout)  # options.py: RanksAndDevices
 
     # ---- setup ------------------------------------------------------------------------------
     @override
@@ -201,7 +132,6 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         self.accelerator.setup(trainer)
         assert self.model is not None
         self._failed = False
-        self.whole = False
         self.model = self.precision_plugin.convert_module(self.model)
         self.model = self._setup_model(self.model)  # shards on the device, from wherever the module is
         self.model_to_device()
@@ -216,27 +146,13 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:
         module = self.lightning_module
         assert module is not None
-        narrow = self.param_dtype is not None and self.param_dtype.itemsize < 4
-        if narrow and type(self.precision_plugin) is Precision:
-            raise ValueError(
-                f"{type(self).__name__}(param_dtype={self.param_dtype}) computes in 16 bits, but the Trainer's "
-                f"precision is 32-true, so inputs stay fp32 and the first layer fails on mixed dtypes. Use "
-                f"Trainer(precision='bf16-mixed') (autocast; param_dtype then defaults to bf16) or cast inputs."
-            )
-        self.sharded = ShardedModel(
-            module,
-            wrap_policy=self.wrap_policy,
-            prefetch=self.prefetch,
-            persistence_threshold=self.persistence_threshold,
-            shard_size=self.shard_size if self.shard_size != self.world_size else None,
-            param_dtype=self.param_dtype or mixed_precision_dtype(getattr(self.precision_plugin, "precision", "")),
-            reduce_dtype=self.reduce_dtype,
-            param_init_fn=self.param_init_fn,
-            device=self.root_device,
-            reductions_in_flight=self.reductions_in_flight,
-        )
+        engine = build_engine(
+            type(self).__name__, module, self.config,
+            precision=self.precision_plugin, world_size=self.world_size, device=self.root_device,
+        )  # fmt: skip
+        self.run = ShardedRun(engine, lambda: self.lightning_options)
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
-        self.precision_plugin = sharded_precision(self.precision_plugin, self.sharded, device=self.root_device)
+        self.precision_plugin = sharded_precision(self.precision_plugin, engine, device=self.root_device)
         return _RootCall(module)
 
     @override
@@ -258,9 +174,11 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # empty_init: parameters on the meta device, other tensors (buffers, metric states) real;
         # setup materialises, initialises and shards one module at a time (engine/materialize.py,
-        # Note: only parameters on meta), so no rank ever holds the whole model.
-        device = self.root_device
-        with parameters_on_meta(device) if empty_init else device, self.precision_plugin.tensor_init_context():
+        # Note: only parameters on meta), so no rank ever holds the whole model. Otherwise the
+        # model is built in host memory, as under Lightning's FSDP: whole on the device it could
+        # fail before sharding; setup moves it there shard by shard.
+        meta = parameters_on_meta(self.root_device) if empty_init else nullcontext()
+        with meta, self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager
@@ -281,12 +199,12 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @property
     def sharded_model(self) -> ShardedModel:
-        if self.sharded is None:
+        if self.run is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no sharded model yet: it is built in `Trainer.fit/validate/test/"
                 f"predict` setup. Call this from a LightningModule hook that runs after setup."
             )
-        return self.sharded
+        return self.run.engine
 
     # ---- per-step accounting ------------------------------------------------------------
     # `stats["last_step"]` is the traffic of the last optimizer step: every micro-batch's
@@ -307,10 +225,10 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def on_validation_end(self) -> None:
-        if self.sharded is not None:
-            self.sharded.stats.current.clear()
-            if self.sharded.replicate_stats is not None:
-                self.sharded.replicate_stats.current.clear()
+        if self.run is not None:
+            self.run.engine.stats.current.clear()
+            if self.run.engine.replicate_stats is not None:
+                self.run.engine.replicate_stats.current.clear()
 
     # ---- collectives Lightning uses for metrics/logging -----------------------------------
     @override
@@ -340,37 +258,54 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         """What this rank holds and sends: see docs/accounting.md."""
         return sharded_stats(self.sharded_model, self.optimizers)
 
-    # ---- checkpoints (lightning_zero3/trainer_checkpoint.py) -------------------------------
+    # ---- checkpoints (core.py's run, lightning_zero3/trainer_checkpoint.py) -----------------
     # "sharded": a directory, each rank its shards; "full": one ordinary Lightning file from rank 0.
+    @property
+    def _run(self) -> ShardedRun:
+        self.sharded_model  # noqa: B018 - raises the explanation when there is no run yet
+        assert self.run is not None
+        return self.run
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return trainer_checkpoint.lightning_module_state_dict(self)
+        return self._run.model_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        return trainer_checkpoint.optimizer_state(self, optimizer)
+        return self._run.optimizer_state(getattr(optimizer, "optimizer", optimizer))  # a LightningOptimizer's own
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        trainer_checkpoint.save_checkpoint(self, checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the checkpoint "
+                f"is written by {type(self).__name__}, not by a CheckpointIO plugin."
+            )
+        path = Path(self.broadcast(os.fspath(filepath)))
+        trainer_checkpoint.save_checkpoint(self._run, checkpoint, path, self.checkpoint_io)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        return trainer_checkpoint.load_checkpoint(self, checkpoint_path, weights_only)
+        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
+        return trainer_checkpoint.load_checkpoint(
+            self._run, path, self.checkpoint_io, weights_only=weights_only, strict=strict
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        trainer_checkpoint.load_model_state_dict(self, checkpoint, strict)
+        trainer_checkpoint.load_model_state_dict(self._run, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        trainer_checkpoint.load_optimizer_state_dict(self, checkpoint)
+        trainer_checkpoint.load_optimizer_state_dict(self._run, checkpoint, list(self.optimizers))
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
-        trainer_checkpoint.remove_checkpoint(self, filepath)
+        if self.is_global_zero:
+            trainer_checkpoint.remove_checkpoint(filepath, self.checkpoint_io)
 
     # ---- teardown ---------------------------------------------------------------------------
     @override
@@ -379,17 +314,11 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.sharded is not None and not self.whole:
-            if self._failed:
-                # Other ranks may be gone: the module stays sharded (and savable) until the next
-                # engine built for it makes it whole (engine/left_sharded.py).
-                self.sharded.leave_sharded()
-            else:
-                # Whole parameters in host memory, one unit at a time, as Lightning moves
-                # every model to the CPU at teardown anyway (engine: restore_module).
-                self.sharded.restore_module(device="cpu")
-                # Kept for `stats` and for saving the optimizer (its state is still sharded).
-                self.whole = True
+        if self.run is not None and self.run.state is Lifecycle.SHARDED:
+            # Failed: the module stays sharded (and savable) until the next engine built for it
+            # makes it whole. Else whole parameters in host memory, one unit at a time, as
+            # Lightning moves every model to the CPU at teardown anyway.
+            self.run.end(failed=self._failed)
             self.model = self.lightning_module
         module = self.lightning_module
         if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):

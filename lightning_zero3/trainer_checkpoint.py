@@ -1,8 +1,6 @@
-"""The Trainer's checkpoint hooks under `ZeRO3Strategy`, on top of lightning_zero3/checkpoint/.
-
-`ZeRO3Strategy`'s methods that Lightning calls for checkpoints (`save_checkpoint`,
-`load_checkpoint`, `lightning_module_state_dict`, ...) delegate here, as `ZeRO3FabricStrategy`'s
-`fabric.save`/`fabric.load` delegate to fabric_checkpoint.py.
+"""The Trainer's checkpoint hooks under `ZeRO3Strategy`, on top of the run (core.py) and
+lightning_zero3/checkpoint/; `ZeRO3Strategy`'s methods that Lightning calls for checkpoints
+delegate here, as Fabric's `fabric.save`/`fabric.load` delegate to fabric_checkpoint.py.
 
 - "sharded": every rank writes its own shards into a directory, nothing is gathered
   (docs/checkpoints.md).
@@ -17,114 +15,57 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from torch import Tensor
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import (
     CheckpointError,
     ShardedOptimizerStates,
     ShardedStateDict,
-    atomic_torch_save,
-    check_state_dict_loadable,
-    load_full_file,
     load_sharded_model,
     load_sharded_optimizers,
-    open_checked,
-    raise_if,
-    require_exists,
     run_and_agree,
-    save_sharded,
-    sharded_optimizer_state,
 )
 from lightning_zero3.checkpoint import remove_checkpoint as remove_checkpoint_path
-from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
-
-if TYPE_CHECKING:
-    from lightning_zero3.strategy import ZeRO3Strategy
+from lightning_zero3.core import ShardedRun
+from lightning_zero3.engine.state import load_full_optimizer_state
+from lightning_zero3.options import full_file_reader, full_file_writer
 
 log = logging.getLogger(__name__)
 
 
-def lightning_module_state_dict(strategy: ZeRO3Strategy) -> dict[str, Any]:
-    if strategy.state_dict_type == "sharded" or strategy.whole:
-        module = strategy.lightning_module
-        assert module is not None
-        return module.state_dict()  # this rank's shards (whole after teardown)
-    return strategy.sharded_model.full_state_dict(to_rank=0)
-
-
-def optimizer_state(strategy: ZeRO3Strategy, optimizer: Optimizer) -> dict[str, Tensor]:
-    if isinstance(optimizer, LightningOptimizer):
-        optimizer = optimizer.optimizer
-    if strategy.state_dict_type == "sharded":
-        return sharded_optimizer_state(strategy.sharded_model, optimizer)
-    return full_optimizer_state(strategy.sharded_model, optimizer, to_rank=0)
-
-
-def save_checkpoint(
-    strategy: ZeRO3Strategy, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None
-) -> None:
-    if storage_options is not None:
-        raise TypeError(
-            f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the "
-            f"checkpoint is written by {type(strategy).__name__}, not by a CheckpointIO plugin."
-        )
-    path = Path(strategy.broadcast(os.fspath(filepath)))
-    if strategy.state_dict_type == "sharded":
-        save_sharded(path, strategy.sharded_model, checkpoint, whole=strategy.whole)
-        return
-
-    def write() -> None:
-        if not strategy.is_global_zero:
-            return
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:
-            atomic_torch_save(checkpoint, path)
-        else:
-            strategy.checkpoint_io.save_checkpoint(checkpoint, path)
-
-    context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
-    run_and_agree(strategy.sharded_model.world_comm, write, context=context)
-
-
-def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: str | Path, weights_only: bool | None) -> dict[str, Any]:
-    path = Path(strategy.broadcast(os.fspath(checkpoint_path)))
-    model = strategy.sharded_model
-    strict = strategy.lightning_module.strict_loading if strategy.lightning_module is not None else True
+def load_checkpoint(
+    run: ShardedRun, path: Path, checkpoint_io: CheckpointIO, *, weights_only: bool | None, strict: bool
+) -> dict[str, Any]:
+    """A sharded directory (its Lightning dict, tensors still on disk) or a full Lightning file."""
     context = f"Cannot load the checkpoint {path}"
-    require_exists(model.world_comm, path, context=context)
-    trusted = strategy.trust_checkpoint or weights_only is False
-    if path.is_dir():
-        ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted)
-        return run_and_agree(model.world_comm, ckpt.lightning_dict, context=context)
+    trusted = run.trusted(weights_only)
+    if os.path.isdir(path):
+        ckpt = run.open_sharded(path, strict=strict, trusted=trusted, context=context)
+        return run_and_agree(run.engine.world_comm, ckpt.lightning_dict, context=context)
 
-    def read() -> dict[str, Any]:
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:
-            checkpoint = load_full_file(path, weights_only=not trusted)
-        else:
-            checkpoint = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        raise_if(check_state_dict_loadable(path, checkpoint["state_dict"], model, strict=strict))
-        return checkpoint
-
-    return run_and_agree(model.world_comm, read, context=context)
+    read = full_file_reader(checkpoint_io, weights_only=weights_only, lightning_file=True)
+    return run.read_full(path, read, trusted=trusted, strict=strict, context=context, key="state_dict")
 
 
-def load_model_state_dict(strategy: ZeRO3Strategy, checkpoint: Mapping[str, Any], strict: bool) -> None:
+def save_checkpoint(run: ShardedRun, checkpoint: dict[str, Any], path: Path, checkpoint_io: CheckpointIO) -> None:
+    run.save(path, checkpoint, full_file_writer(checkpoint_io))
+
+
+def load_model_state_dict(run: ShardedRun, checkpoint: Mapping[str, Any], strict: bool) -> None:
     state_dict = checkpoint["state_dict"]
     if isinstance(state_dict, ShardedStateDict):
-        load_sharded_model(state_dict.checkpoint, strategy.sharded_model)
+        load_sharded_model(state_dict.checkpoint, run.engine)
     else:
-        strategy.sharded_model.load_full_state_dict(dict(state_dict), strict=strict)
+        run.engine.load_full_state_dict(dict(state_dict), strict=strict)
 
 
-def load_optimizer_state_dict(strategy: ZeRO3Strategy, checkpoint: Mapping[str, Any]) -> None:
+def load_optimizer_state_dict(run: ShardedRun, checkpoint: Mapping[str, Any], optimizers: list[Optimizer]) -> None:
     states = checkpoint["optimizer_states"]
-    optimizers = strategy.optimizers
     if isinstance(states, ShardedOptimizerStates):
-        load_sharded_optimizers(states.checkpoint, strategy.sharded_model, list(optimizers))
+        load_sharded_optimizers(states.checkpoint, run.engine, optimizers)
         return
     if len(states) != len(optimizers):
         raise CheckpointError(
@@ -132,18 +73,17 @@ def load_optimizer_state_dict(strategy: ZeRO3Strategy, checkpoint: Mapping[str, 
             f"{len(optimizers)}; resume with the same optimizers."
         )
     for optimizer, state in zip(optimizers, states):
-        load_full_optimizer_state(strategy.sharded_model, optimizer, state)
+        load_full_optimizer_state(run.engine, optimizer, state)
 
 
-def remove_checkpoint(strategy: ZeRO3Strategy, filepath: str | Path) -> None:
-    if not strategy.is_global_zero:
-        return
-    if not os.path.isdir(filepath) and type(strategy.checkpoint_io) is not TorchCheckpointIO:
-        strategy.checkpoint_io.remove_checkpoint(filepath)  # a full file in the plugin's format
+def remove_checkpoint(filepath: str | Path, checkpoint_io: CheckpointIO) -> None:
+    """Rank 0 only, as Lightning calls it."""
+    if not os.path.isdir(filepath) and type(checkpoint_io) is not TorchCheckpointIO:
+        checkpoint_io.remove_checkpoint(filepath)  # a full file in the plugin's format
         return
     try:
         remove_checkpoint_path(filepath)  # a sharded directory, a file, or a link to either
     except CheckpointError as err:
-        # Rank 0 only, as Lightning calls it: a warning, not an exception, keeps the ranks in
-        # step; what is not a checkpoint stays (Note: what a save may replace).
+        # A warning, not an exception, keeps the ranks in step; what is not a checkpoint stays
+        # (Note: what a save may replace).
         log.warning(str(err))

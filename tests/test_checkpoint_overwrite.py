@@ -6,6 +6,7 @@ when the disk is full."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -103,7 +104,7 @@ def _save_over_a_project(rank: int, world_size: int, path: str) -> list[str]:
     t.fit(LitMLP(), loader(world_size))
     messages = []
     for kind in ("sharded", "full"):
-        strategy.state_dict_type = kind
+        strategy.lightning_options = dataclasses.replace(strategy.lightning_options, state_dict_type=kind)
         with pytest.raises(ckpt.CheckpointError) as raised:
             t.save_checkpoint(path)
         messages.append(str(raised.value))

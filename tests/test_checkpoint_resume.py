@@ -4,6 +4,7 @@ checkpoint (sharded, full, Lightning DDP's) and the world sizes that wrote and r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zipfile
 from pathlib import Path
@@ -34,7 +35,7 @@ def _fit_one_epoch_and_save(rank: int, world_size: int, directory: str) -> None:
     t = trainer(ZeRO3Strategy(), world_size, max_epochs=1, enable_checkpointing=True, callbacks=[callback])
     t.fit(model, loader(world_size))
     t.save_checkpoint(os.path.join(directory, "sharded.ckpt"))
-    t.strategy.state_dict_type = "full"
+    t.strategy.lightning_options = dataclasses.replace(t.strategy.lightning_options, state_dict_type="full")
     t.save_checkpoint(os.path.join(directory, "full.ckpt"))
 
 

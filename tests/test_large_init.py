@@ -7,6 +7,7 @@ import ctypes
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -230,3 +231,22 @@ def _meta_buffer_warning(rank: int, world_size: int) -> list[str]:
 def test_buffers_left_uninitialised_after_meta_init_are_reported() -> None:
     for messages in run_ranks(_meta_buffer_warning, 2):
         assert any("['mask']" in m and "uninitialised" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("empty_init", [None, False])
+def test_init_module_without_empty_init_builds_in_host_memory_not_on_the_device(empty_init: bool | None) -> None:
+    """`trainer.init_module()` / `fabric.init_module()` without empty_init build the model where
+    Lightning's FSDP does, in host memory: whole on the GPU, a model larger than one device would
+    fail before sharding. A CUDA device on a CPU-only build makes the difference visible: building
+    there raises."""
+    from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
+
+    cuda = [torch.device("cuda", 0)]
+    contexts = [
+        ZeRO3Strategy(parallel_devices=cuda).tensor_init_context(empty_init=empty_init),
+        ZeRO3FabricStrategy(parallel_devices=cuda).module_init_context(empty_init=empty_init),
+    ]
+    for context in contexts:
+        with context:
+            layer = torch.nn.Linear(2, 2)
+        assert layer.weight.device.type == "cpu"

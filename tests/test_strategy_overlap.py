@@ -23,7 +23,7 @@ def _fit_overlapping(rank: int, world_size: int, reductions_in_flight: int | Non
     return {
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "losses": model.step_losses,
-        "in_flight": strategy.sharded.reductions_in_flight,
+        "in_flight": strategy.sharded_model.reductions_in_flight,
     }
 
 
@@ -40,7 +40,7 @@ def test_overlapping_reductions_are_exact_under_lightning() -> None:
 def test_reductions_in_flight_defaults_to_none_on_cpu_and_rejects_bad_values() -> None:
     from lightning_zero3 import ZeRO3Strategy
 
-    assert ZeRO3Strategy().reductions_in_flight is None  # resolved by the engine: 2 on CUDA, 0 elsewhere
+    assert ZeRO3Strategy().config.reductions_in_flight is None  # resolved by the engine: 2 on CUDA, 0 elsewhere
     from lightning_zero3.engine import ShardedModel
 
     assert ShardedModel(torch.nn.Linear(4, 4)).reductions_in_flight == 0  # CPU parameters

@@ -51,7 +51,7 @@ class ShardingConfig:
 
     def __post_init__(self) -> None:
         def bad(option: str, expected: str) -> ValueError:
-            return ValueError(f"{option} must be {expected}; got {getattr(self, option)!r}.")
+            return ValueError(f"ShardingConfig({option}=...) must be {expected}; got {getattr(self, option)!r}.")
 
         if type(self.prefetch) is not int or self.prefetch < 0:
             raise bad("prefetch", "an int >= 0 (units gathered ahead)")
@@ -73,8 +73,8 @@ class ShardingConfig:
             raise bad("param_init_fn", "callable")
         # Normalised in place: the dataclass is frozen to its users, not to its own constructor.
         object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))
-        object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
-        object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
+        object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))
+        object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
 
 
 def config_field_names(config_type: type[Any]) -> frozenset[str]:

@@ -20,17 +20,16 @@ from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accounting import LiveUnits, UnitStats
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.calls import engine_mode
-from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
+from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
-from lightning_zero3.engine.materialize import ParamInitFn, restore_whole, shard_parameters
+from lightning_zero3.engine.materialize import restore_whole, shard_parameters
 from lightning_zero3.engine.persistent import PersistentGrads
-from lightning_zero3.engine.plan import WrapPolicy, make_plan, validate_counts, validate_wrap_policy
+from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.schedule import Schedule, first_difference
 from lightning_zero3.engine.shard import ShardedParam
-from lightning_zero3.engine.shm import validate_cpu_transport
 from lightning_zero3.engine.tags import announce_departure
 from lightning_zero3.engine.unit import OrderMismatchError, Unit
 

@@ -1,0 +1,145 @@
+"""`ShardedRun`: one module under ZeRO-3 from a strategy's setup to its teardown, what the
+Trainer's `ZeRO3Strategy` and Fabric's `ZeRO3FabricStrategy` share. It knows nothing of Lightning:
+the strategies are thin glue that hand it the engine, their options and the file functions of
+their checkpoint plugin.
+
+[Note: run lifecycle]
+    SHARDED --end(failed=False)--> WHOLE          whole parameters back on the module, in host
+                                                  memory (collective: every rank is there)
+    SHARDED --end(failed=True)---> LEFT_SHARDED   hooks removed, shards kept, forward refused, no
+                                                  collective (other ranks may be gone); the next
+                                                  engine for the module makes it whole first
+                                                  (engine/left_sharded.py)
+WHOLE and LEFT_SHARDED are final; `end` on them does nothing. In both, the engine still reads:
+stats, and the optimizer's sharded state for a save after `fit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero3.checkpoint import (
+    CheckpointError,
+    check_state_dict_loadable,
+    open_checked,
+    raise_if,
+    require_exists,
+    run_and_agree,
+    save_sharded,
+    sharded_optimizer_state,
+)
+from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.state import full_optimizer_state
+
+if TYPE_CHECKING:
+    from lightning_zero3.options import LightningOptions
+
+# How a strategy's checkpoint plugin writes and reads one full file.
+WriteFile = Callable[[dict[str, Any], Path], None]
+ReadFile = Callable[[Path, bool], dict[str, Any]]  # (path, trusted) -> the checkpoint
+
+
+class Lifecycle(Enum):
+    """Where a run's module stands (Note: run lifecycle)."""
+
+    SHARDED = "sharded"
+    WHOLE = "whole"
+    LEFT_SHARDED = "left sharded"
+
+
+class ShardedRun:
+    """The engine for one module plus what both strategies do with it the same way."""
+
+    def __init__(self, engine: ShardedModel, options: Callable[[], LightningOptions]) -> None:
+        self.engine = engine
+        # The strategy's options, read at each save and load: `strategy.lightning_options =
+        # replace(...)` after setup (e.g. a full save after a sharded one) reaches this run.
+        self.options = options
+        self.state = Lifecycle.SHARDED
+
+    def end(self, *, failed: bool) -> None:
+        """The strategy's teardown (Note: run lifecycle)."""
+        if self.state is not Lifecycle.SHARDED:
+            return
+        if failed:
+            self.engine.leave_sharded()
+            self.state = Lifecycle.LEFT_SHARDED
+        else:
+            self.engine.restore_module(device="cpu")
+            self.state = Lifecycle.WHOLE
+
+    # ---- checkpoints: "sharded" a directory of every rank's shards, "full" one file from rank 0
+    @property
+    def sharded_checkpoints(self) -> bool:
+        return self.options().state_dict_type == "sharded"
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """What a checkpoint stores for the module: this rank's shards (whole after `end`), or the
+        whole state dict on rank 0 for a full checkpoint (collective)."""
+        if self.sharded_checkpoints or self.state is Lifecycle.WHOLE:
+            return self.engine.module.state_dict()
+        return self.engine.full_state_dict(to_rank=0)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        if self.sharded_checkpoints:
+            return sharded_optimizer_state(self.engine, optimizer)
+        return full_optimizer_state(self.engine, optimizer, to_rank=0)
+
+    def save(self, path: Path, checkpoint: dict[str, Any], write_file: WriteFile) -> None:
+        """Write `checkpoint` (built from `model_state_dict` and `optimizer_state`) at `path`,
+        replacing what a save put there before, atomically."""
+        if self.sharded_checkpoints:
+            save_sharded(path, self.engine, checkpoint, whole=self.state is Lifecycle.WHOLE)
+            return
+
+        def write() -> None:
+            if self.engine.global_rank == 0:
+                write_file(checkpoint, path)
+
+        context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
+        run_and_agree(self.engine.world_comm, write, context=context)
+
+    def trusted(self, weights_only: bool | None) -> bool:
+        """Unpickle without restriction only when asked to (checkpoint/trust.py)."""
+        return self.options().trust_checkpoint or weights_only is False
+
+    def open_sharded(self, path: Path, *, strict: bool, trusted: bool, context: str) -> Any:
+        """A sharded checkpoint directory, checked on every rank against the model."""
+        require_exists(self.engine.world_comm, path, context=context)
+        return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
+
+    def read_full(
+        self, path: Path, read_file: ReadFile, *, trusted: bool, strict: bool, context: str, key: str | None
+    ) -> dict[str, Any]:
+        """A full file, read on every rank and checked against the model before anything loads:
+        its entry `key` (None: the file itself) is the model's state dict."""
+        require_exists(self.engine.world_comm, path, context=context)
+
+        def read() -> dict[str, Any]:
+            checkpoint = read_file(path, trusted)
+            raise_if(check_state_dict_loadable(path, _entry(path, checkpoint, key), self.engine, strict=strict))
+            return checkpoint
+
+        return run_and_agree(self.engine.world_comm, read, context=context)
+
+
+def _entry(path: Path, checkpoint: Any, key: str | None) -> Any:
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a dict")
+    if key is None:
+        return checkpoint
+    if key not in checkpoint:
+        raise CheckpointError(
+            f"{path} has no entry '{key}' (it has {sorted(checkpoint)[:8]}); pass the model under the key it was "
+            f"saved with"
+        )
+    return checkpoint[key]
+
+
+__all__ = ["Lifecycle", "ReadFile", "ShardedRun", "WriteFile"]
