@@ -1,5 +1,6 @@
 """`python -m lightning_zero3 consolidate SRC DST`: one ordinary checkpoint file from a sharded
-checkpoint directory, offline. See docs/checkpoints.md."""
+checkpoint directory, offline (docs/checkpoints.md). `python -m lightning_zero3 estimate ...`:
+per-rank memory and bytes per step before launching (estimate.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 import time
 from typing import TextIO
 
+from lightning_zero3 import estimate
 from lightning_zero3.checkpoint import CheckpointError, Progress, consolidate_checkpoint
 from lightning_zero3.dtypes import DTYPE_NAMES
 
@@ -67,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
         help="unpickle the checkpoint's pickles (DCP's .metadata, trainer_state.pt) without restriction: they "
         "can run code, so only for checkpoints from a trusted source (see docs/checkpoints.md)",
     )
+    estimate.add_arguments(
+        commands.add_parser(
+            "estimate",
+            help="per-rank memory and bytes sent per step under ZeRO-3, before launching",
+            description=estimate.__doc__.split("\n\n")[0] if estimate.__doc__ else None,
+        )
+    )
     return parser
 
 
@@ -89,6 +98,13 @@ def _return_freed_tensors_to_the_os() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "estimate":
+        try:
+            print(estimate.run(args))
+        except (ValueError, ImportError, AttributeError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     progress = ProgressLine(sys.stderr)
     try:
         summary = consolidate_checkpoint(

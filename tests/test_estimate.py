@@ -1,0 +1,85 @@
+"""`python -m lightning_zero3 estimate` / `estimate(...)` predict what a run then holds and sends:
+model-state bytes per rank within 5% of the storages really alive after a step (shards, their
+gradients, AdamW's state), and the payload of each collective per step within 5% of what the
+engine counted, at 2 and 3 ranks (3: uneven shards with padding), with bf16 gathers too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero3.__main__ import main
+from lightning_zero3.engine import ShardedModel, ShardingConfig
+from lightning_zero3.estimate import estimate
+from tests.ranks import run_ranks
+
+
+class _Net(nn.Module):
+    """A root with two layers and five blocks: units of 66k elements, root 18k."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 256)
+        self.blocks = nn.ModuleList(nn.Linear(256, 256) for _ in range(5))
+        self.out = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.out(x)
+
+
+def _alive_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (shards share one row per unit)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _run(rank: int, world_size: int, param_dtype: str | None) -> dict[str, int]:
+    torch.manual_seed(0)
+    model = _Net()
+    sharded = ShardedModel(model, param_dtype=param_dtype)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):  # the second step runs with the recorded order, as every later one
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
+            model(torch.randn(4, 64)).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        sharded.end_step()
+    params = list(model.parameters())
+    states = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    return {
+        "parameters": _alive_bytes(params),
+        "gradients": _alive_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer_states": _alive_bytes(states),
+        **{kind: counted.payload_bytes for kind, counted in sharded.stats.last_step.items()},
+    }
+
+
+@pytest.mark.parametrize(("world_size", "param_dtype"), [(2, None), (3, None), (2, "bf16")])
+def test_estimate_matches_the_model_state_alive_and_the_bytes_counted(world_size: int, param_dtype: str | None):
+    with torch.device("meta"):
+        predicted = estimate(_Net(), world_size=world_size, config=ShardingConfig(param_dtype=param_dtype))
+    for measured in run_ranks(_run, world_size, param_dtype):
+        for kind in ("parameters", "gradients", "optimizer_states", "all_gather", "reduce_scatter"):
+            expected = getattr(predicted, kind)
+            assert abs(measured[kind] - expected) <= 0.05 * expected, (kind, measured[kind], expected)
+
+
+def test_the_command_prints_per_rank_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7e9", "--units", "32", "--world-size", "8", "--param-dtype", "bf16"]) == 0
+    table = capsys.readouterr().out
+    assert "model state, between steps            13.04 GiB" in table  # 16 bytes x 7e9 / 8
+    assert "All-Gather payload / step             25.67 GiB" in table  # 2 bytes x (2 x 7e9 - one block)
+
+
+def test_the_command_takes_a_model_by_import_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "tests.test_estimate:_Net", "--world-size", "2"]) == 0
+    assert "parameters (shards)" in capsys.readouterr().out
+
+
+def test_the_command_refuses_a_model_and_a_count_together(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "tests.test_estimate:_Net", "--params", "1e6", "--world-size", "2"]) == 2
+    assert "either a model" in capsys.readouterr().err
