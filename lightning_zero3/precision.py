@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -53,7 +54,25 @@ class ZeRO3Precision(_GlobalNormClipping, Precision):
 
 class ZeRO3MixedPrecision(_GlobalNormClipping, MixedPrecision):
     """`precision="16-mixed"` / `"bf16-mixed"` with shards: autocast, and for fp16 a GradScaler
-    whose skip decision every rank shares."""
+    whose skip decision every rank shares.
+
+    Clipping with an optimizer that unscales inside its own step (fused AdamW) works here, where
+    Lightning's plugin raises: the gradients are unscaled first, which torch's GradScaler supports
+    (its `step` then passes no scale to the optimizer, having seen `unscale_`). The flag read is
+    torch's `Optimizer._step_supports_amp_scaling`, private, the one Lightning's own check reads
+    (torch 2.13-2.14 tried); an optimizer without it is treated as unscaling nothing itself.
+    """
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val > 0 and self.scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            self.scaler.unscale_(optimizer)
+        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
 
 class ZeRO3HalfPrecision(_GlobalNormClipping, HalfPrecision):
