@@ -9,6 +9,7 @@ model = lightning_zero3.load_from_checkpoint(MyModule, best_model_path)  # one p
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero3.averaging import ShardedEMAWeightAveraging, ShardedWeightAveraging
 from lightning_zero3.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, load_from_checkpoint
 from lightning_zero3.engine import OrderMismatchError, ShardedModel
 from lightning_zero3.fabric_strategy import ZeRO3FabricStrategy
@@ -18,7 +19,9 @@ from lightning_zero3.strategy import ZeRO3Strategy
 __all__ = [
     "CheckpointError",
     "OrderMismatchError",
+    "ShardedEMAWeightAveraging",
     "ShardedModel",
+    "ShardedWeightAveraging",
     "ZeRO3FabricStrategy",
     "ZeRO3Strategy",
     "consolidate_checkpoint",

@@ -20,8 +20,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 _AVERAGING = (
     "it averages a whole copy of the LightningModule (made before sharding) with the live parameters, which are "
-    "this rank's 1-D shards. The average is elementwise, so it can be kept on the shards instead: see "
-    "'Weight averaging (EMA, SWA) on shards' in docs/user-guide.md for a callback of a few lines."
+    "this rank's 1-D shards. The average is elementwise, so it can be kept on the shards: use "
+    "lightning_zero3.ShardedWeightAveraging or ShardedEMAWeightAveraging (the same arguments; "
+    "lightning_zero3/averaging.py)."
 )
 _PRUNING = (
     "torch.nn.utils.prune replaces each pruned parameter by `weight_orig * weight_mask`, and the parameters are the "

@@ -1,11 +1,9 @@
 """Code that reads or edits parameters outside forward: `grad_norm` reports the whole gradients'
-norms (DDP's numbers), not this rank's shards', and an EMA kept on the shards gives DDP's averaged
-weights. Lightning's weight-averaging and pruning callbacks are refused: tested in
-tests/test_lightning_{stochastic_weight_avg,weight_averaging,pruning}.py."""
+norms (DDP's numbers), not this rank's shards'. Lightning's weight-averaging and pruning callbacks
+are refused (tests/test_lightning_{stochastic_weight_avg,weight_averaging,pruning}.py); averaging
+on shards: tests/test_averaging.py."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -86,47 +84,3 @@ def test_grad_norm_outside_zero3_is_lightnings() -> None:
     model.layer(torch.randn(4, 3)).sum().backward()
     ours, theirs = lightning_zero3.grad_norm(model, 2), lightning_grad_norm(model, 2)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-
-
-class ShardedEMA(pl.Callback):
-    """The recipe in docs/user-guide.md: an exponential moving average of the parameters kept
-    on whatever `pl_module.parameters()` holds (this rank's shards under zero3, whole tensors
-    under DDP): the update is elementwise, so shards average exactly like whole tensors. At the
-    end of fit the average is copied into the model, as Lightning's EMAWeightAveraging does."""
-
-    def __init__(self, decay: float = 0.8) -> None:
-        self.decay = decay
-        self.average: list[torch.Tensor] | None = None
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
-        params = [p.detach() for p in pl_module.parameters()]
-        if self.average is None:
-            self.average = [p.clone() for p in params]
-        else:
-            for average, param in zip(self.average, params):
-                average.lerp_(param, 1.0 - self.decay)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self.average is not None
-        pl_module.ema_moved = max(float((p - a).abs().max()) for p, a in zip(pl_module.parameters(), self.average))
-        with torch.no_grad():
-            for param, average in zip(pl_module.parameters(), self.average):
-                param.copy_(average)
-
-
-def _ema_under(rank: int, world_size: int) -> dict[str, Any]:
-    become_lightning_rank(rank, world_size)
-    out = {}
-    for strategy in ("ddp", "zero3"):
-        torch.manual_seed(0)
-        model = LitMLP()
-        trainer(strategy, world_size, max_steps=3, callbacks=[ShardedEMA()]).fit(model, loader(world_size))
-        out[strategy] = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "moved": model.ema_moved}
-    return out
-
-
-def test_ema_recipe_on_shards_gives_ddps_averaged_weights() -> None:
-    for result in run_ranks(_ema_under, 2):
-        ddp, zero3 = result["ddp"], result["zero3"]
-        assert ddp["moved"] > 1e-3, "the average must differ from the last weights"
-        assert max(float((zero3["state"][k] - v).abs().max()) for k, v in ddp["state"].items()) < 1e-5
