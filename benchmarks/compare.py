@@ -1,6 +1,6 @@
 """Train the same GPT on the same data with PyTorch DDP, PyTorch FSDP2, Lightning DDP,
 Lightning ZeRO-3 (prefetch 0, 1, 2), the ZeRO-3 engine without Lightning and, when installed,
-DeepSpeed ZeRO-3 (raw and through Lightning's DeepSpeedStrategy); compare them.
+DeepSpeed ZeRO-3; compare them.
 
     DS_BUILD_OPS=0 pip install -e ".[bench]"            # matplotlib and deepspeed (pure Python)
 
@@ -79,13 +79,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores // ranks, >= 1)")
-    p.add_argument(
-        "--malloc-mmap-threshold",
-        type=int,
-        default=0,
-        metavar="BYTES",
-        help="glibc mallopt(M_MMAP_THRESHOLD) in each rank, e.g. 1048576 (default: glibc's dynamic threshold)",
-    )
     p.add_argument("--scaling-ranks", default="1,2,3,4", help="N values for --mode scaling (default 1,2,3,4)")
     p.add_argument("--scaling-backends", default=",".join(SCALING_BACKENDS))
     p.add_argument("--scaling-rounds", type=int, default=1)
@@ -200,9 +193,7 @@ def run_once(
     )
     threads = args.threads or max(1, _cores() // world_size)
     dist_backend = "nccl" if args.accelerator == "gpu" else "gloo"
-    return run_ranks(
-        rank_main, world_size, spec, backend=dist_backend, threads=threads, mmap_threshold=args.malloc_mmap_threshold
-    )
+    return run_ranks(rank_main, world_size, spec, backend=dist_backend, threads=threads)
 
 
 def run_rounds(
@@ -320,7 +311,7 @@ def markdown(args: argparse.Namespace, result: dict[str, Any]) -> str:
         f"code: commit {m['git_head']}, lightning_zero3 sources sha256 {m['lightning_zero3_sha256']}.  ",
         f"GPT `{cfg['size']}`: Ψ = {result['psi']:,} parameters; "
         f"{cfg['batch_size']} x {cfg.get('window', cfg['block_size'])} tokens "
-        f"per rank per step; fp32, AdamW; glibc mmap threshold: {cfg.get('malloc_mmap_threshold', 'default')}.",
+        f"per rank per step; fp32, AdamW.",
     ]
     if "backends" in result:
         lines[-1] += (
@@ -407,7 +398,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "lr": args.lr,
             "seed": args.seed,
             "threads_per_rank": args.threads or max(1, _cores() // args.devices),
-            "malloc_mmap_threshold": args.malloc_mmap_threshold or "glibc default (dynamic)",
             "scaling_rounds": args.scaling_rounds,
             "scaling_steps": args.scaling_steps,
             "scaling_warmup": args.scaling_warmup,

@@ -15,8 +15,6 @@ _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 def _bytes_from(entry: dict) -> str:
     if "formula" in entry["step_bytes_source"]:
         return "formula"
-    if "CommStats" in entry["step_bytes_source"]:
-        return "engine's CommStats (shared memory)"
     via = [f"{kind.replace('_', '-')} as {v['via']}" for kind, v in entry["step_bytes"].items() if "via" in v]
     return "counted" + (f" ({'; '.join(via)})" if via else "")
 
@@ -25,25 +23,8 @@ def _label(name: str) -> str:
     return BACKENDS[name][0] if name in BACKENDS else name
 
 
-_SHORT = {
-    "ddp": "PyTorch DDP",
-    "fsdp2": "PyTorch FSDP2",
-    "lightning-ddp": "Lightning ddp",
-    "zero3-p0": "Lightning zero3 p=0",
-    "zero3-p1": "Lightning zero3 p=1",
-    "zero3-p2": "Lightning zero3 p=2",
-    "engine-p1": "ShardedModel p=1",
-    "engine-p1-async": "ShardedModel p=1 async RS",
-    "engine-p1-shm": "ShardedModel p=1 shm",
-    "zero3-p1-shm": "Lightning zero3 p=1 shm",
-    "deepspeed": "DeepSpeed ZeRO-3",
-    "deepspeed-strict": "DeepSpeed ZeRO-3 strict",
-    "lightning-deepspeed": "Lightning DeepSpeed",
-}
-
-
 def _short(name: str) -> str:
-    return _SHORT.get(name, name)
+    return BACKENDS[name][1] if name in BACKENDS else name
 
 
 def _ratio(entry: dict[str, Any], other: str, names: list[str]) -> str:

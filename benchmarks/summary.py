@@ -48,12 +48,6 @@ def summarize_run(backend: str, ranks: list[dict[str, Any]], *, warmup: int) -> 
     if backend in ANALYTIC:
         out["step_bytes"] = ddp_step_bytes(psi, 4, n)
         out["step_bytes_source"] = "formula (DDP's C++ reducer)"
-    elif backend.endswith("-shm") and "engine_step_bytes" in ranks[0]:
-        # Shared-memory collectives never reach torch.distributed, whose counter sees only
-        # their 32-byte barriers (kept below); the engine's own count is the one there is.
-        out["step_bytes"] = {k: v for k, v in ranks[0]["engine_step_bytes"].items() if k != "object"}
-        out["counted_step_bytes"] = ranks[0]["steps"][-1]["comm"]
-        out["step_bytes_source"] = "engine's CommStats (shared memory, not seen at torch.distributed)"
     else:
         out["step_bytes"] = ranks[0]["steps"][-1]["comm"]
         out["step_bytes_source"] = "counted at torch.distributed"
@@ -107,8 +101,7 @@ def summarize_backends(
             "step_bytes": first["step_bytes"],
             "step_bytes_source": first["step_bytes_source"],
         }
-        for key in ("peak_units_alive", "engine_step_bytes", "expected_step_bytes", "device_name", "peak_device_bytes",
-                    "counted_step_bytes"):
+        for key in ("peak_units_alive", "engine_step_bytes", "expected_step_bytes", "device_name", "peak_device_bytes"):
             if key in first:
                 entry[key] = first[key]
         if "gather_wait_s" in first:
