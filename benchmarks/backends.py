@@ -50,37 +50,10 @@ class RunSpec:
     seed: int
     lr: float
     accelerator: str  # "cpu" or "gpu"
-    profile_step: int | None = None  # index of a step to run under torch.profiler (rank 0)
 
 
 def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-
-
-class _Profiler:
-    """torch.profiler around one chosen step on rank 0; its top ops as a table afterwards."""
-
-    def __init__(self, rank: int, step: int | None) -> None:
-        self.step = step if rank == 0 else None
-        self.prof: torch.profiler.profile | None = None
-        self.table = ""
-        self.labels: dict[str, float] = {}
-
-    def begin(self, index: int) -> None:
-        if index == self.step:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities)
-            self.prof.start()
-
-    def end(self, index: int) -> None:
-        if index != self.step or self.prof is None:
-            return
-        self.prof.stop()
-        events = self.prof.key_averages()
-        self.table = events.table(sort_by="self_cpu_time_total", row_limit=30)
-        self.labels = {e.key: e.cpu_time_total / 1e6 for e in events if e.key.startswith(("ZeRO3::", "FSDP::"))}
 
 
 def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
@@ -93,7 +66,6 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
     counter = DistCounter()
     counter.install()
     recorder = StepRecorder(world_size, device, counter)
-    profiler = _Profiler(rank, spec.profile_step)
     config = make_config(spec.size, spec.vocab_size)
     model = build_model(config, seed=spec.seed, device=device)
     psi = count_parameters(model)
@@ -102,13 +74,13 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
     ]  # (B, T) inputs and targets of this rank, per step
     try:
         if spec.backend in ("lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2"):
-            extra = _run_lightning(rank, world_size, spec, model, batches, recorder, profiler)
+            extra = _run_lightning(rank, world_size, spec, model, batches, recorder)
         elif spec.backend.startswith("deepspeed"):
             from benchmarks.deepspeed_backend import run_deepspeed
 
-            extra = run_deepspeed(rank, world_size, spec, model, batches, recorder, profiler)
+            extra = run_deepspeed(rank, world_size, spec, model, batches, recorder)
         else:
-            extra = _run_raw(spec, model, batches, recorder, profiler, device)
+            extra = _run_raw(spec, model, batches, recorder, device)
     finally:
         counter.uninstall()
     result = {
@@ -117,8 +89,6 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
         "steps": recorder.steps,
         "base_rss_bytes": base_rss,
         "peak_rss_bytes": peak_rss_bytes(),
-        "profile_table": profiler.table,
-        "profile_labels": profiler.labels,
         **extra,
     }
     if device.type == "cuda":
@@ -135,7 +105,6 @@ def _run_raw(
     model: nn.Module,
     batches: list,
     recorder: StepRecorder,
-    profiler: _Profiler,
     device: torch.device,
 ) -> dict[str, Any]:
     sharded = None
@@ -158,8 +127,7 @@ def _run_raw(
         raise ValueError(f"unknown backend {spec.backend!r}")
     optimizer = make_optimizer(model.parameters(), spec.lr)
     wait = (lambda: sharded.stats.last_step_gather_wait_s) if sharded is not None else None
-    for index, (x, y) in enumerate(batches):
-        profiler.begin(index)
+    for x, y in batches:
         recorder.start()
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(model, x, y)
@@ -168,7 +136,6 @@ def _run_raw(
         if sharded is not None:
             sharded.stats.end_step()
         recorder.stop(loss, wait)
-        profiler.end(index)
     extra: dict[str, Any] = {"model_state_bytes": model_state_bytes(model.parameters(), [optimizer])}
     if sharded is not None:
         extra["model_state_bytes"] = sharded.model_state_bytes([optimizer])
@@ -188,7 +155,6 @@ def _run_lightning(
     model: nn.Module,
     batches: list,
     recorder: StepRecorder,
-    profiler: _Profiler,
 ) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
@@ -214,7 +180,6 @@ def _run_lightning(
 
     class StepTimer(Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-            profiler.begin(batch_idx)
             recorder.start()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -223,7 +188,6 @@ def _run_lightning(
             if isinstance(strategy, ZeRO3Strategy):
                 wait = lambda: strategy.stats["gather_wait_s"]
             recorder.stop(outputs["loss"], wait)
-            profiler.end(batch_idx)
             if batch_idx == len(batches) - 1:  # after the last optimizer step, before teardown
                 if isinstance(strategy, ZeRO3Strategy):
                     stats = strategy.stats

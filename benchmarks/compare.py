@@ -59,10 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--mode",
-        choices=["compare", "scaling", "all", "profile"],
+        choices=["compare", "scaling"],
         default="compare",
-        help="compare backends at --devices ranks; model state and step time for N = --scaling-ranks; both; "
-        "or only the --profile run",
+        help="compare backends at --devices ranks, or model state and step time for N = --scaling-ranks",
     )
     p.add_argument("--size", choices=list(SIZES), default="20m", help="GPT preset (default 20m: ~19M params)")
     p.add_argument("--devices", type=int, default=2, help="ranks for --mode compare (default 2)")
@@ -70,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--backends",
         default=",".join(DEFAULT_BACKENDS),
-        help=f"comma-separated, from {', '.join(BACKENDS)} (default: all)",
+        help=f"comma-separated, from {', '.join(BACKENDS)} (default: all but DeepSpeed's)",
     )
     p.add_argument("--rounds", type=int, default=3, help="rounds of alternating runs (default 3)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
@@ -84,7 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scaling-rounds", type=int, default=1)
     p.add_argument("--scaling-steps", type=int, default=3, help="timed steps per scaling run (default 3)")
     p.add_argument("--scaling-warmup", type=int, default=1, help="untimed steps before them (default 1)")
-    p.add_argument("--profile", metavar="BACKEND", help="also run one step of BACKEND under torch.profiler (rank 0)")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU, if the GPU is not in the built-in table")
     p.add_argument(
         "--replot", type=Path, metavar="JSON", help="only redraw the charts of a result JSON (into its folder)"
@@ -100,10 +98,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.out = args.out or ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "")
     args.backends = _available(_names(args.backends))
     args.scaling_backends = _available(_names(args.scaling_backends))
-    if args.profile:
-        _names(args.profile)
-    elif args.mode == "profile":
-        raise SystemExit("--mode profile needs --profile BACKEND")
     return args
 
 
@@ -176,7 +170,6 @@ def run_once(
     vocab: int,
     *,
     warmup: int,
-    profile_step: int | None = None,
 ) -> list[dict[str, Any]]:
     if args.accelerator == "gpu" and torch.cuda.device_count() < world_size:
         raise SystemExit(f"--accelerator gpu needs {world_size} GPUs, found {torch.cuda.device_count()}")
@@ -189,7 +182,6 @@ def run_once(
         seed=args.seed,
         lr=args.lr,
         accelerator=args.accelerator,
-        profile_step=profile_step,
     )
     threads = args.threads or max(1, _cores() // world_size)
     dist_backend = "nccl" if args.accelerator == "gpu" else "gloo"
@@ -282,23 +274,6 @@ def scaling(args: argparse.Namespace, result: dict[str, Any], save: Callable[[],
         save()
 
 
-def profile(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    block = window_length(args.size)
-    windows, vocab = make_batches(
-        block_size=block, batch_size=args.batch_size, world_size=args.devices, steps=args.warmup + 1, seed=args.seed
-    )
-    ranks = run_once(args, args.profile, args.devices, windows, vocab, warmup=args.warmup, profile_step=args.warmup)
-    text = f"# torch.profiler, rank 0, step {args.warmup + 1} of {args.profile}\n\n{ranks[0]['profile_table']}"
-    (args.out / f"profile_{args.profile}.txt").write_text(text)
-    result["psi"] = ranks[0]["psi"]
-    result["profile"] = {
-        "backend": args.profile,
-        "labels_s": ranks[0]["profile_labels"],
-        "step_s": ranks[0]["steps"][-1]["time_s"],
-        "table": ranks[0]["profile_table"],
-    }
-
-
 # ---- output ------------------------------------------------------------------------------
 
 
@@ -346,16 +321,6 @@ def markdown(args: argparse.Namespace, result: dict[str, Any]) -> str:
                 "a throughput measurement; the bytes are exact.",
                 "",
             ]
-    if "profile" in result:
-        top = sorted(result["profile"]["labels_s"].items(), key=lambda kv: -kv[1])[:12]
-        lines += [
-            f"### Profile of one {result['profile']['backend']} step (rank 0): engine labels",
-            "",
-            report._table(["label", "CPU time incl. children (ms)"], [[k, f"{v * 1e3:.1f}"] for k, v in top]),
-            "",
-            f"Full operator table: `profile_{result['profile']['backend']}.txt`.",
-            "",
-        ]
     return "\n".join(lines)
 
 
@@ -403,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "scaling_warmup": args.scaling_warmup,
         },
     }
-    stem = {"compare": "compare", "all": "compare", "scaling": "scaling", "profile": "profile"}[args.mode]
+    stem = args.mode
 
     def save() -> str:
         result["machine"]["load_average_end"] = _load()
@@ -412,12 +377,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (args.out / f"{stem}.json").write_text(json.dumps(_finite(result), indent=1) + "\n")
         return text
 
-    if args.mode in ("compare", "all"):
+    if args.mode == "compare":
         compare(args, result)
-    if args.mode in ("scaling", "all"):
+    else:
         scaling(args, result, save)
-    if args.profile:
-        profile(args, result)
     text = save()
     print(text)
     print(f"wrote {args.out / (stem + '.md')} and {args.out / (stem + '.json')}")

@@ -119,7 +119,7 @@ def ds_model_state_bytes(engine: Any) -> dict[str, int]:
 
 
 def run_deepspeed(
-    rank: int, world_size: int, spec: Any, model: nn.Module, batches: list, recorder: Any, profiler: Any
+    rank: int, world_size: int, spec: Any, model: nn.Module, batches: list, recorder: Any
 ) -> dict[str, Any]:
     from benchmarks.backends import make_optimizer
     from benchmarks.model import lm_loss
@@ -131,12 +131,10 @@ def run_deepspeed(
     config = ds_config(spec.backend, model, batch_size=batches[0][0].shape[0])
     optimizer = make_optimizer(model.parameters(), spec.lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    for index, (x, y) in enumerate(batches):
-        profiler.begin(index)
+    for x, y in batches:
         recorder.start()
         loss = lm_loss(engine, x, y)
         engine.backward(loss)
         engine.step()
         recorder.stop(loss)
-        profiler.end(index)
     return {"model_state_bytes": ds_model_state_bytes(engine), "ds_config": config}

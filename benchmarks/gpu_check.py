@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,22 @@ def reduce_scatters(counter: DistCounter) -> int:
     """Reduce-Scatters seen at `torch.distributed`: the one-rank shortcut skips every one, and
     nothing else issues them (a first step's order check, for one, is an All-Gather)."""
     return sum(counter.counts[kind]["calls"] for kind in ("reduce_scatter", "send") if kind in counter.counts)
+
+
+@contextmanager
+def syncs_counted(on: bool) -> Iterator[list[int]]:
+    """Synchronizing CUDA operations inside the block (torch's sync-debug warnings), appended on exit."""
+    count: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if on:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield count
+        finally:
+            if on:
+                torch.cuda.set_sync_debug_mode(0)
+    count.append(sum("synchroniz" in str(w.message) for w in caught))
 
 
 # ---- model and data -------------------------------------------------------------------------
@@ -196,20 +214,15 @@ def fabric_run(dev: torch.device, precision: str, *, zero3: bool, fused: bool = 
         window = step == sync_window and dev.type == "cuda"
         before = [p.detach().clone() for p in model.parameters()] if step == overflow_at else None
         scale = scaler.get_scale() if scaler is not None and before is not None else None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if window:
-                torch.cuda.set_sync_debug_mode("warn")
+        with syncs_counted(window) as syncs:
             loss = F.mse_loss(model(x).float(), y)
             fabric.backward(loss * float("inf") if step == overflow_at else loss)
             if clip:
                 fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
             optimizer.step()
             optimizer.zero_grad()
-            if window:
-                torch.cuda.set_sync_debug_mode(0)
         if window:
-            out["syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+            out["syncs"] = syncs[0]
         if before is not None:
             out["overflow"] = {
                 "unchanged": all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
@@ -236,18 +249,12 @@ def check_b(dry: bool) -> None:
     model = fabric.setup_module(fresh(64, 4, "cpu"))
     shortcut_off(fabric.strategy.sharded_model(model))
     x, _ = batch(0, dev)
-    if dry:
-        with torch.no_grad():
-            model(x)
-        report("RAN", "b", "evaluation pass of an untrained model ran")
-        return
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+    with syncs_counted(not dry) as syncs, torch.no_grad():
         model(x)
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    report(verdict(syncs == 1), "b", f"evaluation pass with no prior training: {syncs} syncs")
+    if dry:
+        report("RAN", "b", "evaluation pass of an untrained model ran")
+    else:
+        report(verdict(syncs[0] == 1), "b", f"evaluation pass with no prior training: {syncs[0]} syncs")
 
 
 # ---- (c) memory -------------------------------------------------------------------------------
