@@ -34,21 +34,10 @@ def _ratio(entry: dict[str, Any], other: str, names: list[str]) -> str:
 def time_table(backends: dict[str, dict[str, Any]]) -> str:
     names = list(backends)
     mfu = any("mfu" in e for e in backends.values())
-    head = [
-        "backend",
-        "step median (s)",
-        "p10 (s)",
-        "p90 (s)",
-        "÷ DDP",
-        "÷ FSDP2",
-        "÷ Lightning DDP",
-        "÷ DeepSpeed",
-        "tokens/s",
-        "CPU s / step",
-        "CPU ÷ Lightning DDP",
-        "gather wait / step (ms)",
-        "load (1 min) at its runs",
-    ] + (["MFU"] if mfu else [])
+    head = (
+        "backend;step median (s);p10 (s);p90 (s);÷ DDP;÷ FSDP2;÷ Lightning DDP;÷ DeepSpeed;tokens/s;CPU s / "
+        "step;CPU ÷ Lightning DDP;gather wait / step (ms);load (1 min) at its runs"
+    ).split(";") + (["MFU"] if mfu else [])
     rows = []
     for name, e in backends.items():
         wait = f"{e['gather_wait_s_median'] * 1e3:.1f}" if "gather_wait_s_median" in e else "-"
@@ -74,19 +63,10 @@ def time_table(backends: dict[str, dict[str, Any]]) -> str:
 
 
 def memory_table(backends: dict[str, dict[str, Any]]) -> str:
-    head = [
-        "backend",
-        "model state / rank (MB)",
-        "÷ 16Ψ/N",
-        "peak RSS (MiB)",
-        "All-Gather (MB)",
-        "Reduce-Scatter (MB)",
-        "All-Reduce (MB)",
-        "wire (MB)",
-        "bytes from",
-        "peak units alive",
-        "max \\|Δloss\\| vs DDP",
-    ]
+    head = (
+        "backend;model state / rank (MB);÷ 16Ψ/N;peak RSS (MiB);All-Gather (MB);Reduce-Scatter "
+        "(MB);All-Reduce (MB);wire (MB);bytes from;peak units alive;max \\|Δloss\\| vs DDP"
+    ).split(";")
     device = any("peak_device_bytes" in e for e in backends.values())
     if device:
         head.insert(4, "peak device memory (MiB)")
@@ -120,18 +100,10 @@ def targets_list(targets: list[dict[str, Any]]) -> str:
 
 
 def scaling_table(scaling: list[dict[str, Any]]) -> str:
-    head = [
-        "backend",
-        "N",
-        "model state / rank (MB)",
-        "16Ψ/N (MB)",
-        "÷ 16Ψ/N",
-        "step median (s)",
-        "CPU s / step",
-        "threads / rank",
-        "peak RSS (MiB)",
-        "load (1 min)",
-    ]
+    head = (
+        "backend;N;model state / rank (MB);16Ψ/N (MB);÷ 16Ψ/N;step median (s);CPU s / step;threads / "
+        "rank;peak RSS (MiB);load (1 min)"
+    ).split(";")
     rows = [
         [
             _label(s["backend"]),
