@@ -21,25 +21,23 @@ from torch import nn
 from benchmarks.measure import DistCounter, StepRecorder, model_state_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 from benchmarks.model import build_model, count_parameters, lm_loss, make_config
 
-# name -> (label, prefetch or None). Order: the order of a round.
-BACKENDS: dict[str, tuple[str, int | None]] = {
-    "ddp": ("PyTorch DDP", None),
-    "fsdp2": ("PyTorch FSDP2 (fully_shard)", None),
-    "lightning-ddp": ('Lightning strategy="ddp"', None),
-    "zero3-p0": ('Lightning strategy="zero3", prefetch=0', 0),
-    "zero3-p1": ('Lightning strategy="zero3", prefetch=1', 1),
-    "zero3-p2": ('Lightning strategy="zero3", prefetch=2', 2),
-    "engine-p1": ("ShardedModel without Lightning, prefetch=1", 1),
-    "engine-p1-async": ("ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", 1),
-    "engine-p1-shm": ("ShardedModel without Lightning, prefetch=1, cpu_transport='shared_memory'", 1),
-    "zero3-p1-shm": ('Lightning strategy="zero3", prefetch=1, cpu_transport="shared_memory"', 1),
-    "deepspeed": ("DeepSpeed ZeRO-3, its defaults", None),
-    "deepspeed-strict": ("DeepSpeed ZeRO-3, ~1 block live", None),
-    "lightning-deepspeed": ("Lightning DeepSpeedStrategy(stage=3)", None),
+# name -> (label in tables, short label in charts, prefetch or None). Order: the order of a round.
+BACKENDS: dict[str, tuple[str, str, int | None]] = {
+    "ddp": ("PyTorch DDP", "PyTorch DDP", None),
+    "fsdp2": ("PyTorch FSDP2 (fully_shard)", "PyTorch FSDP2", None),
+    "lightning-ddp": ('Lightning strategy="ddp"', "Lightning ddp", None),
+    "zero3-p0": ('Lightning strategy="zero3", prefetch=0', "Lightning zero3 p=0", 0),
+    "zero3-p1": ('Lightning strategy="zero3", prefetch=1', "Lightning zero3 p=1", 1),
+    "zero3-p2": ('Lightning strategy="zero3", prefetch=2', "Lightning zero3 p=2", 2),
+    "engine-p1": ("ShardedModel without Lightning, prefetch=1", "ShardedModel p=1", 1),
+    "engine-p1-async": (
+        "ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", "ShardedModel p=1 async RS", 1
+    ),
+    "deepspeed": ("DeepSpeed ZeRO-3, its defaults", "DeepSpeed ZeRO-3", None),
+    "deepspeed-strict": ("DeepSpeed ZeRO-3, ~1 block live", "DeepSpeed ZeRO-3 strict", None),
 }
-# DeepSpeed is optional (benchmarks/deepspeed_backend.py): not in the default set; nor is the
-# shared-memory transport (an option, not the default; engine/shm.py).
-DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name and not name.endswith("-shm")]
+# DeepSpeed is optional (benchmarks/deepspeed_backend.py): not in the default set.
+DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name]
 
 
 @dataclass
@@ -52,37 +50,10 @@ class RunSpec:
     seed: int
     lr: float
     accelerator: str  # "cpu" or "gpu"
-    profile_step: int | None = None  # index of a step to run under torch.profiler (rank 0)
 
 
 def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-
-
-class _Profiler:
-    """torch.profiler around one chosen step on rank 0; its top ops as a table afterwards."""
-
-    def __init__(self, rank: int, step: int | None) -> None:
-        self.step = step if rank == 0 else None
-        self.prof: torch.profiler.profile | None = None
-        self.table = ""
-        self.labels: dict[str, float] = {}
-
-    def begin(self, index: int) -> None:
-        if index == self.step:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities)
-            self.prof.start()
-
-    def end(self, index: int) -> None:
-        if index != self.step or self.prof is None:
-            return
-        self.prof.stop()
-        events = self.prof.key_averages()
-        self.table = events.table(sort_by="self_cpu_time_total", row_limit=30)
-        self.labels = {e.key: e.cpu_time_total / 1e6 for e in events if e.key.startswith(("ZeRO3::", "FSDP::"))}
 
 
 def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
@@ -95,7 +66,6 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
     counter = DistCounter()
     counter.install()
     recorder = StepRecorder(world_size, device, counter)
-    profiler = _Profiler(rank, spec.profile_step)
     config = make_config(spec.size, spec.vocab_size)
     model = build_model(config, seed=spec.seed, device=device)
     psi = count_parameters(model)
@@ -103,14 +73,14 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
         (w[rank, :, :-1].contiguous().to(device), w[rank, :, 1:].contiguous().to(device)) for w in spec.windows
     ]  # (B, T) inputs and targets of this rank, per step
     try:
-        if spec.backend.startswith(("lightning-", "zero3-")):
-            extra = _run_lightning(rank, world_size, spec, model, batches, recorder, profiler)
+        if spec.backend in ("lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2"):
+            extra = _run_lightning(rank, world_size, spec, model, batches, recorder)
         elif spec.backend.startswith("deepspeed"):
             from benchmarks.deepspeed_backend import run_deepspeed
 
-            extra = run_deepspeed(rank, world_size, spec, model, batches, recorder, profiler)
+            extra = run_deepspeed(rank, world_size, spec, model, batches, recorder)
         else:
-            extra = _run_raw(spec, model, batches, recorder, profiler, device)
+            extra = _run_raw(spec, model, batches, recorder, device)
     finally:
         counter.uninstall()
     result = {
@@ -119,8 +89,6 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
         "steps": recorder.steps,
         "base_rss_bytes": base_rss,
         "peak_rss_bytes": peak_rss_bytes(),
-        "profile_table": profiler.table,
-        "profile_labels": profiler.labels,
         **extra,
     }
     if device.type == "cuda":
@@ -137,7 +105,6 @@ def _run_raw(
     model: nn.Module,
     batches: list,
     recorder: StepRecorder,
-    profiler: _Profiler,
     device: torch.device,
 ) -> dict[str, Any]:
     sharded = None
@@ -154,16 +121,13 @@ def _run_raw(
     elif spec.backend.startswith("engine-"):
         from lightning_zero3.engine import ShardedModel
 
-        extra: dict[str, Any] = {"reductions_in_flight": 1} if spec.backend.endswith("-async") else {}
-        if spec.backend.endswith("-shm"):
-            extra["cpu_transport"] = "shared_memory"
-        sharded = ShardedModel(model, prefetch=BACKENDS[spec.backend][1], **extra)
+        in_flight = 1 if spec.backend.endswith("-async") else None
+        sharded = ShardedModel(model, prefetch=BACKENDS[spec.backend][2], reductions_in_flight=in_flight)
     else:
         raise ValueError(f"unknown backend {spec.backend!r}")
     optimizer = make_optimizer(model.parameters(), spec.lr)
     wait = (lambda: sharded.stats.last_step_gather_wait_s) if sharded is not None else None
-    for index, (x, y) in enumerate(batches):
-        profiler.begin(index)
+    for x, y in batches:
         recorder.start()
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(model, x, y)
@@ -172,7 +136,6 @@ def _run_raw(
         if sharded is not None:
             sharded.stats.end_step()
         recorder.stop(loss, wait)
-        profiler.end(index)
     extra: dict[str, Any] = {"model_state_bytes": model_state_bytes(model.parameters(), [optimizer])}
     if sharded is not None:
         extra["model_state_bytes"] = sharded.model_state_bytes([optimizer])
@@ -192,7 +155,6 @@ def _run_lightning(
     model: nn.Module,
     batches: list,
     recorder: StepRecorder,
-    profiler: _Profiler,
 ) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
@@ -218,7 +180,6 @@ def _run_lightning(
 
     class StepTimer(Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-            profiler.begin(batch_idx)
             recorder.start()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -227,13 +188,8 @@ def _run_lightning(
             if isinstance(strategy, ZeRO3Strategy):
                 wait = lambda: strategy.stats["gather_wait_s"]
             recorder.stop(outputs["loss"], wait)
-            profiler.end(batch_idx)
             if batch_idx == len(batches) - 1:  # after the last optimizer step, before teardown
-                if spec.backend == "lightning-deepspeed":
-                    from benchmarks.deepspeed_backend import ds_model_state_bytes
-
-                    found["model_state_bytes"] = ds_model_state_bytes(strategy.deepspeed_engine)
-                elif isinstance(strategy, ZeRO3Strategy):
+                if isinstance(strategy, ZeRO3Strategy):
                     stats = strategy.stats
                     found["model_state_bytes"] = stats["model_state_bytes"]
                     found["peak_units_alive"] = stats["peak_units_alive"]
@@ -247,18 +203,7 @@ def _run_lightning(
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     # Lightning uses the process group already initialised by the launcher (as under torchrun).
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size))
-    strategy: Any
-    if spec.backend == "lightning-ddp":
-        strategy = "ddp"
-    elif spec.backend == "lightning-deepspeed":
-        from benchmarks.deepspeed_backend import cpu_deepspeed_strategy, ds_config
-
-        config = ds_config(spec.backend, model, batch_size=batches[0][0].shape[0])
-        del config["gradient_accumulation_steps"]  # Lightning sets it from accumulate_grad_batches
-        strategy = cpu_deepspeed_strategy(config, local_rank=rank)
-    else:
-        transport = "shared_memory" if spec.backend.endswith("-shm") else "process_group"
-        strategy = ZeRO3Strategy(prefetch=BACKENDS[spec.backend][1], cpu_transport=transport)
+    strategy: Any = "ddp" if spec.backend == "lightning-ddp" else ZeRO3Strategy(prefetch=BACKENDS[spec.backend][2])
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=spec.accelerator,

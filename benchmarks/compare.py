@@ -1,6 +1,6 @@
 """Train the same GPT on the same data with PyTorch DDP, PyTorch FSDP2, Lightning DDP,
 Lightning ZeRO-3 (prefetch 0, 1, 2), the ZeRO-3 engine without Lightning and, when installed,
-DeepSpeed ZeRO-3 (raw and through Lightning's DeepSpeedStrategy); compare them.
+DeepSpeed ZeRO-3; compare them.
 
     DS_BUILD_OPS=0 pip install -e ".[bench]"            # matplotlib and deepspeed (pure Python)
 
@@ -59,10 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--mode",
-        choices=["compare", "scaling", "all", "profile"],
+        choices=["compare", "scaling"],
         default="compare",
-        help="compare backends at --devices ranks; model state and step time for N = --scaling-ranks; both; "
-        "or only the --profile run",
+        help="compare backends at --devices ranks, or model state and step time for N = --scaling-ranks",
     )
     p.add_argument("--size", choices=list(SIZES), default="20m", help="GPT preset (default 20m: ~19M params)")
     p.add_argument("--devices", type=int, default=2, help="ranks for --mode compare (default 2)")
@@ -70,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--backends",
         default=",".join(DEFAULT_BACKENDS),
-        help=f"comma-separated, from {', '.join(BACKENDS)} (default: all)",
+        help=f"comma-separated, from {', '.join(BACKENDS)} (default: all but DeepSpeed's)",
     )
     p.add_argument("--rounds", type=int, default=3, help="rounds of alternating runs (default 3)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
@@ -79,19 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores // ranks, >= 1)")
-    p.add_argument(
-        "--malloc-mmap-threshold",
-        type=int,
-        default=0,
-        metavar="BYTES",
-        help="glibc mallopt(M_MMAP_THRESHOLD) in each rank, e.g. 1048576 (default: glibc's dynamic threshold)",
-    )
     p.add_argument("--scaling-ranks", default="1,2,3,4", help="N values for --mode scaling (default 1,2,3,4)")
     p.add_argument("--scaling-backends", default=",".join(SCALING_BACKENDS))
     p.add_argument("--scaling-rounds", type=int, default=1)
     p.add_argument("--scaling-steps", type=int, default=3, help="timed steps per scaling run (default 3)")
     p.add_argument("--scaling-warmup", type=int, default=1, help="untimed steps before them (default 1)")
-    p.add_argument("--profile", metavar="BACKEND", help="also run one step of BACKEND under torch.profiler (rank 0)")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU, if the GPU is not in the built-in table")
     p.add_argument(
         "--replot", type=Path, metavar="JSON", help="only redraw the charts of a result JSON (into its folder)"
@@ -107,10 +98,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.out = args.out or ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "")
     args.backends = _available(_names(args.backends))
     args.scaling_backends = _available(_names(args.scaling_backends))
-    if args.profile:
-        _names(args.profile)
-    elif args.mode == "profile":
-        raise SystemExit("--mode profile needs --profile BACKEND")
     return args
 
 
@@ -183,7 +170,6 @@ def run_once(
     vocab: int,
     *,
     warmup: int,
-    profile_step: int | None = None,
 ) -> list[dict[str, Any]]:
     if args.accelerator == "gpu" and torch.cuda.device_count() < world_size:
         raise SystemExit(f"--accelerator gpu needs {world_size} GPUs, found {torch.cuda.device_count()}")
@@ -196,13 +182,10 @@ def run_once(
         seed=args.seed,
         lr=args.lr,
         accelerator=args.accelerator,
-        profile_step=profile_step,
     )
     threads = args.threads or max(1, _cores() // world_size)
     dist_backend = "nccl" if args.accelerator == "gpu" else "gloo"
-    return run_ranks(
-        rank_main, world_size, spec, backend=dist_backend, threads=threads, mmap_threshold=args.malloc_mmap_threshold
-    )
+    return run_ranks(rank_main, world_size, spec, backend=dist_backend, threads=threads)
 
 
 def run_rounds(
@@ -291,23 +274,6 @@ def scaling(args: argparse.Namespace, result: dict[str, Any], save: Callable[[],
         save()
 
 
-def profile(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    block = window_length(args.size)
-    windows, vocab = make_batches(
-        block_size=block, batch_size=args.batch_size, world_size=args.devices, steps=args.warmup + 1, seed=args.seed
-    )
-    ranks = run_once(args, args.profile, args.devices, windows, vocab, warmup=args.warmup, profile_step=args.warmup)
-    text = f"# torch.profiler, rank 0, step {args.warmup + 1} of {args.profile}\n\n{ranks[0]['profile_table']}"
-    (args.out / f"profile_{args.profile}.txt").write_text(text)
-    result["psi"] = ranks[0]["psi"]
-    result["profile"] = {
-        "backend": args.profile,
-        "labels_s": ranks[0]["profile_labels"],
-        "step_s": ranks[0]["steps"][-1]["time_s"],
-        "table": ranks[0]["profile_table"],
-    }
-
-
 # ---- output ------------------------------------------------------------------------------
 
 
@@ -320,7 +286,7 @@ def markdown(args: argparse.Namespace, result: dict[str, Any]) -> str:
         f"code: commit {m['git_head']}, lightning_zero3 sources sha256 {m['lightning_zero3_sha256']}.  ",
         f"GPT `{cfg['size']}`: Ψ = {result['psi']:,} parameters; "
         f"{cfg['batch_size']} x {cfg.get('window', cfg['block_size'])} tokens "
-        f"per rank per step; fp32, AdamW; glibc mmap threshold: {cfg.get('malloc_mmap_threshold', 'default')}.",
+        f"per rank per step; fp32, AdamW.",
     ]
     if "backends" in result:
         lines[-1] += (
@@ -355,16 +321,6 @@ def markdown(args: argparse.Namespace, result: dict[str, Any]) -> str:
                 "a throughput measurement; the bytes are exact.",
                 "",
             ]
-    if "profile" in result:
-        top = sorted(result["profile"]["labels_s"].items(), key=lambda kv: -kv[1])[:12]
-        lines += [
-            f"### Profile of one {result['profile']['backend']} step (rank 0): engine labels",
-            "",
-            report._table(["label", "CPU time incl. children (ms)"], [[k, f"{v * 1e3:.1f}"] for k, v in top]),
-            "",
-            f"Full operator table: `profile_{result['profile']['backend']}.txt`.",
-            "",
-        ]
     return "\n".join(lines)
 
 
@@ -407,13 +363,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "lr": args.lr,
             "seed": args.seed,
             "threads_per_rank": args.threads or max(1, _cores() // args.devices),
-            "malloc_mmap_threshold": args.malloc_mmap_threshold or "glibc default (dynamic)",
             "scaling_rounds": args.scaling_rounds,
             "scaling_steps": args.scaling_steps,
             "scaling_warmup": args.scaling_warmup,
         },
     }
-    stem = {"compare": "compare", "all": "compare", "scaling": "scaling", "profile": "profile"}[args.mode]
+    stem = args.mode
 
     def save() -> str:
         result["machine"]["load_average_end"] = _load()
@@ -422,12 +377,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (args.out / f"{stem}.json").write_text(json.dumps(_finite(result), indent=1) + "\n")
         return text
 
-    if args.mode in ("compare", "all"):
+    if args.mode == "compare":
         compare(args, result)
-    if args.mode in ("scaling", "all"):
+    else:
         scaling(args, result, save)
-    if args.profile:
-        profile(args, result)
     text = save()
     print(text)
     print(f"wrote {args.out / (stem + '.md')} and {args.out / (stem + '.json')}")

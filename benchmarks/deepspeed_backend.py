@@ -1,5 +1,4 @@
-"""DeepSpeed ZeRO-3 in the comparison: the raw engine in a plain loop, and Lightning's
-`DeepSpeedStrategy(stage=3)` made to run on CPU.
+"""DeepSpeed ZeRO-3 in the comparison: the raw engine in a plain loop.
 
 Install (pure Python, nothing compiled): `DS_BUILD_OPS=0 pip install deepspeed` or
 `DS_BUILD_OPS=0 pip install -e ".[bench]"`. Without it these backends are skipped with one line.
@@ -18,7 +17,6 @@ and a strict one that keeps about one transformer block of full parameters alive
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -28,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-DEEPSPEED_BACKENDS = ("deepspeed", "deepspeed-strict", "lightning-deepspeed")
+DEEPSPEED_BACKENDS = ("deepspeed", "deepspeed-strict")
 INSTALL = 'DS_BUILD_OPS=0 pip install deepspeed  (or DS_BUILD_OPS=0 pip install -e ".[bench]")'
 
 
@@ -120,11 +118,8 @@ def ds_model_state_bytes(engine: Any) -> dict[str, int]:
     }
 
 
-# ---- raw DeepSpeed ---------------------------------------------------------------------------
-
-
 def run_deepspeed(
-    rank: int, world_size: int, spec: Any, model: nn.Module, batches: list, recorder: Any, profiler: Any
+    rank: int, world_size: int, spec: Any, model: nn.Module, batches: list, recorder: Any
 ) -> dict[str, Any]:
     from benchmarks.backends import make_optimizer
     from benchmarks.model import lm_loss
@@ -136,52 +131,10 @@ def run_deepspeed(
     config = ds_config(spec.backend, model, batch_size=batches[0][0].shape[0])
     optimizer = make_optimizer(model.parameters(), spec.lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    for index, (x, y) in enumerate(batches):
-        profiler.begin(index)
+    for x, y in batches:
         recorder.start()
         loss = lm_loss(engine, x, y)
         engine.backward(loss)
         engine.step()
         recorder.stop(loss)
-        profiler.end(index)
     return {"model_state_bytes": ds_model_state_bytes(engine), "ds_config": config}
-
-
-# ---- Lightning's DeepSpeedStrategy on CPU -----------------------------------------------------
-
-
-def cpu_deepspeed_strategy(config: dict[str, Any], local_rank: int) -> Any:
-    """`DeepSpeedStrategy(stage=3)` with the three changes that make it train on CPU (lightning
-    2.6.6): it refuses non-CUDA accelerators in `setup_environment`, rejects CPU device indices
-    (`None`) in `setup_distributed`, and passes `device_rank=root_device.index` (`None` on CPU,
-    which DeepSpeed compares with 0) to `deepspeed.initialize`."""
-    import_deepspeed()
-    from lightning.fabric.utilities.seed import reset_seed
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-
-    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
-        def setup_environment(self) -> None:
-            DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's CUDA check skipped
-
-        def setup_distributed(self) -> None:
-            reset_seed()  # as DeepSpeedStrategy does, minus _validate_device_index_selection
-            self.set_world_ranks()
-            self._init_deepspeed_distributed()
-
-        def _setup_model_and_optimizer(
-            self, model: nn.Module, optimizer: Any, lr_scheduler: Any = None
-        ) -> tuple[Any, Any]:
-            import deepspeed
-
-            engine, ds_optimizer, _, _ = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=local_rank),
-                config=self.config,
-                model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad],
-                optimizer=optimizer,
-                lr_scheduler=lr_scheduler,
-                dist_init_required=False,
-            )
-            return engine, ds_optimizer
-
-    return CPUDeepSpeedStrategy(stage=3, config=config, process_group_backend="gloo")

@@ -21,23 +21,12 @@ _PRELOAD = ["torch", "lightning.pytorch", "lightning_zero3", "benchmarks.backend
 _context: Any = None
 
 
-def _set_mmap_threshold(nbytes: int) -> None:
-    """glibc: serve allocations >= nbytes with mmap (returned to the OS on free) and turn off the
-    dynamic threshold, which otherwise rises after the first large free so that later large
-    buffers come from the heap, whose freed space the process keeps (its RSS only grows)."""
-    import ctypes
-
-    m_mmap_threshold = -3
-    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, nbytes)
-
-
 def _entry(
     rank: int,
     world_size: int,
     store_path: str,
     backend: str,
     threads: int,
-    mmap_threshold: int,
     fn: Callable,
     args: tuple,
     queue: Any,
@@ -45,8 +34,6 @@ def _entry(
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
     def work() -> Any:
-        if mmap_threshold:
-            _set_mmap_threshold(mmap_threshold)
         import torch
         import torch.distributed as dist
 
@@ -79,7 +66,6 @@ def run_ranks(
     *args: Any,
     backend: str = "gloo",
     threads: int = 1,
-    mmap_threshold: int = 0,
     timeout_s: float = 1800,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results in rank order."""
@@ -88,9 +74,7 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(
-                target=_entry, args=(rank, world_size, store_path, backend, threads, mmap_threshold, fn, args, queue)
-            )
+            ctx.Process(target=_entry, args=(rank, world_size, store_path, backend, threads, fn, args, queue))
             for rank in range(world_size)
         ]
         for p in procs:

@@ -15,8 +15,6 @@ _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 def _bytes_from(entry: dict) -> str:
     if "formula" in entry["step_bytes_source"]:
         return "formula"
-    if "CommStats" in entry["step_bytes_source"]:
-        return "engine's CommStats (shared memory)"
     via = [f"{kind.replace('_', '-')} as {v['via']}" for kind, v in entry["step_bytes"].items() if "via" in v]
     return "counted" + (f" ({'; '.join(via)})" if via else "")
 
@@ -25,25 +23,8 @@ def _label(name: str) -> str:
     return BACKENDS[name][0] if name in BACKENDS else name
 
 
-_SHORT = {
-    "ddp": "PyTorch DDP",
-    "fsdp2": "PyTorch FSDP2",
-    "lightning-ddp": "Lightning ddp",
-    "zero3-p0": "Lightning zero3 p=0",
-    "zero3-p1": "Lightning zero3 p=1",
-    "zero3-p2": "Lightning zero3 p=2",
-    "engine-p1": "ShardedModel p=1",
-    "engine-p1-async": "ShardedModel p=1 async RS",
-    "engine-p1-shm": "ShardedModel p=1 shm",
-    "zero3-p1-shm": "Lightning zero3 p=1 shm",
-    "deepspeed": "DeepSpeed ZeRO-3",
-    "deepspeed-strict": "DeepSpeed ZeRO-3 strict",
-    "lightning-deepspeed": "Lightning DeepSpeed",
-}
-
-
 def _short(name: str) -> str:
-    return _SHORT.get(name, name)
+    return BACKENDS[name][1] if name in BACKENDS else name
 
 
 def _ratio(entry: dict[str, Any], other: str, names: list[str]) -> str:
@@ -53,21 +34,10 @@ def _ratio(entry: dict[str, Any], other: str, names: list[str]) -> str:
 def time_table(backends: dict[str, dict[str, Any]]) -> str:
     names = list(backends)
     mfu = any("mfu" in e for e in backends.values())
-    head = [
-        "backend",
-        "step median (s)",
-        "p10 (s)",
-        "p90 (s)",
-        "÷ DDP",
-        "÷ FSDP2",
-        "÷ Lightning DDP",
-        "÷ DeepSpeed",
-        "tokens/s",
-        "CPU s / step",
-        "CPU ÷ Lightning DDP",
-        "gather wait / step (ms)",
-        "load (1 min) at its runs",
-    ] + (["MFU"] if mfu else [])
+    head = (
+        "backend;step median (s);p10 (s);p90 (s);÷ DDP;÷ FSDP2;÷ Lightning DDP;÷ DeepSpeed;tokens/s;CPU s / "
+        "step;CPU ÷ Lightning DDP;gather wait / step (ms);load (1 min) at its runs"
+    ).split(";") + (["MFU"] if mfu else [])
     rows = []
     for name, e in backends.items():
         wait = f"{e['gather_wait_s_median'] * 1e3:.1f}" if "gather_wait_s_median" in e else "-"
@@ -93,19 +63,10 @@ def time_table(backends: dict[str, dict[str, Any]]) -> str:
 
 
 def memory_table(backends: dict[str, dict[str, Any]]) -> str:
-    head = [
-        "backend",
-        "model state / rank (MB)",
-        "÷ 16Ψ/N",
-        "peak RSS (MiB)",
-        "All-Gather (MB)",
-        "Reduce-Scatter (MB)",
-        "All-Reduce (MB)",
-        "wire (MB)",
-        "bytes from",
-        "peak units alive",
-        "max \\|Δloss\\| vs DDP",
-    ]
+    head = (
+        "backend;model state / rank (MB);÷ 16Ψ/N;peak RSS (MiB);All-Gather (MB);Reduce-Scatter "
+        "(MB);All-Reduce (MB);wire (MB);bytes from;peak units alive;max \\|Δloss\\| vs DDP"
+    ).split(";")
     device = any("peak_device_bytes" in e for e in backends.values())
     if device:
         head.insert(4, "peak device memory (MiB)")
@@ -139,18 +100,10 @@ def targets_list(targets: list[dict[str, Any]]) -> str:
 
 
 def scaling_table(scaling: list[dict[str, Any]]) -> str:
-    head = [
-        "backend",
-        "N",
-        "model state / rank (MB)",
-        "16Ψ/N (MB)",
-        "÷ 16Ψ/N",
-        "step median (s)",
-        "CPU s / step",
-        "threads / rank",
-        "peak RSS (MiB)",
-        "load (1 min)",
-    ]
+    head = (
+        "backend;N;model state / rank (MB);16Ψ/N (MB);÷ 16Ψ/N;step median (s);CPU s / step;threads / "
+        "rank;peak RSS (MiB);load (1 min)"
+    ).split(";")
     rows = [
         [
             _label(s["backend"]),

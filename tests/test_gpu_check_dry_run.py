@@ -1,6 +1,8 @@
-"""benchmarks/gpu_check.py runs its code paths on CPU (`--dry-run`), so the script a GPU session
-relies on cannot rot between GPU sessions. It runs as the command a user types, in its own
-process: its Lightning checks join a process group in the process that runs them."""
+"""benchmarks/gpu_check.py runs its code on CPU (`--dry-run`), so the script a GPU session relies
+on cannot rot between GPU sessions. It runs as the command a user types, in its own process: its
+Lightning and Fabric checks join a process group in the process that runs them. On CPU the checks
+of collectives at world size 1, losses, checkpoints, validate and predict give verdicts; those only
+a GPU can show print RAN."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_gpu_check_passes_in_its_dry_run_on_cpu(tmp_path):
-    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--fast", "--out", str(tmp_path)]
+def test_the_gpu_check_runs_every_section_on_cpu_and_nothing_fails() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--fast"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     printed = done.stdout + done.stderr
     assert done.returncode == 0, printed
-    lines = re.findall(r"^(PASS|FAIL)  (\(\w\))", done.stdout, flags=re.M)
-    assert {check for _, check in lines} == {"(a)", "(b)", "(c)", "(d)"}, printed
-    assert all(verdict == "PASS" for verdict, _ in lines), printed
-    assert (tmp_path / "gpu_check_trace.json").stat().st_size > 0
+    lines = re.findall(r"^(PASS|FAIL|INFO|RAN) +\((\w)\) (.*)$", done.stdout, flags=re.M)
+    assert {check for _, check, _ in lines} == set("abcde"), printed
+    assert not [line for line in lines if line[0] == "FAIL"], printed
+    passed = {check for verdict, check, _ in lines if verdict == "PASS"}
+    assert passed == {"a", "d", "e"}, printed  # the sections whose properties CPU can show
+    assert any("Reduce-Scatters in 4 steps" in text for verdict, check, text in lines if check == "a"), printed
