@@ -21,24 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero3.checkpoint import (
-    CheckpointError,
-    atomic_torch_save,
-    check_state_dict_loadable,
-    load_sharded_model,
-    load_sharded_optimizers,
-    open_checked,
-    raise_if,
-    require_exists,
-    run_and_agree,
-    save_sharded,
-    sharded_optimizer_state,
-)
+from lightning_zero3.checkpoint import CheckpointError, load_full, save_full, save_sharded, sharded_optimizer_state
+from lightning_zero3.checkpoint.errors import require_exists, run_and_agree
+from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers, open_checked
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 
@@ -115,16 +104,8 @@ def save(
             value = obj.state_dict() if _stateful(obj) else obj
         full[key] = _filtered(key, value, filter or {})
 
-    def write() -> None:
-        if model.global_rank != 0:
-            return
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:
-            atomic_torch_save(full, path)
-        else:
-            strategy.checkpoint_io.save_checkpoint(full, path)
-
-    context = f"Saving the checkpoint {path} failed (any previous one is unchanged)"
-    run_and_agree(model.world_comm, write, context=context)
+    write = None if type(strategy.checkpoint_io) is TorchCheckpointIO else strategy.checkpoint_io.save_checkpoint
+    save_full(full, path, model.world_comm, write=write)
 
 
 def load(
@@ -150,10 +131,7 @@ def load(
         if file.is_dir():
             _load_sharded_model(model, file, strict=strict, context=context, trusted=trusted)
         else:
-            raw = run_and_agree(
-                model.world_comm, lambda: _read_checked(file, model, None, strict, trusted), context=context
-            )
-            model.load_full_state_dict(raw, strict=strict)
+            model.load_full_state_dict(load_full(file, model, key=None, strict=strict, trusted=trusted), strict=strict)
         return {}
     if not state:
         raise ValueError(
@@ -178,9 +156,7 @@ def load(
             load_sharded_optimizers(ckpt, model, [by_key[key] for key in info["optimizers"]])
         metadata = dict(info["metadata"])
     else:
-        checkpoint = run_and_agree(
-            model.world_comm, lambda: _read_checked(file, model, module_key, strict, trusted), context=context
-        )
+        checkpoint = load_full(file, model, key=module_key, strict=strict, trusted=trusted)
         model.load_full_state_dict(checkpoint.pop(module_key), strict=strict)
         for key, optimizer in optimizers:
             if key in checkpoint:
@@ -208,24 +184,3 @@ def _load_sharded_model(model: ShardedModel, path: Path, *, strict: bool, contex
     ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted)
     load_sharded_model(ckpt, model)
     return ckpt
-
-
-def _read_checked(
-    path: Path, model: ShardedModel, module_key: str | None, strict: bool, trusted: bool
-) -> dict[str, Any]:
-    """A full file, memory-mapped (ranks share the page cache), checked against the model:
-    with `module_key`, a Fabric checkpoint whose entry `module_key` is the state dict; without,
-    a plain state dict."""
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist")
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
-    if not isinstance(checkpoint, dict):
-        raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a dict")
-    if module_key is not None and module_key not in checkpoint:
-        raise CheckpointError(
-            f"{path} has no entry '{module_key}' (it has {sorted(checkpoint)[:8]}); pass the model under the key it "
-            f"was saved with"
-        )
-    state_dict = checkpoint[module_key] if module_key is not None else checkpoint
-    raise_if(check_state_dict_loadable(path, state_dict, model, strict=strict))
-    return checkpoint

@@ -24,23 +24,11 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero3.checkpoint import (
-    CheckpointError,
-    ShardedOptimizerStates,
-    ShardedStateDict,
-    atomic_torch_save,
-    check_state_dict_loadable,
-    load_full_file,
-    load_sharded_model,
-    load_sharded_optimizers,
-    open_checked,
-    raise_if,
-    require_exists,
-    run_and_agree,
-    save_sharded,
-    sharded_optimizer_state,
-)
+from lightning_zero3.checkpoint import CheckpointError, load_full, save_full, save_sharded, sharded_optimizer_state
 from lightning_zero3.checkpoint import remove_checkpoint as remove_checkpoint_path
+from lightning_zero3.checkpoint.errors import require_exists, run_and_agree
+from lightning_zero3.checkpoint.format import ShardedOptimizerStates, ShardedStateDict
+from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers, open_checked
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 
 if TYPE_CHECKING:
@@ -77,17 +65,8 @@ def save_checkpoint(
     if strategy.state_dict_type == "sharded":
         save_sharded(path, strategy.sharded_model, checkpoint, whole=strategy.whole)
         return
-
-    def write() -> None:
-        if not strategy.is_global_zero:
-            return
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:
-            atomic_torch_save(checkpoint, path)
-        else:
-            strategy.checkpoint_io.save_checkpoint(checkpoint, path)
-
-    context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
-    run_and_agree(strategy.sharded_model.world_comm, write, context=context)
+    write = None if type(strategy.checkpoint_io) is TorchCheckpointIO else strategy.checkpoint_io.save_checkpoint
+    save_full(checkpoint, path, strategy.sharded_model.world_comm, write=write)
 
 
 def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: str | Path, weights_only: bool | None) -> dict[str, Any]:
@@ -100,16 +79,9 @@ def load_checkpoint(strategy: ZeRO3Strategy, checkpoint_path: str | Path, weight
     if path.is_dir():
         ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted)
         return run_and_agree(model.world_comm, ckpt.lightning_dict, context=context)
-
-    def read() -> dict[str, Any]:
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:
-            checkpoint = load_full_file(path, weights_only=not trusted)
-        else:
-            checkpoint = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        raise_if(check_state_dict_loadable(path, checkpoint["state_dict"], model, strict=strict))
-        return checkpoint
-
-    return run_and_agree(model.world_comm, read, context=context)
+    io = strategy.checkpoint_io
+    read = None if type(io) is TorchCheckpointIO else lambda file: io.load_checkpoint(file, weights_only=weights_only)
+    return load_full(path, model, strict=strict, trusted=trusted, read=read)
 
 
 def load_model_state_dict(strategy: ZeRO3Strategy, checkpoint: Mapping[str, Any], strict: bool) -> None:

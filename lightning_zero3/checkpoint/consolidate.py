@@ -27,13 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
-from lightning_zero3.checkpoint.files import (
-    PARTIAL_SUFFIX,
-    check_replaceable,
-    remove_path,
-    replace_path,
-    sibling,
-)
+from lightning_zero3.checkpoint.files import Partial, check_replaceable, replace_path
 from lightning_zero3.checkpoint.format import (
     ShardedCheckpoint,
     dtype_of,
@@ -212,19 +206,20 @@ def consolidate_checkpoint(
         if progress is not None:
             progress(done)
 
-    partial = sibling(dst, PARTIAL_SUFFIX)
+    partial = Partial(dst, directory=False)  # created exclusively (Note: temporary names in files.py)
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        assert partial.file is not None
         if safetensors:
-            stream_safetensors(tensors, partial, meta, on_tensor)
+            stream_safetensors(tensors, partial.file, meta, on_tensor)
         else:
-            stream_torch_save(output, partial, on_tensor)
-        replace_path(partial, dst)
-    except BaseException as err:
-        remove_path(partial)
-        if isinstance(err, Exception) and not isinstance(err, CheckpointError):
-            raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
-        raise
+            stream_torch_save(output, partial.file, on_tensor)
+        replace_path(partial.path, dst)
+    except Exception as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
+    finally:
+        partial.close(remove=True)
     return ConsolidationSummary(
         src=src, dst=dst, world_size=ckpt.world_size, tensors=done.tensors_done, bytes=done.bytes_done,
         file_bytes=dst.stat().st_size, seconds=time.perf_counter() - start,

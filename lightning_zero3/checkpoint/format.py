@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
-from lightning_zero3.checkpoint.files import FORMAT, META_FILE, crc32
+from lightning_zero3.checkpoint.files import FORMAT, META_FILE, crc32, few
 from lightning_zero3.checkpoint.trust import (
     CheckpointReader,
     check_meta,
@@ -146,11 +146,6 @@ def describe_mismatch(
         + (", or set strict_loading=False" if strict else "")
         + "."
     )
-
-
-def few(names: list[str], n: int = 8) -> str:
-    shown = ", ".join(f"'{k}'" for k in names[:n])
-    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # ---- optimizer state keyed by parameter name ------------------------------------------------
@@ -376,6 +371,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory")
     meta_file = path / META_FILE
+    check_plain_name(path, META_FILE, str(path))  # a link out of the directory is not read
     if not meta_file.is_file():
         if (path / DCP_INDEX_FILE).exists() or _dcp_files(path):
             raise CheckpointError(

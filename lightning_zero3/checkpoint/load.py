@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +13,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of, raise_if, run_and_agree
+from lightning_zero3.checkpoint.files import few
 from lightning_zero3.checkpoint.format import (
     Pieces,
     ShardedCheckpoint,
-    TensorInfo,
     describe_mismatch,
-    dtype_name,
     dtype_of,
-    few,
     model_tensors,
     open_sharded,
     optimizer_param_names,
@@ -28,7 +26,6 @@ from lightning_zero3.checkpoint.format import (
     sharded_by_name,
     with_params,
 )
-from lightning_zero3.checkpoint.trust import forbidden_global
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
@@ -44,15 +41,6 @@ def open_checked(path: Path, model: ShardedModel, *, strict: bool, context: str,
 def check_loadable(ckpt: ShardedCheckpoint, model: ShardedModel, *, strict: bool) -> str | None:
     """Why `ckpt` cannot load into `model` (names or shapes), or None."""
     return describe_mismatch(ckpt.path, ckpt.tensors(), model_tensors(model), strict=strict)
-
-
-def check_state_dict_loadable(
-    path: str | os.PathLike, state_dict: Mapping[str, Any], model: ShardedModel, *, strict: bool
-) -> str | None:
-    """Why a full state dict (whole tensors) read from `path` cannot load into `model`, or None."""
-    tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-    saved = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
-    return describe_mismatch(path, saved, model_tensors(model), strict=strict)
 
 
 def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
@@ -212,35 +200,3 @@ def load_sharded(
     if optimizers:
         load_sharded_optimizers(ckpt, model, list(optimizers))
     return dict(ckpt.trainer_state()["extra"])
-
-
-def load_full_file(path: str | os.PathLike, *, weights_only: bool | None = None) -> dict[str, Any]:
-    """A full (single-file) checkpoint, memory-mapped where the file allows it, so that every
-    rank reading it shares the page cache rather than holding its own copy."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist")
-    if path.is_dir():
-        raise CheckpointError(
-            f"{path} is a directory, not a checkpoint file: a sharded checkpoint is loaded with `load_sharded` (on "
-            f"every rank) or, in one process, with `lightning_zero3.load_checkpoint` / `load_from_checkpoint`"
-        )
-    try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-        except RuntimeError as err:
-            if "zipfile" not in str(err) and "mmap" not in str(err):
-                raise
-            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
-    except Exception as err:
-        message = forbidden_global(path, err) or f"{path} is not a checkpoint torch can read: {describe_error(err)}"
-        raise CheckpointError(message) from err
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        tensors_only = isinstance(checkpoint, dict) and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
-        if checkpoint and tensors_only:
-            raise CheckpointError(
-                f"{path} is a plain state dict, not a Lightning checkpoint: to fine-tune from it, load it into the "
-                f"model before fit (`model.load_state_dict(torch.load(path))`)"
-            )
-        raise CheckpointError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'")
-    return checkpoint

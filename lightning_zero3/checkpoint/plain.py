@@ -25,7 +25,7 @@ import torch
 from lightning_zero3.checkpoint.consolidate import deferred_checkpoint
 from lightning_zero3.checkpoint.errors import CheckpointError
 from lightning_zero3.checkpoint.format import open_sharded
-from lightning_zero3.checkpoint.load import load_full_file
+from lightning_zero3.checkpoint.full import read_full_file
 from lightning_zero3.checkpoint.streaming import materialized
 
 ModuleT = TypeVar("ModuleT")
@@ -58,7 +58,7 @@ def load_checkpoint(
     if Path(path).is_dir():  # a directory of another kind: the CheckpointError says what it lacks
         ckpt = open_sharded(path, verify=verify, trusted=trusted)
         return materialized(deferred_checkpoint(ckpt, weights_only=weights_only))
-    checkpoint = load_full_file(path, weights_only=not trusted)
+    checkpoint = read_full_file(path, trusted=trusted)
     if weights_only:
         for key in ("optimizer_states", "lr_schedulers", "callbacks"):
             checkpoint.pop(key, None)

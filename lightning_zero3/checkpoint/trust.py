@@ -21,6 +21,7 @@ checkpoints from a trusted source whose Lightning state holds arbitrary objects.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -164,8 +165,21 @@ def _admitted() -> dict[tuple[str, str], Any]:
 _ADMITTED = _admitted()
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles only what a DCP index is made of; any other global is refused, unloaded."""
+# Instance state an index may set with pickle's BUILD: the fields of DCP's dataclasses, on their
+# instances only (a BUILD on a class would set class attributes for the rest of the process).
+_FIELDS = {
+    cls: frozenset(f.name for f in dataclasses.fields(cls))
+    for cls in _ADMITTED.values()
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+}
+
+
+class RestrictedUnpickler(pickle._Unpickler):
+    """Unpickles only what a DCP index is made of; any other global is refused, unloaded, and
+    BUILD sets only the fields of an admitted dataclass's instance. Python's own unpickler (the
+    C one has no hook for BUILD); an index is small."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file: Any, *, source: Path) -> None:
         super().__init__(file)
@@ -185,6 +199,26 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError(f"{self.source} holds a persistent reference, which a DCP index never has")
+
+    def load_build(self) -> None:
+        inst, state = self.stack[-2], self.stack[-1]  # type: ignore[attr-defined]
+        fields = _FIELDS.get(type(inst))
+        own_setstate = fields is not None and "__setstate__" in vars(type(inst))  # TensorProperties: a tuple
+        parts = state if isinstance(state, tuple) and len(state) == 2 and not own_setstate else (state,)
+        names = set() if own_setstate else {n for part in parts if part is not None for n in _keys(part)}
+        if fields is None or not names <= fields:
+            raise CheckpointError(
+                f"{self.source} sets the attributes {sorted(map(str, names)) or '(state)'} of "
+                f"{f'the class {inst.__name__}' if isinstance(inst, type) else f'a {type(inst).__name__}'}, which a DCP "
+                f"index never does; it was not loaded"
+            )
+        super().load_build()  # type: ignore[misc]
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _keys(part: Any) -> list[Any]:
+    return list(part) if isinstance(part, dict) else [part]  # a non-dict state names no field: refused
 
 
 def read_dcp_index(file: Path, *, trusted: bool) -> dcp_metadata.Metadata:
@@ -246,7 +280,7 @@ def load_torch_file(file: Path, *, trusted: bool) -> Any:
 def forbidden_global(file: Path, err: Exception) -> str | None:
     """The message for `torch.load(weights_only=True)` refusing a global in `file`, or None if
     `err` is another failure."""
-    forbidden = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    forbidden = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(err))
     if forbidden is None:
         return None
     return (
