@@ -19,6 +19,7 @@ import torch
 import lightning_zero3
 from lightning_zero3 import ShardedModel, consolidate_checkpoint
 from lightning_zero3 import checkpoint as ckpt
+from lightning_zero3.engine.state import full_optimizer_state
 from tests.models import MLP
 from tests.ranks import run_ranks
 from tests.test_checkpoint_atomic import _run_while_one_rank_dies
@@ -37,9 +38,9 @@ def _mlp_job(seed: int) -> tuple[Any, ShardedModel, Any]:
     return model, sharded, optimizer
 
 
-def _save_repeatedly(rank: int, world_size: int, path: str, seed: int, rendezvous: str) -> list[str]:
+def _save_repeatedly(rank: int, world_size: int, path: str, seed: int, rendezvous: str) -> tuple[list[str], Any]:
     """One job: wait for the other job (a file each), then save SAVES times to `path`; return
-    the failures seen (as text)."""
+    the failures seen (as text) and the job's whole state (weights, optimizer state)."""
     model, sharded, optimizer = _mlp_job(seed)
     checkpoint = {
         "job": seed,
@@ -56,13 +57,7 @@ def _save_repeatedly(rank: int, world_size: int, path: str, seed: int, rendezvou
             ckpt.save_sharded(path, sharded, checkpoint)
         except Exception as err:  # noqa: BLE001 - every failure is reported to the test
             failures.append(f"{type(err).__name__}: {err}")
-    return failures
-
-
-def _whole_state(seed: int) -> tuple[dict, dict]:
-    """Job `seed`'s weights and optimizer state as a single process holds them."""
-    model, sharded, optimizer = _mlp_job(seed)
-    return sharded.full_state_dict(to_rank=None), optimizer.state_dict()
+    return failures, (sharded.full_state_dict(to_rank=None), full_optimizer_state(sharded, optimizer, to_rank=None))
 
 
 def test_two_jobs_saving_to_one_path_each_put_a_whole_checkpoint_in_place(tmp_path):
@@ -85,11 +80,11 @@ def test_two_jobs_saving_to_one_path_each_put_a_whole_checkpoint_in_place(tmp_pa
         t.join()
     for seed in (0, 1):
         assert not isinstance(results[seed], BaseException), results[seed]
-        failures = [f for rank_failures in results[seed] for f in rank_failures]
+        failures = [f for rank_failures, _ in results[seed] for f in rank_failures]
         assert not failures, f"job {seed}: {len(failures)} failed saves, e.g. {failures[0]}"
     assert os.listdir(path.parent) == ["last.ckpt"]
     saved = lightning_zero3.load_checkpoint(path)
-    weights, optimizer = _whole_state(saved["job"])
+    weights, optimizer = results[saved["job"]][0][1]
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in weights.items())
     saved_optimizer = saved["optimizer_states"][0]
     assert saved_optimizer["param_groups"] == optimizer["param_groups"]  # the lr differs between the jobs
@@ -182,3 +177,25 @@ def test_the_next_save_removes_what_a_killed_save_left_and_nothing_else(tmp_path
     assert sorted(os.listdir(tmp_path)) == sorted(["mlp.ckpt", live.name, foreign.name, other.name])
     state_dict = lightning_zero3.load_checkpoint(path)["state_dict"]
     assert all(torch.equal(state_dict[k], v) for k, v in weights.items())
+
+
+def test_the_swap_puts_back_what_is_no_longer_a_checkpoint(tmp_path, monkeypatch):
+    """Something that is not a checkpoint put at the path while the save ran (after the check
+    at its start) is swapped back, untouched, and the save fails naming it."""
+    import lightning_zero3.checkpoint.save as save_module
+
+    path = tmp_path / "mlp.ckpt"
+    save_mlp(path)
+    write_json = save_module.write_json_atomically
+
+    def then_a_user_directory_appears(obj: Any, file: Path) -> None:
+        write_json(obj, file)
+        ckpt.remove_checkpoint(path)
+        (path / "src").mkdir(parents=True)
+        (path / "README.md").write_text("my project\n")
+
+    monkeypatch.setattr(save_module, "write_json_atomically", then_a_user_directory_appears)
+    with pytest.raises(ckpt.CheckpointError, match=f"Refusing to save over {path}: .*appeared there during the save"):
+        save_mlp(path, seed=1)
+    assert sorted(os.listdir(path)) == ["README.md", "src"]
+    assert os.listdir(tmp_path) == ["mlp.ckpt"]
