@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
 from lightning_zero3.checkpoint.files import Partial, check_replaceable, replace_path
@@ -70,43 +68,32 @@ class ConsolidationSummary:
     def line(self) -> str:
         return (
             f"Consolidated {self.src} ({self.world_size} ranks) into {self.dst}: {self.tensors} tensors, "
-            f"{_mb(self.bytes)} of tensor data, {_mb(self.file_bytes)} on disk, in {self.seconds:.1f} s"
+            f"{self.bytes / 2**20:.1f} MiB of tensor data, {self.file_bytes / 2**20:.1f} MiB on disk, in "
+            f"{self.seconds:.1f} s"
         )
 
 
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 # ---- reading whole tensors from the shards --------------------------------------------------
-class _Reader(CheckpointReader):
-    """The checkpoint's DCP reader (its index read once, not once per tensor), reading whole tensors."""
-
-    def read(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The whole tensor stored under `key` (flat if it was sharded), read chunk by chunk."""
-        target = torch.empty(shape, dtype=dtype)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load({key: target}, storage_reader=self, no_dist=True)
-        except (Exception, dcp.CheckpointException) as err:
-            raise CheckpointError(f"reading '{key}' from {self.path} failed: {describe_error(err)}") from err
-        return target
-
-
-def _deferred(reader: _Reader, key: str, info: dict[str, Any], cast: torch.dtype | None = None) -> Deferred:
+def _deferred(reader: CheckpointReader, key: str, info: dict[str, Any], cast: torch.dtype | None = None) -> Deferred:
+    """The tensor stored under `key`, read whole (chunk by chunk, flat if it was sharded) when written."""
     shape, dtype = tuple(info["shape"]), dtype_of(info["dtype"])
     stored = (math.prod(shape),) if info["kind"] == "sharded" else shape
     target = cast if cast is not None and dtype.is_floating_point else dtype
-    return Deferred(shape, target, lambda: reader.read(key, stored, dtype))
+
+    def read() -> torch.Tensor:
+        tensor = torch.empty(stored, dtype=dtype)
+        reader.load({key: tensor})
+        return tensor
+
+    return Deferred(shape, target, read)
 
 
 def _state_dict(
-    ckpt: ShardedCheckpoint, reader: _Reader, objects: dict[str, Any], cast: torch.dtype | None
+    ckpt: ShardedCheckpoint, reader: CheckpointReader, objects: dict[str, Any], cast: torch.dtype | None
 ) -> dict[str, Any]:
     """The module's state dict in its own key order, tied weights under every name (one storage)."""
     out: dict[str, Any] = OrderedDict()
-    for entry in ckpt.entries():
+    for entry in ckpt.meta["state_dict"]:
         key, kind = entry["key"], entry["kind"]
         if kind == "alias":
             out[key] = out[entry["of"]]
@@ -117,7 +104,7 @@ def _state_dict(
     return out
 
 
-def _optimizer_states(ckpt: ShardedCheckpoint, reader: _Reader, objects: list[dict[str, Any]]) -> list[dict]:
+def _optimizer_states(ckpt: ShardedCheckpoint, reader: CheckpointReader, objects: list[dict[str, Any]]) -> list[dict]:
     """Each optimizer's `state_dict()` as torch writes it: parameters numbered in param_groups
     order, state tensors whole."""
     states = []
@@ -141,7 +128,7 @@ def deferred_checkpoint(
     one `Deferred` under every name). `weights_only` leaves out optimizer states, LR schedulers
     and callback states; `cast` casts the floating-point tensors of the state dict."""
     trainer_state = ckpt.trainer_state()
-    reader = _Reader(ckpt.path, trusted=ckpt.trusted, index=ckpt.index)
+    reader = ckpt.reader()  # its index read once, not once per tensor
     state_dict = _state_dict(ckpt, reader, trainer_state["state_dict"], cast)
     extra = dict(trainer_state["extra"])
     optimizer_states = None
@@ -166,24 +153,14 @@ def consolidate_checkpoint(
     trusted: bool = False,
 ) -> ConsolidationSummary:
     """Write the sharded checkpoint `src` (a directory) as one ordinary checkpoint file `dst`,
-    loadable with `torch.load` and `LightningModule.load_from_checkpoint`, without
-    lightning_zero3 and at any world size. Streams one tensor at a time (Note: streaming
-    consolidation).
-
-    Args:
-        weights_only: leave out optimizer states, LR schedulers and callback states.
-        dtype: cast the floating-point tensors of the state dict (e.g. "bf16"); optimizer
-            state keeps its dtype.
-        safetensors: write a safetensors file of the state dict instead.
-        verify: check every file's CRC-32 against meta.json first.
-        progress: called after each tensor is written.
-        trusted: unpickle the checkpoint's pickles without restriction (Note: checkpoint trust
-            model); only for checkpoints from a trusted source.
-
-    Refused before anything is written: `dst` inside `src` (or `src` itself), a directory, or
-    anything that is not a checkpoint file (Note: what a save may replace). A failed write
-    (e.g. a full disk) leaves nothing at `dst` but what was there.
-    """
+    loadable with `torch.load` and `LightningModule.load_from_checkpoint` at any world size,
+    streaming one tensor at a time (Note: streaming consolidation). `weights_only`: leave out
+    optimizer states, LR schedulers and callback states; `dtype`: cast the floating-point tensors
+    of the state dict (e.g. "bf16"); `safetensors`: write a safetensors file of the state dict;
+    `verify`: check every file's CRC-32 first; `progress`: called after each tensor; `trusted`:
+    as in `load_checkpoint`. Refused before anything is written: `dst` inside `src` (or `src`
+    itself) and anything that is not a checkpoint file (Note: what a save may replace). A failed
+    write leaves nothing at `dst` but what was there."""
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     cast = parse_dtype(dtype, "consolidate_checkpoint(dtype=...)")
@@ -221,7 +198,7 @@ def consolidate_checkpoint(
     finally:
         partial.close(remove=True)
     return ConsolidationSummary(
-        src=src, dst=dst, world_size=ckpt.world_size, tensors=done.tensors_done, bytes=done.bytes_done,
+        src=src, dst=dst, world_size=ckpt.meta["world_size"], tensors=done.tensors_done, bytes=done.bytes_done,
         file_bytes=dst.stat().st_size, seconds=time.perf_counter() - start,
     )  # fmt: skip
 

@@ -80,12 +80,6 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def raise_if(problem: str | None) -> None:
-    """Raise `problem` (a message from a `check_*` function) as a CheckpointError, if any."""
-    if problem is not None:
-        raise CheckpointError(problem)
-
-
 def run_and_agree(comm: Comm | None, fn: Callable[[], Any], *, context: str) -> Any:
     """Run `fn` on every rank, then agree (Note: no hang on a bad checkpoint): every rank
     returns its result, or every rank raises `CheckpointError` naming `context`."""

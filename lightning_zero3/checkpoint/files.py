@@ -2,19 +2,16 @@
 atomic replace and remove (a checkpoint at a path is either the old one or the new one, never a mix).
 
 [Note: temporary names]
-Every save (sharded, full, consolidate) writes under its own hidden name next to the path,
-`.NAME.<16 hex digits>.zero3-partial`, made by `Partial`: created exclusively (`mkdir`, or
-`O_CREAT | O_EXCL | O_NOFOLLOW` for a file), so nothing already there (a file, a directory, a
-link planted at the name) is followed, written to or removed, and locked (`flock`) by the
-process that made it until the save ends. Two jobs saving to one path therefore never share a
-temporary name, and each swaps a complete checkpoint of its own into place: the last one wins,
-whole. The swap checks what it takes out of `path` (it must still be replaceable, Note: what a
-save may replace) before removing it, and puts it back otherwise. A save killed mid-way leaves
-its temporary name behind; the next save to the same path removes it if it is provably a stale
-one of ours: the name has that exact form, it is a regular file or a directory holding only the
-files a save writes, and its lock is free (the process that made it is gone: the kernel drops
-`flock` locks when a process dies, `kill -9` included). A live save's name is locked, so it is
-never taken.
+Every save (sharded, full, consolidate) writes under a hidden name of its own next to the path,
+`.NAME.<16 hex digits>.zero3-partial` (`Partial`): created exclusively (`mkdir`, or `O_CREAT |
+O_EXCL | O_NOFOLLOW`), so nothing already there (a file, a directory, a planted link) is followed,
+written or removed, and `flock`ed by its process until the save ends. Two jobs saving to one path
+never share a name; each swaps a whole checkpoint of its own in (the last one wins). The swap
+checks what it takes out of the path (Note: what a save may replace) and puts it back if that is
+no longer a checkpoint. A save killed mid-way leaves its name behind; the next save to the path
+removes it only if it is provably a stale one of ours: that exact name form, a regular file or a
+directory holding only files a save writes, and its lock free (the kernel drops `flock` locks of
+a dead process, `kill -9` included).
 """
 
 from __future__ import annotations
@@ -162,15 +159,14 @@ def _same_file(path: Path, fd: int) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def remove_stale_partials(path: Path) -> list[Path]:
+def remove_stale_partials(path: Path) -> None:
     """Remove the temporary names of earlier saves to `path` that are provably stale and ours
-    (Note: temporary names); return them."""
+    (Note: temporary names)."""
     pattern = re.compile(re.escape(f".{path.name}.") + r"[0-9a-f]{16}" + re.escape(PARTIAL_SUFFIX))
-    removed = []
     try:
         names = [name for name in os.listdir(path.parent) if pattern.fullmatch(name)]
     except OSError:
-        return removed
+        return
     for name in names:
         leftover = path.parent / name
         try:
@@ -185,12 +181,10 @@ def remove_stale_partials(path: Path) -> list[Path]:
             )
             if ours and _same_file(leftover, fd):
                 remove_path(leftover)
-                removed.append(leftover)
         except OSError:
             continue
         finally:
             os.close(fd)
-    return removed
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:

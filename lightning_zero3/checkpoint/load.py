@@ -4,15 +4,13 @@ then one DCP load in which each rank reads only the chunks that overlap its new 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of, raise_if, run_and_agree
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
 from lightning_zero3.checkpoint.files import few
 from lightning_zero3.checkpoint.format import (
     Pieces,
@@ -26,15 +24,17 @@ from lightning_zero3.checkpoint.format import (
     sharded_by_name,
     with_params,
 )
-from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
 
 
-def open_checked(path: Path, model: ShardedModel, *, strict: bool, context: str, trusted: bool) -> ShardedCheckpoint:
+def open_checked(
+    path: str | os.PathLike, model: ShardedModel, *, strict: bool, context: str, trusted: bool, verify: bool = True
+) -> ShardedCheckpoint:
     """Open the sharded checkpoint `path` and check it fits `model`; every rank raises if any rank found a problem."""
-    ckpt = open_sharded(path, comm=model.world_comm, trusted=trusted)
-    run_and_agree(model.world_comm, lambda: raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
+    ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
+    problem, error = error_of(lambda: check_loadable(ckpt, model, strict=strict))
+    agree(model.world_comm, error or problem, context=context)
     return ckpt
 
 
@@ -59,7 +59,7 @@ def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
             if key not in sharded and isinstance(value, torch.Tensor) and ckpt.kind(key) in ("tensor", "sharded"):
                 loads.into_whole(f"state_dict/{key}", ckpt.kind(key), value)  # a view of the module's tensor
         loads.run()
-        objects = [e["key"] for e in ckpt.entries() if e["kind"] == "object"]
+        objects = [e["key"] for e in ckpt.meta["state_dict"] if e["kind"] == "object"]
         if objects:
             saved = ckpt.trainer_state()["state_dict"]
             model.module.load_state_dict({k: saved[k] for k in objects}, strict=False)
@@ -91,7 +91,7 @@ class _Loads:
         self.targets[key] = tensor.reshape(-1) if kind == "sharded" else tensor
 
     def run(self) -> None:
-        _dcp_load(self.targets, self.ckpt, self.model.world_comm)
+        self.ckpt.reader().load(self.targets, self.model.world_comm)
         for copy in self.after:
             copy()
 
@@ -167,20 +167,6 @@ def _check_groups(path: Path, index: int, saved: list[list[str]], current: list[
             )
 
 
-def _dcp_load(targets: dict[str, torch.Tensor], ckpt: ShardedCheckpoint, comm: Comm) -> None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
-                targets,
-                storage_reader=ckpt.reader(),
-                process_group=comm.group,
-                no_dist=not comm.distributed,
-            )
-    except (Exception, dcp.CheckpointException) as err:
-        raise CheckpointError(f"Loading {ckpt.path} failed: {describe_error(err)}") from err
-
-
 def load_sharded(
     path: str | os.PathLike,
     model: ShardedModel,
@@ -193,9 +179,8 @@ def load_sharded(
     """Check and load a sharded checkpoint into `model` (and `optimizers`) at this run's world
     size; return the other entries of the checkpoint dict it was saved from. Every rank calls it.
     `trusted`: unpickle its pickles without restriction (Note: checkpoint trust model)."""
-    ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
-    problem = check_loadable(ckpt, model, strict=strict)
-    agree(model.world_comm, problem, context=f"Cannot load the checkpoint {path}")
+    context = f"Cannot load the checkpoint {path}"
+    ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted, verify=verify)
     load_sharded_model(ckpt, model)
     if optimizers:
         load_sharded_optimizers(ckpt, model, list(optimizers))

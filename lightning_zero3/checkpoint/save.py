@@ -32,7 +32,6 @@ from lightning_zero3.checkpoint.format import (
     TensorInfo,
     dtype_name,
     fingerprint,
-    model_parameter_shapes,
     model_parameters,
     optimizer_param_names,
     param_numbers,
@@ -200,15 +199,15 @@ def _finish(
         raise CheckpointError(f"the DCP index names files no rank reported: {missing}")
     fsynced_torch_save({**extra, **objects}, partial / TRAINER_STATE_FILE)
     files.update(checksums(partial, [DCP_INDEX_FILE, TRAINER_STATE_FILE]))
-    lightning = extra["extra"]
+    lightning, parameters = extra["extra"], model_parameters(model)
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
         "shard_size": model.comm.world_size,
         "torch_version": torch.__version__,
-        "fingerprint": fingerprint(model_parameter_shapes(model)),
-        "parameters": model_parameters(model),
+        "fingerprint": fingerprint(parameters),
+        "parameters": {name: info.as_json() for name, info in parameters.items()},
         "lightning": {k: lightning[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in lightning},
         **inventory,
         "files": files,

@@ -26,6 +26,7 @@ import io
 import os
 import pickle
 import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
+from lightning_zero3.engine.comm import Comm
 
 TRUST_HINT = (
     "If you trust where this checkpoint comes from, load it with ZeRO3Strategy(trust_checkpoint=True) "
@@ -207,14 +209,14 @@ class RestrictedUnpickler(pickle._Unpickler):
         parts = state if isinstance(state, tuple) and len(state) == 2 and not own_setstate else (state,)
         names = set() if own_setstate else {n for part in parts if part is not None for n in _keys(part)}
         if fields is None or not names <= fields:
+            what = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
             raise CheckpointError(
-                f"{self.source} sets the attributes {sorted(map(str, names)) or '(state)'} of "
-                f"{f'the class {inst.__name__}' if isinstance(inst, type) else f'a {type(inst).__name__}'}, which a DCP "
+                f"{self.source} sets the attributes {sorted(map(str, names)) or '(state)'} of {what}, which a DCP "
                 f"index never does; it was not loaded"
             )
         super().load_build()  # type: ignore[misc]
 
-    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.BUILD[0]] = load_build  # type: ignore[assignment]
 
 
 def _keys(part: Any) -> list[Any]:
@@ -266,6 +268,17 @@ class CheckpointReader(dcp.FileSystemReader):
             self._index.storage_meta = dcp_metadata.StorageMeta()
         self._index.storage_meta.load_id = self.load_id
         return self._index
+
+    def load(self, targets: dict[str, torch.Tensor], comm: Comm | None = None) -> None:
+        """`dcp.load(targets)` from this directory (collective over `comm`); a failure is a `CheckpointError`."""
+        distributed = comm is not None and comm.distributed
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                group = comm.group if comm is not None else None
+                dcp.load(targets, storage_reader=self, process_group=group, no_dist=not distributed)
+        except (Exception, dcp.CheckpointException) as err:
+            raise CheckpointError(f"Loading {self.path} failed: {describe_error(err)}") from err
 
 
 # ---- trainer_state.pt ----------------------------------------------------------------------
