@@ -9,6 +9,9 @@ whatever the size of the output. For a Lightning/torch file this needs the recor
 `torch.save`'s zip format written in that order: `stream_torch_save` is `torch.save` whose
 tensors may be `Deferred`, produced when their record is written. Safetensors is simpler: its
 header lists every tensor's offset, known from the shapes before any byte is read.
+Why not torch's own `format_utils.dcp_to_torch_save`: it loads the whole state before saving.
+Measured (docs/checkpoints.md, a 192 MiB checkpoint of 16 MiB tensors, VmHWM growth after
+imports): 225 MiB for it, 35-66 MiB for `consolidate_checkpoint`.
 """
 
 from __future__ import annotations
