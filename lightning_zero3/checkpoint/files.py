@@ -67,16 +67,12 @@ def checksums(directory: Path, names: Iterable[str]) -> dict[str, dict[str, Any]
 
 
 def fsync_directory(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_json_atomically(obj: dict[str, Any], file: Path) -> None:
