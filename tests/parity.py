@@ -99,12 +99,12 @@ def _optimizer(recipe: Recipe, module: nn.Module) -> torch.optim.Optimizer:
 
 def run_parity(rank: int, world_size: int, recipe: Recipe) -> dict[str, float]:
     """Runs inside each rank. Returns the worst differences seen from the reference:
-        `param` (whole parameters after each step), `grad` (each rank's shard gradients against the
-        matching slice of the reference gradient, and whole gradients of persistent parameters),
-        `loss` and, with clipping, `norm` (global grad norm). Also `min_norm`: the smallest
-        reference grad norm seen before clipping, and `clipped`: the fraction of reference gradient
-        elements above `clip_value`, so a test can check that clipping actually happened, and `moved`:
-    how far the reference parameters moved in training, so a test can check that it trained."""
+    `param` (whole parameters after each step), `grad` (each rank's shard gradients against the
+    matching slice of the reference gradient, and whole gradients of persistent parameters),
+    `loss` and, with clipping, `norm` (global grad norm). Also `min_norm`: the smallest
+    reference grad norm seen before clipping, and `clipped`: the fraction of reference gradient
+    elements above `clip_value`, so a test can check that clipping actually happened, and `moved`:
+how far the reference parameters moved in training, so a test can check that it trained."""
     torch.manual_seed(0)
     reference = recipe.model()
     torch.manual_seed(0)

@@ -135,3 +135,4 @@ def collect_results(procs: list[Any], queue: Any, timeout_s: float) -> list[Any]
     if failures:
         raise RankFailure("\n".join(failures))
     return [pickle.loads(results[r][1]) for r in range(world_size)]
+
