@@ -38,9 +38,9 @@ def _mlp_job(seed: int) -> tuple[Any, ShardedModel, Any]:
     return model, sharded, optimizer
 
 
-def _save_repeatedly(rank: int, world_size: int, path: str, seed: int, rendezvous: str) -> tuple[list[str], Any]:
+def _save_repeatedly(rank: int, world_size: int, path: str, seed: int, rendezvous: str) -> tuple[list[str], Any, Any]:
     """One job: wait for the other job (a file each), then save SAVES times to `path`; return
-    the failures seen (as text) and the job's whole state (weights, optimizer state)."""
+    the failures seen (as text), when the saves began and ended, and the job's whole state."""
     model, sharded, optimizer = _mlp_job(seed)
     checkpoint = {
         "job": seed,
@@ -51,13 +51,15 @@ def _save_repeatedly(rank: int, world_size: int, path: str, seed: int, rendezvou
     deadline = time.monotonic() + 60
     while not Path(f"{rendezvous}.{1 - seed}").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
-    failures = []
+    failures, start = [], time.time()
     for _ in range(SAVES):
         try:
             ckpt.save_sharded(path, sharded, checkpoint)
         except Exception as err:  # noqa: BLE001 - every failure is reported to the test
             failures.append(f"{type(err).__name__}: {err}")
-    return failures, (sharded.full_state_dict(to_rank=None), full_optimizer_state(sharded, optimizer, to_rank=None))
+    span = (start, time.time())
+    whole = sharded.full_state_dict(to_rank=None), full_optimizer_state(sharded, optimizer, to_rank=None)
+    return failures, span, whole
 
 
 def test_two_jobs_saving_to_one_path_each_put_a_whole_checkpoint_in_place(tmp_path):
@@ -80,11 +82,13 @@ def test_two_jobs_saving_to_one_path_each_put_a_whole_checkpoint_in_place(tmp_pa
         t.join()
     for seed in (0, 1):
         assert not isinstance(results[seed], BaseException), results[seed]
-        failures = [f for rank_failures, _ in results[seed] for f in rank_failures]
+        failures = [f for rank_failures, _, _ in results[seed] for f in rank_failures]
         assert not failures, f"job {seed}: {len(failures)} failed saves, e.g. {failures[0]}"
+    (a_start, a_end), (b_start, b_end) = results[0][0][1], results[1][0][1]
+    assert a_start < b_end and b_start < a_end, "the two jobs did not save at the same time"
     assert os.listdir(path.parent) == ["last.ckpt"]
     saved = lightning_zero3.load_checkpoint(path)
-    weights, optimizer = results[saved["job"]][0][1]
+    weights, optimizer = results[saved["job"]][0][2]
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in weights.items())
     saved_optimizer = saved["optimizer_states"][0]
     assert saved_optimizer["param_groups"] == optimizer["param_groups"]  # the lr differs between the jobs
