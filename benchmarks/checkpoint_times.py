@@ -60,8 +60,7 @@ def _save(rank: int, world_size: int, directory: str, small: bool) -> tuple[floa
             "state_dict": sharded.full_state_dict(to_rank=0),
             "optimizer_states": [full_optimizer_state(sharded, optimizer, to_rank=0)],
         }
-        if rank == 0:
-            C.atomic_torch_save(state, f"{directory}/full.ckpt")
+        C.save_full(state, f"{directory}/full.ckpt", sharded.world_comm)
 
     return _timed(sharded_save), _timed(full_save)
 

@@ -80,14 +80,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _return_freed_tensors_to_the_os() -> None:
-    """glibc keeps freed blocks up to a threshold that it raises as large blocks are freed, so a
-    process that reads and frees one tensor after another keeps several tensors' worth of pages.
-    A fixed 1 MiB mmap threshold (glibc's public `mallopt`, through ctypes) gives each freed
-    tensor back at once: consolidating 12 tensors of 16 MiB added 27 MiB to the peak with it and
-    51 MiB without (either way independent of the output's size; docs/checkpoints.md). It
-    changes the allocator of the whole process, so only the command itself does it (`python -m
-    lightning_zero3`), never `main()` or `consolidate_checkpoint()` called from a user's program.
-    No-op where mallopt does not exist (not glibc)."""
+    """A fixed 1 MiB mmap threshold (glibc's `mallopt`) gives each freed tensor back to the OS at
+    once (glibc otherwise raises the threshold as large blocks are freed): consolidating 12
+    tensors of 16 MiB added 27 MiB to the peak with it, 51 without (docs/checkpoints.md). It
+    changes the whole process's allocator, so only the command itself does it, never `main()` or
+    `consolidate_checkpoint()` called from a user's program. No-op without glibc."""
     try:
         import ctypes
 

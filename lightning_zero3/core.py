@@ -24,25 +24,19 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero3.checkpoint import (
-    CheckpointError,
-    check_state_dict_loadable,
-    open_checked,
-    raise_if,
-    require_exists,
-    run_and_agree,
-    save_sharded,
-    sharded_optimizer_state,
-)
+from lightning_zero3.checkpoint import load_full, save_full, save_sharded, sharded_optimizer_state
+from lightning_zero3.checkpoint.errors import require_exists
+from lightning_zero3.checkpoint.load import open_checked
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.state import full_optimizer_state
 
 if TYPE_CHECKING:
     from lightning_zero3.options import LightningOptions
 
-# How a strategy's checkpoint plugin writes and reads one full file.
+# How a strategy's checkpoint plugin writes and reads one full file; None: the package's own
+# atomic writer and memory-mapped reader (checkpoint/full.py).
 WriteFile = Callable[[dict[str, Any], Path], None]
-ReadFile = Callable[[Path, bool], dict[str, Any]]  # (path, trusted) -> the checkpoint
+ReadFile = Callable[[Path], Any]
 
 
 class Lifecycle(Enum):
@@ -91,19 +85,13 @@ class ShardedRun:
             return sharded_optimizer_state(self.engine, optimizer)
         return full_optimizer_state(self.engine, optimizer, to_rank=0)
 
-    def save(self, path: Path, checkpoint: dict[str, Any], write_file: WriteFile) -> None:
+    def save(self, path: Path, checkpoint: dict[str, Any], write_file: WriteFile | None) -> None:
         """Write `checkpoint` (built from `model_state_dict` and `optimizer_state`) at `path`,
         replacing what a save put there before, atomically."""
         if self.sharded_checkpoints:
             save_sharded(path, self.engine, checkpoint, whole=self.state is Lifecycle.WHOLE)
-            return
-
-        def write() -> None:
-            if self.engine.global_rank == 0:
-                write_file(checkpoint, path)
-
-        context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
-        run_and_agree(self.engine.world_comm, write, context=context)
+        else:
+            save_full(checkpoint, path, self.engine.world_comm, write=write_file)
 
     def trusted(self, weights_only: bool | None) -> bool:
         """Unpickle without restriction only when asked to (checkpoint/trust.py)."""
@@ -115,31 +103,12 @@ class ShardedRun:
         return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
 
     def read_full(
-        self, path: Path, read_file: ReadFile, *, trusted: bool, strict: bool, context: str, key: str | None
+        self, path: Path, read_file: ReadFile | None, *, trusted: bool, strict: bool, context: str, key: str | None
     ) -> dict[str, Any]:
         """A full file, read on every rank and checked against the model before anything loads:
         its entry `key` (None: the file itself) is the model's state dict."""
         require_exists(self.engine.world_comm, path, context=context)
-
-        def read() -> dict[str, Any]:
-            checkpoint = read_file(path, trusted)
-            raise_if(check_state_dict_loadable(path, _entry(path, checkpoint, key), self.engine, strict=strict))
-            return checkpoint
-
-        return run_and_agree(self.engine.world_comm, read, context=context)
-
-
-def _entry(path: Path, checkpoint: Any, key: str | None) -> Any:
-    if not isinstance(checkpoint, dict):
-        raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a dict")
-    if key is None:
-        return checkpoint
-    if key not in checkpoint:
-        raise CheckpointError(
-            f"{path} has no entry '{key}' (it has {sorted(checkpoint)[:8]}); pass the model under the key it was "
-            f"saved with"
-        )
-    return checkpoint[key]
+        return load_full(path, self.engine, key=key, strict=strict, trusted=trusted, read=read_file)
 
 
 __all__ = ["Lifecycle", "ReadFile", "ShardedRun", "WriteFile"]

@@ -25,10 +25,12 @@ from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero3.checkpoint import CheckpointError, load_sharded_model, load_sharded_optimizers, run_and_agree
+from lightning_zero3.checkpoint import CheckpointError
+from lightning_zero3.checkpoint.errors import run_and_agree
+from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers
 from lightning_zero3.core import ReadFile, ShardedRun
 from lightning_zero3.engine.state import load_full_optimizer_state
-from lightning_zero3.options import full_file_writer
+from lightning_zero3.options import checkpoint_io_files
 
 OWNER = "ZeRO3FabricStrategy"  # the class these functions serve, named in their messages
 
@@ -101,14 +103,14 @@ def save(
             else:
                 value = obj.state_dict() if _stateful(obj) else obj
             checkpoint[key] = _filtered(key, value, filter or {})
-    run.save(path, checkpoint, full_file_writer(checkpoint_io))
+    run.save(path, checkpoint, checkpoint_io_files(checkpoint_io)[0])
 
 
 def load(
     run_of: Callable[[nn.Module], ShardedRun],
     file: Path,
     state: nn.Module | Optimizer | dict[str, Any] | None,
-    read_file: ReadFile,
+    read_file: ReadFile | None,
     *,
     strict: bool,
     weights_only: bool | None,

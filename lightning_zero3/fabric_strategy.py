@@ -41,7 +41,7 @@ from typing_extensions import override
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.core import ShardedRun
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
-from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, full_file_reader, split_options
+from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -311,7 +311,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """`fabric.load`: a sharded directory or a full file, saved at any world size."""
-        read = full_file_reader(self.checkpoint_io, weights_only=weights_only, lightning_file=False)
+        read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only)[1]
         file = Path(self.broadcast(str(path)))
         return fabric_checkpoint.load(self._run_of, file, state, read, strict=strict, weights_only=weights_only)
 

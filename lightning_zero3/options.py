@@ -39,7 +39,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
-from lightning_zero3.checkpoint import atomic_torch_save, load_full_file
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.config import ShardingConfig, config_field_names
 
@@ -126,25 +125,15 @@ def build_engine(
     return ShardedModel(module, config, device=device)
 
 
-def full_file_writer(checkpoint_io: CheckpointIO) -> Callable[[dict[str, Any], Path], None]:
-    """How a full checkpoint file is written: atomically by us for Lightning's default plugin,
-    else by the user's plugin (its own format and guarantees)."""
+def checkpoint_io_files(
+    checkpoint_io: CheckpointIO, *, weights_only: bool | None = None
+) -> tuple[Callable[[dict[str, Any], Path], None] | None, Callable[[Path], Any] | None]:
+    """How a full checkpoint file is written and read: by the user's CheckpointIO plugin (its own
+    format and guarantees), or None for Lightning's default plugin, which the package's atomic
+    writer and memory-mapped reader replace (checkpoint/full.py)."""
     if type(checkpoint_io) is TorchCheckpointIO:
-        return atomic_torch_save
-    return lambda checkpoint, path: checkpoint_io.save_checkpoint(checkpoint, path)
-
-
-def full_file_reader(
-    checkpoint_io: CheckpointIO, *, weights_only: bool | None, lightning_file: bool
-) -> Callable[[Path, bool], dict[str, Any]]:
-    """How a full checkpoint file is read, `(path, trusted) -> dict`: memory-mapped by us for
-    Lightning's default plugin (`lightning_file`: a Trainer checkpoint, checked to have a
-    "state_dict"), else by the user's plugin."""
-    if type(checkpoint_io) is not TorchCheckpointIO:
-        return lambda path, trusted: checkpoint_io.load_checkpoint(path, weights_only=weights_only or not trusted)
-    if lightning_file:
-        return lambda path, trusted: load_full_file(path, weights_only=not trusted)
-    return lambda path, trusted: torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
+        return None, None
+    return checkpoint_io.save_checkpoint, lambda path: checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
 
 def join_process_group(

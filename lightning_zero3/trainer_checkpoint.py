@@ -20,18 +20,14 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch.optim import Optimizer
 
-from lightning_zero3.checkpoint import (
-    CheckpointError,
-    ShardedOptimizerStates,
-    ShardedStateDict,
-    load_sharded_model,
-    load_sharded_optimizers,
-    run_and_agree,
-)
+from lightning_zero3.checkpoint import CheckpointError
 from lightning_zero3.checkpoint import remove_checkpoint as remove_checkpoint_path
+from lightning_zero3.checkpoint.errors import run_and_agree
+from lightning_zero3.checkpoint.format import ShardedOptimizerStates, ShardedStateDict
+from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers
 from lightning_zero3.core import ShardedRun
 from lightning_zero3.engine.state import load_full_optimizer_state
-from lightning_zero3.options import full_file_reader, full_file_writer
+from lightning_zero3.options import checkpoint_io_files
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +42,12 @@ def load_checkpoint(
         ckpt = run.open_sharded(path, strict=strict, trusted=trusted, context=context)
         return run_and_agree(run.engine.world_comm, ckpt.lightning_dict, context=context)
 
-    read = full_file_reader(checkpoint_io, weights_only=weights_only, lightning_file=True)
+    read = checkpoint_io_files(checkpoint_io, weights_only=weights_only)[1]
     return run.read_full(path, read, trusted=trusted, strict=strict, context=context, key="state_dict")
 
 
 def save_checkpoint(run: ShardedRun, checkpoint: dict[str, Any], path: Path, checkpoint_io: CheckpointIO) -> None:
-    run.save(path, checkpoint, full_file_writer(checkpoint_io))
+    run.save(path, checkpoint, checkpoint_io_files(checkpoint_io)[0])
 
 
 def load_model_state_dict(run: ShardedRun, checkpoint: Mapping[str, Any], strict: bool) -> None:

@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3 import consolidate_checkpoint
+from lightning_zero3.checkpoint.files import atomic_torch_save
+from lightning_zero3.checkpoint.format import open_sharded
 from tests.lit import LitMLP, become_lightning_rank, loader, trainer
 from tests.ranks import _entry, _mp_context, run_ranks
 from tests.test_checkpoint_sharded import save_trained_gpt, trained_gpt
@@ -154,7 +156,7 @@ def _fit_with_a_callback_failing_in_epoch_1(rank: int, world_size: int, director
 def test_an_exception_in_a_callback_while_saving_leaves_the_previous_checkpoint(tmp_path):
     run_ranks(_fit_with_a_callback_failing_in_epoch_1, 2, str(tmp_path))
     assert os.listdir(tmp_path) == ["latest.ckpt"]
-    saved = ckpt.open_sharded(tmp_path / "latest.ckpt")  # complete, checksums match
+    saved = open_sharded(tmp_path / "latest.ckpt")  # complete, checksums match
     assert saved.meta["lightning"]["epoch"] == 0
 
 
@@ -175,11 +177,11 @@ def test_saving_again_to_a_path_replaces_the_checkpoint_there(tmp_path):
 
 def test_a_full_file_and_a_sharded_directory_replace_each_other(tmp_path):
     path = tmp_path / "model.ckpt"
-    ckpt.atomic_torch_save({"state_dict": {}}, path)
+    atomic_torch_save({"state_dict": {}}, path)
     expected = run_ranks(save_trained_gpt, 2, str(path))[0][0]
     assert path.is_dir()
     _assert_holds(path, expected, tmp_path)
-    ckpt.atomic_torch_save({"state_dict": {"w": torch.ones(2)}}, path)
+    atomic_torch_save({"state_dict": {"w": torch.ones(2)}}, path)
     assert path.is_file() and torch.equal(torch.load(path)["state_dict"]["w"], torch.ones(2))
     assert os.listdir(tmp_path) == ["model.ckpt"]
 
@@ -203,9 +205,9 @@ def test_model_checkpoint_top_k_keeps_only_the_best_directories_and_last(tmp_pat
     assert sorted(os.listdir(tmp_path)) == sorted([*result["best"], "last.ckpt"])  # nothing else, nothing hidden
     assert (tmp_path / "last.ckpt").is_symlink() == (save_last == "link")
     for name in os.listdir(tmp_path):
-        ckpt.open_sharded(tmp_path / name)  # every one complete
+        open_sharded(tmp_path / name)  # every one complete
     if save_last is True:
-        assert ckpt.open_sharded(tmp_path / "last.ckpt").meta["lightning"]["global_step"] == result["steps"]
+        assert open_sharded(tmp_path / "last.ckpt").meta["lightning"]["global_step"] == result["steps"]
 
 
 def test_removing_a_link_keeps_its_target_and_removing_a_directory_leaves_nothing(tmp_path):
@@ -214,6 +216,6 @@ def test_removing_a_link_keeps_its_target_and_removing_a_directory_leaves_nothin
     (tmp_path / "last.ckpt").symlink_to(target.name)
     ckpt.remove_checkpoint(tmp_path / "last.ckpt")
     assert os.listdir(tmp_path) == ["epoch=0.ckpt"]
-    ckpt.open_sharded(target)
+    open_sharded(target)
     ckpt.remove_checkpoint(target)
     assert os.listdir(tmp_path) == []

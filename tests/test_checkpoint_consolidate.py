@@ -59,7 +59,8 @@ def test_the_streamed_torch_file_is_a_valid_zip_whose_tensor_records_are_64_byte
     obj = {"w": Deferred((2, 5), torch.float32, lambda: torch.arange(10.0)), "bf": Deferred((3,), torch.bfloat16,
            lambda: torch.ones(3)), "extra": {"score": real, "again": real}, "step": 7}  # fmt: skip
     file = tmp_path / "f.pt"
-    stream_torch_save(obj, file, lambda nbytes: None)
+    with open(file, "wb") as f:
+        stream_torch_save(obj, f, lambda nbytes: None)
     with zipfile.ZipFile(file) as archive, open(file, "rb") as raw:
         assert archive.testzip() is None
         for info in archive.infolist():

@@ -14,6 +14,7 @@ import pytest
 from lightning_zero3 import CheckpointError, consolidate_checkpoint
 from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3.__main__ import main
+from lightning_zero3.checkpoint.full import read_full_file
 from tests.ranks import run_ranks
 from tests.test_checkpoint_sharded import load_into_fresh_gpt, save_trained_gpt
 
@@ -54,7 +55,7 @@ def test_a_file_is_not_a_sharded_checkpoint_and_not_a_torch_checkpoint(tmp_path)
     notes.write_text("hello")
     _refused(notes, "is a file, not a sharded checkpoint directory")
     with pytest.raises(CheckpointError, match=f"{notes} is not a checkpoint torch can read"):
-        ckpt.load_full_file(notes)
+        read_full_file(notes, trusted=False)
 
 
 def test_an_interrupted_save_is_not_mistaken_for_a_checkpoint(copy):

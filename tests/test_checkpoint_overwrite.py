@@ -22,6 +22,8 @@ import torch
 from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3 import consolidate_checkpoint
 from lightning_zero3.__main__ import main
+from lightning_zero3.checkpoint.files import atomic_torch_save
+from lightning_zero3.checkpoint.format import open_sharded
 from tests.lit import LitMLP, become_lightning_rank, loader, trainer
 from tests.ranks import _mp_context, run_ranks
 from tests.test_checkpoint_sharded import save_trained_gpt
@@ -60,7 +62,7 @@ def test_a_full_save_over_a_user_directory_or_file_is_refused_and_touches_nothin
     else:
         path.write_text("notes\n")
     with pytest.raises(ckpt.CheckpointError, match=f"Refusing to save over {path}"):
-        ckpt.atomic_torch_save({"state_dict": {}}, path)
+        atomic_torch_save({"state_dict": {}}, path)
     assert (_contents(path) == before) if what == "directory" else path.read_text() == "notes\n"
     assert os.listdir(tmp_path) == ["target"]
 
@@ -164,7 +166,7 @@ def test_consolidate_refuses_a_destination_inside_the_source_before_writing(sour
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write {target}: it is ") and f"checkpoint {source} being consolidated" in err
     assert _contents(source) == before
-    ckpt.open_sharded(source)  # still complete, checksums match
+    open_sharded(source)  # still complete, checksums match
 
 
 def test_consolidate_refuses_to_overwrite_a_file_that_is_not_a_checkpoint(source, tmp_path, capsys):

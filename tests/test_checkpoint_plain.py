@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 import lightning_zero3
 from lightning_zero3 import CheckpointError
-from lightning_zero3.checkpoint import load_full_file
+from lightning_zero3.checkpoint.full import read_full_file
 from lightning_zero3.checkpoint.trust import read_dcp_index
 from tests.lit import LitMLP, become_lightning_rank, dataset, loader, trainer
 from tests.ranks import run_ranks
@@ -144,7 +144,7 @@ def test_a_directory_that_is_no_checkpoint_is_a_checkpoint_error_not_is_a_direct
     with pytest.raises(CheckpointError, match="it has no meta.json"):
         lightning_zero3.load_from_checkpoint(HparamsMLP, tmp_path)
     with pytest.raises(CheckpointError, match="in one process, with `lightning_zero3.load_checkpoint`"):
-        load_full_file(tmp_path)  # the loader of full files names the loaders of directories
+        read_full_file(tmp_path, trusted=False)  # the loader of full files names the loaders of directories
 
 
 def test_load_from_checkpoint_of_a_checkpoint_no_trainer_saved_says_how_to_load_its_state_dict(tmp_path):

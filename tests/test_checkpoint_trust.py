@@ -308,3 +308,63 @@ def test_a_trainer_state_without_its_entries_is_a_checkpoint_error(copy):
     plant(copy, "trainer_state.pt", (copy / "trainer_state.pt").read_bytes())
     with pytest.raises(ckpt.CheckpointError, match="trainer_state.pt is corrupted: it is not the dict"):
         load_mlp(copy)
+
+
+# ---- what a crafted or damaged file may not do -------------------------------------------------
+@pytest.mark.parametrize(
+    ("module", "cls", "attribute"),
+    [("pathlib", "PosixPath", "zero3_crafted"), ("torch.distributed.checkpoint.metadata", "Metadata", "version")],
+)
+def test_an_index_setting_attributes_of_a_class_is_refused_and_changes_nothing(copy, tmp_path, module, cls, attribute):
+    """pickle's BUILD on an admitted class (not an instance) would set a class attribute for
+    the rest of the process: refused, the class unchanged."""
+    target = getattr(__import__(module, fromlist=[cls]), cls)
+    before = target.__dict__.get(attribute, "absent")
+    name = attribute.encode()
+    build = b"c" + module.encode() + b"\n" + cls.encode() + b"\nN}X" + len(name).to_bytes(4, "little") + name
+    build += b"X\x07\x00\x00\x00crafteds\x86b0"  # (None, {attribute: "crafted"}) BUILD, POP
+    index = pickle.dumps(pickle.loads((copy / ".metadata").read_bytes()), protocol=2)
+    plant(copy, ".metadata", index[:2] + build + index[2:])  # the index itself is intact
+    try:
+        with pytest.raises(ckpt.CheckpointError, match=f"sets the attributes \\['{attribute}'\\] of the class {cls}"):
+            ckpt.consolidate_checkpoint(copy, tmp_path / "out.pt")
+        assert target.__dict__.get(attribute, "absent") == before
+    finally:
+        if before != "absent":
+            setattr(target, attribute, before)
+        elif attribute in target.__dict__:
+            delattr(target, attribute)
+
+
+def test_a_meta_json_linking_outside_the_checkpoint_is_refused_unread(copy, tmp_path):
+    outside = tmp_path / "elsewhere" / "meta.json"
+    outside.parent.mkdir()
+    (copy / "meta.json").rename(outside)
+    (copy / "meta.json").symlink_to(outside)
+    with touches_of(outside) as touched, pytest.raises(ckpt.CheckpointError, match="'meta.json' is a link to"):
+        ckpt.consolidate_checkpoint(copy, tmp_path / "out.pt")
+    assert touched == []
+
+
+class RunsACommand:
+    def __reduce__(self) -> Any:
+        return os.system, ("true",)
+
+
+def test_a_full_file_naming_a_blocked_global_gets_the_trust_hint(tmp_path):
+    """torch 2.13 words a global of a blocked module ("Trying to load unsupported GLOBAL
+    os.system whose module os is blocked") unlike other globals; both get the hint."""
+    torch.save({"state_dict": {}, "note": RunsACommand()}, tmp_path / "full.ckpt")
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.load_checkpoint(tmp_path / "full.ckpt")
+    assert "refers to the global 'posix.system'" in str(raised.value) or "'os.system'" in str(raised.value)
+    assert "trust_checkpoint=True" in str(raised.value)
+
+
+def test_a_truncated_full_file_is_named_truncated(tmp_path):
+    save_mlp(tmp_path / "mlp.ckpt")
+    full = ckpt.consolidate_checkpoint(tmp_path / "mlp.ckpt", tmp_path / "full.ckpt").dst
+    data = full.read_bytes()
+    full.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ckpt.CheckpointError, match=f"{full} is truncated or damaged"):
+        ckpt.load_checkpoint(full)

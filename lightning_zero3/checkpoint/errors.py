@@ -35,16 +35,18 @@ def require_exists(comm: Comm, path: Path, *, context: str) -> None:
         raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (nothing there on any rank)")
 
 
-def agree(comm: Comm | None, error: str | None, *, context: str | None, if_lost: str | None = None) -> None:
-    """Raise the same `CheckpointError` on every rank if any rank reports an error. Without
-    `comm` (one process) the error is raised as it is; with it, prefixed by `context` (or by
-    `if_lost` when another rank is gone)."""
+def agree(
+    comm: Comm | None, error: str | None, *, context: str | None, if_lost: str | None = None, share: Any = None
+) -> list[Any]:
+    """Raise the same `CheckpointError` on every rank if any rank reports an error; otherwise
+    return every rank's `share` (in rank order). Without `comm` (one process) the error is raised
+    as it is; with it, prefixed by `context` (or by `if_lost` when another rank is gone)."""
     lost = if_lost or context or "Checkpoint"
-    errors = all_gather_object(comm, error, context=lost) if comm is not None else [error]
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    gathered = all_gather_object(comm, (error, share), context=lost) if comm is not None else [(error, share)]
+    failed = [(rank, e) for rank, (e, _) in enumerate(gathered) if e is not None]
     if not failed:
-        return
-    if len(errors) == 1:
+        return [s for _, s in gathered]
+    if len(gathered) == 1:
         detail = failed[0][1]
     elif len({e for _, e in failed}) == 1:
         detail = f"{failed[0][1]} (on rank {', '.join(str(r) for r, _ in failed)})"
@@ -76,12 +78,6 @@ def describe_error(err: BaseException) -> str:
     if isinstance(err, dcp.CheckpointException):  # DCP's agreed failure: each rank's exception
         return "; ".join(f"rank {rank}: {describe_error(exc)}" for rank, (exc, _) in sorted(err.failures.items()))
     return f"{type(err).__name__}: {err}"
-
-
-def raise_if(problem: str | None) -> None:
-    """Raise `problem` (a message from a `check_*` function) as a CheckpointError, if any."""
-    if problem is not None:
-        raise CheckpointError(problem)
 
 
 def run_and_agree(comm: Comm | None, fn: Callable[[], Any], *, context: str) -> Any:

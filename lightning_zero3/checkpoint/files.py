@@ -1,13 +1,31 @@
-"""Files of a checkpoint on a local filesystem: checksums, synced writes, and atomic replace and
-remove (a checkpoint at a path is either the old one or the new one, never a mix)."""
+"""Files of a checkpoint on a local filesystem: checksums, synced writes, temporary names, and
+atomic replace and remove (a checkpoint at a path is either the old one or the new one, never a mix).
+
+[Note: temporary names]
+Every save (sharded, full, consolidate) writes under a hidden name of its own next to the path,
+`.NAME.<16 hex digits>.zero3-partial` (`Partial`): created exclusively (`mkdir`, or `O_CREAT |
+O_EXCL | O_NOFOLLOW`), so nothing already there (a file, a directory, a planted link) is followed,
+written or removed, and `flock`ed by its process until the save ends. Two jobs saving to one path
+never share a name; each swaps a whole checkpoint of its own in (the last one wins). The swap
+checks what it takes out of the path (Note: what a save may replace) and puts it back if that is
+no longer a checkpoint. A save killed mid-way leaves its name behind; the next save to the path
+removes it only if it is provably a stale one of ours: that exact name form, a regular file or a
+directory holding only files a save writes, and its lock free (the kernel drops `flock` locks of
+a dead process, `kill -9` included).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
+import re
+import secrets
 import shutil
+import stat
 import struct
 import zipfile
 import zlib
@@ -20,10 +38,13 @@ import torch
 from lightning_zero3.checkpoint.errors import CheckpointError
 
 FORMAT = "lightning_zero3.sharded"  # meta.json's "format"
+META_FILE = "meta.json"
 PARTIAL_SUFFIX = ".zero3-partial"
 _TRASH_SUFFIX = ".zero3-trash"
 _CHUNK = 1 << 20  # bytes read at a time for checksums
-META_FILE = "meta.json"
+# The files a save writes into its directory (DCP's shards, its index and the index's temporary
+# name; ours and meta.json's temporary name): a leftover directory holding anything else is not ours.
+_SAVE_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|trainer_state\.pt|meta\.json(\.tmp)?")
 
 
 def crc32(file: Path) -> str:
@@ -45,35 +66,13 @@ def checksums(directory: Path, names: Iterable[str]) -> dict[str, dict[str, Any]
     return out
 
 
-def sibling(path: Path, suffix: str) -> Path:
-    """A hidden name next to `path` (same directory, hence same filesystem for renames)."""
-    return path.with_name(f".{path.name}{suffix}")
-
-
-def fresh_directory(path: Path) -> None:
-    remove_path(path)
-    path.mkdir(parents=True)
-
-
-def fsync_file(file: Path) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_directory(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_json_atomically(obj: dict[str, Any], file: Path) -> None:
@@ -107,38 +106,124 @@ def fsynced_torch_save(obj: Any, file: Path) -> None:
         os.fsync(f.fileno())
 
 
+# ---- temporary names (Note: temporary names) ------------------------------------------------
+def _hidden(path: Path, token: str, suffix: str) -> Path:
+    return path.with_name(f".{path.name}.{token}{suffix}")
+
+
+class Partial:
+    """A new temporary name next to `path` (a directory, or a file opened for writing as `file`),
+    created exclusively and locked by this process until `close()` (Note: temporary names).
+    Stale leftovers of earlier saves to `path` are removed first."""
+
+    def __init__(self, path: Path, *, directory: bool) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(path)
+        for _ in range(8):
+            self.token = secrets.token_hex(8)
+            self.path = _hidden(path, self.token, PARTIAL_SUFFIX)
+            if directory:
+                os.mkdir(self.path)
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            else:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            if _same_file(self.path, self._fd):
+                break
+            os.close(self._fd)  # another save's cleanup took it between creation and lock: a new name
+        else:
+            raise CheckpointError(f"cannot create a temporary name next to {path}: each was taken at once")
+        self.file = os.fdopen(os.dup(self._fd), "wb") if not directory else None
+
+    def close(self, *, remove: bool) -> None:
+        """Release the name; `remove`: delete what is at it (only ever what this save made, or the
+        checkpoint the swap took out of the path)."""
+        if self.file is not None:
+            with contextlib.suppress(OSError):  # after a failed write (a full disk); a good one was synced
+                self.file.close()
+        if remove and _same_file(self.path, self._fd):
+            remove_path(self.path)
+        os.close(self._fd)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def remove_stale_partials(path: Path) -> None:
+    """Remove the temporary names of earlier saves to `path` that are provably stale and ours
+    (Note: temporary names)."""
+    pattern = re.compile(re.escape(f".{path.name}.") + r"[0-9a-f]{16}" + re.escape(PARTIAL_SUFFIX))
+    try:
+        names = [name for name in os.listdir(path.parent) if pattern.fullmatch(name)]
+    except OSError:
+        return
+    for name in names:
+        leftover = path.parent / name
+        try:
+            fd = os.open(leftover, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a link: ELOOP, left alone
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live save: BlockingIOError
+            mode = os.fstat(fd).st_mode
+            ours = stat.S_ISREG(mode) or (
+                stat.S_ISDIR(mode) and all(_SAVE_FILE.fullmatch(entry) for entry in os.listdir(leftover))
+            )
+            if ours and _same_file(leftover, fd):
+                remove_path(leftover)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """`torch.save(obj, path)` that never leaves a partial file at `path`: written under a
-    temporary name, synced, then swapped in (replacing a file or a sharded directory)."""
+    temporary name of its own (Note: temporary names), synced, then swapped in (replacing a file
+    or a sharded directory)."""
     path = Path(path)
     check_replaceable(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = sibling(path, PARTIAL_SUFFIX)
-    remove_path(partial)
+    partial = Partial(path, directory=False)
     try:
-        fsynced_torch_save(obj, partial)
-        replace_path(partial, path)
-    except BaseException:
-        remove_path(partial)
-        raise
+        assert partial.file is not None
+        torch.save(obj, partial.file)
+        partial.file.flush()
+        os.fsync(partial.file.fileno())
+        replace_path(partial.path, path)
+    finally:
+        partial.close(remove=True)
 
 
 def replace_path(new: Path, path: Path) -> None:
     """Move `new` (a file or directory) to `path`, replacing whatever is there. Atomic where
-    the kernel can exchange two names (Linux renameat2); otherwise the old one is moved aside
-    first, so a crash leaves either the old or the new checkpoint, never a mix."""
-    if os.path.lexists(path) and not (path.is_file() and new.is_file() and not path.is_symlink()):
-        if _exchange(new, path):
-            remove_path(new)  # now the old one
-            fsync_directory(path.parent)
-            return
-        trash = sibling(path, _TRASH_SUFFIX)
-        remove_path(trash)
-        os.rename(path, trash)
-        os.rename(new, path)
-        remove_path(trash)
+    the kernel can exchange two names (Linux renameat2): what comes out of `path` is checked to
+    be replaceable still (it may have changed since the save began) and put back if not. Elsewhere
+    the old one is moved aside first, so a crash leaves either the old or the new checkpoint."""
+    if not os.path.lexists(path):
+        os.replace(new, path)
+    elif _exchange(new, path):
+        problem = replace_problem(new)  # what was at `path`, now at `new`
+        if problem is not None:
+            _exchange(new, path)
+            raise CheckpointError(
+                f"Refusing to save over {path}: {problem} (it appeared there during the save); it was left as it was"
+            )
+        remove_path(new)
     else:
-        os.replace(new, path)  # atomic for a file over a file, or onto a free name
+        check_replaceable(path)
+        if path.is_file() and new.is_file() and not path.is_symlink():
+            os.replace(new, path)  # atomic for a file over a file
+        else:
+            trash = _hidden(path, secrets.token_hex(8), _TRASH_SUFFIX)
+            os.rename(path, trash)
+            os.rename(new, path)
+            remove_path(trash)
     fsync_directory(path.parent)
 
 
@@ -179,8 +264,7 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     path = Path(path)
     check_replaceable(path, action="remove")
     if path.is_dir() and not path.is_symlink():
-        trash = sibling(path, _TRASH_SUFFIX)
-        remove_path(trash)
+        trash = _hidden(path, secrets.token_hex(8), _TRASH_SUFFIX)
         os.rename(path, trash)
         remove_path(trash)
     else:
@@ -207,10 +291,10 @@ def replace_problem(path: Path) -> str | None:
             return None
         listed = _sharded_checkpoint_files(path)
         if listed is None:
-            return f"it is a directory that is not a lightning_zero3 checkpoint (it holds {_few(entries)})"
+            return f"it is a directory that is not a lightning_zero3 checkpoint (it holds {few(entries)})"
         foreign = [e for e in entries if e not in listed]
         if foreign:
-            return f"it is a checkpoint directory that also holds files not of the checkpoint: {_few(foreign)}"
+            return f"it is a checkpoint directory that also holds files not of the checkpoint: {few(foreign)}"
         return None
     if not path.is_file():
         return "it is not a regular file"
@@ -231,6 +315,8 @@ def check_replaceable(path: Path, *, action: str = "save over") -> None:
 def _sharded_checkpoint_files(path: Path) -> set[str] | None:
     """The names a sharded checkpoint directory may hold (meta.json and the files it lists), or
     None if `path` has no meta.json of our format."""
+    if (path / META_FILE).is_symlink():
+        return None  # a meta.json elsewhere says nothing of this directory
     try:
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, UnicodeDecodeError, ValueError):
@@ -267,6 +353,6 @@ def is_safetensors_file(path: Path) -> bool:
     )
 
 
-def _few(names: list[str], n: int = 5) -> str:
+def few(names: list[str], n: int = 8) -> str:
     shown = ", ".join(repr(name) for name in names[:n])
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")

@@ -2,28 +2,19 @@
 it, and reading a checkpoint directory back with every check done before any data is read.
 
 [Note: sharded checkpoint layout]
-A sharded checkpoint is a directory (the path the user gave, e.g. ``epoch=3-step=400.ckpt``):
-
-    meta.json          written last, its presence marks a complete checkpoint: format and
-                       version, world size, every tensor's full shape and dtype, a fingerprint of
-                       the model's parameter names and shapes, and each file's size and CRC-32
-    trainer_state.pt   ``torch.save`` of everything that is not a tensor: the rest of Lightning's
-                       checkpoint dict (epoch, loops, LR schedulers, callbacks, hyper-parameters),
-                       optimizer param_groups (parameters by name), non-tensor optimizer state
-    .metadata          torch.distributed.checkpoint (DCP) index: which file holds which chunk
-    __<r>_0.distcp     rank r's chunks: its piece of every sharded parameter and optimizer state
-
-DCP keys: ``state_dict/<name>`` for the module's state dict (a tied parameter once, under its first
-name; the other names are aliases in meta.json) and ``optimizer_states/<i>/<name>/<key>`` for
-optimizer state, parameters named by their first name. A sharded tensor is stored flattened, as a
-1-D DTensor with placement Shard(0): ``torch.chunk`` gives rank r elements
-[r * ceil(n/N), min((r + 1) * ceil(n/N), n)), exactly the unpadded part of our shard (Note: shard
-layout in engine/shard.py), and DCP records each chunk's global offset. With hierarchical
-sharding (`shard_size`) the mesh is 2-D, (replica group, shard group), with placements
-(Replicate(), Shard(0)): every replica holds the same chunks and DCP writes each once. Loading
-at another world size asks DCP for the new slice of the flat tensor; DCP reads the overlapping
-chunks. Replicated tensors (buffers, persistent parameters, optimizer steps) are plain tensors,
-written once.
+A sharded checkpoint is a directory: meta.json (written last, so its presence marks a complete
+checkpoint: format and version, world size, every tensor's full shape and dtype, a fingerprint
+of the parameter names and shapes, each file's size and CRC-32), trainer_state.pt (everything
+that is not a tensor: the rest of the checkpoint dict, optimizer param_groups by parameter name,
+non-tensor optimizer state), and DCP's index `.metadata` and files `__<r>_0.distcp` (rank r's
+chunks). DCP keys: `state_dict/<name>` (a tied parameter once, under its first name; the other
+names are aliases in meta.json) and `optimizer_states/<i>/<name>/<key>`. A sharded tensor is
+stored flat, as a 1-D DTensor with placement Shard(0): `torch.chunk` gives rank r elements
+[r * ceil(n/N), min((r + 1) * ceil(n/N), n)), exactly the unpadded part of our shard (Note:
+shard layout in engine/shard.py). With `shard_size` the mesh is 2-D (replica, shard) with
+placements (Replicate(), Shard(0)), and DCP writes each chunk once. Loading at another world
+size asks DCP for the new slice of the flat tensor; it reads the overlapping chunks. Replicated
+tensors (buffers, persistent parameters, optimizer steps) are plain tensors, written once.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +30,7 @@ from typing import Any
 import torch
 
 from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
-from lightning_zero3.checkpoint.files import FORMAT, META_FILE, crc32
+from lightning_zero3.checkpoint.files import FORMAT, META_FILE, crc32, few
 from lightning_zero3.checkpoint.trust import (
     CheckpointReader,
     check_meta,
@@ -95,24 +86,21 @@ def model_tensors(model: ShardedModel) -> dict[str, TensorInfo]:
     return out
 
 
-def model_parameter_shapes(model: ShardedModel) -> dict[str, tuple[int, ...]]:
-    shapes = {name: tuple(sp.full_shape) for sp in model.sharded_params for name in sp.names}
-    for name, param in model.module.named_parameters(remove_duplicate=False):
-        shapes.setdefault(name, tuple(param.shape))
-    return shapes
-
-
-def model_parameters(model: ShardedModel) -> dict[str, dict[str, Any]]:
+def model_parameters(model: ShardedModel) -> dict[str, TensorInfo]:
     """Every parameter name (tied ones under each name) with its full shape and dtype."""
-    dtypes = {name: sp.param.dtype for sp in model.sharded_params for name in sp.names}
-    dtypes.update({n: p.dtype for n, p in model.module.named_parameters(remove_duplicate=False) if n not in dtypes})
-    shapes = model_parameter_shapes(model)
-    return {name: {"shape": list(shape), "dtype": dtype_name(dtypes[name])} for name, shape in shapes.items()}
+    out = {
+        name: TensorInfo(tuple(sp.full_shape), dtype_name(sp.param.dtype))
+        for sp in model.sharded_params
+        for name in sp.names
+    }
+    for name, param in model.module.named_parameters(remove_duplicate=False):
+        out.setdefault(name, TensorInfo(tuple(param.shape), dtype_name(param.dtype)))
+    return out
 
 
-def fingerprint(parameter_shapes: Mapping[str, Iterable[int]]) -> str:
+def fingerprint(parameters: Mapping[str, TensorInfo]) -> str:
     """A hash of the parameter names and full shapes: equal for checkpoints of the same model."""
-    text = "\n".join(f"{name}:{tuple(shape)}" for name, shape in sorted(parameter_shapes.items()))
+    text = "\n".join(f"{name}:{info.shape}" for name, info in sorted(parameters.items()))
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -146,11 +134,6 @@ def describe_mismatch(
         + (", or set strict_loading=False" if strict else "")
         + "."
     )
-
-
-def few(names: list[str], n: int = 8) -> str:
-    shown = ", ".join(f"'{k}'" for k in names[:n])
-    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # ---- optimizer state keyed by parameter name ------------------------------------------------
@@ -232,24 +215,14 @@ class ShardedCheckpoint:
     """A sharded checkpoint directory whose meta.json and DCP index have been read and checked.
     Unless `trusted`, nothing read from it runs code (Note: checkpoint trust model)."""
 
-    def __init__(
-        self, path: Path, meta: dict[str, Any], *, index: Any = None, saved: Any = None, trusted: bool = False
-    ) -> None:
+    def __init__(self, path: Path, meta: dict[str, Any], *, index: Any, saved: dict[str, Any], trusted: bool) -> None:
         self.path = path
         self.meta = meta
-        # DCP's index (.metadata) and trainer_state.pt, each read once (by open_sharded).
-        self.index = index
-        self._saved = saved
+        self.index = index  # DCP's index (.metadata), read once
+        self._saved = saved  # trainer_state.pt, read once
         self.trusted = trusted
         # state-dict key -> its meta.json entry, for lookups by name.
         self._entries: dict[str, dict[str, Any]] = {e["key"]: e for e in meta["state_dict"]}
-
-    @property
-    def world_size(self) -> int:
-        return int(self.meta["world_size"])
-
-    def entries(self) -> list[dict[str, Any]]:
-        return list(self.meta["state_dict"])
 
     def kind(self, key: str) -> str | None:
         """How `key` was stored: "sharded", "tensor", "alias", "object", or None if absent."""
@@ -281,8 +254,6 @@ class ShardedCheckpoint:
         """trainer_state.pt (weights_only unless trusted): {"keys": the checkpoint dict's keys in
         order, "extra": its entries other than the state dict and optimizer states, "state_dict":
         non-tensor entries of the state dict, "optimizers": param_groups and non-tensor state}."""
-        if self._saved is None:
-            self._saved = read_trainer_state(self.path, trusted=self.trusted)
         return dict(self._saved)
 
     def lightning_dict(self) -> dict[str, Any]:
@@ -325,16 +296,11 @@ class ShardedOptimizerStates(list):
         self.checkpoint = checkpoint
 
 
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    return Path(path, META_FILE).is_file()
-
-
 def open_sharded(
     path: str | os.PathLike,
     *,
     comm: Comm | None = None,
     verify: bool = True,
-    files_to_verify: Callable[[list[str]], list[str]] | None = None,
     trusted: bool = False,
 ) -> ShardedCheckpoint:
     """Read and check a sharded checkpoint: meta.json, format version, every file's presence
@@ -350,24 +316,19 @@ def open_sharded(
         for name in names:
             _check_file(path, name, meta["files"][name], crc=False)
         if verify:
-            chosen = files_to_verify(names) if files_to_verify is not None else names[rank::world]
-            for name in chosen:
+            for name in names[rank::world]:
                 _check_file(path, name, meta["files"][name], crc=True)
         index = read_dcp_index(path / DCP_INDEX_FILE, trusted=trusted)
         unlisted = sorted({info.relative_path for info in index.storage_data.values()} - set(names))
         if unlisted:
             raise CheckpointError(f"{path / DCP_INDEX_FILE} names files that {META_FILE} does not list: {unlisted}")
-        saved = read_trainer_state(path, trusted=trusted)
+        file = path / TRAINER_STATE_FILE
+        saved = dict(check_trainer_state(load_torch_file(file, trusted=trusted), file))
         return ShardedCheckpoint(path, meta, index=index, saved=saved, trusted=trusted)
 
     result, error = error_of(check)
     agree(comm, error, context=f"Cannot load the checkpoint {path}")
     return result
-
-
-def read_trainer_state(path: Path, *, trusted: bool) -> dict[str, Any]:
-    file = path / TRAINER_STATE_FILE
-    return dict(check_trainer_state(load_torch_file(file, trusted=trusted), file))
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -376,6 +337,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory")
     meta_file = path / META_FILE
+    check_plain_name(path, META_FILE, str(path))  # a link out of the directory is not read
     if not meta_file.is_file():
         if (path / DCP_INDEX_FILE).exists() or _dcp_files(path):
             raise CheckpointError(

@@ -4,23 +4,19 @@ then one DCP load in which each rank reads only the chunks that overlap its new 
 from __future__ import annotations
 
 import os
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of, raise_if, run_and_agree
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
+from lightning_zero3.checkpoint.files import few
 from lightning_zero3.checkpoint.format import (
     Pieces,
     ShardedCheckpoint,
-    TensorInfo,
     describe_mismatch,
-    dtype_name,
     dtype_of,
-    few,
     model_tensors,
     open_sharded,
     optimizer_param_names,
@@ -28,31 +24,23 @@ from lightning_zero3.checkpoint.format import (
     sharded_by_name,
     with_params,
 )
-from lightning_zero3.checkpoint.trust import forbidden_global
-from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
 
 
-def open_checked(path: Path, model: ShardedModel, *, strict: bool, context: str, trusted: bool) -> ShardedCheckpoint:
+def open_checked(
+    path: str | os.PathLike, model: ShardedModel, *, strict: bool, context: str, trusted: bool, verify: bool = True
+) -> ShardedCheckpoint:
     """Open the sharded checkpoint `path` and check it fits `model`; every rank raises if any rank found a problem."""
-    ckpt = open_sharded(path, comm=model.world_comm, trusted=trusted)
-    run_and_agree(model.world_comm, lambda: raise_if(check_loadable(ckpt, model, strict=strict)), context=context)
+    ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
+    problem, error = error_of(lambda: check_loadable(ckpt, model, strict=strict))
+    agree(model.world_comm, error or problem, context=context)
     return ckpt
 
 
 def check_loadable(ckpt: ShardedCheckpoint, model: ShardedModel, *, strict: bool) -> str | None:
     """Why `ckpt` cannot load into `model` (names or shapes), or None."""
     return describe_mismatch(ckpt.path, ckpt.tensors(), model_tensors(model), strict=strict)
-
-
-def check_state_dict_loadable(
-    path: str | os.PathLike, state_dict: Mapping[str, Any], model: ShardedModel, *, strict: bool
-) -> str | None:
-    """Why a full state dict (whole tensors) read from `path` cannot load into `model`, or None."""
-    tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-    saved = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
-    return describe_mismatch(path, saved, model_tensors(model), strict=strict)
 
 
 def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
@@ -71,7 +59,7 @@ def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
             if key not in sharded and isinstance(value, torch.Tensor) and ckpt.kind(key) in ("tensor", "sharded"):
                 loads.into_whole(f"state_dict/{key}", ckpt.kind(key), value)  # a view of the module's tensor
         loads.run()
-        objects = [e["key"] for e in ckpt.entries() if e["kind"] == "object"]
+        objects = [e["key"] for e in ckpt.meta["state_dict"] if e["kind"] == "object"]
         if objects:
             saved = ckpt.trainer_state()["state_dict"]
             model.module.load_state_dict({k: saved[k] for k in objects}, strict=False)
@@ -103,7 +91,7 @@ class _Loads:
         self.targets[key] = tensor.reshape(-1) if kind == "sharded" else tensor
 
     def run(self) -> None:
-        _dcp_load(self.targets, self.ckpt, self.model.world_comm)
+        self.ckpt.reader().load(self.targets, self.model.world_comm)
         for copy in self.after:
             copy()
 
@@ -179,20 +167,6 @@ def _check_groups(path: Path, index: int, saved: list[list[str]], current: list[
             )
 
 
-def _dcp_load(targets: dict[str, torch.Tensor], ckpt: ShardedCheckpoint, comm: Comm) -> None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
-                targets,
-                storage_reader=ckpt.reader(),
-                process_group=comm.group,
-                no_dist=not comm.distributed,
-            )
-    except (Exception, dcp.CheckpointException) as err:
-        raise CheckpointError(f"Loading {ckpt.path} failed: {describe_error(err)}") from err
-
-
 def load_sharded(
     path: str | os.PathLike,
     model: ShardedModel,
@@ -205,42 +179,9 @@ def load_sharded(
     """Check and load a sharded checkpoint into `model` (and `optimizers`) at this run's world
     size; return the other entries of the checkpoint dict it was saved from. Every rank calls it.
     `trusted`: unpickle its pickles without restriction (Note: checkpoint trust model)."""
-    ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
-    problem = check_loadable(ckpt, model, strict=strict)
-    agree(model.world_comm, problem, context=f"Cannot load the checkpoint {path}")
+    context = f"Cannot load the checkpoint {path}"
+    ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted, verify=verify)
     load_sharded_model(ckpt, model)
     if optimizers:
         load_sharded_optimizers(ckpt, model, list(optimizers))
     return dict(ckpt.trainer_state()["extra"])
-
-
-def load_full_file(path: str | os.PathLike, *, weights_only: bool | None = None) -> dict[str, Any]:
-    """A full (single-file) checkpoint, memory-mapped where the file allows it, so that every
-    rank reading it shares the page cache rather than holding its own copy."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist")
-    if path.is_dir():
-        raise CheckpointError(
-            f"{path} is a directory, not a checkpoint file: a sharded checkpoint is loaded with `load_sharded` (on "
-            f"every rank) or, in one process, with `lightning_zero3.load_checkpoint` / `load_from_checkpoint`"
-        )
-    try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-        except RuntimeError as err:
-            if "zipfile" not in str(err) and "mmap" not in str(err):
-                raise
-            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
-    except Exception as err:
-        message = forbidden_global(path, err) or f"{path} is not a checkpoint torch can read: {describe_error(err)}"
-        raise CheckpointError(message) from err
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        tensors_only = isinstance(checkpoint, dict) and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
-        if checkpoint and tensors_only:
-            raise CheckpointError(
-                f"{path} is a plain state dict, not a Lightning checkpoint: to fine-tune from it, load it into the "
-                f"model before fit (`model.load_state_dict(torch.load(path))`)"
-            )
-        raise CheckpointError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'")
-    return checkpoint

@@ -12,17 +12,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, all_gather_object, describe_error, error_of
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of
 from lightning_zero3.checkpoint.files import (
-    PARTIAL_SUFFIX,
+    Partial,
     check_replaceable,
     checksums,
-    fresh_directory,
     fsync_directory,
     fsynced_torch_save,
-    remove_path,
     replace_path,
-    sibling,
     write_json_atomically,
 )
 from lightning_zero3.checkpoint.format import (
@@ -35,7 +32,6 @@ from lightning_zero3.checkpoint.format import (
     TensorInfo,
     dtype_name,
     fingerprint,
-    model_parameter_shapes,
     model_parameters,
     optimizer_param_names,
     param_numbers,
@@ -145,17 +141,20 @@ def save_sharded(
     extra = {"keys": list(checkpoint), "extra": {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}}
     path = Path(path)
     comm = model.world_comm
-    partial = sibling(path, PARTIAL_SUFFIX)
     context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
+    mine: Partial | None = None  # rank 0's temporary directory (Note: temporary names in files.py)
     try:
 
-        def start() -> None:
-            if comm.rank == 0:
-                check_replaceable(path)
-                fresh_directory(partial)
+        def start() -> str | None:
+            nonlocal mine
+            if comm.rank != 0:
+                return None
+            check_replaceable(path)
+            mine = Partial(path, directory=True)
+            return str(mine.path)
 
-        _, error = error_of(start)
-        agree(comm, error, context=f"Cannot save the checkpoint {path}")
+        name, error = error_of(start)
+        partial = Path(agree(comm, error, context=f"Cannot save the checkpoint {path}", share=name)[0])
         planned, error = error_of(lambda: _plan_save(model, state_dict, optimizer_states, whole=whole))
         agree(comm, error, context=context)
         tensors, objects, inventory = planned
@@ -166,9 +165,8 @@ def save_sharded(
                 dcp.save(tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed)
         except (Exception, dcp.CheckpointException) as err:
             raise CheckpointError(f"{context}: writing the shards failed: {describe_error(err)}") from err
-        mine, error = error_of(lambda: checksums(partial, _rank_files(partial, comm.rank)))
-        agree(comm, error, context=context)
-        every = all_gather_object(comm, mine, context=context)
+        own, error = error_of(lambda: checksums(partial, _rank_files(partial, comm.rank)))
+        every = agree(comm, error, context=context, share=own)
         if comm.rank == 0:
             files = {name: info for part in every for name, info in part.items()}
             _, error = error_of(lambda: _finish(path, partial, files, objects, inventory, model, extra, comm))
@@ -177,10 +175,9 @@ def save_sharded(
         # Rank 0 may be lost after its swap: the path then holds the old or the new checkpoint.
         lost = f"Saving the checkpoint {path} failed as rank 0 put it in place (it holds the previous or the new one)"
         agree(comm, error, context=context, if_lost=lost)
-    except BaseException:
-        if comm.rank == 0:
-            remove_path(partial)
-        raise
+    finally:
+        if mine is not None:
+            mine.close(remove=True)
 
 
 def _finish(
@@ -202,15 +199,15 @@ def _finish(
         raise CheckpointError(f"the DCP index names files no rank reported: {missing}")
     fsynced_torch_save({**extra, **objects}, partial / TRAINER_STATE_FILE)
     files.update(checksums(partial, [DCP_INDEX_FILE, TRAINER_STATE_FILE]))
-    lightning = extra["extra"]
+    lightning, parameters = extra["extra"], model_parameters(model)
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
         "shard_size": model.comm.world_size,
         "torch_version": torch.__version__,
-        "fingerprint": fingerprint(model_parameter_shapes(model)),
-        "parameters": model_parameters(model),
+        "fingerprint": fingerprint(parameters),
+        "parameters": {name: info.as_json() for name, info in parameters.items()},
         "lightning": {k: lightning[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in lightning},
         **inventory,
         "files": files,

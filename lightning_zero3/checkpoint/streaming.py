@@ -17,13 +17,11 @@ import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, SupportsIndex
+from typing import Any, BinaryIO, SupportsIndex
 
 import torch
 
 from lightning_zero3.checkpoint.errors import CheckpointError
-from lightning_zero3.checkpoint.files import fsync_file
 
 
 # ---- tensors produced on demand -------------------------------------------------------------
@@ -90,8 +88,8 @@ def _storage_classes() -> dict[torch.dtype, type]:
     return classes
 
 
-def stream_torch_save(obj: Any, file: Path, on_tensor: Callable[[int], None]) -> None:
-    """`torch.save(obj, file)` where `obj` may hold `Deferred` tensors, written one storage at
+def stream_torch_save(obj: Any, f: BinaryIO, on_tensor: Callable[[int], None]) -> None:
+    """`torch.save(obj, f)` (synced) where `obj` may hold `Deferred` tensors, written one storage at
     a time (Note: the torch.save file format). Every plain tensor in `obj` is written the same
     way; other tensor types (sparse, quantized, subclasses) are refused with a message. Readable
     by plain `torch.load` (also with weights_only=True and mmap=True)."""
@@ -123,21 +121,21 @@ def stream_torch_save(obj: Any, file: Path, on_tensor: Callable[[int], None]) ->
 
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=2).dump(obj)  # each Deferred is pickled once (pickle's memo)
-    with open(file, "wb") as f:
-        archive = TorchZipWriter(f)
-        try:
-            archive.write_header(buffer.getvalue())
-            del buffer
-            for key, deferred in records.items():
-                tensor = deferred.materialize()
-                archive.write_storage(key, tensor)
-                on_tensor(deferred.nbytes)
-                del tensor
-            archive.close()
-        except BaseException:
-            archive.abandon()
-            raise
-    fsync_file(file)
+    archive = TorchZipWriter(f)
+    try:
+        archive.write_header(buffer.getvalue())
+        del buffer
+        for key, deferred in records.items():
+            tensor = deferred.materialize()
+            archive.write_storage(key, tensor)
+            on_tensor(deferred.nbytes)
+            del tensor
+        archive.close()
+    except BaseException:
+        archive.abandon()
+        raise
+    f.flush()
+    os.fsync(f.fileno())
 
 
 class TorchZipWriter:
@@ -222,7 +220,7 @@ _SAFETENSORS_DTYPES = {
 
 
 def stream_safetensors(
-    tensors: dict[str, Deferred], file: Path, metadata: dict[str, str], on_tensor: Callable[[int], None]
+    tensors: dict[str, Deferred], f: BinaryIO, metadata: dict[str, str], on_tensor: Callable[[int], None]
 ) -> None:
     """A safetensors file (8-byte header length, JSON header, raw little-endian bytes) written
     one tensor at a time: the header's offsets come from the shapes alone. Tied weights are
@@ -240,19 +238,18 @@ def stream_safetensors(
         offset += deferred.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for deferred in tensors.values():
-            tensor = deferred.materialize()
-            if sys.byteorder != "little":
-                raise CheckpointError("safetensors output needs a little-endian machine")
-            # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
-            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-            on_tensor(deferred.nbytes)
-            del tensor
-        f.flush()
-        os.fsync(f.fileno())
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors output needs a little-endian machine")
+    f.write(struct.pack("<Q", len(encoded)))
+    f.write(encoded)
+    for deferred in tensors.values():
+        tensor = deferred.materialize()
+        # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
+        f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+        on_tensor(deferred.nbytes)
+        del tensor
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def find_deferred(obj: Any) -> list[Deferred]:

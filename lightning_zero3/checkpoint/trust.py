@@ -21,10 +21,12 @@ checkpoints from a trusted source whose Lightning state holds arbitrary objects.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
 import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
+from lightning_zero3.engine.comm import Comm
 
 TRUST_HINT = (
     "If you trust where this checkpoint comes from, load it with ZeRO3Strategy(trust_checkpoint=True) "
@@ -164,8 +167,21 @@ def _admitted() -> dict[tuple[str, str], Any]:
 _ADMITTED = _admitted()
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles only what a DCP index is made of; any other global is refused, unloaded."""
+# Instance state an index may set with pickle's BUILD: the fields of DCP's dataclasses, on their
+# instances only (a BUILD on a class would set class attributes for the rest of the process).
+_FIELDS = {
+    cls: frozenset(f.name for f in dataclasses.fields(cls))
+    for cls in _ADMITTED.values()
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+}
+
+
+class RestrictedUnpickler(pickle._Unpickler):
+    """Unpickles only what a DCP index is made of; any other global is refused, unloaded, and
+    BUILD sets only the fields of an admitted dataclass's instance. Python's own unpickler (the
+    C one has no hook for BUILD); an index is small."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file: Any, *, source: Path) -> None:
         super().__init__(file)
@@ -185,6 +201,26 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError(f"{self.source} holds a persistent reference, which a DCP index never has")
+
+    def load_build(self) -> None:
+        inst, state = self.stack[-2], self.stack[-1]  # type: ignore[attr-defined]
+        fields = _FIELDS.get(type(inst))
+        own_setstate = fields is not None and "__setstate__" in vars(type(inst))  # TensorProperties: a tuple
+        parts = state if isinstance(state, tuple) and len(state) == 2 and not own_setstate else (state,)
+        names = set() if own_setstate else {n for part in parts if part is not None for n in _keys(part)}
+        if fields is None or not names <= fields:
+            what = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
+            raise CheckpointError(
+                f"{self.source} sets the attributes {sorted(map(str, names)) or '(state)'} of {what}, which a DCP "
+                f"index never does; it was not loaded"
+            )
+        super().load_build()  # type: ignore[misc]
+
+    dispatch[pickle.BUILD[0]] = load_build  # type: ignore[assignment]
+
+
+def _keys(part: Any) -> list[Any]:
+    return list(part) if isinstance(part, dict) else [part]  # a non-dict state names no field: refused
 
 
 def read_dcp_index(file: Path, *, trusted: bool) -> dcp_metadata.Metadata:
@@ -233,6 +269,17 @@ class CheckpointReader(dcp.FileSystemReader):
         self._index.storage_meta.load_id = self.load_id
         return self._index
 
+    def load(self, targets: dict[str, torch.Tensor], comm: Comm | None = None) -> None:
+        """`dcp.load(targets)` from this directory (collective over `comm`); a failure is a `CheckpointError`."""
+        distributed = comm is not None and comm.distributed
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                group = comm.group if comm is not None else None
+                dcp.load(targets, storage_reader=self, process_group=group, no_dist=not distributed)
+        except (Exception, dcp.CheckpointException) as err:
+            raise CheckpointError(f"Loading {self.path} failed: {describe_error(err)}") from err
+
 
 # ---- trainer_state.pt ----------------------------------------------------------------------
 def load_torch_file(file: Path, *, trusted: bool) -> Any:
@@ -246,7 +293,7 @@ def load_torch_file(file: Path, *, trusted: bool) -> Any:
 def forbidden_global(file: Path, err: Exception) -> str | None:
     """The message for `torch.load(weights_only=True)` refusing a global in `file`, or None if
     `err` is another failure."""
-    forbidden = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    forbidden = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(err))
     if forbidden is None:
         return None
     return (

@@ -1,0 +1,114 @@
+"""Full (single-file) checkpoints: the one writer and the one reader that the Trainer's and
+Fabric's adapters, and `load_checkpoint`, use. A full file is an ordinary `torch.save` dict with
+whole tensors, written by rank 0 and read by every rank."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_zero3.checkpoint.errors import CheckpointError, describe_error, run_and_agree
+from lightning_zero3.checkpoint.files import atomic_torch_save, few
+from lightning_zero3.checkpoint.format import TensorInfo, describe_mismatch, dtype_name, model_tensors
+from lightning_zero3.checkpoint.trust import forbidden_global
+from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.model import ShardedModel
+
+
+def save_full(
+    checkpoint: Mapping[str, Any], path: str | os.PathLike, comm: Comm, *, write: Callable[..., Any] | None = None
+) -> None:
+    """Rank 0 writes `checkpoint` (whole tensors, already gathered to it) to the file `path`,
+    atomically (Note: temporary names in files.py), or with `write(checkpoint, path)` (a
+    `CheckpointIO` plugin's own save) if given; every rank returns, or raises the same
+    `CheckpointError`."""
+
+    def write_on_rank_0() -> None:
+        if comm.rank == 0:
+            (write or atomic_torch_save)(checkpoint, path)
+
+    context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
+    run_and_agree(comm, write_on_rank_0, context=context)
+
+
+def load_full(
+    path: str | os.PathLike,
+    model: ShardedModel,
+    *,
+    key: str | None = "state_dict",
+    strict: bool,
+    trusted: bool,
+    read: Callable[[Path], Any] | None = None,
+) -> dict[str, Any]:
+    """The full checkpoint at `path`, read by every rank (`read_full_file`) and checked to fit
+    `model`: its entry `key` (the whole dict when None) is a state dict whose names (with
+    `strict`) and shapes are the model's. Every rank returns it, or raises the same
+    `CheckpointError` (Note: no hang on a bad checkpoint)."""
+
+    def read_checked() -> dict[str, Any]:
+        checkpoint = read_full_file(path, key=key, trusted=trusted, read=read)
+        state_dict = checkpoint if key is None else checkpoint[key]
+        tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+        saved = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
+        problem = describe_mismatch(path, saved, model_tensors(model), strict=strict)
+        if problem is not None:
+            raise CheckpointError(problem)
+        return checkpoint
+
+    return run_and_agree(model.world_comm, read_checked, context=f"Cannot load the checkpoint {path}")
+
+
+def read_full_file(
+    path: str | os.PathLike, *, key: str | None = "state_dict", trusted: bool, read: Callable[[Path], Any] | None = None
+) -> dict[str, Any]:
+    """The dict saved in the file `path`, with an entry `key` unless None: read with `read` if
+    given, else memory-mapped (the ranks of one machine share the page cache) and, unless
+    `trusted`, with `torch.load(weights_only=True)` (Note: checkpoint trust model)."""
+    path = Path(path)
+    if read is not None:
+        checkpoint = read(path)
+    elif not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    elif path.is_dir():
+        raise CheckpointError(
+            f"{path} is a directory, not a checkpoint file: a sharded checkpoint is loaded with `load_sharded` (on "
+            f"every rank) or, in one process, with `lightning_zero3.load_checkpoint` / `load_from_checkpoint`"
+        )
+    else:
+        checkpoint = _torch_load(path, trusted=trusted)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict")
+    if key is None or key in checkpoint:
+        return checkpoint
+    if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        raise CheckpointError(
+            f"{path} is a plain state dict, not a checkpoint with an entry '{key}': to start from it, load it into the "
+            f"model before fit (`model.load_state_dict(torch.load(path))`; with Fabric, `fabric.load_raw(path, model)`)"
+        )
+    raise CheckpointError(f"{path} has no entry '{key}' (it has {few(sorted(map(str, checkpoint)))})")
+
+
+def _torch_load(path: Path, *, trusted: bool) -> Any:
+    try:
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=not trusted)  # a legacy (non-zip) file
+    except Exception as err:
+        forbidden = forbidden_global(path, err)
+        if forbidden is not None:
+            raise CheckpointError(forbidden) from err
+        with open(path, "rb") as f:
+            zip_start = f.read(4) == b"PK\x03\x04"  # torch.save's files are zip archives
+        if zip_start:
+            raise CheckpointError(
+                f"{path} is truncated or damaged: it begins as a torch.save archive but torch cannot read it "
+                f"({describe_error(err)}); save it again, or restore it from a copy"
+            ) from err
+        raise CheckpointError(f"{path} is not a checkpoint torch can read: {describe_error(err)}") from err
