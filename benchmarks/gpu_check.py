@@ -108,7 +108,7 @@ def _train_sharded(rank: int, world: int, device: str, steps: int, options: dict
         optimizer.zero_grad()
         losses.append(loss.item())
     state = {k: v.cpu() for k, v in sharded.full_state_dict(to_rank=None).items()}
-    return {"state": state, "losses": losses, "host_reads": sharded.comm.tags.host_reads}
+    return {"state": state, "losses": losses, "host_reads": sharded.checks.host_reads}
 
 
 def _reference(device: torch.device, steps: int, bf16: bool = False) -> dict:
@@ -262,7 +262,7 @@ def _step_syncs_and_trace(rank: int, world: int, device: str, trace: str) -> dic
 
     for i in range(2):
         step(i)  # record the order, warm up
-    reads = sharded.comm.tags.host_reads
+    reads = sharded.checks.host_reads
     warned = 0
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -274,7 +274,7 @@ def _step_syncs_and_trace(rank: int, world: int, device: str, trace: str) -> dic
         warned = len(caught)
     else:
         step(2)
-    reads = sharded.comm.tags.host_reads - reads
+    reads = sharded.checks.host_reads - reads
     activities = [torch.profiler.ProfilerActivity.CPU]
     if dev.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

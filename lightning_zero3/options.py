@@ -37,9 +37,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
-from lightning_zero3.dtypes import parse_dtype
+from lightning_zero3.engine.dtypes import parse_dtype
 from lightning_zero3.engine.plan import WrapPolicy, validate_counts, validate_wrap_policy
-from lightning_zero3.engine.shm import validate_cpu_transport
 
 T = TypeVar("T")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -101,7 +100,8 @@ def validated_options(
         )
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(f"{owner}(param_init_fn=...) must be callable; got {param_init_fn!r}.")
-    validate_cpu_transport(cpu_transport, owner=owner)
+    if cpu_transport != "process_group":  # engine/shm.py is gone (issue 20); the lead removes the option
+        raise ValueError(f"{owner}(cpu_transport=...) only takes 'process_group' now; got {cpu_transport!r}.")
     if not isinstance(trust_checkpoint, bool):
         raise ValueError(f"{owner}(trust_checkpoint=...) must be a bool, got {trust_checkpoint!r}.")
     return ShardingOptions(

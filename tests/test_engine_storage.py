@@ -1,21 +1,17 @@
-"""The two ways of emptying and refilling the storage of full parameters that autograd keeps
-from forward to backward (unit.py, Note: full-parameter blocks): moved to the pool and back
-(`UntypedStorage._swap_data_ptr_`, CPU) and freed/allocated with `resize_` (other devices, and
-any torch without the private method). Each path must release the full weights after forward,
-where autograd keeps them, and train exactly like one process."""
+"""Emptying and refilling the storage of full parameters that autograd keeps from forward to
+backward (unit.py, Note: full-parameter blocks): the block's memory moves to the pool and back
+(`UntypedStorage._swap_data_ptr_`). The full weights must be released after forward, where
+autograd keeps them, wait in the pool for the next gather, and train exactly like one process."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_zero3.engine import ShardedModel, unit
+from lightning_zero3.engine import ShardedModel
 from tests.models import MLP, mlp_batch
 from tests.parity import local_slice, max_param_difference
 from tests.ranks import run_ranks
-
-PATHS = ["swap", "resize"]
 
 
 def _saved_bytes(saved: list[torch.Tensor]) -> int:
@@ -23,8 +19,7 @@ def _saved_bytes(saved: list[torch.Tensor]) -> int:
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in saved}.values())
 
 
-def _train(rank: int, world_size: int, path: str) -> dict:
-    unit._SWAP_STORAGE = path == "swap"  # what a torch without _swap_data_ptr_ selects
+def _train(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     reference = MLP(dim=64)
     torch.manual_seed(0)
@@ -62,22 +57,11 @@ def _train(rank: int, world_size: int, path: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_both_storage_paths_release_full_weights_after_forward_and_train_exactly(path: str):
-    if path == "swap" and not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
-        pytest.skip("this torch has no UntypedStorage._swap_data_ptr_: only the resize_ path exists")
-    for result in run_ranks(_train, 2, path):
+def test_full_weights_are_released_after_forward_into_the_pool_and_train_exactly():
+    for result in run_ranks(_train, 2):
         assert result["param_diff"] < 1e-5
         # After forward autograd keeps activations (a few KiB) and the last block's full weights,
         # kept for backward (hooks.py, Note: kept for backward), not the other blocks'.
         last = result["last_block_bytes"]
         assert max(result["kept"]) < last + (result["block_bytes"] - last) // 2, result
-        # swap: a released block waits in the pool for the next gather; resize: freed.
-        assert min(result["pooled"]) >= 1 if path == "swap" else max(result["pooled"]) == 0, result
-
-
-def test_only_cpu_storages_move_blocks():
-    """CUDA's caching allocator already reuses freed blocks: the public resize_ path there."""
-    assert unit.moves_blocks(torch.device("cpu")) == hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-    assert not unit.moves_blocks(torch.device("cuda", 0))
-    assert not unit.moves_blocks(torch.device("meta"))
+        assert min(result["pooled"]) >= 1, result  # a released block waits in the pool for the next gather

@@ -17,7 +17,6 @@ overwrites memory still being read. On CPU there are no events: program order su
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
@@ -44,7 +43,7 @@ class BufferPool:
                 torch.cuda.current_stream(device).wait_event(released)
             return buffer
         # Never an inference tensor, which could not be updated in place outside inference mode
-        # (hooks.py, Note: inference mode); leaving inference mode enables grad, hence no_grad.
+        # (calls.py, Note: inference mode); leaving inference mode enables grad, hence no_grad.
         with torch.inference_mode(False), torch.no_grad():
             return torch.empty(numel, dtype=dtype, device=device)
 
@@ -58,43 +57,3 @@ class BufferPool:
     def cached_bytes(self) -> int:
         """Bytes held by free buffers, waiting to be reused."""
         return sum(b.numel() * b.element_size() for free in self._free.values() for b, _ in free)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-    )]  # fmt: skip
-
-
-def _load_glibc() -> tuple[object, object] | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        return libc.malloc_trim, libc.mallinfo2
-    except (OSError, AttributeError):  # not glibc (or older than 2.33): nothing to trim
-        return None
-
-
-_glibc = _load_glibc()
-
-
-def return_free_host_memory(slack_bytes: int) -> bool:
-    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`) once more than
-    `slack_bytes` of it are free. Returns whether it trimmed. Only with
-    `ShardedModel(trim_host_memory=True)`: glibc's heap is the whole process's, not ours, and
-    no run measured a gain (docs/performance.md, "Memory"). glibc's `malloc_trim` and
-    `mallinfo2` (2.33+) are public C functions, reached through ctypes; elsewhere (musl, macOS,
-    older glibc) this does nothing.
-
-    A bound, not the mechanism: the engine's own large buffers are pooled, so after the first
-    steps its process memory stays flat (docs/performance.md). What the model allocates
-    (activations, gradients) can still leave glibc holding freed memory it cannot reuse;
-    trimming every step would cost time (the next step faults its pages in again), so it only
-    happens when the free part of the heap exceeds the slack. GPU memory is not concerned."""
-    if _glibc is None:
-        return False
-    malloc_trim, mallinfo2 = _glibc
-    if mallinfo2().fordblks <= slack_bytes:  # type: ignore[operator, attr-defined]
-        return False
-    malloc_trim(0)  # type: ignore[operator]
-    return True
