@@ -12,10 +12,9 @@ that shadow the registered shard parameters (`module.__dict__[name]`), so the mo
 forward code reads them unchanged, and removed after forward; their storage is freed but the
 tensor objects survive inside autograd's saved tensors. A hook on the unit's outputs fires when
 their gradient arrives, before the unit's own backward runs, and gathers again into the same
-storage. When autograd has every full parameter's gradient it calls `GatherParams.backward`,
-which Reduce-Scatters them; each rank's averaged shard gradient is added into `shard.grad`
-(reduce.py, Note: asynchronous reduction). One call, one reduction, added up: that is what makes
-accumulation, tied weights and modules called twice exact without special cases.
+storage. When autograd has every full parameter's gradient, `GatherParams.backward`
+Reduce-Scatters them and each rank's shard gradient is added into `shard.grad` (reduce.py).
+One call, one reduction, added up: accumulation, tied weights and reused modules are exact.
 
 [Note: kept for backward]
 Backward begins with the units that ended the forward: the root (the LM head, the final norm)
@@ -241,8 +240,10 @@ class HookDriver:
         if self.state is P.HELD:
             self.calls.set_depth(slot, max(slot.depth - 1, 0))  # the call stays in FORWARD
             return
-        if not slot.depth:
-            return  # end of a recomputation (see _pre_forward), or a pre-forward that raised
+        if not slot.depth:  # end of a recomputation (see _pre_forward), or a pre-forward that raised
+            if self.state is P.FORWARD and not self.calls.open:
+                self._enter(P.IDLE)  # the raising pre-forward had begun the pass
+            return
         self.calls.set_depth(slot, slot.depth - 1)
         if slot.depth:
             return
@@ -268,9 +269,7 @@ class HookDriver:
             tensor.register_hook(partial(self._pre_backward, call))
 
     def _ends_forward(self, unit: Unit) -> bool:
-        """Whether backward begins with this unit's call, so it is kept (Note: kept for backward):
-        a root call that closes the pass (not one inside another unit's forward), or any call
-        that ends once the forward has run the whole record."""
+        """Whether backward begins with this unit's call, so it is kept (Note: kept for backward)."""
         if self.state is P.BACKWARD:
             return False
         return (unit is self.units[0] and not self.calls.open) or self.schedule.forward_complete
