@@ -186,7 +186,8 @@ def test_a_collective_timeout_names_the_last_collectives_and_the_recorded_order(
     message = waiting[0]
     assert message.startswith("CollectiveError: Reduce-Scatter of gradients of unit 'blocks.0'"), message
     assert "last collectives, oldest first: All-Gather of unit" in message, message
-    assert "No unit order is recorded yet (first step)" in message, message
+    # The first forward is recorded as soon as it ends (schedule.py): its order is named.
+    assert "The recorded unit order, which every rank must follow: forward ['<root>', 'blocks.0'" in message, message
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message, message
 
 

@@ -115,10 +115,8 @@ class HookDriver:
         self.calls = CallTable(units, live=live, record=record)
         # Gathers issued ahead from the record (schedule.py).
         self.prefetch = Prefetcher(units, schedule=schedule, calls=self.calls, live=live)
-        # Calls of this pass that may still get a backward.
-        self._pending: list[UnitCall] = []
-        # Calls `gathered_for_inference()` holds (held.py).
-        self.held = HeldUnits()
+        self._pending: list[UnitCall] = []  # calls of this pass that may still get a backward
+        self.held = HeldUnits()  # calls `gathered_for_inference()` holds (held.py)
         self.handles: list[Any] = []
         root = units[0]
         for unit in units:
@@ -252,6 +250,7 @@ class HookDriver:
             # The pass's forward is over (or raised): a prefetch it did not use is stale, and
             # with no output that needs a gradient, so is what it kept (Note: kept for backward).
             self._enter(P.IDLE)
+            self.schedule.end_forward()
             self.prefetch.drop_stale()
             if not outputs:
                 self.calls.release_kept()
@@ -285,6 +284,7 @@ class HookDriver:
         self.calls.drop_leftovers()
         self._pending = []
         self.schedule.begin_forward()
+        self.record.current.orders = (self.schedule.forward_order, self.schedule.backward_order)
         self._enter(state)
 
     # ---- held for inference (held.py) -------------------------------------------------------

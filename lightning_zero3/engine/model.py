@@ -179,7 +179,7 @@ class ShardedModel:
         if self.replicate_comm is not None:
             self.replicate_comm.stats.end_step()
         self.world_comm.stats.end_step()
-        self.record.end_step((self.schedule.forward_order, self.schedule.backward_order))
+        self.record.end_step()
 
     @property
     def last_step_record(self) -> Step | None:

@@ -34,9 +34,9 @@ class StepRecord:
     def add(self, kind: str, uid: int) -> None:
         getattr(self.current, kind)[uid] += 1
 
-    def end_step(self, orders: Orders) -> None:
-        """Close the step; the next one runs with `orders` (the schedule's record now)."""
-        self.last, self.current = self.current, Step(orders=orders)
+    def end_step(self) -> None:
+        """Close the step. Its `orders` are those the driver saw when its last pass began."""
+        self.last, self.current = self.current, Step(orders=self.current.orders)
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """Execution-order recording and prefetch decisions.
 
-The first training step records the order in which units run forward and the order in which
-their backward starts. From then on, when unit k starts (forward) or its backward starts,
-the next `prefetch` units of the recorded order are gathered asynchronously so the All-Gather
-overlaps with unit k's compute. A pass that departs from the record stops prefetching for the
-rest of that pass (units are then gathered on demand, and the prefetches already issued from the
-record are dropped) and becomes the new record: it is as correct as the record, only slower for
-one step. Ranks compare their records once, after the first backward, so a rank running a
-different order fails with the first differing unit named (checks.py). `Prefetcher` issues
-those gathers for the driver (hooks.py).
+The first pass records the order in which units run forward (a pass without backward too, while
+nothing is recorded), and the first backward the order in which their backward starts. From
+then on, when unit k starts (forward) or its backward starts, the next `prefetch` units of the
+recorded order are gathered asynchronously so the All-Gather overlaps with unit k's compute. A
+pass that departs from the record stops prefetching for the rest of that pass (units are then
+gathered on demand, and the prefetches already issued from the record are dropped) and becomes
+the new record: it is as correct as the record, only slower for one step. Ranks compare their
+records once, after the first backward, so a rank running a different order fails with the
+first differing unit named (checks.py). `Prefetcher` issues those gathers for the driver.
 """
 
 from __future__ import annotations
@@ -90,6 +90,13 @@ class Schedule:
             return None
         position = len(seen)
         return None if position < len(order) and order[position] == uid else position
+
+    def end_forward(self) -> None:
+        """A pass's forward ended: with nothing recorded yet, its order becomes the record, so
+        evaluation, prediction and generation before any training step prefetch from their
+        second pass on (a backward that follows records both orders anyway)."""
+        if self.forward_order is None and self._forward_seen:
+            self.forward_order = list(self._forward_seen)
 
     def end_backward(self) -> None:
         """Adopt the pass just finished as the record if it differs from it."""
