@@ -12,6 +12,15 @@ backward, so `.grad` is complete when `backward()` returns. Adding (rather than 
 keeps accumulation, tied weights and modules called twice exact. With shard groups, each
 reduction's All-Reduce across groups is issued in the order the reductions started, so every
 rank issues them alike (`Reductions._advance`).
+
+[Note: gradient copy-in]
+The full gradients are copied (cast, padded) into the Reduce-Scatter input on the compute
+stream, as FSDP2 does, and the reduce stream waits for that copy before the collective. So
+nothing of the engine keeps them: autograd frees a unit's full gradients as soon as its
+`GatherParams.backward` returns, and only the Reduce-Scatter inputs (`full`, one unit's row
+block each) stay in flight. Was: the copy-in ran on the reduce stream, so each reduction in
+flight held its unit's full gradients until its wait (up to 1 + `reductions_in_flight` units'
+worth on CUDA, besides their fp32 inputs).
 """
 
 from __future__ import annotations
@@ -30,14 +39,14 @@ __all__ = ["PendingReduce", "Reductions"]
 
 @dataclass(eq=False)
 class PendingReduce:
-    """A Reduce-Scatter (then, with shard groups, an All-Reduce) in flight. `full` and the
-    gradients are kept until the wait: the collective and the copy-in read them on their streams."""
+    """A Reduce-Scatter (then, with shard groups, an All-Reduce) in flight. `full` is kept until
+    the wait: the collective reads it on its stream. The gradients are not (Note: gradient copy-in)."""
 
     unit: Unit
     work: Any  # None: nothing to wait for (one rank)
     out: torch.Tensor
     full: torch.Tensor
-    grads: list[torch.Tensor | None] = field(default_factory=list)
+    present: list[bool] = field(default_factory=list)  # which parameters had a gradient
     done: object = None  # event after the last queued operation (CUDA), else None
     stamped: bool = False  # whether the rank checks stamped its column (checks.py)
     scattered: bool = False
@@ -93,8 +102,8 @@ class Reductions:
         n, width, s = unit.world_size, unit.reduce_row_numel, unit.shard_numel
         self._advance()  # older reductions' All-Reduces go out first, in order
         streams = unit.comm.streams(like.device)
-        out = torch.empty(width, dtype=unit.reduce_dtype, device=like.device)  # on the compute stream
-        with streams.on("reduce"), torch.no_grad():
+        out = torch.empty(width, dtype=unit.reduce_dtype, device=like.device)
+        with torch.no_grad():  # the copy-in, on the compute stream (Note: gradient copy-in)
             full = unit.pool.take(n * width, unit.reduce_dtype, like.device).view(n, width)  # (N, row)
             # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
             blocks = []
@@ -109,9 +118,11 @@ class Reductions:
                 blocks.append(flat.view(n, p.shard_numel))
             torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
             stamped = unit.checks.stamp_reduce(full[:, s], unit.uid, unit.comm.rank)
+        with streams.on("reduce"):  # waits for the copy-in
             work = unit.comm.reduce_scatter(out, full, what=f"gradients of unit '{unit.name}'", async_op=True)
             done = streams.event()
-        pending = PendingReduce(unit=unit, work=work, out=out, full=full, grads=grads, done=done, stamped=stamped)
+        present = [g is not None for g in grads]
+        pending = PendingReduce(unit=unit, work=work, out=out, full=full, present=present, done=done, stamped=stamped)
         if unit.replicate is not None:
             self._awaiting_replication.append(pending)
             if streams.enabled:
@@ -141,10 +152,9 @@ class Reductions:
         else:
             _wait_scatter(pending)
             unit.comm.streams(pending.out.device).wait_for(pending.done)
-        # The current stream has waited for every use of `full` and of the gradients.
+        # The current stream has waited for every use of `full`.
         unit.pool.give(pending.full.view(-1))
-        present = [g is not None for g in pending.grads]
-        pending.grads = []
+        present = pending.present
         out = pending.out[: unit.shard_numel]
         out.div_(n)  # sum over all ranks / N: the same average DDP takes
         if out.dtype != unit.shard_dtype:
