@@ -34,7 +34,7 @@ def _train(rank: int, world_size: int) -> dict:
     def count_pooled(*_: object) -> None:
         # Registered after the engine's hooks: blocks.0 has just been released. Full-parameter
         # blocks waiting in the pool (its free lists, keyed by numel, dtype, device).
-        pooled.append(sum(len(free) for (numel, _, _), free in sharded.pool._free.items() if numel in block_numels))
+        pooled.append(sum(len(free) for (_, numel, _, _), free in sharded.pool._free.items() if numel in block_numels))
 
     model.blocks[0].register_forward_hook(count_pooled)
     for step in range(3):
@@ -65,3 +65,38 @@ def test_full_weights_are_released_after_forward_into_the_pool_and_train_exactly
         last = result["last_block_bytes"]
         assert max(result["kept"]) < last + (result["block_bytes"] - last) // 2, result
         assert min(result["pooled"]) >= 1, result  # a released block waits in the pool for the next gather
+
+
+def _roles_per_buffer(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = MLP(dim=64)
+    sharded = ShardedModel(model, prefetch=1, reductions_in_flight=1)
+    pool = sharded.pool
+    take = type(pool).take
+    roles: dict[int, set[str]] = {}
+    sizes: dict[str, set[tuple[int, torch.dtype]]] = {}
+
+    def spy(self, role, numel, dtype, device):  # noqa: ANN001, ANN202 - a spy on BufferPool.take
+        buffer = take(self, role, numel, dtype, device)
+        roles.setdefault(buffer.untyped_storage().data_ptr(), set()).add(role)
+        sizes.setdefault(role, set()).add((numel, dtype))
+        return buffer
+
+    pool.take = spy.__get__(pool)  # type: ignore[method-assign]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = mlp_batch(step)
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"roles": [sorted(r) for r in roles.values()], "sizes": sizes}
+
+
+def test_a_pooled_buffer_serves_one_role_even_where_sizes_coincide():
+    """Gather receive buffers, full-parameter blocks and Reduce-Scatter inputs are taken and
+    given back on different streams on CUDA (engine/buffers.py, Note: buffer roles and streams).
+    In fp32 a unit's gather and Reduce-Scatter rows have the same size: keyed by size alone, the
+    pool handed one role's buffer to the other (issue 22, item 6)."""
+    for result in run_ranks(_roles_per_buffer, 2):
+        assert result["sizes"]["gather"] & result["sizes"]["reduce"], "the sizes no longer coincide"
+        assert all(len(roles) == 1 for roles in result["roles"]), result["roles"]

@@ -18,8 +18,8 @@ stream that waits for the compute stream (the gradients are written there). Cons
 an event recorded after the issue, then for the collective's work (on NCCL both are waits of
 the current stream, not of the host). `Streams` owns the streams and events, one per device
 and process group; on CPU every method is a no-op and everything runs in program order.
-Buffers move between streams through the `BufferPool`, which records an event when a buffer
-is given back and makes the next taker's stream wait for it (buffers.py).
+Buffers move between streams through the `BufferPool`, one stream per role (buffers.py, Note:
+buffer roles and streams).
 """
 
 from __future__ import annotations

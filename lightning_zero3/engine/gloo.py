@@ -59,7 +59,7 @@ class GlooInPlace:
         """Row j goes to rank j; the other ranks' rows for this rank arrive in a pooled buffer,
         which the wait sums in rank order (the rounding does not depend on which rank sums)."""
         n, me, chunk = self.world_size, self.rank, rows.shape[1]
-        received = self.pool.take((n - 1) * chunk, rows.dtype, rows.device).view(n - 1, chunk)
+        received = self.pool.take("received", (n - 1) * chunk, rows.dtype, rows.device).view(n - 1, chunk)
         others = [r for r in range(n) if r != me]
         works = [dist.irecv(received[i], src=self.peers[r], group=self.group) for i, r in enumerate(others)]
         works += [dist.isend(rows[r], dst=self.peers[r], group=self.group) for r in others]
@@ -70,6 +70,6 @@ class GlooInPlace:
             torch.add(parts[0], parts[1], out=flat)  # one pass, not a copy then an add
             for part in parts[2:]:
                 flat.add_(part)
-            self.pool.give(received.view(-1))
+            self.pool.give("received", received.view(-1))
 
         return Works(works, then=add_up)

@@ -104,7 +104,7 @@ class Reductions:
         streams = unit.comm.streams(like.device)
         out = torch.empty(width, dtype=unit.reduce_dtype, device=like.device)
         with torch.no_grad():  # the copy-in, on the compute stream (Note: gradient copy-in)
-            full = unit.pool.take(n * width, unit.reduce_dtype, like.device).view(n, width)  # (N, row)
+            full = unit.pool.take("reduce", n * width, unit.reduce_dtype, like.device).view(n, width)  # (N, row)
             # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
             blocks = []
             zero = full.new_zeros(())  # a parameter without a gradient (frozen): zeros, not allocated per parameter
@@ -153,7 +153,7 @@ class Reductions:
             _wait_scatter(pending)
             unit.comm.streams(pending.out.device).wait_for(pending.done)
         # The current stream has waited for every use of `full`.
-        unit.pool.give(pending.full.view(-1))
+        unit.pool.give("reduce", pending.full.view(-1))
         present = pending.present
         out = pending.out[: unit.shard_numel]
         out.div_(n)  # sum over all ranks / N: the same average DDP takes

@@ -167,7 +167,7 @@ class Unit:
         n, s, width = self.world_size, self.shard_numel, self.row_numel(dtype)
         streams = self.comm.streams(device)
         with streams.on("copy_in"), torch.no_grad():
-            recv = self.pool.take(n * width, dtype, device)
+            recv = self.pool.take("gather", n * width, dtype, device)
             mine = recv[self.comm.rank * width : (self.comm.rank + 1) * width]  # the send row
             torch.cat([p.param.detach() for p in self.params], out=mine[:s])  # casts to `dtype`
             stamped = self.checks.stamp_gather(mine[s : s + tag_numel(dtype)], tag)
@@ -191,12 +191,12 @@ class Unit:
             raise  # the cause, found by the check inside
         except RuntimeError:
             return  # it failed too: the check that follows reports what the others brought
-        self.pool.give(gathered.view(-1))
+        self.pool.give("gather", gathered.view(-1))
 
     def discard_gather(self) -> None:
         """Drop a prefetch that the step did not use (the collective still completes)."""
         if self._pending is not None:
-            self.pool.give(self._wait_gather().view(-1))
+            self.pool.give("gather", self._wait_gather().view(-1))
 
     def _finish_gather(self) -> tuple[torch.Tensor, _PendingGather]:
         """Wait for the pending All-Gather; the (N, row) buffer and what was pending."""
@@ -230,7 +230,7 @@ class Unit:
         self.start_gather(tag=tag)
         gathered, _ = self._finish_gather()
         tags = read_tags(self._slots(gathered)).tolist()  # a sync, only when leaving the record
-        self.pool.give(gathered.view(-1))
+        self.pool.give("gather", gathered.view(-1))
         return tags
 
     def gather(self, into: list[torch.Tensor] | None = None, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
@@ -245,12 +245,12 @@ class Unit:
         gathered = self._wait_gather()
         n = self.world_size
         if into is None:
-            block = self.pool.take(self.block_numel, gathered.dtype, gathered.device)
+            block = self.pool.take("block", self.block_numel, gathered.dtype, gathered.device)
             fulls = [block[n * o : n * o + p.numel].view(p.full_shape) for p, o in zip(self.params, self.offsets)]
         else:
             storage = into[0].untyped_storage()
             if storage.size() == 0:
-                refill = self.pool.take(self.block_numel, into[0].dtype, storage.device)
+                refill = self.pool.take("block", self.block_numel, into[0].dtype, storage.device)
                 # the block's memory moves into `storage` (private, not in the stubs: Note: full-parameter blocks)
                 storage._swap_data_ptr_(refill.untyped_storage())  # type: ignore[attr-defined]
             # A fresh tensor on the same storage: writing through it leaves autograd's version
@@ -265,7 +265,7 @@ class Unit:
             for r in range(n):
                 out = [block[n * o + r * s : n * o + (r + 1) * s] for o, s in zip(self.offsets, sizes)]
                 torch.split_with_sizes_copy(gathered[r, : self.shard_numel], sizes, out=out)
-        self.pool.give(gathered.view(-1))
+        self.pool.give("gather", gathered.view(-1))
         return fulls
 
     def gather_into(self, outputs: list[torch.Tensor], *, dtype: torch.dtype | None = None) -> None:
@@ -290,4 +290,4 @@ class Unit:
         holder = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device)
         # `storage` is left empty; private API, not in torch's stubs (Note: full-parameter blocks)
         holder.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]
-        self.pool.give(holder.set_(holder.untyped_storage(), 0, (self.block_numel,), (1,)))
+        self.pool.give("block", holder.set_(holder.untyped_storage(), 0, (self.block_numel,), (1,)))
