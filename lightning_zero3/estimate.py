@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_zero3.dtypes import DTYPE_NAMES, parse_dtype
 from lightning_zero3.engine.config import ShardingConfig
+from lightning_zero3.engine.dtypes import DTYPE_NAMES, parse_dtype
 from lightning_zero3.engine.plan import make_plan
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine import CommStats, ShardedModel
 
 
 def count_full_parameters(callbacks: Iterable[Any], numel: Callable[[Tensor], int]) -> None:
@@ -93,35 +93,33 @@ class FullSizeSummary(Summary):
 
 
 def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[str, Any]:
-    """What this rank holds and sends (`ZeRO3Strategy.stats`): see docs/accounting.md."""
-    last = {kind: vars(b).copy() for kind, b in sharded.stats.last_step.items()}
-    full_params = sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent)
-    across = sharded.replicate_stats
-    # The formula for the step `last_step` measured (the first step keeps fewer units whole).
-    inside = sharded.last_step_expected_bytes()
-    across_expected = sharded.last_step_expected_bytes(across_groups=True)
+    """What this rank holds and sends (`ZeRO3Strategy.stats`): see docs/accounting.md. Measured
+    bytes of the last step next to the formula for it (the oracle: engine/accounting.py)."""
+
+    def measured(stats: CommStats | None) -> dict[str, dict[str, float]]:
+        return {kind: vars(b).copy() for kind, b in stats.last_step.items()} if stats is not None else {}
+
+    alive, expected = sharded.unit_stats, sharded.last_step_expected_bytes
     return {
         "world_size": sharded.world_comm.world_size,
         "shard_size": sharded.comm.world_size,
         "param_dtype": str(sharded.units[-1].param_dtype).removeprefix("torch."),
         "reduce_dtype": str(sharded.units[-1].reduce_dtype).removeprefix("torch."),
-        "last_step_across_groups": {k: vars(b).copy() for k, b in across.last_step.items()} if across else {},
-        # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
-        "last_step_control": {k: vars(b).copy() for k, b in sharded.world_comm.stats.last_step.items()},
-        "expected_step_bytes_across_groups": (
-            across_expected if across_expected is not None else sharded.expected_step_bytes(across_groups=True)
-        ),
-        "full_parameters": full_params,
-        "last_step": last,
-        "expected_step_bytes": inside if inside is not None else sharded.expected_step_bytes(),
-        "gather_wait_s": sharded.stats.last_step_gather_wait_s,
+        "full_parameters": sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent),
         "units": len([u for u in sharded.units if u.params]),
-        "units_alive": sharded.unit_stats.alive,
-        "peak_units_alive": sharded.unit_stats.peak,
-        "peak_units_alive_without_root": sharded.unit_stats.peak_without_root,
+        "last_step": measured(sharded.stats),
+        "expected_step_bytes": expected() or sharded.expected_step_bytes(),
+        "last_step_across_groups": measured(sharded.replicate_stats),
+        "expected_step_bytes_across_groups": (
+            expected(across_groups=True) or sharded.expected_step_bytes(across_groups=True)
+        ),
+        # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
+        "last_step_control": measured(sharded.world_comm.stats),
+        "gather_wait_s": sharded.stats.last_step_gather_wait_s,
+        "units_alive": alive.alive,
+        "peak_units_alive": alive.peak,
+        "peak_units_alive_without_root": alive.peak_without_root,
         "model_state_bytes": sharded.model_state_bytes(optimizers),
-        # Free gather/reduction buffers and full-parameter blocks kept for reuse (buffers.py).
-        "buffer_pool_bytes": sharded.pool.cached_bytes,
     }
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.tags import OrderMismatchError
+from lightning_zero3.engine.checks import OrderMismatchError
 from tests.models import MLP, TinyGPT
 from tests.ranks import run_ranks
 
@@ -129,8 +129,8 @@ def test_a_tag_check_that_raises_on_entry_leaves_every_parameter_its_shard() -> 
     def mismatch() -> None:
         raise OrderMismatchError("ranks gathered different units")
 
-    sharded.comm.tags.closely = False  # the gathers defer their checks to that one
-    sharded.comm.tags.check = mismatch  # type: ignore[method-assign]
+    sharded.checks.closely = False  # the gathers defer their checks to that one
+    sharded.checks.check = mismatch  # type: ignore[method-assign]
     with pytest.raises(OrderMismatchError), sharded.gathered_parameters():
         pass
     assert {name: (p.shape, p.data_ptr()) for name, p in model.named_parameters()} == before

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.native import NativeCollectives
 from tests.models import MLP, TinyGPT, gpt_batch, mlp_batch, mlp_frozen_block
 from tests.parity import lm_loss, local_slice
 from tests.ranks import run_ranks
@@ -278,7 +279,7 @@ def _live_objects_per_step(rank: int, world_size: int, model_name: str) -> list[
     """Python objects alive after each step (collected first), by kind."""
     import gc
 
-    from lightning_zero3.engine.hooks import UnitCall
+    from lightning_zero3.engine.calls import UnitCall
 
     counts = []
     for steps in (3, 6, 9):
@@ -316,7 +317,8 @@ def _trained_with(rank: int, world_size: int, model_name: str, gloo_in_place: bo
     torch.manual_seed(0)
     model = factory()
     sharded = ShardedModel(model, prefetch=1)
-    sharded.comm.gloo_in_place = gloo_in_place
+    if not gloo_in_place:  # the transport NCCL gets (transport.py)
+        sharded.comm.transport = NativeCollectives(sharded.comm.group, rank=sharded.comm.rank)
     # SGD: Adam would scale the rounding noise of gradients that are zero in exact arithmetic
     # (the attention's key bias) up to steps of size lr.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -301,7 +301,7 @@ class _Work:
 
 def test_a_failed_collective_settles_only_the_gathers_in_flight_that_completed():
     """The failure path reads the tags of prefetched gathers that have arrived and never waits
-    on one still running: its peer may never issue it (tags.py, Note: deferred tag checks)."""
+    on one still running: its peer may never issue it (checks.py, Note: deferred tag checks)."""
     model = MLP(dim=DIM)
     sharded = ShardedModel(model)  # one process: collectives are local copies
     running, arrived = sharded.units[1], sharded.units[2]
@@ -309,7 +309,7 @@ def test_a_failed_collective_settles_only_the_gathers_in_flight_that_completed()
     for unit, completed in ((running, False), (arrived, True)):
         unit.start_gather()
         works[unit.uid] = _Work(completed)
-        unit._pending = (works[unit.uid], *unit._pending[1:])
-    sharded.comm.tags.raise_pending_mismatch()
+        unit._pending.work = works[unit.uid]
+    sharded.checks.raise_pending_mismatch()
     assert not works[running.uid].waited and running.gather_in_flight, "waited on a gather still running"
     assert works[arrived.uid].waited and not arrived.gather_in_flight, "an arrived gather was not settled"

@@ -110,7 +110,7 @@ def _count_all_reduces(rank: int, world_size: int) -> dict[str, Any]:
         model = _model()
         sharded = ShardedModel(model, persistence_threshold=13, shard_size=2)
         groups.clear()
-        sharded.reduce_persistent_grads()  # no gradient on this rank: still joins the collective
+        sharded.persistent_grads.reduce()  # no gradient on this rank: still joins the collective
         result["groups"] = list(groups)
         result["grads"] = [p.grad for p in sharded.persistent]
     finally:

@@ -1,7 +1,6 @@
-"""Shards in one row (engine/shard.py, Note: shards in one row): a unit's shards live back to back
-in one buffer laid out as its All-Gather send row, so a gather in their dtype sends that buffer
-as it is. They stay separate Parameters, each with its own version counter, and a shard given
-other memory (`.data = ...`) is still gathered exactly, by copying it."""
+"""Shards in one buffer (engine/shard.py, Note: shards in one buffer): a unit's shards live back
+to back in one buffer, yet stay separate Parameters, each with its own version counter, and a
+shard given other memory (`.data = ...`) is still gathered exactly."""
 
 from __future__ import annotations
 
@@ -24,19 +23,8 @@ def test_each_units_shards_lie_back_to_back_in_one_buffer():
     for unit in units:
         storage = unit.params[0].param.untyped_storage().data_ptr()
         for sp, offset in zip(unit.params, unit.offsets):
-            assert sp.param.untyped_storage().data_ptr() == storage, f"{sp.name} is not in its unit's row"
-            assert sp.param.storage_offset() == offset, f"{sp.name} is not at its offset in the row"
-
-
-def test_a_gather_in_the_shard_dtype_copies_no_shard_into_a_send_buffer():
-    _, sharded = _sharded()
-    unit = next(u for u in sharded.units if len(u.params) > 1)
-    with torch.profiler.profile(record_shapes=True) as prof:
-        fulls = unit.gather()
-    unit.release(fulls)
-    # A cat into the row's shard part (the tag check also concatenates a few integers).
-    copies = [e for e in prof.events() if e.name == "aten::cat" and [unit.shard_numel] in e.input_shapes]
-    assert not copies, "the gather copied the shards into a send buffer"
+            assert sp.param.untyped_storage().data_ptr() == storage, f"{sp.name} is not in its unit's buffer"
+            assert sp.param.storage_offset() == offset, f"{sp.name} is not at its offset in the buffer"
 
 
 def test_writing_one_shard_leaves_the_other_shards_versions_alone():

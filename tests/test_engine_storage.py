@@ -1,21 +1,17 @@
-"""The two ways of emptying and refilling the storage of full parameters that autograd keeps
-from forward to backward (unit.py, Note: full-parameter blocks): moved to the pool and back
-(`UntypedStorage._swap_data_ptr_`, CPU) and freed/allocated with `resize_` (other devices, and
-any torch without the private method). Each path must release the full weights after forward,
-where autograd keeps them, and train exactly like one process."""
+"""Emptying and refilling the storage of full parameters that autograd keeps from forward to
+backward (unit.py, Note: full-parameter blocks): the block's memory moves to the pool and back
+(`UntypedStorage._swap_data_ptr_`). The full weights must be released after forward, where
+autograd keeps them, wait in the pool for the next gather, and train exactly like one process."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_zero3.engine import ShardedModel, unit
+from lightning_zero3.engine import ShardedModel
 from tests.models import MLP, mlp_batch
 from tests.parity import local_slice, max_param_difference
 from tests.ranks import run_ranks
-
-PATHS = ["swap", "resize"]
 
 
 def _saved_bytes(saved: list[torch.Tensor]) -> int:
@@ -23,8 +19,7 @@ def _saved_bytes(saved: list[torch.Tensor]) -> int:
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in saved}.values())
 
 
-def _train(rank: int, world_size: int, path: str) -> dict:
-    unit._SWAP_STORAGE = path == "swap"  # what a torch without _swap_data_ptr_ selects
+def _train(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     reference = MLP(dim=64)
     torch.manual_seed(0)
@@ -39,7 +34,7 @@ def _train(rank: int, world_size: int, path: str) -> dict:
     def count_pooled(*_: object) -> None:
         # Registered after the engine's hooks: blocks.0 has just been released. Full-parameter
         # blocks waiting in the pool (its free lists, keyed by numel, dtype, device).
-        pooled.append(sum(len(free) for (numel, _, _), free in sharded.pool._free.items() if numel in block_numels))
+        pooled.append(sum(len(free) for (_, numel, _, _), free in sharded.pool._free.items() if numel in block_numels))
 
     model.blocks[0].register_forward_hook(count_pooled)
     for step in range(3):
@@ -62,22 +57,46 @@ def _train(rank: int, world_size: int, path: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_both_storage_paths_release_full_weights_after_forward_and_train_exactly(path: str):
-    if path == "swap" and not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
-        pytest.skip("this torch has no UntypedStorage._swap_data_ptr_: only the resize_ path exists")
-    for result in run_ranks(_train, 2, path):
+def test_full_weights_are_released_after_forward_into_the_pool_and_train_exactly():
+    for result in run_ranks(_train, 2):
         assert result["param_diff"] < 1e-5
         # After forward autograd keeps activations (a few KiB) and the last block's full weights,
         # kept for backward (hooks.py, Note: kept for backward), not the other blocks'.
         last = result["last_block_bytes"]
         assert max(result["kept"]) < last + (result["block_bytes"] - last) // 2, result
-        # swap: a released block waits in the pool for the next gather; resize: freed.
-        assert min(result["pooled"]) >= 1 if path == "swap" else max(result["pooled"]) == 0, result
+        assert min(result["pooled"]) >= 1, result  # a released block waits in the pool for the next gather
 
 
-def test_only_cpu_storages_move_blocks():
-    """CUDA's caching allocator already reuses freed blocks: the public resize_ path there."""
-    assert unit.moves_blocks(torch.device("cpu")) == hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-    assert not unit.moves_blocks(torch.device("cuda", 0))
-    assert not unit.moves_blocks(torch.device("meta"))
+def _roles_per_buffer(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = MLP(dim=64)
+    sharded = ShardedModel(model, prefetch=1, reductions_in_flight=1)
+    pool = sharded.pool
+    take = type(pool).take
+    roles: dict[int, set[str]] = {}
+    sizes: dict[str, set[tuple[int, torch.dtype]]] = {}
+
+    def spy(self, role, numel, dtype, device):  # noqa: ANN001, ANN202 - a spy on BufferPool.take
+        buffer = take(self, role, numel, dtype, device)
+        roles.setdefault(buffer.untyped_storage().data_ptr(), set()).add(role)
+        sizes.setdefault(role, set()).add((numel, dtype))
+        return buffer
+
+    pool.take = spy.__get__(pool)  # type: ignore[method-assign]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = mlp_batch(step)
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"roles": [sorted(r) for r in roles.values()], "sizes": sizes}
+
+
+def test_a_pooled_buffer_serves_one_role_even_where_sizes_coincide():
+    """Gather receive buffers, full-parameter blocks and Reduce-Scatter inputs are taken and
+    given back on different streams on CUDA (engine/buffers.py, Note: buffer roles and streams).
+    In fp32 a unit's gather and Reduce-Scatter rows have the same size: keyed by size alone, the
+    pool handed one role's buffer to the other (issue 22, item 6)."""
+    for result in run_ranks(_roles_per_buffer, 2):
+        assert result["sizes"]["gather"] & result["sizes"]["reduce"], "the sizes no longer coincide"
+        assert all(len(roles) == 1 for roles in result["roles"]), result["roles"]

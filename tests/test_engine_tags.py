@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -13,9 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.comm import Comm
-from lightning_zero3.engine.shard import ShardedParam
-from lightning_zero3.engine.tags import OrderMismatchError, exact_integers
+from lightning_zero3.engine.checks import OrderMismatchError, RankChecks, exact_integers
 from lightning_zero3.engine.unit import Unit
 from tests.models import MLP, mlp_batch
 from tests.parity import local_slice, max_param_difference, step_side_by_side
@@ -43,35 +42,27 @@ def test_a_float64_model_trains_like_one_process():
         assert diff < 1e-12, diff
 
 
-def _virtual_rank_unit(rank: int, world_size: int, reduce_dtype: torch.dtype, uid: int) -> Unit:
-    """A unit as rank `rank` of `world_size` builds it, in one process (no collective runs)."""
-    comm = Comm(None)
-    comm.rank, comm.world_size = rank, world_size
-    full = nn.Parameter(torch.zeros(world_size * 2))
-    param = ShardedParam(owners=[], names=["w"], full_shape=full.shape, param=nn.Parameter(torch.zeros(2)),
-                         world_size=world_size, rank=rank)  # fmt: skip
-    return Unit(uid=uid, name=f"u{uid}", module=nn.Module(), params=[param], comm=comm, unit_name=str,
-                reduce_dtype=reduce_dtype)  # fmt: skip
-
-
 @pytest.mark.parametrize(("dtype", "world_size"), [(torch.bfloat16, 300), (torch.float16, 2100)])
-def test_the_reduce_scatter_tag_column_is_exact_beyond_what_16_bit_floats_count(dtype, world_size):
+def test_the_reduce_scatter_check_column_is_exact_beyond_what_16_bit_floats_count(dtype, world_size):
     """bf16 holds every integer only up to 256 and fp16 up to 2048: a column that sums one
     number per rank saturates in large jobs and would report a false mismatch. Each rank's
     column holds its code in one row and zeros elsewhere, so every sum, in any order, is exact."""
     assert exact_integers(dtype) < world_size
     uid = 1000  # more units than the 16-bit dtype counts: codes wrap, still exact
+    checks = RankChecks(rank=0, names=[])
     columns = []
-    for rank in range(world_size):
-        unit = _virtual_rank_unit(rank, world_size, dtype, uid)
-        pending = unit.start_reduce([torch.ones(world_size * 2)])
-        columns.append(pending.full[:, unit.shard_numel].clone())  # what this rank sends, per destination
+    for rank in range(world_size):  # what each rank sends, per destination
+        column = torch.full((world_size,), float("nan"), dtype=dtype)
+        assert checks.stamp_reduce(column, uid, rank)
+        columns.append(column)
     column = torch.stack(columns)  # (sender, destination)
+    code = checks.reduce_code(uid, dtype)
+    assert 1 <= code < exact_integers(dtype)
     for destination in (0, 1, world_size // 2, world_size - 1):
         total = torch.zeros((), dtype=dtype)
         for sender in torch.randperm(world_size).tolist():  # a ring adds in some order
             total = total + column[sender, destination]
-        assert total.item() == unit.reduce_code, (destination, total.item())
+        assert total.item() == code, (destination, total.item())
 
 
 class _Block(nn.Module):
@@ -149,18 +140,23 @@ def test_every_rank_leaving_the_order_alike_still_trains_exactly(prefetch):
         assert diff < 1e-5, diff
 
 
-def _tampered_tag(rank: int, world_size: int, cpu_transport: str = "process_group") -> str:
+def mislabel(unit: Unit, as_unit: Unit) -> None:
+    """`unit`'s gathers carry `as_unit`'s tag from now on (a wrong pairing, as seen on the wire)."""
+    unit.start_gather = partial(Unit.start_gather, unit, tag=as_unit.checks.tag(as_unit.uid))  # type: ignore[method-assign]
+
+
+def _tampered_tag(rank: int, world_size: int) -> str:
     """Rank 1 labels blocks.1 as blocks.2 from step 2 on: the ranks follow the same order, but
     their collectives now pair different units of the same size (what a wrong pairing looks like
     on the wire), and no collective fails."""
     torch.manual_seed(0)
     model = MLP(depth=3)
-    sharded = ShardedModel(model, prefetch=1, cpu_transport=cpu_transport)
+    sharded = ShardedModel(model, prefetch=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         if step == 1 and rank == 1:
             by_name = {unit.name: unit for unit in sharded.units}
-            by_name["blocks.1"].tag = by_name["blocks.2"].tag
+            mislabel(by_name["blocks.1"], by_name["blocks.2"])
         x, y = mlp_batch(step)
         loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
         try:
@@ -190,7 +186,8 @@ def test_a_collective_timeout_names_the_last_collectives_and_the_recorded_order(
     message = waiting[0]
     assert message.startswith("CollectiveError: Reduce-Scatter of gradients of unit 'blocks.0'"), message
     assert "last collectives, oldest first: All-Gather of unit" in message, message
-    assert "No unit order is recorded yet (first step)" in message, message
+    # The first forward is recorded as soon as it ends (schedule.py): its order is named.
+    assert "The recorded unit order, which every rank must follow: forward ['<root>', 'blocks.0'" in message, message
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message, message
 
 

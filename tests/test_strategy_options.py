@@ -32,6 +32,7 @@ ENGINE = {
     "reduce_dtype": torch.float64,
     "param_init_fn": _init,
     "reductions_in_flight": 1,
+    "rank_checks": 5,
 }
 LIGHTNING = {
     "state_dict_type": "full",

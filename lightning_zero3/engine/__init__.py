@@ -1,13 +1,13 @@
 """The sharding engine: ZeRO stage 3 on a bare nn.Module and a process group. It never
 imports Lightning."""
 
-from lightning_zero3.engine.accounting import UnitStats
+from lightning_zero3.engine.checks import OrderMismatchError
 from lightning_zero3.engine.comm import CollectiveBytes, CollectiveError, CommStats
 from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.optim import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, grad_norm
+from lightning_zero3.engine.record import UnitStats
 from lightning_zero3.engine.shard import ShardedParam, shard_numel
-from lightning_zero3.engine.unit import OrderMismatchError
 
 __all__ = [
     "AgreeingGradScaler",

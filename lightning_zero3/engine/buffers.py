@@ -4,23 +4,35 @@ Every All-Gather needs a receive buffer (the whole unit; this rank's row of it i
 buffer), every Reduce-Scatter an input buffer as large as the unit's full gradient, and every
 gather a block for the full parameters (unit.py, Note: full-parameter blocks). Allocating them
 anew each time makes the C heap fragment and the process's memory grow step after step. Units
-of a model mostly share sizes (identical blocks), so a pool keyed by (size, dtype, device) keeps
-a handful of buffers: at most as many of each size as were in use at once, i.e. the
+of a model mostly share sizes (identical blocks), so a pool keyed by (role, size, dtype,
+device) keeps a handful of buffers: at most as many of each as were in use at once, i.e. the
 1 + prefetch (+ reductions in flight) transient units the design allows.
 
-Streams (comm.py, Note: streams): a CUDA buffer is used on several streams (copy-in, the
-collective's, compute). `give` must be called once the current stream has waited for every
-use of the buffer (after the collective's wait, after the copy-out); it records an event on
-that stream, and `take` makes the taker's current stream wait for it, so the next user never
+[Note: buffer roles and streams]
+A buffer serves one role for its whole life, and each role has one stream that takes it and
+gives it back (comm.py, Note: streams), so a buffer never moves to a stream its role does not
+use, whatever sizes coincide (in fp32 a unit's gather rows and Reduce-Scatter rows have the
+same size; a block can match another unit's rows):
+- "gather" (All-Gather receive buffer): taken on the copy-in stream, written by the collective
+  on the gather stream, read by the copy-out and given back on the compute stream.
+- "block" (full parameters): taken, emptied (`release`) and refilled on the compute stream.
+- "reduce" (Reduce-Scatter input): taken and filled on the compute stream (reduce.py, Note:
+  gradient copy-in), read by the collective on the reduce stream, given back on the compute
+  stream after waiting for it.
+- "received" (gloo's Reduce-Scatter receive rows, gloo.py): CPU only, program order.
+`give` is called once the giving stream has waited for every use of the buffer; it records an
+event there, and `take` makes the taker's current stream wait for it, so the next user never
 overwrites memory still being read. On CPU there are no events: program order suffices.
 """
 
 from __future__ import annotations
 
-import ctypes
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+# What a buffer is for (Note: buffer roles and streams).
+Role = Literal["gather", "block", "reduce", "received"]
 
 
 def current_event(device: torch.device) -> Any:
@@ -32,69 +44,30 @@ def current_event(device: torch.device) -> Any:
 
 class BufferPool:
     def __init__(self) -> None:
-        # Free buffers per (numel, dtype, device), each with the event after its last use.
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[tuple[torch.Tensor, Any]]] = {}
+        # Free buffers per (role, numel, dtype, device), each with the event after its last use.
+        self._free: dict[tuple[Role, int, torch.dtype, torch.device], list[tuple[torch.Tensor, Any]]] = {}
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A 1-D buffer of `numel` elements with undefined contents, ready for the current stream."""
-        free = self._free.get((numel, dtype, device))
+    def take(self, role: Role, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer for `role` (Note: buffer roles and streams) of `numel` elements with
+        undefined contents, ready for the current stream."""
+        free = self._free.get((role, numel, dtype, device))
         if free:
             buffer, released = free.pop()
             if released is not None:
                 torch.cuda.current_stream(device).wait_event(released)
             return buffer
         # Never an inference tensor, which could not be updated in place outside inference mode
-        # (hooks.py, Note: inference mode); leaving inference mode enables grad, hence no_grad.
+        # (calls.py, Note: inference mode); leaving inference mode enables grad, hence no_grad.
         with torch.inference_mode(False), torch.no_grad():
             return torch.empty(numel, dtype=dtype, device=device)
 
-    def give(self, buffer: torch.Tensor) -> None:
-        """Return a buffer from `take` once the current stream has waited for every use of it
-        (no collective or copy still reads or writes it elsewhere)."""
+    def give(self, role: Role, buffer: torch.Tensor) -> None:
+        """Return a buffer taken for `role` once the current stream has waited for every use of
+        it (no collective or copy still reads or writes it elsewhere)."""
         released = current_event(buffer.device) if buffer.device.type == "cuda" else None
-        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append((buffer, released))
+        self._free.setdefault((role, buffer.numel(), buffer.dtype, buffer.device), []).append((buffer, released))
 
     @property
     def cached_bytes(self) -> int:
         """Bytes held by free buffers, waiting to be reused."""
         return sum(b.numel() * b.element_size() for free in self._free.values() for b, _ in free)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-    )]  # fmt: skip
-
-
-def _load_glibc() -> tuple[object, object] | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        return libc.malloc_trim, libc.mallinfo2
-    except (OSError, AttributeError):  # not glibc (or older than 2.33): nothing to trim
-        return None
-
-
-_glibc = _load_glibc()
-
-
-def return_free_host_memory(slack_bytes: int) -> bool:
-    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`) once more than
-    `slack_bytes` of it are free. Returns whether it trimmed. Only with
-    `ShardedModel(trim_host_memory=True)`: glibc's heap is the whole process's, not ours, and
-    no run measured a gain (docs/performance.md, "Memory"). glibc's `malloc_trim` and
-    `mallinfo2` (2.33+) are public C functions, reached through ctypes; elsewhere (musl, macOS,
-    older glibc) this does nothing.
-
-    A bound, not the mechanism: the engine's own large buffers are pooled, so after the first
-    steps its process memory stays flat (docs/performance.md). What the model allocates
-    (activations, gradients) can still leave glibc holding freed memory it cannot reuse;
-    trimming every step would cost time (the next step faults its pages in again), so it only
-    happens when the free part of the heap exceeds the slack. GPU memory is not concerned."""
-    if _glibc is None:
-        return False
-    malloc_trim, mallinfo2 = _glibc
-    if mallinfo2().fordblks <= slack_bytes:  # type: ignore[operator, attr-defined]
-        return False
-    malloc_trim(0)  # type: ignore[operator]
-    return True

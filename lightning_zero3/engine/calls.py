@@ -1,8 +1,8 @@
 """What one unit call is: its state, and the autograd Function whose backward Reduce-Scatters
-it. `hooks.py` drives them (Note: one unit call there).
+it; and the state of the pass the driver is in. `hooks.py` drives both (Note: one unit call there).
 
 [Note: call states]
-Every `UnitCall` is in one `CallState` and changes state only in `HookDriver._move` (hooks.py), which
+Every `UnitCall` is in one `CallState` and changes state only in `CallTable.move` (below), which
 asserts that the transition is legal and does what the move means (free the storage, count the
 unit alive or not, take the tensors off the modules):
 
@@ -30,21 +30,74 @@ reference (and so does the hook on a frozen unit's inputs, hooks.py, Note: froze
 the call owns the full tensors, whose grad_fn owns the ctx, and a strong reference
 from ctx to the call would close a cycle through C++ that Python's garbage collector cannot
 break.
+
+[Note: root parameters outside the root's forward]
+The modules that own root parameters carry the root unit's forward hooks too: inside the
+root's forward they only nest (re-gathering if an optimizer step made the tensors stale), and
+called directly (`model.net(x)`, `model.generate(...)`) they gather the root unit for their own
+forward, with a backward of its own. A root without parameters (`nn.Sequential` of blocks) is
+hooked too: it gathers nothing, but its forward frames the pass, so the units inside run in one
+recorded order and prefetch.
+
+[Note: recomputation]
+Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
+unit's output hook has already re-gathered it (state BACKWARD), so the recomputed forward reuses
+the shadowed full tensors and frees nothing. Reentrant: the first forward ran under no_grad (no
+backward state), so the recomputation is an ordinary forward with its own `GatherParams`, and
+the inner backward that follows reduces it.
+
+[Note: inference mode]
+A tensor allocated under `torch.inference_mode()` can never be updated in place outside it, so
+a pooled buffer first allocated there would break every later training step. The engine's own
+work (gathers, releases, pool allocations) runs with inference mode switched off and gradients
+off; the module's compute on the full tensors stays under the caller's mode.
+
+[Note: torch.compile]
+The hooks gather, release and reduce: collectives, storage moves, data pointers and per-call
+Python state (call states, depths, versions). Dynamo can put none of it in a graph, and the
+values it would guard on change every call: traced, the hooks cut a compiled GPT into 39 graphs
+with 23 graph breaks and recompiled `start_gather` up to the recompile limit (issue 15). Every
+entry point the engine gives torch (forward pre/post hooks, the hooks on outputs and inputs,
+`post_backward`, the callbacks of backward) is wrapped in `torch.compiler.disable` (`_eager`):
+dynamo ends the graph at the hook, runs the hook eagerly and resumes after it, and the compiled
+code reads the full tensors the hook put on the modules as ordinary graph inputs. A block
+compiled by itself (`block.compile()`, as FSDP2 advises) runs its hooks before and after its
+graph, and blocks of one class share that graph. A model compiled whole is cut at every hooked
+module: each unit's module and the modules that own root parameters. Measured in
+docs/performance.md, "torch.compile"; tested in tests/test_engine_compile.py.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 
+from lightning_zero3.engine.record import LiveUnits, StepRecord
 from lightning_zero3.engine.unit import Unit
 
-if TYPE_CHECKING:
-    from lightning_zero3.engine.hooks import HookDriver
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def eager(hook: _Hook) -> _Hook:
+    """`hook` runs eagerly, never traced by dynamo (Note: torch.compile)."""
+    return torch.compiler.disable(hook, recursive=True, reason="ZeRO-3 hooks run eagerly: collectives, storage moves")
+
+
+# What `GatherParams.backward` hands the full gradients to: the driver's post-backward.
+PostBackward = Callable[["UnitCall", list[torch.Tensor | None]], list[torch.Tensor | None]]
+
+
+DEEPCOPY_REFUSED = (
+    "A module sharded by lightning_zero3 cannot be deep-copied: its parameters are this rank's 1-D "
+    "shards and its hooks belong to the sharding engine. Make the copy before setup (in __init__ or "
+    "configure_model: it is then sharded with the module), or build a new module and load the "
+    "whole weights into it (ShardedModel.full_state_dict, or a checkpoint)."
+)
 
 
 class CallState(Enum):
@@ -67,6 +120,30 @@ LEGAL = {
 HOLDING = (S.FORWARD, S.KEPT, S.BACKWARD, S.REDUCED_IN_FORWARD)  # states whose storage is filled
 
 
+class PassState(Enum):
+    """What the driver is doing between and across unit calls; changed only in
+    `HookDriver._enter` (hooks.py), which asserts the move is in PASS_LEGAL.
+
+    IDLE --a unit starts forward--> FORWARD --its last forward hook closes--> IDLE
+    IDLE or FORWARD (backward inside a forward: manual optimization) --backward begins--> BACKWARD
+    BACKWARD --backward ends or is abandoned--> IDLE, or FORWARD when forward hooks are still open
+    IDLE or FORWARD (a forward without gradients) --gathered_for_inference()--> HELD --exit--> back
+    """
+
+    IDLE = "idle"  # no forward hook open, no backward running
+    FORWARD = "forward"  # some unit's forward hook is open
+    BACKWARD = "backward"  # a backward runs through the units (recomputed forwards included)
+    HELD = "held for inference"  # every unit gathered until gathered_for_inference() exits (held.py)
+
+
+P = PassState
+PASS_LEGAL = {
+    (P.IDLE, P.FORWARD), (P.FORWARD, P.IDLE), (P.IDLE, P.BACKWARD), (P.FORWARD, P.BACKWARD),
+    (P.BACKWARD, P.IDLE), (P.BACKWARD, P.FORWARD), (P.IDLE, P.HELD), (P.FORWARD, P.HELD),
+    (P.HELD, P.IDLE), (P.HELD, P.FORWARD),
+}  # fmt: skip
+
+
 class UnitCall:
     """One forward execution of a unit and the full tensors it produced."""
 
@@ -80,7 +157,7 @@ class UnitCall:
 
 
 def engine_mode() -> AbstractContextManager[object]:
-    """Inference mode off, gradients off, for the engine's own tensors (hooks.py, Note: inference mode)."""
+    """Inference mode off, gradients off, for the engine's own tensors (Note: inference mode)."""
     if not torch.is_inference_mode_enabled():
         return nullcontext()
     stack = ExitStack()
@@ -93,9 +170,9 @@ class GatherParams(torch.autograd.Function):
     """shards -> full parameters (All-Gather); backward: full grads -> shard grads (Reduce-Scatter)."""
 
     @staticmethod
-    def forward(ctx: Any, driver: HookDriver, call: UnitCall, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, post_backward: PostBackward, call: UnitCall, *shards: torch.Tensor) -> tuple[Any, ...]:
         # A strong reference to the call would be a cycle through C++ (Note: call lifetime).
-        ctx.driver, ctx.call = driver, weakref.ref(call)
+        ctx.post_backward, ctx.call = post_backward, weakref.ref(call)
         ctx.set_materialize_grads(False)
         fulls = call.unit.gather()
         frozen = [full for full, shard in zip(fulls, shards) if not shard.requires_grad]
@@ -112,7 +189,7 @@ class GatherParams(torch.autograd.Function):
                 "pass: every forward pass releases the previous pass's gathered parameters. Run "
                 "backward before the next forward of the model."
             )
-        shard_grads = ctx.driver.post_backward(call, list(grads))
+        shard_grads = ctx.post_backward(call, list(grads))
         return (None, None, *shard_grads)
 
 
@@ -132,3 +209,76 @@ class Slot:
         self.call: UnitCall | None = None
         self.kept: UnitCall | None = None
         self.depth = 0
+
+
+class CallTable:
+    """Per unit, its `Slot`; the one place where a call changes state (`move`, Note: call states)
+    and where a slot's count of open forward hooks changes (`set_depth`)."""
+
+    def __init__(self, units: list[Unit], *, live: LiveUnits, record: StepRecord) -> None:
+        self.slots = [Slot() for _ in units]
+        # Slots with an open forward hook (depth > 0), kept by `set_depth`: 0 between passes.
+        self.open = 0
+        self.live = live  # units holding full parameters, counted (record.py)
+        self.record = record  # counts the calls kept for backward (record.py)
+
+    def move(self, call: UnitCall, state: CallState) -> None:
+        old = call.state
+        assert (old, state) in LEGAL, f"ZeRO-3 internal error: unit '{call.unit.name}' {old.name} -> {state.name}"
+        slot = self.slots[call.unit.uid]
+        if state is S.KEPT:
+            assert slot.kept is None, f"ZeRO-3 internal error: unit '{call.unit.name}' kept twice"
+            slot.kept = call
+            self.record.add("kept", call.unit.uid)
+        elif old is S.KEPT and slot.kept is call:
+            slot.kept = None
+        if state in (S.RESHARDED, S.DONE, S.KEPT) and slot.call is call:
+            slot.call = None
+            for sharded in call.unit.params:
+                for module, attr in sharded.owners:
+                    module.__dict__.pop(attr, None)
+        elif state in (S.FORWARD, S.BACKWARD) and slot.call is None:
+            for sharded, full in zip(call.unit.params, call.fulls):
+                for module, attr in sharded.owners:
+                    module.__dict__[attr] = full
+            slot.call = call
+        if state is S.RESHARDED or (state is S.DONE and old in (S.BACKWARD, S.KEPT)):
+            with engine_mode():  # autograd keeps the tensor objects; the memory goes to the pool
+                call.unit.release(call.fulls)
+        elif state is S.DONE and old is S.FORWARD and not call.reduces:
+            # No backward is owed (evaluation, a held call, outputs without grad): the block goes
+            # back to the pool, so an evaluation step allocates no full parameters.
+            with engine_mode():
+                call.unit.release(call.fulls)
+            call.fulls = []
+        elif state is S.DONE and old in (S.FORWARD, S.REDUCED_IN_FORWARD):
+            call.fulls = []  # autograd may still hold them (GatherParams' outputs): they die with it
+        call.state = state
+        if (old in HOLDING) != (state in HOLDING):
+            self.live.change(call.unit.uid, +1 if state in HOLDING else -1, call.unit.gather_in_flight)
+
+    def set_depth(self, slot: Slot, depth: int) -> None:
+        """The one place a slot's count of open forward hooks changes, so `_open` stays exact."""
+        self.open += (depth > 0) - (slot.depth > 0)
+        slot.depth = depth
+
+    def is_kept(self, unit: Unit) -> bool:
+        """Whether a call of `unit` is kept gathered for a backward that has not reached it."""
+        return self.slots[unit.uid].kept is not None
+
+    def drop_leftovers(self) -> None:
+        """Between passes (a new one begins, or the hooks go), in one walk over the units: a
+        kept call gives its memory back (its backward, if it still comes, gathers again), and a
+        call still on its modules, left by a pass that raised (Note: exceptions), is closed."""
+        for slot in self.slots:
+            if slot.kept is not None:
+                self.move(slot.kept, S.RESHARDED)
+            if slot.call is not None:
+                self.move(slot.call, S.DONE)
+
+    def release_kept(self) -> None:
+        """Kept calls whose backward has not begun give their memory back; it gathers again."""
+        for slot in self.slots:
+            if slot.kept is not None:
+                self.move(slot.kept, S.RESHARDED)
+

@@ -5,23 +5,9 @@ Bytes are counted two ways per collective:
 - payload: the size of the full tensor the collective produces or consumes (All-Gather: the
   gathered output; Reduce-Scatter: the unreduced input; All-Reduce: the tensor);
 - wire: what one rank sends with the ring algorithm, (N-1)/N of the payload for All-Gather and
-  Reduce-Scatter and 2(N-1)/N for All-Reduce. It is zero on one rank. Through the shared-memory
-  transport (shm.py) nothing goes over a wire: there "wire" counts what the other ranks read of
-  this rank's data out of the shared file, which is the same (N-1)/N of the payload (its row,
-  read by N-1 ranks; its N-1 rows of the gradient, read by one rank each). The transport's
-  barrier, one 32-byte gloo All-Reduce per collective, is its own synchronisation, as gloo's
-  handshakes are, and is not counted.
-
-[Note: gloo]
-gloo's All-Gather receives into a temporary buffer and copies it out, and its Reduce-Scatter
-clones the whole input, All-Reduces it (twice the bytes on the wire) and copies this rank's
-chunk out: allocations and copies as large as the unit, every time. On CPU tensors under gloo
-both are therefore built from torch.distributed operations that work in place: the All-Gather
-is one broadcast per rank, each rank the source of its own row of the output; the
-Reduce-Scatter sends every other rank its row and receives theirs (send/recv), then sums the
-rows in rank order. Each rank sends (N-1)/N of the payload either way, as the ring would, and
-the measured step time drops (docs/performance.md). NCCL (and anything else) gets the native
-collectives.
+  Reduce-Scatter and 2(N-1)/N for All-Reduce. It is zero on one rank.
+How the rows of an All-Gather or a Reduce-Scatter move is the transport's, chosen once per
+process group and device (transport.py).
 
 [Note: streams]
 On CUDA the engine's communication runs beside the compute, as PyTorch FSDP2 does: a gather's
@@ -32,15 +18,15 @@ stream that waits for the compute stream (the gradients are written there). Cons
 an event recorded after the issue, then for the collective's work (on NCCL both are waits of
 the current stream, not of the host). `Streams` owns the streams and events, one per device
 and process group; on CPU every method is a no-op and everything runs in program order.
-Buffers move between streams through the `BufferPool`, which records an event when a buffer
-is given back and makes the next taker's stream wait for it (buffers.py).
+Buffers move between streams through the `BufferPool`, one stream per role (buffers.py, Note:
+buffer roles and streams).
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -50,8 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event
-from lightning_zero3.engine.shm import SharedArena
-from lightning_zero3.engine.tags import TagLedger
+from lightning_zero3.engine.transport import Transport, choose_transport
 
 
 class Collective(str, Enum):
@@ -80,8 +65,7 @@ class CommStats:
 
     current: dict[str, CollectiveBytes] = field(default_factory=lambda: defaultdict(CollectiveBytes))
     last_step: dict[str, CollectiveBytes] = field(default_factory=dict)
-    # Seconds spent blocked in `wait()` on All-Gathers: what prefetch failed to hide. On the
-    # shared-memory transport, which is synchronous, the whole asynchronous-path All-Gather.
+    # Seconds spent blocked in `wait()` on All-Gathers: what prefetch failed to hide.
     gather_wait_s: float = 0.0
     last_step_gather_wait_s: float = 0.0
 
@@ -146,84 +130,50 @@ class Comm:
     """Collectives over one process group. With no process group (one process, no
     torch.distributed) every collective is a local copy, so the engine runs unchanged."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, pool: BufferPool | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, pool: BufferPool | None = None,
+        device: torch.device | None = None, stats: CommStats | None = None,
+    ) -> None:  # fmt: skip
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
-        self.stats = CommStats()
-        # Receive buffers of the send/recv Reduce-Scatter (Note: gloo).
+        # Shared by the Comms whose traffic is counted together (model.py).
+        self.stats = stats if stats is not None else CommStats()
+        # Receive buffers of a transport that needs them (gloo.py).
         self.pool = pool or BufferPool()
-        # Build CPU collectives from in-place operations (Note: gloo); tests turn it off to run
-        # the native collectives, the path NCCL takes.
-        self.gloo_in_place = self.distributed and "gloo" in str(dist.get_backend(self.group))
-        # Same-host ranks: CPU All-Gathers and Reduce-Scatters through shared memory (shm.py,
-        # Note: shared-memory transport); None: through the process group.
-        self.shared: SharedArena | None = None
+        self._device_type = device.type if device is not None else "cpu"
         # One rank: collectives are local copies. benchmarks/gpu_check.py turns it off to run
         # real NCCL collectives at world size 1.
-        self.one_rank_shortcut = True
-        # Global rank of each group rank: point-to-point calls and broadcasts name global ranks.
-        self._global = [self._global_rank(r) for r in range(self.world_size)] if self.distributed else []
-        # Unit tags received, checked once per step (tags.py); the model names the units.
-        self.tags = TagLedger(rank=self.rank, unit_name=lambda uid: f"unit {uid}")
+        self._one_rank_shortcut = True
+        # How All-Gathers and Reduce-Scatters move, chosen once (transport.py).
+        self.transport = self._choose()
         # Streams per device (Note: streams).
         self._streams: dict[torch.device, Streams] = {}
-        # Reductions whose All-Reduce across shard groups has not been issued yet, oldest first.
-        self.awaiting_replication: list[tuple[Any, Any]] = []
         # The last collectives this rank issued, named, for the message of a failed one.
         self.recent: deque[str] = deque(maxlen=6)
         # What the engine knows about the step in progress (the recorded order), for messages.
-        self.describe_step: Any = None
+        self.describe_step: Callable[[], str] | None = None
+
+    def _choose(self) -> Transport:
+        group = self.group if self.distributed else None
+        return choose_transport(group, world_size=self.world_size, rank=self.rank, pool=self.pool,
+                                device_type=self._device_type, one_rank_shortcut=self._one_rank_shortcut)  # fmt: skip
+
+    @property
+    def one_rank_shortcut(self) -> bool:
+        return self._one_rank_shortcut
+
+    @one_rank_shortcut.setter
+    def one_rank_shortcut(self, value: bool) -> None:
+        self._one_rank_shortcut = value
+        self.transport = self._choose()
 
     def streams(self, device: torch.device) -> Streams:
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = Streams(device)
         return streams
-
-    def advance_reductions(self, until: Any = None) -> None:
-        """Issue the All-Reduce across shard groups of every reduction still waiting for it
-        (all of them, or those up to `until`), in the order the reductions started, so every
-        rank issues them alike."""
-        if until is not None and all(p is not until for _, p in self.awaiting_replication):
-            return
-        while self.awaiting_replication:
-            unit, pending = self.awaiting_replication.pop(0)
-            unit.start_replication(pending)
-            if pending is until:
-                return
-
-    def use_shared_memory(self, set_bytes: int) -> None:
-        """Send CPU All-Gathers and Reduce-Scatters of up to `set_bytes` through a shared-memory
-        file (shm.py); larger ones keep the process group. Collective: every rank calls it."""
-        if not self.distributed or self.world_size == 1:
-            return
-        assert self.group is not None
-        backend = str(dist.get_backend(self.group))
-        if "gloo" not in backend:  # the barrier is an All-Reduce of a CPU tensor
-            raise ValueError(
-                f"cpu_transport='shared_memory' needs a process group that takes CPU tensors (gloo); this one is "
-                f"{backend!r}. Use cpu_transport='process_group'."
-            )
-        group = self.group
-
-        def barrier_max(flag: torch.Tensor) -> None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-
-        self.shared = SharedArena(rank=self.rank, world_size=self.world_size, set_bytes=set_bytes,
-                                  exchange=self.all_gather_object, all_reduce_max=barrier_max)  # fmt: skip
-
-    def _through_shared(self, tensor: torch.Tensor, nbytes: int) -> SharedArena | None:
-        """The arena to run a collective on `tensor` moving `nbytes` through, or None."""
-        shared = self.shared
-        if shared is None or tensor.device.type != "cpu" or not shared.fits(nbytes):
-            return None
-        return shared
-
-    def _in_place(self, tensor: torch.Tensor) -> bool:
-        """Whether collectives on `tensor` are built from in-place operations (Note: gloo)."""
-        return self.gloo_in_place and tensor.device.type == "cpu" and self.world_size > 1
 
     def failed(self, collective: str, what: str, err: BaseException) -> CollectiveError:
         """The error to raise when `collective` of `what` failed on this rank: it names the
@@ -235,54 +185,20 @@ class Comm:
             f"oldest first: {recent}.{step}{COLLECTIVE_HINT}"
         )
 
-    def _global_rank(self, group_rank: int) -> int:
-        """The global rank of `group_rank`; only when distributed, where `group` is always set."""
-        assert self.group is not None
-        return dist.get_global_rank(self.group, group_rank)
-
     def _count(self, kind: Collective, payload_bytes: int, ring_factor: float) -> None:
         n = self.world_size
         wire = int(round(ring_factor * (n - 1) / n * payload_bytes))
         self.stats.current[kind.value].add(payload_bytes, wire)
 
-    def all_gather(
-        self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str, fill_own_row: bool = True
-    ) -> Any:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
         """Gather `shard` (same numel on every rank) into `output` (world_size x shard), rank-major.
-        `shard` may be this rank's row of `output` itself (in place: nothing is copied). With
-        `fill_own_row=False` this rank's row of `output` may be left as it was: the caller reads
-        its own part from `shard`, so nothing copies it (on gloo)."""
+        `shard` may be this rank's row of `output` itself (in place: nothing is copied)."""
         self._count(Collective.ALL_GATHER, output.numel() * output.element_size(), 1.0)
         self.recent.append(f"All-Gather of {what}")
         rows = output.view(self.world_size, -1)
-        source = shard.view(-1)
-        if fill_own_row and shard.data_ptr() != rows[self.rank].data_ptr():
-            rows[self.rank].copy_(source)
-            source = rows[self.rank]
-        if not self.distributed or (self.world_size == 1 and self.one_rank_shortcut):
-            return None  # one rank: its row is the whole output
-        try:
-            shared = self._through_shared(output, output.numel() * output.element_size())
-            if shared is not None:
-                start = time.perf_counter()
-                shared.all_gather(rows, source, fill_own_row=fill_own_row)
-                if async_op:  # synchronous (shm.py): the step is blocked here, not later in `wait`
-                    self.stats.gather_wait_s += time.perf_counter() - start
-                return None
-            if self._in_place(output):
-                work = Works([
-                    dist.broadcast(source if r == self.rank else rows[r], src=self._global[r], group=self.group,
-                                   async_op=True)
-                    for r in range(self.world_size)
-                ])  # fmt: skip
-            else:
-                work = dist.all_gather_single(output.view(-1), source, group=self.group, async_op=True)
-            if not async_op:
-                work.wait()
-                return None
-            return work
-        except RuntimeError as err:
-            raise self.failed("All-Gather", what, err) from err
+        if shard.data_ptr() != rows[self.rank].data_ptr():
+            rows[self.rank].copy_(shard.view(-1))
+        return self._run("All-Gather", what, lambda: self.transport.all_gather(rows), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False) -> Any:
         """Sum `full` (world_size x chunk, rank-major) over ranks; this rank keeps its chunk in
@@ -290,45 +206,17 @@ class Comm:
         self._count(Collective.REDUCE_SCATTER, full.numel() * full.element_size(), 1.0)
         self.recent.append(f"Reduce-Scatter of {what}")
         rows = full.view(self.world_size, -1)
-        if not self.distributed or (self.world_size == 1 and self.one_rank_shortcut):
-            output.view(-1).copy_(rows[0])  # one rank: nothing to sum
-            return None
+        return self._run("Reduce-Scatter", what, lambda: self.transport.reduce_scatter(output, rows), async_op)
+
+    def _run(self, collective: str, what: str, issue: Callable[[], Any], async_op: bool) -> Any:
         try:
-            shared = self._through_shared(full, self.world_size * full.numel() * full.element_size())
-            if shared is not None:
-                shared.reduce_scatter(output.view(-1), rows)
-                return None  # synchronous (shm.py, Note: shared-memory transport)
-            if self._in_place(full):
-                work = self._send_recv_reduce_scatter(output, rows)
-            else:
-                work = dist.reduce_scatter_single(output.view(-1), full.reshape(-1), group=self.group, async_op=True)
-            if not async_op:
+            work = issue()
+            if work is not None and not async_op:
                 work.wait()
                 return None
             return work
         except RuntimeError as err:
-            raise self.failed("Reduce-Scatter", what, err) from err
-
-    def _send_recv_reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> Works:
-        """Reduce-Scatter from point-to-point calls (Note: gloo): row j goes to rank j, the
-        other ranks' rows for this rank arrive in a pooled buffer; the wait sums them."""
-        n, me = self.world_size, self.rank
-        chunk = rows.shape[1]
-        received = self.pool.take((n - 1) * chunk, rows.dtype, rows.device).view(n - 1, chunk)
-        peers = [r for r in range(n) if r != me]
-        works = [dist.irecv(received[i], src=self._global[r], group=self.group) for i, r in enumerate(peers)]
-        works += [dist.isend(rows[r], dst=self._global[r], group=self.group) for r in peers]
-
-        def add_up() -> None:
-            # Rank order, so the rounding does not depend on which rank sums.
-            parts = [rows[me] if r == me else received[r if r < me else r - 1] for r in range(n)]
-            flat = output.view(-1)
-            torch.add(parts[0], parts[1], out=flat)  # one pass, not a copy then an add
-            for part in parts[2:]:
-                flat.add_(part)
-            self.pool.give(received.view(-1))
-
-        return Works(works, then=add_up)
+            raise self.failed(collective, what, err) from err
 
     def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum", async_op: bool = False) -> Any:
         """Reduce `tensor` over ranks in place (`op`: "sum" or "max"); with `async_op`, return
@@ -348,8 +236,9 @@ class Comm:
         self._count(Collective.BROADCAST, tensor.numel() * tensor.element_size(), 1.0)
         if not self.distributed:
             return
+        assert self.group is not None
         try:
-            dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
         except RuntimeError as err:
             raise self.failed("Broadcast", what, err) from err
 
@@ -374,25 +263,6 @@ class Comm:
         start = time.perf_counter()
         work.wait()
         self.stats.gather_wait_s += time.perf_counter() - start
-
-
-class Works:
-    """Several works waited for as one, then an optional completion step."""
-
-    def __init__(self, works: list[Any], then: Any = None) -> None:
-        self.works = works
-        self.then = then
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        if self.then is not None:
-            then, self.then = self.then, None
-            then()
-        return True
 
 
 def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zero3.dtypes import parse_dtype
+from lightning_zero3.engine.dtypes import parse_dtype
 from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
 
 
@@ -38,6 +38,11 @@ class ShardingConfig:
             meta device. None: the module's ``reset_parameters()``.
         reductions_in_flight: Reduce-Scatters left running while backward continues (each holds
             one unit's gradient buffer). None: 2 on CUDA, 0 elsewhere (no gain measured on gloo).
+        rank_checks: on which steps every collective carries its unit's tag and the tags are
+            checked, so that ranks running different units raise `OrderMismatchError` naming
+            them instead of hanging or mixing parameters (checks.py, Note: rank check modes):
+            "every_step", "first_step" (until the first backward ends), or an int K (the steps
+            whose count of finished backwards is a multiple of K; 1 is "every_step").
     """
 
     wrap_policy: WrapPolicy = None
@@ -48,6 +53,7 @@ class ShardingConfig:
     reduce_dtype: torch.dtype | None = None
     param_init_fn: Callable[[nn.Module], None] | None = None
     reductions_in_flight: int | None = None
+    rank_checks: str | int = "every_step"
 
     def __post_init__(self) -> None:
         def bad(option: str, expected: str) -> ValueError:
@@ -69,12 +75,23 @@ class ShardingConfig:
                 "shard_size",
                 "None (whole world) or a positive int that divides the number of ranks, e.g. the devices per node",
             )
+        checks = self.rank_checks
+        if checks not in ("every_step", "first_step") and (type(checks) is not int or checks < 1):
+            raise bad("rank_checks", '"every_step", "first_step" or an int K >= 1 (check every K-th step)')
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise bad("param_init_fn", "callable")
         # Normalised in place: the dataclass is frozen to its users, not to its own constructor.
         object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
+
+
+    @property
+    def check_every(self) -> int | None:
+        """`rank_checks` as the step interval `RankChecks` takes: None for the first step only."""
+        if self.rank_checks == "every_step":
+            return 1
+        return None if self.rank_checks == "first_step" else int(self.rank_checks)
 
 
 def config_field_names(config_type: type[Any]) -> frozenset[str]:

@@ -18,15 +18,18 @@ its engine and its shards.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from lightning_zero3.engine.comm import Comm
 
-if TYPE_CHECKING:
-    from lightning_zero3.engine.model import ShardedModel
+
+class ShardedModel(Protocol):
+    """What this module needs of the engine that left a module sharded (model.py)."""
+
+    def restore_module(self, *, device: torch.device | str = "cpu") -> None: ...
 
 _HOW_TO_USE = (
     "Fit, validate, test or predict with it again on every rank (the new run makes it whole first), or build a new "

@@ -42,7 +42,7 @@ from torch import nn
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.plan import ParamEntry, Plan
 from lightning_zero3.engine.shard import ShardedParam, shard_numel, shard_slice, tensors_in_one_row
-from lightning_zero3.engine.unit import Unit, send_row_numel
+from lightning_zero3.engine.unit import Unit
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -172,14 +172,14 @@ def shard_parameters(
 def _shard_storage(
     entries: list[ParamEntry], comm: Comm, device: torch.device
 ) -> list[tuple[ParamEntry, torch.Tensor]]:
-    """Memory on `device` for one unit's shards: one buffer laid out as the unit's send row
-    (shard.py, Note: shards in one row), or one tensor each where the unit mixes dtypes."""
+    """Memory on `device` for one unit's shards: one buffer, the shards back to back (shard.py,
+    Note: shards in one buffer), or one tensor each where the unit mixes dtypes."""
     dtypes = {e.param.dtype for e in entries}
     numels = [shard_numel(e.param.numel(), comm.world_size) for e in entries]
     if len(dtypes) != 1:
         return [(e, torch.empty(n, dtype=e.param.dtype, device=device)) for e, n in zip(entries, numels)]
     dtype = entries[0].param.dtype
-    return list(zip(entries, tensors_in_one_row(numels, send_row_numel(sum(numels), dtype), dtype, device)))
+    return list(zip(entries, tensors_in_one_row(numels, sum(numels), dtype, device)))
 
 
 def _tie_persistent(module: nn.Module, persistent_entry_of: dict[tuple[int, str], ParamEntry]) -> None:

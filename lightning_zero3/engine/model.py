@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero3.engine import accounting
-from lightning_zero3.engine.accounting import LiveUnits, UnitStats
 from lightning_zero3.engine.buffers import BufferPool
-from lightning_zero3.engine.calls import engine_mode
+from lightning_zero3.engine.calls import PassState, engine_mode
+from lightning_zero3.engine.checks import RankChecks
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
@@ -28,10 +28,11 @@ from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_i
 from lightning_zero3.engine.materialize import restore_whole, shard_parameters
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
-from lightning_zero3.engine.schedule import Schedule, first_difference
+from lightning_zero3.engine.record import LiveUnits, Step, StepRecord, UnitStats
+from lightning_zero3.engine.reduce import Reductions
+from lightning_zero3.engine.schedule import Schedule
 from lightning_zero3.engine.shard import ShardedParam
-from lightning_zero3.engine.tags import announce_departure
-from lightning_zero3.engine.unit import OrderMismatchError, Unit
+from lightning_zero3.engine.unit import Unit
 
 
 def _device_of(module: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -64,63 +65,47 @@ class ShardedModel:
         elif options:
             raise ValueError(f"Pass options either in `config` or as keyword arguments, not both: {sorted(options)}.")
         self.config = config
-        shard_size, wrap_policy, prefetch = config.shard_size, config.wrap_policy, config.prefetch
-        persistence_threshold, param_dtype, reduce_dtype = (
-            config.persistence_threshold, config.param_dtype, config.reduce_dtype,
-        )  # fmt: skip
-        param_init_fn, reductions_in_flight = config.param_init_fn, config.reductions_in_flight
-        trim_host_memory, cpu_transport = False, "process_group"
         self.module = module
-        replicate_group = None
-        if shard_size is not None:
+        group, replicate_group = group, None
+        if config.shard_size is not None:
             if group is not None:
                 raise ValueError("Pass either group or shard_size to ShardedModel, not both.")
-            group, replicate_group = hybrid_groups(shard_size)
+            group, replicate_group = hybrid_groups(config.shard_size)
+        target = _device_of(module, device)
         # Collectives on parameter data run in the shard group (the whole world by default);
         # with hierarchical sharding, gradients are also averaged across `replicate_comm`.
         # Transient buffers (gathers, reductions, full parameters) are reused from here.
         self.pool = BufferPool()
-        self.comm = Comm(group, pool=self.pool)
-        self.replicate_comm = Comm(replicate_group, pool=self.pool) if replicate_group is not None else None
+        self.comm = Comm(group, pool=self.pool, device=target)
+        self.replicate_comm = (
+            Comm(replicate_group, pool=self.pool, device=target) if replicate_group is not None else None
+        )
         # Control traffic that must reach every rank: initial broadcast, order check, edits.
         self.world_comm = Comm(None)
-        self.schedule = Schedule(prefetch)
-        self.unit_stats = UnitStats()
-        target = _device_of(module, device)
         # Shards left by an earlier engine whose run failed are made whole first (Note: a module left sharded).
         restore_if_left_sharded(module, world_comm=self.world_comm, device=target)
         self.plan = make_plan(
-            module, wrap_policy, persistence_threshold, shard_group_size=self.comm.world_size
+            module, config.wrap_policy, config.persistence_threshold, shard_group_size=self.comm.world_size
         )
         shards = shard_parameters(
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
-            param_init_fn=param_init_fn, sync_module_states=sync_module_states,
+            param_init_fn=config.param_init_fn, sync_module_states=sync_module_states,
         )  # fmt: skip
-        # Reduce-Scatters left running while backward continues (see reductions.py, Note:
-        # asynchronous reduction); each holds one unit's full gradient buffer. None: 2 on CUDA,
-        # where they run on their own stream, 0 elsewhere (no gain measured on CPU/gloo).
-        if reductions_in_flight is None:
-            reductions_in_flight = 2 if target.type == "cuda" else 0
-        self.reductions_in_flight = reductions_in_flight
-        # Opt-in (`trim_host_memory=True`), CPU parameters only: free heap beyond this is given
-        # back to the OS after a backward (buffers.py). It calls glibc's malloc_trim, which acts
-        # on the whole process, and measured no gain (docs/performance.md, "Memory"), hence off
-        # by default. Large enough that trimming happens every few steps, not every step.
-        on_cpu = trim_host_memory and all(s.param.device.type == "cpu" for s in shards.values())
-        largest = max(
-            (sum(shards[id(e)].numel * shards[id(e)].param.element_size() for e in u.params) for u in self.plan.units),
-            default=0,
-        )
-        self.host_memory_slack: int | None = max(256 * 2**20, 4 * largest) if on_cpu else None
-        self.units: list[Unit] = []
+        # What each step gathered, kept and reduced (record.py), and the units alive.
+        self.record = StepRecord()
+        self.unit_stats = UnitStats()
+        self.live = LiveUnits(len(self.plan.units), self.unit_stats)
+        groups = self.replicate_comm.world_size if self.replicate_comm is not None else 1
+        self.checks = RankChecks(rank=self.comm.rank, names=[u.name for u in self.plan.units],
+                                 every=config.check_every, groups=groups)  # fmt: skip
+        self.units = [
+            Unit(uid=uid, name=unit_plan.name, module=unit_plan.module,
+                 params=[shards[id(entry)] for entry in unit_plan.params], comm=self.comm, checks=self.checks,
+                 replicate=self.replicate_comm, param_dtype=config.param_dtype,
+                 reduce_dtype=config.reduce_dtype, pool=self.pool, record=self.record)  # fmt: skip
+            for uid, unit_plan in enumerate(self.plan.units)
+        ]
         self._by_param: dict[int, ShardedParam] = {id(s.param): s for s in shards.values()}
-        for uid, unit_plan in enumerate(self.plan.units):
-            params = [shards[id(entry)] for entry in unit_plan.params]
-            self.units.append(
-                Unit(uid=uid, name=unit_plan.name, module=unit_plan.module, params=params,
-                     comm=self.comm, unit_name=self._unit_name, replicate=self.replicate_comm,
-                     param_dtype=param_dtype, reduce_dtype=reduce_dtype, pool=self.pool)
-            )
         # Read from the module: materialising may have replaced the parameter objects.
         # The plan lists registered parameters only, never a None slot.
         owners = (e.owners[0] for e in self.plan.persistent)
@@ -129,65 +114,39 @@ class ShardedModel:
         # is a collective over the whole world, counted with the traffic across groups.
         persistent_comm = self.comm
         if self.replicate_comm is not None:
-            persistent_comm = Comm(None, pool=self.pool)
-            persistent_comm.stats = self.replicate_comm.stats
+            persistent_comm = Comm(None, pool=self.pool, device=target, stats=self.replicate_comm.stats)
         self.persistent_grads = PersistentGrads(self.persistent, persistent_comm)
-        # Calls holding full parameters, per unit; units holding some or with a gather in flight.
-        self.live_units = LiveUnits(len(self.units), self.unit_stats)
-        self.comm.tags.set_unit_names(self._unit_name)
         self.comm.describe_step = self._describe_step
-        # Opt-in: CPU gathers and reductions through a shared-memory file (shm.py, Note:
-        # shared-memory transport); needs every rank of the shard group on this host.
-        if cpu_transport == "shared_memory" and target.type == "cpu":
-            self.comm.use_shared_memory(self._largest_collective_bytes())
-        self.hooks = HookDriver(self)
-        # The recorded orders the step in progress runs with, and those of the last one closed
-        # (`end_step`): what `last_step_expected_bytes` evaluates the formula with.
-        self._orders_in_force: accounting.Orders = (None, None)
-        self._last_step_orders: accounting.Orders | None = None
+        # Reduce-Scatters left running while backward continues (reduce.py, Note: asynchronous
+        # reduction); each holds one unit's full gradient buffer. None: 2 on CUDA, where they
+        # run on their own stream, 0 elsewhere (no gain measured on CPU/gloo).
+        in_flight = config.reductions_in_flight
+        self.schedule = Schedule(config.prefetch)
+        self.hooks = HookDriver(
+            self.units, schedule=self.schedule, checks=self.checks,
+            reductions=Reductions(in_flight=in_flight if in_flight is not None else 2 * (target.type == "cuda")),
+            persistent=self.persistent_grads, live=self.live,
+            record=self.record, world_comm=self.world_comm,
+        )  # fmt: skip
         # HF generate() outside gathered_for_inference() keeps the ranks in step by default
         # (generation.py, Note: synced generation by default).
-        ranks = self.comm.world_size * (self.replicate_comm.world_size if self.replicate_comm else 1)
-        self._synced_generate = install_synced_generate(module, lambda: self.hooks.held.active, ranks=ranks)
-
-    def _largest_collective_bytes(self) -> int:
-        """Bytes the largest unit's All-Gather (N rows) or Reduce-Scatter (N regions of N rows:
-        shm.py) needs in a shared-memory slot set, in the dtypes a training step uses."""
-        n = self.comm.world_size
-        sizes = [0]
-        for unit in self.units:
-            if unit.params:
-                sizes.append(n * unit.row_numel() * unit.param_dtype.itemsize)
-                sizes.append(n * n * unit.reduce_row_numel * unit.reduce_dtype.itemsize)
-        return max(sizes)
-
-    def _unit_name(self, uid: int) -> str:
-        return self.units[uid].name if 0 <= uid < len(self.units) else f"<unknown unit {uid}>"
+        ranks = self.comm.world_size * groups
+        self._synced_generate = install_synced_generate(
+            module, lambda: self.hooks.state is PassState.HELD, ranks=ranks
+        )
 
     def _describe_step(self) -> str:
         orders = [(phase, order) for phase, order in (("forward", self.schedule.forward_order),
                                                       ("backward", self.schedule.backward_order)) if order]
         if not orders:
             return "No unit order is recorded yet (first step)"
-        text = "; ".join(f"{phase} {[self._unit_name(uid) for uid in order]}" for phase, order in orders)
+        text = "; ".join(f"{phase} {[self.units[uid].name for uid in order]}" for phase, order in orders)
         return f"The recorded unit order, which every rank must follow: {text}"
-
-    # ---- unit tag checks (tags.py, Note: deferred tag checks) -------------------------------
-    def begin_pass_checks(self) -> None:
-        """At the start of a pass: check what the previous pass left (a pass without backward),
-        and watch every collective closely while no order is recorded."""
-        self.comm.tags.check()
-        self.comm.tags.closely = self.schedule.forward_order is None
 
     def check_tags(self) -> None:
         """Raise `OrderMismatchError` if any collective since the last check met another unit
-        on some rank. Called at the end of backward, before the optimizer uses the gradients."""
-        self.comm.tags.check()
-
-    def before_gather(self, unit: Unit, *, backward: bool) -> None:
-        """Before `unit` is gathered by a pass that follows the recorded order so far: if
-        running it departs from the record, tell the other ranks first (tags.py)."""
-        announce_departure(self, unit, backward=backward)
+        on some rank (checks.py). The hooks call it at the end of backward and when a pass begins."""
+        self.checks.check()
 
     # ---- lookups ----------------------------------------------------------------------------
     @property
@@ -214,64 +173,34 @@ class ShardedModel:
         return self.replicate_comm.stats if self.replicate_comm is not None else None
 
     def end_step(self) -> None:
-        """Close the step's traffic accounting: `stats.last_step` becomes this step's, and
-        `last_step_expected_bytes` gives the formula for it, with the record it ran with (the
-        first step has none: accounting.expected_step_bytes). Nothing is computed here."""
+        """Close the step's accounting: `stats.last_step` becomes this step's traffic and
+        `last_step_record` what the engine gathered, kept and reduced in it (record.py)."""
         self.comm.stats.end_step()
         if self.replicate_comm is not None:
             self.replicate_comm.stats.end_step()
-        if self.world_comm is not self.comm:
-            self.world_comm.stats.end_step()
-        # The schedule replaces its order lists when the record changes, never edits them.
-        self._last_step_orders = self._orders_in_force
-        self._orders_in_force = (self.schedule.forward_order, self.schedule.backward_order)
+        self.world_comm.stats.end_step()
+        self.record.end_step()
+
+    @property
+    def last_step_record(self) -> Step | None:
+        """What the last step closed by `end_step` gathered, kept and reduced, by unit id."""
+        return self.record.last
 
     def last_step_expected_bytes(self, *, across_groups: bool = False) -> dict[str, int] | None:
-        """`expected_step_bytes` for the step `stats.last_step` measured; None before any."""
-        if self._last_step_orders is None:
+        """The formula (accounting.py) for the step `stats.last_step` measured, with the record
+        of unit orders that step ran with; None before any `end_step`."""
+        last = self.record.last
+        if last is None:
             return None
-        return accounting.expected_step_bytes(self, across_groups=across_groups, orders=self._last_step_orders)
+        orders = last.orders
+        return accounting.expected_step_bytes(self.units, self.persistent, orders=orders, across_groups=across_groups)
 
     @property
     def global_rank(self) -> int:
         return self.world_comm.rank
 
-    # ---- accounting callbacks from the hooks (accounting.py) -------------------------------
-    def on_alive_change(self, unit: Unit, delta: int) -> None:
-        """`unit` gained (+1) or lost (-1) a call holding full parameters, or a gather in flight
-        was issued or dropped (0)."""
-        self.live_units.change(unit, delta)
-
-    def on_backward_end(self) -> None:
-        if self.schedule.passes_recorded == 1:
-            self.check_order_across_ranks()
-
     def reset_peaks(self) -> None:
-        self.live_units.reset_peaks()
-
-    # ---- cross-rank agreement -------------------------------------------------------------
-    def check_order_across_ranks(self) -> None:
-        """Raise, on every rank, if the recorded unit orders differ between ranks."""
-        mine = (self.schedule.forward_order or [], self.schedule.backward_order or [])
-        every = self.world_comm.all_gather_object(mine)
-        for phase, index in (("forward", 0), ("backward", 1)):
-            diff = first_difference([orders[index] for orders in every])
-            if diff is not None:
-                pos, rank, got = diff
-                ref = every[0][index]
-                expected = self._unit_name(ref[pos]) if pos < len(ref) else "<nothing>"
-                found = self._unit_name(got) if got >= 0 else "<nothing>"
-                raise OrderMismatchError(
-                    f"Ranks ran units in different {phase} orders: at position {pos} rank 0 ran "
-                    f"'{expected}' but rank {rank} ran '{found}'. Every rank must run the same units in "
-                    f"the same order; make data-dependent branches agree across ranks."
-                )
-
-    # ---- gradients of persistent parameters -----------------------------------------------
-    def reduce_persistent_grads(self) -> None:
-        """All-Reduce (average) the gradients of parameters kept whole on every rank, over all
-        ranks (persistent.py, Note: persistent gradients in one buffer)."""
-        self.persistent_grads.reduce()
+        self.live.reset_peaks()
 
     # ---- whole parameters outside forward -------------------------------------------------
     @contextmanager
@@ -307,14 +236,14 @@ class ShardedModel:
 
         try:
             for unit in units:
-                with engine_mode():  # Note: inference mode (hooks.py): the blocks go to the pool
+                with engine_mode():  # Note: inference mode (calls.py): the blocks go to the pool
                     fulls = unit.gather(dtype=unit.shard_dtype)
                 gathered.append((unit, fulls))
                 for sharded, full in zip(unit.params, fulls):
                     if sharded in chosen:
                         shards[id(sharded)] = sharded.param.data
                         sharded.param.data = full
-            self.comm.tags.check()  # outside any pass: check the tags of these gathers now
+            self.checks.check()  # outside any pass: check the tags of these gathers now
         except BaseException:  # a failed gather or tag check: shards back, no collective
             put_shards_back()
             with engine_mode():
@@ -349,12 +278,11 @@ class ShardedModel:
         `torch.no_grad()` / `torch.inference_mode()` may run inside (held.py, Note: held for
         inference); a rank whose generation stops early issues no collective the others wait
         for, so `generate(synced_gpus=False)` is safe inside."""
-        self.hooks.held.hold()
+        self.hooks.hold()
         try:
-            self.comm.tags.check()  # outside any pass: check the tags of these gathers now
             yield
         finally:
-            self.hooks.held.release()
+            self.hooks.release()
 
     # ---- state dicts ------------------------------------------------------------------------
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
@@ -363,7 +291,7 @@ class ShardedModel:
         keep = to_rank is None or self.global_rank == to_rank
         full_by_id: dict[int, torch.Tensor] = {}
         state = self.module.state_dict()
-        with engine_mode():  # Note: inference mode (hooks.py): the blocks go back to the pool
+        with engine_mode():  # Note: inference mode (calls.py): the blocks go back to the pool
             for unit in self.units:
                 if not unit.params:
                     continue
@@ -373,7 +301,7 @@ class ShardedModel:
                     full_by_id.update((id(sharded.param), out) for sharded, out in zip(unit.params, outputs))
                 else:  # every rank joins the All-Gather
                     unit.release(unit.gather(dtype=unit.shard_dtype))
-        self.comm.tags.check()  # outside any pass: check the tags of these gathers now
+        self.checks.check()  # outside any pass: check the tags of these gathers now
         if not keep:
             return {}
         by_name = {}
@@ -408,13 +336,12 @@ class ShardedModel:
     def model_state_bytes(self, optimizers: list[torch.optim.Optimizer] | None = None) -> dict[str, int]:
         """Bytes of model state this rank holds between steps: parameter shards (and persistent
         parameters), gradient shards, and optimizer state for them."""
-        return accounting.model_state_bytes(self, optimizers)
+        return accounting.model_state_bytes([p.param for p in self.sharded_params] + self.persistent, optimizers)
 
     def expected_step_bytes(self, *, across_groups: bool = False) -> dict[str, int]:
-        """Payload bytes per training step that the design predicts: each rank's All-Gather and
-        Reduce-Scatter rows, the persistent parameters' All-Reduce; with `across_groups`, what
-        crosses between shard groups (accounting.expected_step_bytes says how it is counted)."""
-        return accounting.expected_step_bytes(self, across_groups=across_groups)
+        """The formula (accounting.py) for a training step with the unit orders recorded now."""
+        orders = (self.schedule.forward_order, self.schedule.backward_order)
+        return accounting.expected_step_bytes(self.units, self.persistent, orders=orders, across_groups=across_groups)
 
     def remove_hooks(self) -> None:
         """Remove the hooks (`HookDriver.remove` first closes the calls still holding full

@@ -6,7 +6,7 @@ Their gradients are All-Reduced as one flat buffer per dtype, with one element p
 after them that counts the ranks which produced its gradient: a parameter no rank used keeps
 `grad=None`, as in one process (a zero gradient would still move it under weight decay and
 momentum). After the All-Reduce each `.grad` becomes a view of that buffer (no copy), as the
-sharded gradients are views of their unit's reduced buffer (reductions.py). Autograd then adds
+sharded gradients are views of their unit's reduced buffer (reduce.py). Autograd then adds
 the next micro-batch's gradient into those views in place, and `zero_grad(set_to_none=False)`
 zeroes them in place, so the next backward finds every gradient already in the buffer and
 All-Reduces it where it lies: no copy, no allocation. Anything else (`set_to_none=True`, a

@@ -1,136 +1,202 @@
-"""The Reduce-Scatter of one `Unit` (unit.py): its full gradients -> this rank's averaged shard
-gradients, then with shard groups an All-Reduce of them across groups. The rows' layout and
-the tag column: unit.py, Note: flat layout and unit tag; the reduce dtype and tag code: unit.py,
-Note: dtypes. The Reduce-Scatters of a whole backward, in flight: reductions.py.
+"""Reducing gradients: a `Unit`'s full gradients -> this rank's averaged shard gradients
+(Reduce-Scatter, then with shard groups an All-Reduce across groups), and `Reductions`, the
+Reduce-Scatters of a backward while they are in flight. Row layout: unit.py, Note: flat layout;
+the check column: checks.py, Note: check slot.
+
+[Note: asynchronous reduction]
+`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient to autograd;
+the backward of the next unit computes while it is in flight. The reduced shard gradients are
+added into `shard.grad` when the reduction is waited for: once more than `reductions_in_flight`
+are pending (default 0 off CUDA: at once), and for all of them in the callback that ends
+backward, so `.grad` is complete when `backward()` returns. Adding (rather than assigning)
+keeps accumulation, tied weights and modules called twice exact. With shard groups, each
+reduction's All-Reduce across groups is issued in the order the reductions started, so every
+rank issues them alike (`Reductions._advance`).
+
+[Note: gradient copy-in]
+The full gradients are copied (cast, padded) into the Reduce-Scatter input on the compute
+stream, as FSDP2 does, and the reduce stream waits for that copy before the collective. So
+nothing of the engine keeps them: autograd frees a unit's full gradients as soon as its
+`GatherParams.backward` returns, and only the Reduce-Scatter inputs (`full`, one unit's row
+block each) stay in flight. Was: the copy-in ran on the reduce stream, so each reduction in
+flight held its unit's full gradients until its wait (up to 1 + `reductions_in_flight` units'
+worth on CUDA, besides their fp32 inputs).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_zero3.engine.comm import Works
+from lightning_zero3.engine.unit import Unit
 
-if TYPE_CHECKING:
-    from lightning_zero3.engine.unit import Unit
-
-__all__ = ["PendingReduce", "finish_reduce", "start_reduce", "start_replication"]
+__all__ = ["PendingReduce", "Reductions"]
 
 
 @dataclass(eq=False)
 class PendingReduce:
-    """A Reduce-Scatter (then, with shard groups, an All-Reduce) in flight. `full` and the
-    gradients are kept until the wait: the collective and the copy-in read them on their streams."""
+    """A Reduce-Scatter (then, with shard groups, an All-Reduce) in flight. `full` is kept until
+    the wait: the collective reads it on its stream. The gradients are not (Note: gradient copy-in)."""
 
-    work: dist.Work | Works | None  # None: nothing to wait for (one rank)
+    unit: Unit
+    work: Any  # None: nothing to wait for (one rank)
     out: torch.Tensor
     full: torch.Tensor
-    grads: list[torch.Tensor | None] = field(default_factory=list)
+    present: list[bool] = field(default_factory=list)  # which parameters had a gradient
     done: object = None  # event after the last queued operation (CUDA), else None
+    stamped: bool = False  # whether the rank checks stamped its column (checks.py)
     scattered: bool = False
 
 
-def start_reduce(unit: Unit, grads: list[torch.Tensor | None]) -> PendingReduce:
-    """Issue the Reduce-Scatter of `unit`'s full gradients asynchronously (None: no gradient,
-    sent as zeros); `finish_reduce` waits and returns the shard gradients. With shard groups,
-    the All-Reduce across groups follows without waiting on the host (Note: streams)."""
-    like = unit.params[0].param
-    n, width, s = unit.world_size, unit.reduce_row_numel, unit.shard_numel
-    comm = unit.comm
-    comm.advance_reductions()  # older reductions' All-Reduces go out first, in order
-    streams = comm.streams(like.device)
-    out = torch.empty(width, dtype=unit.reduce_dtype, device=like.device)  # on the compute stream
-    with streams.on("reduce"), torch.no_grad():
-        full = unit.pool.take(n * width, unit.reduce_dtype, like.device).view(n, width)  # (N, row)
-        # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
-        blocks = []
-        zero = full.new_zeros(())  # a parameter without a gradient (frozen): zeros, not allocated per parameter
-        for p, grad in zip(unit.params, grads):
+class Reductions:
+    """Reduce-Scatters in flight, oldest first; at most `in_flight` stay pending."""
+
+    def __init__(self, *, in_flight: int) -> None:
+        self.in_flight = in_flight
+        self._pending: deque[PendingReduce] = deque()
+        # Reductions whose All-Reduce across shard groups is not issued yet, oldest first.
+        self._awaiting_replication: list[PendingReduce] = []
+
+    def start(self, unit: Unit, grads: list[torch.Tensor | None]) -> None:
+        """Start reducing `unit`'s full gradients (None for frozen parameters); wait for the
+        oldest ones while more than `in_flight` are pending."""
+        with torch.profiler.record_function(f"ZeRO3::reduce_grads({unit.name})"):
+            grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
+            self._pending.append(self._start(unit, grads))
+            while len(self._pending) > self.in_flight:
+                self._finish_oldest()
+
+    def finish_all(self) -> None:
+        """The backward is over: every shard gradient goes into `.grad`."""
+        while self._pending:
+            self._finish_oldest()
+
+    def drop_all(self) -> None:
+        """A backward that raised (hooks.py, Note: exceptions): the collectives complete, their
+        gradients are dropped."""
+        while self._pending:
+            self._finish(self._pending.popleft())
+
+    def _finish_oldest(self) -> None:
+        """Wait for the oldest Reduce-Scatter and add its shard gradients into `.grad`."""
+        pending = self._pending.popleft()
+        with torch.profiler.record_function(f"ZeRO3::wait_reduce({pending.unit.name})"):
+            shard_grads = self._finish(pending)
+        for sharded, grad in zip(pending.unit.params, shard_grads):
             if grad is None:
-                blocks.append(zero.expand(n, p.shard_numel))
                 continue
-            flat = grad.reshape(-1)
-            if p.numel != n * p.shard_numel:
-                flat = F.pad(flat, (0, n * p.shard_numel - p.numel))
-            blocks.append(flat.view(n, p.shard_numel))
-        torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
-        full[:, s:].zero_()
-        full[(comm.rank + 1) % n, s] = unit.reduce_code  # the next rank checks it
-        work = comm.reduce_scatter(out, full, what=f"gradients of unit '{unit.name}'", async_op=True)
-        done = streams.event()
-    pending = PendingReduce(work=work, out=out, full=full, grads=grads, done=done)
-    if unit.replicate is not None:
-        comm.awaiting_replication.append((unit, pending))
-        if streams.enabled:
-            comm.advance_reductions()  # stream-ordered: no host wait
-    return pending
+            if sharded.param.grad is None:
+                sharded.param.grad = grad  # a view of the unit's reduced buffer: no copy
+            else:
+                sharded.param.grad.add_(grad)
+
+    def _start(self, unit: Unit, grads: list[torch.Tensor | None]) -> PendingReduce:
+        """Issue the Reduce-Scatter of `unit`'s full gradients asynchronously (None: no gradient,
+        sent as zeros). With shard groups, the All-Reduce across groups follows without waiting
+        on the host (comm.py, Note: streams)."""
+        like = unit.params[0].param
+        n, width, s = unit.world_size, unit.reduce_row_numel, unit.shard_numel
+        self._advance()  # older reductions' All-Reduces go out first, in order
+        streams = unit.comm.streams(like.device)
+        out = torch.empty(width, dtype=unit.reduce_dtype, device=like.device)
+        with torch.no_grad():  # the copy-in, on the compute stream (Note: gradient copy-in)
+            full = unit.pool.take("reduce", n * width, unit.reduce_dtype, like.device).view(n, width)  # (N, row)
+            # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
+            blocks = []
+            zero = full.new_zeros(())  # a parameter without a gradient (frozen): zeros, not allocated per parameter
+            for p, grad in zip(unit.params, grads):
+                if grad is None:
+                    blocks.append(zero.expand(n, p.shard_numel))
+                    continue
+                flat = grad.reshape(-1)
+                if p.numel != n * p.shard_numel:
+                    flat = F.pad(flat, (0, n * p.shard_numel - p.numel))
+                blocks.append(flat.view(n, p.shard_numel))
+            torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
+            stamped = unit.checks.stamp_reduce(full[:, s], unit.uid, unit.comm.rank)
+        with streams.on("reduce"):  # waits for the copy-in
+            work = unit.comm.reduce_scatter(out, full, what=f"gradients of unit '{unit.name}'", async_op=True)
+            done = streams.event()
+        present = [g is not None for g in grads]
+        pending = PendingReduce(unit=unit, work=work, out=out, full=full, present=present, done=done, stamped=stamped)
+        if unit.replicate is not None:
+            self._awaiting_replication.append(pending)
+            if streams.enabled:
+                self._advance()  # stream-ordered: no host wait
+        return pending
+
+    def _advance(self, until: PendingReduce | None = None) -> None:
+        """Issue the All-Reduce across shard groups of every reduction still waiting for it
+        (all of them, or those up to `until`), in the order the reductions started."""
+        if until is not None and all(p is not until for p in self._awaiting_replication):
+            return
+        while self._awaiting_replication:
+            pending = self._awaiting_replication.pop(0)
+            _replicate(pending)
+            if pending is until:
+                return
+
+    def _finish(self, pending: PendingReduce) -> list[torch.Tensor | None]:
+        """Wait for the reduction's collectives; this rank's averaged shard gradients in the
+        shard dtype (views of one flat buffer), None where no gradient was given."""
+        unit = pending.unit
+        n = unit.world_size
+        if unit.replicate is not None:
+            self._advance(until=pending)
+            _wait(pending, "All-Reduce", None)
+            n *= unit.replicate.world_size
+        else:
+            _wait_scatter(pending)
+            unit.comm.streams(pending.out.device).wait_for(pending.done)
+        # The current stream has waited for every use of `full`.
+        unit.pool.give("reduce", pending.full.view(-1))
+        present = pending.present
+        out = pending.out[: unit.shard_numel]
+        out.div_(n)  # sum over all ranks / N: the same average DDP takes
+        if out.dtype != unit.shard_dtype:
+            out = out.to(unit.shard_dtype)
+        return [out[o : o + p.shard_numel] if has else None for p, o, has in zip(unit.params, unit.offsets, present)]
 
 
-def _wait_reduction(
-    unit: Unit, pending: PendingReduce, collective: str, what: str, code: int, stream: str | None
-) -> None:
-    """Wait for `pending`'s collective in flight (on `stream`, None: the current one) and
-    record the tag column it brought, which must read `code` (tags.py)."""
+def _wait(pending: PendingReduce, collective: str, stream: str | None) -> None:
+    """Wait for `pending`'s collective in flight (on `stream`, None: the current one) and hand
+    the check column it brought to the rank checks."""
+    unit = pending.unit
     streams = unit.comm.streams(pending.out.device)
+    what = f"gradients of unit '{unit.name}'" + (" across shard groups" if collective == "All-Reduce" else "")
     try:
         with streams.on(stream, wait_current=False):
             streams.wait_for(pending.done)
             if pending.work is not None:
                 pending.work.wait()
-            received = pending.out[unit.shard_numel :][:1].to(torch.int64)
+            received = pending.out[unit.shard_numel :][:1].to(torch.int64) if pending.stamped else None
             pending.done = streams.event()
     except RuntimeError as err:
-        unit.comm.tags.raise_pending_mismatch()
+        unit.checks.raise_pending_mismatch()
         raise unit.comm.failed(collective, what, err) from err
-    unit.comm.tags.expect(collective, unit.name, received, [code])
+    if received is not None:
+        unit.checks.read_reduce(collective, unit.name, received, unit.uid, unit.reduce_dtype)
 
 
-def _wait_scatter(unit: Unit, pending: PendingReduce) -> None:
-    """Wait for the Reduce-Scatter itself; record the tag it brought (tags.py)."""
-    if pending.scattered:
-        return
-    pending.scattered = True
-    what, stream = f"gradients of unit '{unit.name}'", "reduce" if unit.replicate is not None else None
-    _wait_reduction(unit, pending, "Reduce-Scatter", what, unit.reduce_code, stream)
+def _wait_scatter(pending: PendingReduce) -> None:
+    """Wait for the Reduce-Scatter itself, once."""
+    if not pending.scattered:
+        pending.scattered = True
+        _wait(pending, "Reduce-Scatter", "reduce" if pending.unit.replicate is not None else None)
 
 
-def start_replication(unit: Unit, pending: PendingReduce) -> None:
+def _replicate(pending: PendingReduce) -> None:
     """With shard groups: once the Reduce-Scatter is done, All-Reduce this rank's piece with
-    the same piece in the other groups, asynchronously (comm.advance_reductions)."""
+    the same piece in the other groups, asynchronously."""
+    unit = pending.unit
     assert unit.replicate is not None
-    _wait_scatter(unit, pending)
+    _wait_scatter(pending)
     streams = unit.comm.streams(pending.out.device)
     with streams.on("reduce", after=pending.done, wait_current=False):  # not behind the compute
         what = f"gradients of unit '{unit.name}' across shard groups"
         pending.work = unit.replicate.all_reduce(pending.out, what=what, async_op=True)
         pending.done = streams.event()
-
-
-def finish_reduce(unit: Unit, pending: PendingReduce) -> list[torch.Tensor | None]:
-    """Wait for `start_reduce`'s collectives; return this rank's averaged shard gradients in
-    the shard dtype (views of one flat buffer), None where no gradient was given."""
-    n = unit.world_size
-    if unit.replicate is not None:
-        unit.comm.advance_reductions(until=pending)
-        groups = unit.replicate.world_size
-        what = f"gradients of unit '{unit.name}' across shard groups"
-        _wait_reduction(unit, pending, "All-Reduce", what, unit.reduce_code * groups, None)
-        n *= groups
-    else:
-        _wait_scatter(unit, pending)
-        unit.comm.streams(pending.out.device).wait_for(pending.done)
-    # The current stream has waited for every use of `full` and of the gradients.
-    unit.pool.give(pending.full.view(-1))
-    present = [g is not None for g in pending.grads]
-    pending.grads = []
-    out = pending.out[: unit.shard_numel]
-    out.div_(n)  # sum over all ranks / N: the same average DDP takes
-    if out.dtype != unit.shard_dtype:
-        out = out.to(unit.shard_dtype)
-    return [
-        out[o : o + p.shard_numel] if present else None for p, o, present in zip(unit.params, unit.offsets, present)
-    ]

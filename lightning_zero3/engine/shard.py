@@ -8,14 +8,12 @@ the module under the original name, so optimizers, param groups and `state_dict(
 The padding stays zero: its gradient is zero, and every optimizer we know keeps a zero with
 a zero gradient at zero (weight decay of zero is zero).
 
-[Note: shards in one row]
-The shards of one unit live back to back in one buffer, laid out as the unit's All-Gather send
-row (unit.py, Note: flat layout and unit tag): shard i at the row's offset o_i, then room for
-the tag and the alignment. A gather in the shards' dtype then sends that buffer as it is, with
-no copy of the shards into a send buffer. Each shard is still a tensor of its own on the shared
-storage (`set_`, not a slice): its own version counter, so writing one shard does not make the
-others look changed, and optimizers, `state_dict()` and checkpoints see the same separate 1-D
-Parameters as before.
+[Note: shards in one buffer]
+The shards of one unit live back to back in one buffer, in the order of the unit's gather row
+(unit.py, Note: flat layout), allocated before any full tensor (materialize.py, Note: shards
+before full tensors). Each shard is still a tensor of its own on the shared storage (`set_`,
+not a slice): its own version counter, so writing one shard does not make the others look
+changed, and optimizers, `state_dict()` and checkpoints see separate 1-D Parameters.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ def tensors_in_one_row(
     numels: list[int], row_numel: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """Tensors of `numels` elements, back to back from the start of one new buffer of `row_numel`
-    elements (Note: shards in one row); contents undefined."""
+    elements (Note: shards in one buffer); contents undefined."""
     storage = torch.empty(row_numel, dtype=dtype, device=device).untyped_storage()
     tensors, offset = [], 0
     for numel in numels:

@@ -1,0 +1,267 @@
+"""`RankChecks`: detecting ranks that disagree on which unit they run, as one layer around the
+collectives. The gather and reduce code (unit.py, reduce.py) only hands it a row's check slot
+to stamp before a collective and to read after it; the driver (hooks.py) asks it at the start
+of a pass and at the end of a backward; departure notices (departure.py) and the first step's
+order comparison run through it. `ShardingConfig(rank_checks=...)` says on which steps it works.
+
+[Note: check slot]
+Every All-Gather row holds, after the unit's shards, `tag_numel(dtype)` elements for the unit's
+tag (its id + 1, as the 32 bits of an int32: exact in every dtype), and every Reduce-Scatter
+row one column where each rank writes its unit's code into the row of the next rank of its
+group and zeros elsewhere, so each rank receives its neighbour's code exactly, in any dtype and
+at any world size (a sum of one number and zeros). Codes are `uid % (exact // G) + 1` with
+exact = 2**significand bits (bf16 256, fp16 2048, fp32 2**24) and G the shard groups whose
+All-Reduce adds G of them, so two units share a code only when their ids differ by a multiple
+of exact // G. The slots exist on every step (the rows keep one layout); on a step that is not
+checked nothing writes or reads them.
+
+[Note: deferred tag checks]
+Comparing tags on the host after each collective would read device memory about three times
+per unit: the GPU queue drains and prefetching hides nothing. Instead each collective leaves a
+few integers on the device with what they should be, and `check()` reads all of them with one
+copy at the end of backward, before the optimizer can use the gradients, and at the start of the
+next pass for passes without backward. A mismatch raises `OrderMismatchError`, naming the first
+unit that differed. When ranks disagree, the collectives after the first mismatch pair up
+wrongly; so the checks run at once (`closely`) whenever this rank has no recorded order yet or
+has departed from it, and a rank whose collective fails (its peer raised and left) raises the
+recorded mismatch rather than the echo. The mismatch may sit in a gather this rank prefetched
+and has not waited for: before that check every gather in flight whose collective has completed
+records its tags (`in_flight`); one still running is never waited for, so a failing rank cannot
+hang on it. A rank that departs from the recorded order alone first announces it
+(departure.py), so no rank meets a collective of an unexpected size (which gloo answers by
+aborting the process).
+
+[Note: rank check modes]
+`rank_checks="every_step"` (default) stamps and checks every collective of every step.
+`"first_step"` does so until the first backward ends (the record is then compared across
+ranks once), and an int K on the steps whose count of finished backwards is a multiple of K.
+On other steps no slot is written or read and no departure is announced: a disagreement then
+surfaces as a failed or hanging collective (or, for units of the same size, silently mixed
+parameters), as it does under DDP or FSDP. Every rank counts the same backwards, so every rank
+checks the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_zero3.engine.comm import Comm
+
+
+class OrderMismatchError(RuntimeError):
+    """Ranks ran different units at the same point of a step."""
+
+
+# A gather tag with this bit set says "this rank departed from the recorded order and runs the
+# unit whose tag is in the low bits" (departure.py).
+DEPARTED = 1 << 30
+
+
+def exact_integers(dtype: torch.dtype) -> int:
+    """Largest n such that every integer in [0, n] is exactly representable in `dtype`:
+    2**(significand bits), e.g. bf16 256, fp16 2048, fp32 2**24, fp64 2**53."""
+    if dtype.is_floating_point:
+        significand_bits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # eps = 2**-(stored bits)
+        return 2**significand_bits
+    return torch.iinfo(dtype).max
+
+
+def tag_numel(dtype: torch.dtype) -> int:
+    """Elements of `dtype` that hold a gather tag's 32 bits (Note: check slot)."""
+    return max(1, 4 // dtype.itemsize)
+
+
+def read_tags(slots: torch.Tensor) -> torch.Tensor:
+    """The gather tags in `slots` ((N, tag_numel) elements of any dtype), as (N,) int64 (a copy)."""
+    n = slots.shape[0]
+    bits = slots.contiguous().view(torch.uint8)[:, :4].contiguous()
+    return bits.view(torch.int32).view(n).to(torch.int64)
+
+
+@dataclass
+class _Record:
+    collective: str  # "All-Gather", "Reduce-Scatter" or "All-Reduce"
+    unit: str  # the unit this rank ran
+    expected: list[int]  # what the received integers must be
+    start: int  # offset of this record's integers in the concatenation
+
+
+class RankChecks:
+    """Tags stamped into the check slots and read back, checked once per step."""
+
+    def __init__(self, *, rank: int, names: list[str], every: int | None = 1, groups: int = 1) -> None:
+        self.rank = rank
+        self.names = names  # unit names by id, for messages
+        # Checked steps: those whose count of finished backwards is a multiple of `every`;
+        # None: the first only (Note: rank check modes).
+        self.every = every
+        self.groups = groups  # shard groups whose All-Reduce adds the reduce codes
+        self.steps = 0  # backwards finished
+        self._records: list[_Record] = []
+        self._values: list[torch.Tensor] = []  # int64 device tensors, one per record
+        self._numel = 0
+        # Check every record at once (first pass, or this rank departed from the record).
+        self.closely = True
+        # Device-to-host reads issued by checks (the engine's only per-step sync), and the
+        # integers read: what the checks cost.
+        self.host_reads = 0
+        self.tags_read = 0
+        # Gathers in flight, by unit id: records the gather's tags if its collective has
+        # completed, never waits (Note: deferred tag checks).
+        self.in_flight: dict[int, Callable[[], None]] = {}
+        self._stamps: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether this step's collectives are stamped and checked (Note: rank check modes)."""
+        if self.steps == 0:
+            return True
+        return self.every is not None and self.steps % self.every == 0
+
+    def name(self, uid: int) -> str:
+        return self.names[uid] if 0 <= uid < len(self.names) else f"<unknown unit {uid}>"
+
+    # ---- the interface of the gather and reduce code ------------------------------------------
+    def stamp_gather(self, slot: torch.Tensor, tag: int) -> bool:
+        """Write `tag` (`RankChecks.tag`) into this rank's gather `slot`; False, writing nothing,
+        on a step that is not checked."""
+        if not self.active:
+            return False
+        key = (slot.dtype, slot.device, tag)
+        stamp = self._stamps.get(key)
+        if stamp is None:  # built once on the device: no host-to-device copy per gather
+            raw = torch.zeros(slot.numel() * slot.element_size(), dtype=torch.uint8)
+            raw[:4] = torch.tensor([tag], dtype=torch.int32).view(torch.uint8)
+            stamp = self._stamps[key] = raw.view(slot.dtype).to(slot.device)
+        slot.copy_(stamp)
+        return True
+
+    @staticmethod
+    def tag(uid: int, *, notice: bool = False) -> int:
+        return (DEPARTED if notice else 0) | (uid + 1)
+
+    def read_gather(self, unit: str, slots: torch.Tensor, tag: int) -> None:
+        """Record the tags a stamped gather brought ((N, tag_numel) slots), which must all be `tag`."""
+        self.expect("All-Gather", unit, read_tags(slots), [tag] * slots.shape[0])
+
+    def reduce_code(self, uid: int, dtype: torch.dtype) -> int:
+        """Unit `uid`'s code in a Reduce-Scatter column of `dtype` (Note: check slot)."""
+        codes = exact_integers(dtype) // self.groups
+        return uid % codes + 1 if codes >= 1 else 0
+
+    def stamp_reduce(self, column: torch.Tensor, uid: int, rank: int) -> bool:
+        """Write unit `uid`'s code into `column` (N,) for the next rank; False on an unchecked step."""
+        if not self.active:
+            return False
+        column.zero_()
+        column[(rank + 1) % column.shape[0]] = self.reduce_code(uid, column.dtype)
+        return True
+
+    def read_reduce(self, collective: str, unit: str, received: torch.Tensor, uid: int, dtype: torch.dtype) -> None:
+        """Record the code a stamped reduction in `dtype` brought (`received`: one int64); after
+        the All-Reduce across shard groups it is the sum of G codes."""
+        code = self.reduce_code(uid, dtype) * (self.groups if collective == "All-Reduce" else 1)
+        self.expect(collective, unit, received, [code])
+
+    # ---- the ledger -----------------------------------------------------------------------------
+    def expect(self, collective: str, unit: str, received: torch.Tensor, expected: list[int]) -> None:
+        """Remember `received` (int64, on the device; a copy nothing else writes) that should
+        equal `expected`; check at once when watching closely."""
+        self._records.append(_Record(collective, unit, expected, self._numel))
+        self._values.append(received)
+        self._numel += len(expected)
+        if self.closely:
+            self.check()
+
+    def check(self) -> None:
+        """Read every pending record with one device-to-host copy; raise `OrderMismatchError`
+        for the first that differs. A no-op (no sync) when nothing is pending."""
+        if not self._records:
+            return
+        records, values = self._records, self._values
+        self._records, self._values, self._numel = [], [], 0
+        self.host_reads += 1
+        got = torch.cat(values).tolist()  # the one device-to-host copy
+        self.tags_read += len(got)
+        for record in records:
+            seen = got[record.start : record.start + len(record.expected)]
+            if seen != record.expected:
+                raise OrderMismatchError(self._message(record, seen))
+
+    def step_done(self) -> None:
+        """A backward ended (after its check): count it."""
+        self.steps += 1
+
+    def describe_tag(self, tag: int) -> str:
+        if tag & DEPARTED:
+            return f"'{self.name((tag & ~DEPARTED) - 1)}' (departed from the recorded order)"
+        return f"'{self.name(tag - 1)}'"
+
+    def _message(self, record: _Record, seen: list[int]) -> str:
+        if record.collective == "All-Gather":
+            where = ", ".join(f"rank {r}: {self.describe_tag(t)}" for r, t in enumerate(seen))
+            detail = f"this rank expected unit '{record.unit}' but the ranks were at [{where}]"
+        else:
+            detail = (
+                f"this rank reduced unit '{record.unit}' but another rank of its shard group reduced a different "
+                f"unit of the same size (tag column {seen}, expected {record.expected})"
+            )
+        return (
+            f"{record.collective} mismatch on rank {self.rank}: {detail}. {AGREE}"
+        )
+
+    def raise_pending_mismatch(self) -> None:
+        """Called when a collective failed: if a tag already showed that ranks disagree, that
+        is the cause, not the failure (the peer that noticed first has left)."""
+        for settle in list(self.in_flight.values()):
+            settle()
+        try:
+            self.check()
+        except OrderMismatchError:
+            raise
+        except RuntimeError:  # the device itself is in trouble: report the collective's error
+            pass
+
+    # ---- the first step's record, compared across ranks ---------------------------------------
+    def agree_on_orders(self, world_comm: Comm, forward: list[int], backward: list[int]) -> None:
+        """Raise, on every rank, if the recorded unit orders differ between ranks."""
+        every: list[Any] = world_comm.all_gather_object((forward, backward))
+        for phase, index in (("forward", 0), ("backward", 1)):
+            diff = first_difference([orders[index] for orders in every])
+            if diff is not None:
+                pos, rank, got = diff
+                ref = every[0][index]
+                expected = self.name(ref[pos]) if pos < len(ref) else "<nothing>"
+                found = self.name(got) if got >= 0 else "<nothing>"
+                raise OrderMismatchError(
+                    f"Ranks ran units in different {phase} orders: at position {pos} rank 0 ran "
+                    f"'{expected}' but rank {rank} ran '{found}'. {AGREE}"
+                )
+
+
+AGREE = (
+    "Every rank must run the same units in the same order each step; data-dependent control flow (a block "
+    "skipped on some ranks, a unit whose output reaches the loss on some ranks only) is not supported under "
+    "ZeRO-3. Make the branch decision identical on all ranks."
+)
+
+
+def first_difference(orders: list[list[int]]) -> tuple[int, int, int] | None:
+    """(position, rank, that rank's unit id or -1) of the first place where some rank's order
+    differs from rank 0's, or None if all are equal."""
+    reference = orders[0]
+    for rank, order in enumerate(orders[1:], start=1):
+        for pos in range(max(len(reference), len(order))):
+            ref = reference[pos] if pos < len(reference) else -1
+            got = order[pos] if pos < len(order) else -1
+            if ref != got:
+                return pos, rank, got
+    return None
+
+
+__all__ = ["DEPARTED", "OrderMismatchError", "RankChecks", "exact_integers", "read_tags", "tag_numel"]
