@@ -76,28 +76,6 @@ def validate_wrap_policy(policy: object) -> WrapPolicy:
     )
 
 
-def validate_counts(
-    prefetch: object, persistence_threshold: object, reductions_in_flight: object, *, owner: str | None = None
-) -> None:
-    """Check the engine's numeric options; the `ValueError` names the option as
-    `owner(option=...)` when an `owner` (the strategy class) is given."""
-
-    def bad(option: str, expected: str, value: object) -> ValueError:
-        where = f"{owner}({option}=...)" if owner is not None else option
-        return ValueError(f"{where} must be {expected}; got {value!r}.")
-
-    if type(prefetch) is not int or prefetch < 0:
-        raise bad("prefetch", "an int >= 0 (units gathered ahead)", prefetch)
-    if type(persistence_threshold) is not int or persistence_threshold < 0:
-        raise bad("persistence_threshold", "an int >= 0 (elements)", persistence_threshold)
-    if reductions_in_flight is not None and (type(reductions_in_flight) is not int or reductions_in_flight < 0):
-        raise bad(
-            "reductions_in_flight",
-            "None (2 on CUDA, 0 elsewhere) or an int >= 0 (Reduce-Scatters left running while backward continues)",
-            reductions_in_flight,
-        )
-
-
 def _automatic_units(root: nn.Module) -> set[nn.Module]:
     """Each child of an nn.ModuleList/nn.Sequential whose class repeats among its siblings and
     which holds parameters: transformer blocks, ResNet stages, MLP layers."""
