@@ -67,6 +67,11 @@ class ShardedRun:
         else:
             self.engine.restore_module(device="cpu")
             self.state = Lifecycle.WHOLE
+            # The module holds new whole parameters: the shards' gradients serve nothing now
+            # (the optimizer's state stays, for a save after `fit`).
+            for sharded in self.engine.sharded_params:
+                sharded.param.grad = None
+        self.engine.pool.clear()  # buffers kept for the next step, which will not come
 
     # ---- checkpoints: "sharded" a directory of every rank's shards, "full" one file from rank 0
     @property

@@ -56,3 +56,29 @@ def test_restore_to_the_cpu_builds_the_whole_model_exactly_with_one_unit_of_over
     for result in run_ranks(_restore, 2, "cpu"):
         assert result["devices"] == {"cpu"} and result["shapes_whole"] and result["equal"]
         assert result["peak"] < result["model"] + 2 * result["unit"] + 8 * MB, result
+
+
+def _fit_and_look(rank: int, world_size: int) -> dict:
+    from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    strategy = ZeRO3Strategy()
+    trainer(strategy, world_size, max_steps=2).fit(LitMLP(), loader(world_size))
+    engine = strategy.sharded_model
+    return {
+        "shard_grad_bytes": sum(
+            p.param.grad.untyped_storage().nbytes() for p in engine.sharded_params if p.param.grad is not None
+        ),
+        "pool_bytes": engine.pool.cached_bytes,
+        "optimizer_state": sum(len(s) for s in strategy.optimizers[0].state.values()),
+    }
+
+
+def test_teardown_after_fit_frees_the_shards_gradients_and_the_buffer_pool() -> None:
+    """After `fit` the module holds new whole parameters: nothing needs the shards' gradients or
+    the buffers kept for a next step (core.py, Note: run lifecycle); the optimizer state stays."""
+    for result in run_ranks(_fit_and_look, 2):
+        assert result["shard_grad_bytes"] == 0 and result["pool_bytes"] == 0, result
+        assert result["optimizer_state"] > 0  # kept for a save after fit

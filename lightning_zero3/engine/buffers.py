@@ -67,6 +67,10 @@ class BufferPool:
         released = current_event(buffer.device) if buffer.device.type == "cuda" else None
         self._free.setdefault((role, buffer.numel(), buffer.dtype, buffer.device), []).append((buffer, released))
 
+    def clear(self) -> None:
+        """Drop every free buffer (their memory goes back to the allocator)."""
+        self._free.clear()
+
     @property
     def cached_bytes(self) -> int:
         """Bytes held by free buffers, waiting to be reused."""
