@@ -20,7 +20,7 @@ STEPS = 6
 
 @pytest.mark.parametrize("value", ["sometimes", 0, -2, True, 1.5, None])
 def test_an_unknown_rank_checks_value_is_refused_naming_the_choices(value):
-    with pytest.raises(ValueError, match="rank_checks must be \"every_step\", \"first_step\" or an int K >= 1"):
+    with pytest.raises(ValueError, match='rank_checks must be "every_step", "first_step" or an int K >= 1'):
         ShardingConfig(rank_checks=value)
 
 

@@ -204,9 +204,7 @@ class RankChecks:
                 f"this rank reduced unit '{record.unit}' but another rank of its shard group reduced a different "
                 f"unit of the same size (tag column {seen}, expected {record.expected})"
             )
-        return (
-            f"{record.collective} mismatch on rank {self.rank}: {detail}. {AGREE}"
-        )
+        return f"{record.collective} mismatch on rank {self.rank}: {detail}. {AGREE}"
 
     def raise_pending_mismatch(self) -> None:
         """Called when a collective failed: if a tag already showed that ranks disagree, that
