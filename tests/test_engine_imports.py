@@ -115,9 +115,6 @@ def test_collective_checker_sees_every_spelling():
 
 PACKAGE = ENGINE.parent
 # The Lightning glue's two cycles, which the other branch of issue 20 removes; then this is empty.
-GLUE_CYCLES = {frozenset({"strategy", "trainer_checkpoint"}), frozenset({"fabric_checkpoint", "fabric_strategy"})}
-
-
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module (dotted, under `root`'s package) -> the package's modules it imports, wherever the
     import statement stands (under TYPE_CHECKING, inside a function). `from p import m` counts
@@ -176,7 +173,7 @@ def test_no_import_cycles_in_the_package_counting_type_checking_imports():
     graph = import_graph(PACKAGE)
     assert "lightning_zero3.engine.model" in graph and graph["lightning_zero3.engine.model"], graph
     cycles = [{name.removeprefix("lightning_zero3.") for name in cycle} for cycle in import_cycles(graph)]
-    assert [c for c in cycles if frozenset(c) not in GLUE_CYCLES] == [], cycles
+    assert cycles == [], cycles
 
 
 def test_the_cycle_finder_sees_a_type_only_import(tmp_path):

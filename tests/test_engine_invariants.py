@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.native import NativeCollectives
 from tests.models import MLP, TinyGPT, gpt_batch, mlp_batch, mlp_frozen_block
-from tests.parity import lm_loss, local_slice
+from tests.parity import lm_loss, local_slice, max_param_difference, step_side_by_side
 from tests.ranks import run_ranks
 
 MODELS = {
@@ -383,3 +383,23 @@ def test_the_formula_reported_with_a_step_is_the_one_for_that_step():
     for pairs in run_ranks(_bytes_of_each_step, 2):
         assert all(measured == formula for measured, formula in pairs), pairs
         assert pairs[0][0] > pairs[1][0] == pairs[2][0], "the first step gathers the last block once more"
+
+
+def _one_rank_without_the_shortcut(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    reference = MLP()
+    torch.manual_seed(0)
+    model = MLP()
+    sharded = ShardedModel(model, prefetch=1, reductions_in_flight=1)
+    sharded.comm.one_rank_shortcut = False  # what benchmarks/gpu_check.py does on one GPU
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step in range(2):
+        step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
+    return {"transport": type(sharded.comm.transport).__name__, "diff": max_param_difference(sharded, reference)}
+
+
+def test_one_rank_without_the_local_shortcut_runs_real_native_collectives():
+    """gloo's in-place Reduce-Scatter sums the rows of N >= 2 ranks (gloo.py); one rank with the
+    shortcut off takes the native collectives (was: an IndexError in the gloo sum)."""
+    (result,) = run_ranks(_one_rank_without_the_shortcut, 1)
+    assert result["transport"] == "NativeCollectives" and result["diff"] < 1e-6, result

@@ -281,4 +281,3 @@ class CallTable:
         for slot in self.slots:
             if slot.kept is not None:
                 self.move(slot.kept, S.RESHARDED)
-

@@ -1,44 +1,37 @@
 """`RankChecks`: detecting ranks that disagree on which unit they run, as one layer around the
 collectives. The gather and reduce code (unit.py, reduce.py) only hands it a row's check slot
-to stamp before a collective and to read after it; the driver (hooks.py) asks it at the start
-of a pass and at the end of a backward; departure notices (departure.py) and the first step's
-order comparison run through it. `ShardingConfig(rank_checks=...)` says on which steps it works.
+to stamp before a collective and to read after; the driver (hooks.py) asks it to check when a
+pass begins and a backward ends; departure notices (departure.py) and the first step's order
+comparison go through it. `ShardingConfig(rank_checks=...)` says on which steps it works.
 
 [Note: check slot]
 Every All-Gather row holds, after the unit's shards, `tag_numel(dtype)` elements for the unit's
-tag (its id + 1, as the 32 bits of an int32: exact in every dtype), and every Reduce-Scatter
-row one column where each rank writes its unit's code into the row of the next rank of its
-group and zeros elsewhere, so each rank receives its neighbour's code exactly, in any dtype and
-at any world size (a sum of one number and zeros). Codes are `uid % (exact // G) + 1` with
-exact = 2**significand bits (bf16 256, fp16 2048, fp32 2**24) and G the shard groups whose
-All-Reduce adds G of them, so two units share a code only when their ids differ by a multiple
-of exact // G. The slots exist on every step (the rows keep one layout); on a step that is not
-checked nothing writes or reads them.
+tag (its id + 1, the 32 bits of an int32: exact in every dtype). Every Reduce-Scatter row holds
+one column where each rank writes its unit's code into the row of the next rank and zeros
+elsewhere, so each rank receives its neighbour's code exactly, in any dtype and world size.
+Codes are `uid % (exact // G) + 1`, exact = 2**significand bits (bf16 256, fp16 2048, fp32
+2**24), G the shard groups whose All-Reduce adds G of them. The slots are in every row on
+every step (one layout); on a step not checked nothing writes or reads them.
 
 [Note: deferred tag checks]
-Comparing tags on the host after each collective would read device memory about three times
-per unit: the GPU queue drains and prefetching hides nothing. Instead each collective leaves a
-few integers on the device with what they should be, and `check()` reads all of them with one
-copy at the end of backward, before the optimizer can use the gradients, and at the start of the
-next pass for passes without backward. A mismatch raises `OrderMismatchError`, naming the first
-unit that differed. When ranks disagree, the collectives after the first mismatch pair up
-wrongly; so the checks run at once (`closely`) whenever this rank has no recorded order yet or
-has departed from it, and a rank whose collective fails (its peer raised and left) raises the
-recorded mismatch rather than the echo. The mismatch may sit in a gather this rank prefetched
-and has not waited for: before that check every gather in flight whose collective has completed
-records its tags (`in_flight`); one still running is never waited for, so a failing rank cannot
-hang on it. A rank that departs from the recorded order alone first announces it
-(departure.py), so no rank meets a collective of an unexpected size (which gloo answers by
-aborting the process).
+Reading tags on the host after each collective would sync about three times per unit and
+defeat prefetching. Each collective leaves its received tags on the device with what they
+should be, and `check()` reads all of them with one copy at the end of backward (before the
+optimizer uses the gradients) and when the next pass begins (passes without backward). While
+no order is recorded, or after this rank departed from it, each record is checked at once
+(`closely`): the collectives after a first mismatch pair up wrongly. A rank whose collective
+fails raises a mismatch already recorded rather than the echo, after recording the tags of
+every gather in flight that has completed (`in_flight`; one still running is never waited
+for). A rank about to depart from the record alone announces it first (departure.py), so no
+rank meets a collective of an unexpected size (which gloo answers by aborting the process).
 
 [Note: rank check modes]
-`rank_checks="every_step"` (default) stamps and checks every collective of every step.
-`"first_step"` does so until the first backward ends (the record is then compared across
-ranks once), and an int K on the steps whose count of finished backwards is a multiple of K.
-On other steps no slot is written or read and no departure is announced: a disagreement then
-surfaces as a failed or hanging collective (or, for units of the same size, silently mixed
-parameters), as it does under DDP or FSDP. Every rank counts the same backwards, so every rank
-checks the same steps.
+"every_step" (default) stamps and checks every collective of every step; "first_step" until
+the first backward ends (the record is then compared across ranks once); an int K the steps
+whose count of finished backwards is a multiple of K. Other steps stamp, read and announce
+nothing: a disagreement then surfaces as a failed or hanging collective (or, for units of one
+size, silently mixed parameters), as under DDP or FSDP. Every rank counts the same backwards,
+so every rank checks the same steps.
 """
 
 from __future__ import annotations
@@ -211,9 +204,7 @@ class RankChecks:
                 f"this rank reduced unit '{record.unit}' but another rank of its shard group reduced a different "
                 f"unit of the same size (tag column {seen}, expected {record.expected})"
             )
-        return (
-            f"{record.collective} mismatch on rank {self.rank}: {detail}. {AGREE}"
-        )
+        return f"{record.collective} mismatch on rank {self.rank}: {detail}. {AGREE}"
 
     def raise_pending_mismatch(self) -> None:
         """Called when a collective failed: if a tag already showed that ranks disagree, that

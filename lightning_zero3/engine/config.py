@@ -85,7 +85,6 @@ class ShardingConfig:
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
 
-
     @property
     def check_every(self) -> int | None:
         """`rank_checks` as the step interval `RankChecks` takes: None for the first step only."""

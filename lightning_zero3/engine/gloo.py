@@ -67,10 +67,7 @@ class GlooInPlace:
         def add_up() -> None:
             parts = [rows[me] if r == me else received[r if r < me else r - 1] for r in range(n)]
             flat = output.view(-1)
-            if n == 1:  # one rank with the one-rank shortcut off (benchmarks/gpu_check.py)
-                flat.copy_(parts[0])
-            else:
-                torch.add(parts[0], parts[1], out=flat)  # one pass, not a copy then an add
+            torch.add(parts[0], parts[1], out=flat)  # one pass, not a copy then an add
             for part in parts[2:]:
                 flat.add_(part)
             self.pool.give("received", received.view(-1))

@@ -91,7 +91,6 @@ from lightning_zero3.engine.unit import Unit
 # arguments with it and transformers registers its ModelOutput there. No fallback.
 
 
-
 class HookDriver:
     """Installs the hooks on the unit modules and runs the unit life cycle."""
 

@@ -31,6 +31,7 @@ class ShardedModel(Protocol):
 
     def restore_module(self, *, device: torch.device | str = "cpu") -> None: ...
 
+
 _HOW_TO_USE = (
     "Fit, validate, test or predict with it again on every rank (the new run makes it whole first), or build a new "
     "module and load a checkpoint into it."

@@ -121,10 +121,11 @@ class ShardedModel:
         # reduction); each holds one unit's full gradient buffer. None: 2 on CUDA, where they
         # run on their own stream, 0 elsewhere (no gain measured on CPU/gloo).
         in_flight = config.reductions_in_flight
+        self.reductions_in_flight = in_flight if in_flight is not None else 2 * (target.type == "cuda")
         self.schedule = Schedule(config.prefetch)
         self.hooks = HookDriver(
             self.units, schedule=self.schedule, checks=self.checks,
-            reductions=Reductions(in_flight=in_flight if in_flight is not None else 2 * (target.type == "cuda")),
+            reductions=Reductions(in_flight=self.reductions_in_flight),
             persistent=self.persistent_grads, live=self.live,
             record=self.record, world_comm=self.world_comm,
         )  # fmt: skip

@@ -149,4 +149,3 @@ class Prefetcher:
                 with engine_mode():
                     unit.discard_gather()
             self.live.change(unit.uid, 0, unit.gather_in_flight)
-

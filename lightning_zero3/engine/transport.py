@@ -44,13 +44,18 @@ class Local:
 
 
 def choose_transport(
-    group: dist.ProcessGroup | None, *, world_size: int, rank: int, pool: BufferPool, device_type: str = "cpu",
+    group: dist.ProcessGroup | None,
+    *,
+    world_size: int,
+    rank: int,
+    pool: BufferPool,
+    device_type: str = "cpu",
     one_rank_shortcut: bool = True,
 ) -> Transport:
     """The transport for collectives on `device_type` tensors over `group` (None: not distributed)."""
     if group is None or (world_size == 1 and one_rank_shortcut):
         return Local()
-    if device_type == "cpu" and "gloo" in str(dist.get_backend(group)):
+    if device_type == "cpu" and world_size > 1 and "gloo" in str(dist.get_backend(group)):
         return GlooInPlace(group, rank=rank, world_size=world_size, pool=pool)
     return NativeCollectives(group, rank=rank)
 
