@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_zero3.checkpoint import load_full, save_full, save_sharded, sharded_optimizer_state
 from lightning_zero3.checkpoint.errors import require_exists
 from lightning_zero3.checkpoint.load import open_checked
+from lightning_zero3.checkpoint.remote import RemotePath
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.state import full_optimizer_state
 
@@ -35,8 +36,8 @@ if TYPE_CHECKING:
 
 # How a strategy's checkpoint plugin writes and reads one full file; None: the package's own
 # atomic writer and memory-mapped reader (checkpoint/full.py).
-WriteFile = Callable[[dict[str, Any], Path], None]
-ReadFile = Callable[[Path], Any]
+WriteFile = Callable[[dict[str, Any], Any], None]  # (checkpoint, a Path or a URL string)
+ReadFile = Callable[[Any], Any]
 
 
 class Lifecycle(Enum):
@@ -85,7 +86,7 @@ class ShardedRun:
             return sharded_optimizer_state(self.engine, optimizer)
         return full_optimizer_state(self.engine, optimizer, to_rank=0)
 
-    def save(self, path: Path, checkpoint: dict[str, Any], write_file: WriteFile | None) -> None:
+    def save(self, path: Path | RemotePath, checkpoint: dict[str, Any], write_file: WriteFile | None) -> None:
         """Write `checkpoint` (built from `model_state_dict` and `optimizer_state`) at `path`,
         replacing what a save put there before, atomically."""
         if self.sharded_checkpoints:
@@ -97,13 +98,20 @@ class ShardedRun:
         """Unpickle without restriction only when asked to (checkpoint/trust.py)."""
         return self.options().trust_checkpoint or weights_only is False
 
-    def open_sharded(self, path: Path, *, strict: bool, trusted: bool, context: str) -> Any:
+    def open_sharded(self, path: Path | RemotePath, *, strict: bool, trusted: bool, context: str) -> Any:
         """A sharded checkpoint directory, checked on every rank against the model."""
         require_exists(self.engine.world_comm, path, context=context)
         return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
 
     def read_full(
-        self, path: Path, read_file: ReadFile | None, *, trusted: bool, strict: bool, context: str, key: str | None
+        self,
+        path: Path | RemotePath,
+        read_file: ReadFile | None,
+        *,
+        trusted: bool,
+        strict: bool,
+        context: str,
+        key: str | None,
     ) -> dict[str, Any]:
         """A full file, read on every rank and checked against the model before anything loads:
         its entry `key` (None: the file itself) is the model's state dict."""

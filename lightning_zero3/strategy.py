@@ -283,12 +283,12 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the checkpoint "
                 f"is written by {type(self).__name__}, not by a CheckpointIO plugin."
             )
-        path = Path(self.broadcast(os.fspath(filepath)))
+        path = self.broadcast(os.fspath(filepath))  # a path or a URL (Note: remote checkpoints)
         trainer_checkpoint.save_checkpoint(self._run, checkpoint, path, self.checkpoint_io)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        path = self.broadcast(os.fspath(checkpoint_path))
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         return trainer_checkpoint.load_checkpoint(
             self._run, path, self.checkpoint_io, weights_only=weights_only, strict=strict

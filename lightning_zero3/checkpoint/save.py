@@ -3,6 +3,8 @@ temporary directory, which rank 0 swaps into place once every rank's part is on 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import warnings
 from collections.abc import Mapping
@@ -38,6 +40,7 @@ from lightning_zero3.checkpoint.format import (
     sharded_by_name,
     with_params,
 )
+from lightning_zero3.checkpoint.remote import RemotePath, as_path, new_data_prefix
 from lightning_zero3.checkpoint.trust import read_dcp_index
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
@@ -125,7 +128,7 @@ def _plan_save(
 
 
 def save_sharded(
-    path: str | os.PathLike, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False
+    path: str | os.PathLike | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False
 ) -> None:
     """Write `checkpoint` as a sharded checkpoint directory at `path`; every rank calls it with
     the same path.
@@ -139,26 +142,30 @@ def save_sharded(
     refused before anything is written (Note: what a save may replace)."""
     state_dict, optimizer_states = checkpoint["state_dict"], checkpoint.get("optimizer_states")
     extra = {"keys": list(checkpoint), "extra": {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}}
-    path = Path(path)
+    path = as_path(path)
     comm = model.world_comm
     context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
     mine: Partial | None = None  # rank 0's temporary directory (Note: temporary names in files.py)
+    prefix: RemotePath | None = None  # rank 0's new prefix at a URL until committed (Note: remote checkpoints)
     try:
 
         def start() -> str | None:
-            nonlocal mine
+            nonlocal mine, prefix
             if comm.rank != 0:
                 return None
             check_replaceable(path)
+            if isinstance(path, RemotePath):
+                prefix = new_data_prefix(path)
+                return str(prefix)
             mine = Partial(path, directory=True)
             return str(mine.path)
 
         name, error = error_of(start)
-        partial = Path(agree(comm, error, context=f"Cannot save the checkpoint {path}", share=name)[0])
+        partial = as_path(agree(comm, error, context=f"Cannot save the checkpoint {path}", share=name)[0])
         planned, error = error_of(lambda: _plan_save(model, state_dict, optimizer_states, whole=whole))
         agree(comm, error, context=context)
         tensors, objects, inventory = planned
-        writer = dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True, thread_count=1)
+        writer = _writer(partial)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
@@ -175,14 +182,26 @@ def save_sharded(
         # Rank 0 may be lost after its swap: the path then holds the old or the new checkpoint.
         lost = f"Saving the checkpoint {path} failed as rank 0 put it in place (it holds the previous or the new one)"
         agree(comm, error, context=context, if_lost=lost)
+        prefix = None  # committed: meta.json names it
     finally:
         if mine is not None:
             mine.close(remove=True)
+        if prefix is not None:
+            with contextlib.suppress(Exception):  # best effort: unnamed by any meta.json, it is never read
+                prefix.remove_prefix()
+
+
+def _writer(directory: Path | RemotePath) -> dcp.FileSystemWriter:
+    if isinstance(directory, RemotePath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(str(directory), single_file_per_rank=True, sync_files=False, thread_count=1)
+    return dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1)
 
 
 def _finish(
-    path: Path,
-    partial: Path,
+    path: Path | RemotePath,
+    partial: Path | RemotePath,
     files: dict[str, dict[str, Any]],
     objects: dict[str, Any],
     inventory: dict[str, Any],
@@ -212,10 +231,34 @@ def _finish(
         **inventory,
         "files": files,
     }
+    if isinstance(path, RemotePath):
+        assert isinstance(partial, RemotePath)
+        _commit_manifest(path, partial, meta)
+        return
+    assert isinstance(path, Path) and isinstance(partial, Path)
     write_json_atomically(meta, partial / META_FILE)
     fsync_directory(partial)
     replace_path(partial, path)
 
 
-def _rank_files(directory: Path, rank: int) -> list[str]:
+def _commit_manifest(path: RemotePath, data: RemotePath, meta: dict[str, Any]) -> None:
+    """At a URL, the swap is one PUT of meta.json naming the new prefix; then what the previous
+    meta.json named is deleted (Note: remote checkpoints in remote.py)."""
+    previous = _previous_files(path)
+    write_json_atomically({**meta, "data": data.name}, path / META_FILE)
+    for name in previous - {data.name, META_FILE}:
+        (path / name).remove()
+    path.remove_object()  # a full file that was at the URL itself
+
+
+def _previous_files(path: RemotePath) -> set[str]:
+    """What the sharded checkpoint at `path` consists of: its prefix, or its files (one copied there whole)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        return {meta["data"]} if "data" in meta else set(meta["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _rank_files(directory: Path | RemotePath, rank: int) -> list[str]:
     return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
