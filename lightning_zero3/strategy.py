@@ -305,7 +305,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
         if self.is_global_zero:
-            trainer_checkpoint.remove_checkpoint(filepath, self.checkpoint_io)
+            trainer_checkpoint.remove_checkpoint(filepath, self.checkpoint_io, self.run)
 
     # ---- teardown ---------------------------------------------------------------------------
     @override
@@ -314,6 +314,8 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.run is not None:  # the last background save, its error raised on every rank
+            self.run.wait_for_save(agree=not self._failed)
         if self.run is not None and self.run.state is Lifecycle.SHARDED:
             # Failed: the module stays sharded (and savable) until the next engine built for it
             # makes it whole. Else whole parameters in host memory, one unit at a time, as

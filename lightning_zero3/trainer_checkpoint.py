@@ -56,7 +56,7 @@ def load_checkpoint(
 def save_checkpoint(
     run: ShardedRun, checkpoint: dict[str, Any], path: str | os.PathLike, checkpoint_io: CheckpointIO
 ) -> None:
-    run.save(as_path(path), checkpoint, checkpoint_io_files(checkpoint_io)[0])
+    run.save(as_path(path), checkpoint, checkpoint_io_files(checkpoint_io)[0], background=run.options().async_save)
 
 
 def load_model_state_dict(run: ShardedRun, checkpoint: Mapping[str, Any], strict: bool) -> None:
@@ -81,8 +81,12 @@ def load_optimizer_state_dict(run: ShardedRun, checkpoint: Mapping[str, Any], op
         load_full_optimizer_state(run.engine, optimizer, state)
 
 
-def remove_checkpoint(filepath: str | Path, checkpoint_io: CheckpointIO) -> None:
-    """Rank 0 only, as Lightning calls it."""
+def remove_checkpoint(filepath: str | Path, checkpoint_io: CheckpointIO, run: ShardedRun | None = None) -> None:
+    """Rank 0 only, as Lightning calls it; no collective. While a save writes in the background,
+    once it has succeeded (Note: background saves in checkpoint/background.py)."""
+    if run is not None and run.saving is not None:
+        run.saving.then(lambda: remove_checkpoint(filepath, checkpoint_io))
+        return
     if not as_path(filepath).is_dir() and type(checkpoint_io) is not TorchCheckpointIO:
         checkpoint_io.remove_checkpoint(filepath)  # a full file in the plugin's format
         return
