@@ -4,6 +4,7 @@ goes on (Note: background saves in lightning_zero3/checkpoint/background.py)."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,36 @@ def test_an_error_in_the_background_write_is_raised_on_every_rank(tmp_path):
         assert "injected failure in the background (on rank 1)" in report
     assert os.listdir(tmp_path)  # the first save (step 2) is in place, whole
     assert lightning_zero3.load_checkpoint(tmp_path / "step=2.ckpt")["global_step"] == 2
+
+
+def _fit_with_rank_0_killed_in_its_second_background_write(rank: int, world_size: int, directory: str) -> None:
+    """Every 2 steps a save to one path, `latest.ckpt`; rank 0 is killed (kill -9) in the
+    background thread of the second, once every shard is written, as it would put it in place."""
+    import lightning_zero3.checkpoint.save as save
+
+    if rank == 0:
+        finish, calls = save._finish, []
+
+        def killed_on_the_second(*args: Any, **kwargs: Any) -> None:
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            finish(*args, **kwargs)
+
+        save._finish = killed_on_the_second  # type: ignore[assignment]
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    torch.manual_seed(0)
+    latest = ModelCheckpoint(
+        dirpath=directory, filename="latest", every_n_train_steps=2, enable_version_counter=False, save_top_k=1,
+        monitor="step", mode="max",
+    )  # fmt: skip
+    t = trainer(ZeRO3Strategy(async_save=True), world_size, max_epochs=1, enable_checkpointing=True, callbacks=[latest])
+    t.fit(LitMLP(), loader(world_size))
+
+
+def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
+    with pytest.raises(RankFailure, match="rank 0"):
+        run_ranks(_fit_with_rank_0_killed_in_its_second_background_write, 2, str(tmp_path))
+    assert lightning_zero3.load_checkpoint(tmp_path / "latest.ckpt")["global_step"] == 2

@@ -32,13 +32,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # a scheme, at the start
 DATA_PREFIX = re.compile(r"shards\.[0-9a-f]{16}")  # a save's own prefix under the URL
 
 
 def is_url(path: str | os.PathLike) -> bool:
     """A URL fsspec resolves to a non-local filesystem (`file://` is local)."""
     text = os.fspath(path)
-    return isinstance(text, str) and "://" in text and not text.startswith(("file://", "local://"))
+    return isinstance(text, str) and _URL.match(text) is not None and not text.startswith(("file://", "local://"))
 
 
 def as_path(path: str | os.PathLike | RemotePath) -> Path | RemotePath:
