@@ -27,8 +27,8 @@ from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import load_full, save_full, save_sharded, sharded_optimizer_state
 from lightning_zero3.checkpoint.background import BackgroundSave, saver_comm
+from lightning_zero3.checkpoint.errors import CheckpointError, require_exists
 from lightning_zero3.checkpoint.errors import agree as agree_on_error
-from lightning_zero3.checkpoint.errors import require_exists
 from lightning_zero3.checkpoint.load import open_checked
 from lightning_zero3.checkpoint.remote import RemotePath
 from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
@@ -121,18 +121,21 @@ class ShardedRun:
         else:
             save_sharded(path, self.engine, checkpoint, whole=self.state is Lifecycle.WHOLE)
 
-    def wait_for_save(self, *, agree: bool = True) -> None:
+    def wait_for_save(self, *, agree: bool = True) -> CheckpointError | None:
         """Wait for the save writing in the background, if any. `agree` (collective): its error
-        is raised on every rank; else (a failed run's teardown, other ranks may be gone) logged."""
+        is raised on every rank; else (no collective: a teardown where other ranks may be gone)
+        logged and returned."""
         saving, self.saving = self.saving, None
         if saving is None:
-            return
+            return None
         error = saving.wait()
         context = f"Saving {saving.what} in the background failed (any previous checkpoint there is unchanged)"
         if agree:
             agree_on_error(self.engine.world_comm, error, context=context)
         elif error is not None:
             log.error(f"{context}: {error}")
+            return CheckpointError(f"{context}: {error}")
+        return None
 
     def trusted(self, weights_only: bool | None) -> bool:
         """Unpickle without restriction only when asked to (checkpoint/trust.py)."""

@@ -104,7 +104,7 @@ def save(
             else:
                 value = obj.state_dict() if _stateful(obj) else obj
             checkpoint[key] = _filtered(key, value, filter or {})
-    run.save(as_path(path), checkpoint, checkpoint_io_files(checkpoint_io)[0])
+    run.save(as_path(path), checkpoint, checkpoint_io_files(checkpoint_io)[0], background=run.options().async_save)
 
 
 def load(
@@ -125,6 +125,7 @@ def load(
         )
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         run = run_of(state)
+        run.wait_for_save()  # it may be writing this very path
         trusted = run.trusted(weights_only)
         if file.is_dir():
             load_sharded_model(run.open_sharded(file, strict=strict, trusted=trusted, context=context), run.engine)
@@ -138,6 +139,7 @@ def load(
             f"`fabric.load(path, {{'model': model, 'optimizer': optimizer}})`: the model's shards are loaded in place."
         )
     module_key, run, optimizers, rest = _split(run_of, state, "load")
+    run.wait_for_save()
     trusted = run.trusted(weights_only)
     if file.is_dir():
         ckpt = run.open_sharded(file, strict=strict, trusted=trusted, context=context)

@@ -321,10 +321,15 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         # Fabric tells a strategy nothing of failures, so teardown makes no collective: each module
         # is left sharded, its forward refused, until a new setup makes it whole (core.py, Note:
         # run lifecycle). `gathered_parameters` or a full save gives whole weights before this.
+        # The last background save: waited for here, its error raised on this rank (no agreement).
+        errors = [run.wait_for_save(agree=False) for run in self._runs.values()]
         for run in self._runs.values():
             run.end(failed=True)
         self._runs.clear()
         super().teardown()
+        for error in errors:
+            if error is not None:
+                raise error
 
     @classmethod
     @override

@@ -59,8 +59,9 @@ class LightningOptions:
             from the file (checkpoint/trust.py). Default False.
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank) or a multiprocessing start method.
-        async_save: sharded Trainer saves return once each rank has a host copy of its shards
-            and write in a background thread (docs/checkpoints.md). Default False.
+        async_save: sharded saves (`trainer.save_checkpoint`, `ModelCheckpoint`, `fabric.save`)
+            return once each rank has a host copy of its shards and write in a background
+            thread (docs/checkpoints.md). Default False.
     """
 
     state_dict_type: Literal["sharded", "full"] = "sharded"

@@ -43,6 +43,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """A sharded directory (its Lightning dict, tensors still on disk) or a full Lightning file."""
     path = as_path(filepath)
+    run.wait_for_save()  # it may be writing this very path
     context = f"Cannot load the checkpoint {path}"
     trusted = run.trusted(weights_only)
     if path.is_dir():

@@ -154,3 +154,35 @@ def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     with pytest.raises(RankFailure, match="rank 0"):
         run_ranks(_fit_with_rank_0_killed_in_its_second_background_write, 2, str(tmp_path))
     assert lightning_zero3.load_checkpoint(tmp_path / "latest.ckpt")["global_step"] == 2
+
+
+def _fabric_saving_every_step(rank: int, world_size: int, directory: str, async_save: bool) -> list[float]:
+    from tests.fabric_helpers import adamw, fabric, train_step
+    from tests.models import MLP
+
+    f = fabric(rank, world_size, lightning_zero3.ZeRO3FabricStrategy(async_save=async_save))
+    torch.manual_seed(0)
+    module = MLP()
+    model, optimizer = f.setup(module, adamw(module))
+    losses, in_flight = [], []
+    for step in range(3):
+        losses.append(train_step(f, model, optimizer, step, rank, world_size, None)[0])
+        f.save(f"{directory}/step{step}", {"model": model, "optimizer": optimizer, "step": step})
+        in_flight.append(any(run.saving is not None for run in f.strategy._runs.values()))
+    assert all(in_flight) == async_save
+    assert f.load(f"{directory}/step2", {"model": model, "optimizer": optimizer}) == {"step": 2}  # waits first
+    return losses
+
+
+def test_fabric_saves_in_the_background_equal_synchronous_ones(tmp_path):
+    results = {}
+    for mode in ("sync", "async"):
+        (tmp_path / mode).mkdir()
+        results[mode] = run_ranks(_fabric_saving_every_step, 2, str(tmp_path / mode), mode == "async")[0]
+    assert results["sync"] == results["async"]
+    for step in range(3):
+        a, b = (lightning_zero3.load_checkpoint(tmp_path / mode / f"step{step}") for mode in ("sync", "async"))
+        assert max_difference(a["state_dict"], b["state_dict"]) == 0
+        for index, entry in a["optimizer_states"][0]["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(b["optimizer_states"][0]["state"][index][key], value)

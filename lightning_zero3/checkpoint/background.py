@@ -52,6 +52,7 @@ class BackgroundSave:
             write()
         except BaseException as err:  # noqa: BLE001 - reported at the wait point, on every rank
             self._error = describe_error(err)
+            log.error(f"Saving {self.what} in the background failed: {self._error}")  # also if never waited for
         with self._lock:
             self._done = True
             after, self._after = self._after, []
