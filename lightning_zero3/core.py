@@ -16,6 +16,7 @@ stats, and the optimizer's sharded state for a save after `fit`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -25,9 +26,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import load_full, save_full, save_sharded, sharded_optimizer_state
-from lightning_zero3.checkpoint.errors import require_exists
+from lightning_zero3.checkpoint.background import BackgroundSave, saver_comm
+from lightning_zero3.checkpoint.errors import CheckpointError, require_exists
+from lightning_zero3.checkpoint.errors import agree as agree_on_error
 from lightning_zero3.checkpoint.load import open_checked
+from lightning_zero3.checkpoint.remote import RemotePath
+from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
 from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.state import full_optimizer_state
 
 if TYPE_CHECKING:
@@ -35,8 +41,11 @@ if TYPE_CHECKING:
 
 # How a strategy's checkpoint plugin writes and reads one full file; None: the package's own
 # atomic writer and memory-mapped reader (checkpoint/full.py).
-WriteFile = Callable[[dict[str, Any], Path], None]
-ReadFile = Callable[[Path], Any]
+WriteFile = Callable[[dict[str, Any], Any], None]  # (checkpoint, a Path or a URL string)
+ReadFile = Callable[[Any], Any]
+
+
+log = logging.getLogger(__name__)
 
 
 class Lifecycle(Enum):
@@ -56,6 +65,10 @@ class ShardedRun:
         # replace(...)` after setup (e.g. a full save after a sharded one) reaches this run.
         self.options = options
         self.state = Lifecycle.SHARDED
+        # The save writing in the background, if any, and the process group of such saves,
+        # created at the first (Note: background saves in checkpoint/background.py).
+        self.saving: BackgroundSave | None = None
+        self._saver: Comm | None = None
 
     def end(self, *, failed: bool) -> None:
         """The strategy's teardown (Note: run lifecycle)."""
@@ -90,28 +103,68 @@ class ShardedRun:
             return sharded_optimizer_state(self.engine, optimizer)
         return full_optimizer_state(self.engine, optimizer, to_rank=0)
 
-    def save(self, path: Path, checkpoint: dict[str, Any], write_file: WriteFile | None) -> None:
+    def save(
+        self,
+        path: Path | RemotePath,
+        checkpoint: dict[str, Any],
+        write_file: WriteFile | None,
+        *,
+        background: bool = False,
+    ) -> None:
         """Write `checkpoint` (built from `model_state_dict` and `optimizer_state`) at `path`,
-        replacing what a save put there before, atomically."""
-        if self.sharded_checkpoints:
-            save_sharded(path, self.engine, checkpoint, whole=self.state is Lifecycle.WHOLE)
-        else:
+        replacing what a save put there before, atomically. `background`: a sharded save while
+        the module is sharded returns once its snapshot is in host memory (Note: background saves)."""
+        self.wait_for_save()
+        if not self.sharded_checkpoints:
             save_full(checkpoint, path, self.engine.world_comm, write=write_file)
+        elif background and self.state is Lifecycle.SHARDED:
+            planned = plan_sharded(path, self.engine, checkpoint, copy=True)
+            if self._saver is None:
+                self._saver = saver_comm(self.engine.world_comm)
+            saver = self._saver
+            self.saving = BackgroundSave(lambda: write_sharded(path, planned, saver), what=f"the checkpoint {path}")
+        else:
+            save_sharded(path, self.engine, checkpoint, whole=self.state is Lifecycle.WHOLE)
+
+    def wait_for_save(self, *, agree: bool = True) -> CheckpointError | None:
+        """Wait for the save writing in the background, if any. `agree` (collective): its error
+        is raised on every rank; else (no collective: a teardown where other ranks may be gone)
+        logged and returned."""
+        saving, self.saving = self.saving, None
+        if saving is None:
+            return None
+        error = saving.wait()
+        context = f"Saving {saving.what} in the background failed (any previous checkpoint there is unchanged)"
+        if agree:
+            agree_on_error(self.engine.world_comm, error, context=context)
+        elif error is not None:
+            log.error(f"{context}: {error}")
+            return CheckpointError(f"{context}: {error}")
+        return None
 
     def trusted(self, weights_only: bool | None) -> bool:
         """Unpickle without restriction only when asked to (checkpoint/trust.py)."""
         return self.options().trust_checkpoint or weights_only is False
 
-    def open_sharded(self, path: Path, *, strict: bool, trusted: bool, context: str) -> Any:
+    def open_sharded(self, path: Path | RemotePath, *, strict: bool, trusted: bool, context: str) -> Any:
         """A sharded checkpoint directory, checked on every rank against the model."""
+        self.wait_for_save()
         require_exists(self.engine.world_comm, path, context=context)
         return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
 
     def read_full(
-        self, path: Path, read_file: ReadFile | None, *, trusted: bool, strict: bool, context: str, key: str | None
+        self,
+        path: Path | RemotePath,
+        read_file: ReadFile | None,
+        *,
+        trusted: bool,
+        strict: bool,
+        context: str,
+        key: str | None,
     ) -> dict[str, Any]:
         """A full file, read on every rank and checked against the model before anything loads:
         its entry `key` (None: the file itself) is the model's state dict."""
+        self.wait_for_save()
         require_exists(self.engine.world_comm, path, context=context)
         return load_full(path, self.engine, key=key, strict=strict, trusted=trusted, read=read_file)
 

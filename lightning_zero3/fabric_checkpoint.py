@@ -17,8 +17,8 @@ before any collective that loads it (checkpoint/errors.py, Note: no hang on a ba
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from lightning_zero3.checkpoint import CheckpointError
 from lightning_zero3.checkpoint.errors import run_and_agree
 from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers
+from lightning_zero3.checkpoint.remote import as_path
 from lightning_zero3.core import ReadFile, ShardedRun
 from lightning_zero3.engine.state import load_full_optimizer_state
 from lightning_zero3.options import checkpoint_io_files
@@ -74,7 +75,7 @@ def _filtered(key: str, value: Any, filter: dict[str, Callable[[str, Any], bool]
 
 def save(
     run_of: Callable[[nn.Module], ShardedRun],
-    path: Path,
+    path: str | os.PathLike,
     state: dict[str, Any],
     checkpoint_io: CheckpointIO,
     *,
@@ -103,18 +104,19 @@ def save(
             else:
                 value = obj.state_dict() if _stateful(obj) else obj
             checkpoint[key] = _filtered(key, value, filter or {})
-    run.save(path, checkpoint, checkpoint_io_files(checkpoint_io)[0])
+    run.save(as_path(path), checkpoint, checkpoint_io_files(checkpoint_io)[0], background=run.options().async_save)
 
 
 def load(
     run_of: Callable[[nn.Module], ShardedRun],
-    file: Path,
+    filepath: str | os.PathLike,
     state: nn.Module | Optimizer | dict[str, Any] | None,
     read_file: ReadFile | None,
     *,
     strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
+    file = as_path(filepath)
     context = f"Cannot load the checkpoint {file}"
     if isinstance(state, Optimizer):
         raise NotImplementedError(
@@ -123,6 +125,7 @@ def load(
         )
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         run = run_of(state)
+        run.wait_for_save()  # it may be writing this very path
         trusted = run.trusted(weights_only)
         if file.is_dir():
             load_sharded_model(run.open_sharded(file, strict=strict, trusted=trusted, context=context), run.engine)
@@ -136,6 +139,7 @@ def load(
             f"`fabric.load(path, {{'model': model, 'optimizer': optimizer}})`: the model's shards are loaded in place."
         )
     module_key, run, optimizers, rest = _split(run_of, state, "load")
+    run.wait_for_save()
     trusted = run.trusted(weights_only)
     if file.is_dir():
         ckpt = run.open_sharded(file, strict=strict, trusted=trusted, context=context)

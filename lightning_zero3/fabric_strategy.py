@@ -300,7 +300,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         "full" one ordinary file from rank 0 with whole tensors. Both load at any world size."""
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
-        fabric_checkpoint.save(self._run_of, Path(self.broadcast(str(path))), state, self.checkpoint_io, filter=filter)
+        fabric_checkpoint.save(self._run_of, self.broadcast(str(path)), state, self.checkpoint_io, filter=filter)
 
     @override
     def load_checkpoint(
@@ -312,7 +312,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     ) -> dict[str, Any]:
         """`fabric.load`: a sharded directory or a full file, saved at any world size."""
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only)[1]
-        file = Path(self.broadcast(str(path)))
+        file = self.broadcast(str(path))  # a path or a URL (Note: remote checkpoints)
         return fabric_checkpoint.load(self._run_of, file, state, read, strict=strict, weights_only=weights_only)
 
     # ---- teardown ---------------------------------------------------------------------------
@@ -321,10 +321,15 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         # Fabric tells a strategy nothing of failures, so teardown makes no collective: each module
         # is left sharded, its forward refused, until a new setup makes it whole (core.py, Note:
         # run lifecycle). `gathered_parameters` or a full save gives whole weights before this.
+        # The last background save: waited for here, its error raised on this rank (no agreement).
+        errors = [run.wait_for_save(agree=False) for run in self._runs.values()]
         for run in self._runs.values():
             run.end(failed=True)
         self._runs.clear()
         super().teardown()
+        for error in errors:
+            if error is not None:
+                raise error
 
     @classmethod
     @override

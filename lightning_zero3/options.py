@@ -59,12 +59,16 @@ class LightningOptions:
             from the file (checkpoint/trust.py). Default False.
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank) or a multiprocessing start method.
+        async_save: sharded saves (`trainer.save_checkpoint`, `ModelCheckpoint`, `fabric.save`)
+            return once each rank has a host copy of its shards and write in a background
+            thread (docs/checkpoints.md). Default False.
     """
 
     state_dict_type: Literal["sharded", "full"] = "sharded"
     trust_checkpoint: bool = False
     timeout: timedelta = timedelta(minutes=30)
     start_method: StartMethod = "popen"
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         def bad(option: str, expected: str) -> ValueError:
@@ -76,6 +80,8 @@ class LightningOptions:
             raise bad("trust_checkpoint", "a bool")
         if not isinstance(self.timeout, timedelta):
             raise bad("timeout", "a datetime.timedelta")
+        if not isinstance(self.async_save, bool):
+            raise bad("async_save", "a bool")
         if self.start_method not in START_METHODS:
             raise bad("start_method", f"one of {START_METHODS}")
 

@@ -283,12 +283,12 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the checkpoint "
                 f"is written by {type(self).__name__}, not by a CheckpointIO plugin."
             )
-        path = Path(self.broadcast(os.fspath(filepath)))
+        path = self.broadcast(os.fspath(filepath))  # a path or a URL (Note: remote checkpoints)
         trainer_checkpoint.save_checkpoint(self._run, checkpoint, path, self.checkpoint_io)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        path = self.broadcast(os.fspath(checkpoint_path))
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         return trainer_checkpoint.load_checkpoint(
             self._run, path, self.checkpoint_io, weights_only=weights_only, strict=strict
@@ -305,7 +305,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
         if self.is_global_zero:
-            trainer_checkpoint.remove_checkpoint(filepath, self.checkpoint_io)
+            trainer_checkpoint.remove_checkpoint(filepath, self.checkpoint_io, self.run)
 
     # ---- teardown ---------------------------------------------------------------------------
     @override
@@ -314,6 +314,8 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.run is not None:  # the last background save, its error raised on every rank
+            self.run.wait_for_save(agree=not self._failed)
         if self.run is not None and self.run.state is Lifecycle.SHARDED:
             # Failed: the module stays sharded (and savable) until the next engine built for it
             # makes it whole. Else whole parameters in host memory, one unit at a time, as

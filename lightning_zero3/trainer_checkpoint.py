@@ -25,6 +25,7 @@ from lightning_zero3.checkpoint import remove_checkpoint as remove_checkpoint_pa
 from lightning_zero3.checkpoint.errors import run_and_agree
 from lightning_zero3.checkpoint.format import ShardedOptimizerStates, ShardedStateDict
 from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers
+from lightning_zero3.checkpoint.remote import as_path
 from lightning_zero3.core import ShardedRun
 from lightning_zero3.engine.state import load_full_optimizer_state
 from lightning_zero3.options import checkpoint_io_files
@@ -33,12 +34,19 @@ log = logging.getLogger(__name__)
 
 
 def load_checkpoint(
-    run: ShardedRun, path: Path, checkpoint_io: CheckpointIO, *, weights_only: bool | None, strict: bool
+    run: ShardedRun,
+    filepath: str | os.PathLike,
+    checkpoint_io: CheckpointIO,
+    *,
+    weights_only: bool | None,
+    strict: bool,
 ) -> dict[str, Any]:
     """A sharded directory (its Lightning dict, tensors still on disk) or a full Lightning file."""
+    path = as_path(filepath)
+    run.wait_for_save()  # it may be writing this very path
     context = f"Cannot load the checkpoint {path}"
     trusted = run.trusted(weights_only)
-    if os.path.isdir(path):
+    if path.is_dir():
         ckpt = run.open_sharded(path, strict=strict, trusted=trusted, context=context)
         return run_and_agree(run.engine.world_comm, ckpt.lightning_dict, context=context)
 
@@ -46,8 +54,10 @@ def load_checkpoint(
     return run.read_full(path, read, trusted=trusted, strict=strict, context=context, key="state_dict")
 
 
-def save_checkpoint(run: ShardedRun, checkpoint: dict[str, Any], path: Path, checkpoint_io: CheckpointIO) -> None:
-    run.save(path, checkpoint, checkpoint_io_files(checkpoint_io)[0])
+def save_checkpoint(
+    run: ShardedRun, checkpoint: dict[str, Any], path: str | os.PathLike, checkpoint_io: CheckpointIO
+) -> None:
+    run.save(as_path(path), checkpoint, checkpoint_io_files(checkpoint_io)[0], background=run.options().async_save)
 
 
 def load_model_state_dict(run: ShardedRun, checkpoint: Mapping[str, Any], strict: bool) -> None:
@@ -72,9 +82,13 @@ def load_optimizer_state_dict(run: ShardedRun, checkpoint: Mapping[str, Any], op
         load_full_optimizer_state(run.engine, optimizer, state)
 
 
-def remove_checkpoint(filepath: str | Path, checkpoint_io: CheckpointIO) -> None:
-    """Rank 0 only, as Lightning calls it."""
-    if not os.path.isdir(filepath) and type(checkpoint_io) is not TorchCheckpointIO:
+def remove_checkpoint(filepath: str | Path, checkpoint_io: CheckpointIO, run: ShardedRun | None = None) -> None:
+    """Rank 0 only, as Lightning calls it; no collective. While a save writes in the background,
+    once it has succeeded (Note: background saves in checkpoint/background.py)."""
+    if run is not None and run.saving is not None:
+        run.saving.then(lambda: remove_checkpoint(filepath, checkpoint_io))
+        return
+    if not as_path(filepath).is_dir() and type(checkpoint_io) is not TorchCheckpointIO:
         checkpoint_io.remove_checkpoint(filepath)  # a full file in the plugin's format
         return
     try:

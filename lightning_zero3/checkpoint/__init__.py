@@ -10,6 +10,7 @@ Framework-independent (no Lightning import): a Lightning checkpoint is only a di
     streaming.py    the writers consolidation streams through [Note: the torch.save file format]
     plain.py        either kind read into one process: load_checkpoint (a dict), load_from_checkpoint
     files.py        checksums, atomic replace and remove, temporary names [Note: temporary names]
+    remote.py       fsspec URLs: a Path-like handle, manifest-last commit [Note: remote checkpoints]
     trust.py        what loading trusts: restricted unpickling, plain names [Note: checkpoint trust model]
     errors.py       CheckpointError; ranks agree before any collective [Note: no hang on a bad checkpoint]
 """

@@ -37,6 +37,7 @@ from lightning_zero3.checkpoint.format import (
     param_numbers,
     with_params,
 )
+from lightning_zero3.checkpoint.remote import RemotePath, as_path, staged
 from lightning_zero3.checkpoint.streaming import (
     Deferred,
     find_deferred,
@@ -60,8 +61,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class ConsolidationSummary:
-    src: Path
-    dst: Path
+    src: Path | RemotePath
+    dst: Path | RemotePath
     world_size: int
     tensors: int
     bytes: int
@@ -145,8 +146,8 @@ def deferred_checkpoint(
 
 # ---- the entry point ------------------------------------------------------------------------
 def consolidate_checkpoint(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
+    src: str | os.PathLike | RemotePath,
+    dst: str | os.PathLike | RemotePath,
     *,
     weights_only: bool = False,
     dtype: torch.dtype | str | None = None,
@@ -165,7 +166,7 @@ def consolidate_checkpoint(
     itself) and anything that is not a checkpoint file (Note: what a save may replace). A failed
     write leaves nothing at `dst` but what was there."""
     start = time.perf_counter()
-    src, dst = Path(src), Path(dst)
+    src, dst = as_path(src), as_path(dst)
     cast = parse_dtype(dtype, "consolidate_checkpoint(dtype=...)")
     _check_destination(src, dst)
     ckpt = open_sharded(src, verify=verify, trusted=trusted)
@@ -186,27 +187,37 @@ def consolidate_checkpoint(
         if progress is not None:
             progress(done)
 
-    partial = Partial(dst, directory=False)  # created exclusively (Note: temporary names in files.py)
-    try:
-        assert partial.file is not None
+    def write(file: Any) -> None:
         if safetensors:
-            stream_safetensors(tensors, partial.file, meta, on_tensor)
+            stream_safetensors(tensors, file, meta, on_tensor)
         else:
-            stream_torch_save(output, partial.file, on_tensor)
-        replace_path(partial.path, dst)
+            stream_torch_save(output, file, on_tensor)
+
+    # Created exclusively (Note: temporary names in files.py); at a URL, a local file uploaded
+    # once written, since the zip writer seeks (Note: remote checkpoints in remote.py).
+    partial = Partial(dst, directory=False) if isinstance(dst, Path) else None
+    try:
+        if isinstance(dst, RemotePath):
+            with staged(dst) as file:
+                write(file)
+        else:
+            assert partial is not None
+            write(partial.file)
+            replace_path(partial.path, dst)
     except Exception as err:
         if isinstance(err, CheckpointError):
             raise
         raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
     finally:
-        partial.close(remove=True)
+        if partial is not None:
+            partial.close(remove=True)
     return ConsolidationSummary(
         src=src, dst=dst, world_size=ckpt.meta["world_size"], tensors=done.tensors_done, bytes=done.bytes_done,
         file_bytes=dst.stat().st_size, seconds=time.perf_counter() - start,
     )  # fmt: skip
 
 
-def _check_destination(src: Path, dst: Path) -> None:
+def _check_destination(src: Path | RemotePath, dst: Path | RemotePath) -> None:
     """Refuse, before anything is read or written, a `dst` that would overwrite the source
     checkpoint or anything that is not a checkpoint file."""
     real_src, real_dst = src.resolve(), dst.resolve()

@@ -11,7 +11,6 @@ A rank that dies or times out makes that all_gather fail on the others: they rai
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -28,7 +27,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     own loading raises for a missing `ckpt_path`, so code that catches that keeps working."""
 
 
-def require_exists(comm: Comm, path: Path, *, context: str) -> None:
+def require_exists(comm: Comm, path: Any, *, context: str) -> None:
     """Raise `CheckpointNotFoundError` on every rank when nothing exists at `path` on any rank
     (a path on one rank only is left to the loading's own checks, which name that rank)."""
     if not any(all_gather_object(comm, path.exists(), context=context)):

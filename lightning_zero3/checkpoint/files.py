@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from lightning_zero3.checkpoint.errors import CheckpointError
+from lightning_zero3.checkpoint.remote import DATA_PREFIX, RemotePath, as_path, uploading
 
 FORMAT = "lightning_zero3.sharded"  # meta.json's "format"
 META_FILE = "meta.json"
@@ -47,15 +48,15 @@ _CHUNK = 1 << 20  # bytes read at a time for checksums
 _SAVE_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|trainer_state\.pt|meta\.json(\.tmp)?")
 
 
-def crc32(file: Path) -> str:
+def crc32(file: Path | RemotePath) -> str:
     value = 0
-    with open(file, "rb") as f:
+    with file.open("rb") as f:
         while chunk := f.read(_CHUNK):
             value = zlib.crc32(chunk, value)
     return f"{value:08x}"
 
 
-def checksums(directory: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+def checksums(directory: Path | RemotePath, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     out = {}
     for name in names:
         file = directory / name
@@ -75,7 +76,11 @@ def fsync_directory(path: Path) -> None:
             os.close(fd)
 
 
-def write_json_atomically(obj: dict[str, Any], file: Path) -> None:
+def write_json_atomically(obj: dict[str, Any], file: Path | RemotePath) -> None:
+    if isinstance(file, RemotePath):  # one PUT: an object is replaced whole
+        with uploading(file) as stream:
+            stream.write(_json_one_entry_per_line(obj).encode())
+        return
     tmp = file.with_name(file.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(_json_one_entry_per_line(obj))
@@ -99,7 +104,11 @@ def _json_one_entry_per_line(obj: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-def fsynced_torch_save(obj: Any, file: Path) -> None:
+def fsynced_torch_save(obj: Any, file: Path | RemotePath) -> None:
+    if isinstance(file, RemotePath):
+        with uploading(file) as stream:
+            torch.save(obj, stream)
+        return
     with open(file, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -183,12 +192,18 @@ def remove_stale_partials(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+def atomic_torch_save(obj: Any, path: str | os.PathLike | RemotePath) -> None:
     """`torch.save(obj, path)` that never leaves a partial file at `path`: written under a
     temporary name of its own (Note: temporary names), synced, then swapped in (replacing a file
-    or a sharded directory)."""
-    path = Path(path)
+    or a sharded directory); at a URL, one upload (Note: remote checkpoints in remote.py)."""
+    path = as_path(path)
     check_replaceable(path)
+    if isinstance(path, RemotePath):
+        with uploading(path) as stream:
+            torch.save(obj, stream)
+        if path.is_dir():  # a sharded checkpoint there before: the file replaces it
+            path.remove_prefix()
+        return
     partial = Partial(path, directory=False)
     try:
         assert partial.file is not None
@@ -257,12 +272,15 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_checkpoint(path: str | os.PathLike) -> None:
+def remove_checkpoint(path: str | os.PathLike | RemotePath) -> None:
     """Remove a checkpoint (a file, a link to one, or a sharded directory). A directory is first
     renamed to a hidden name, so it disappears from `path` at once. Anything that is not
     recognisably a checkpoint (Note: what a save may replace) is refused and left as it is."""
-    path = Path(path)
+    path = as_path(path)
     check_replaceable(path, action="remove")
+    if isinstance(path, RemotePath):
+        path.remove()
+        return
     if path.is_dir() and not path.is_symlink():
         trash = _hidden(path, secrets.token_hex(8), _TRASH_SUFFIX)
         os.rename(path, trash)
@@ -280,19 +298,19 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
 # lists); an empty file; a file torch.save wrote (a zip whose records all sit under one folder
 # holding data.pkl); a safetensors file. Anything else is refused with a CheckpointError before
 # anything is written.
-def replace_problem(path: Path) -> str | None:
+def replace_problem(path: Path | RemotePath) -> str | None:
     """Why saving over (or removing) `path` could destroy something that is not a checkpoint;
     None if it is free or holds a checkpoint."""
     if path.is_symlink() or not path.exists():
         return None
     if path.is_dir():
-        entries = sorted(os.listdir(path))
+        entries = sorted(p.name for p in path.iterdir())
         if not entries:
             return None
         listed = _sharded_checkpoint_files(path)
         if listed is None:
             return f"it is a directory that is not a lightning_zero3 checkpoint (it holds {few(entries)})"
-        foreign = [e for e in entries if e not in listed]
+        foreign = [e for e in entries if e not in listed and not _data_prefix(path, e)]
         if foreign:
             return f"it is a checkpoint directory that also holds files not of the checkpoint: {few(foreign)}"
         return None
@@ -303,7 +321,7 @@ def replace_problem(path: Path) -> str | None:
     return "it is a file that is not a checkpoint (neither a torch.save zip archive nor a safetensors file)"
 
 
-def check_replaceable(path: Path, *, action: str = "save over") -> None:
+def check_replaceable(path: Path | RemotePath, *, action: str = "save over") -> None:
     problem = replace_problem(path)
     if problem is not None:
         raise CheckpointError(
@@ -312,7 +330,12 @@ def check_replaceable(path: Path, *, action: str = "save over") -> None:
         )
 
 
-def _sharded_checkpoint_files(path: Path) -> set[str] | None:
+def _data_prefix(path: Path | RemotePath, name: str) -> bool:
+    """A save's own prefix under a URL, named by meta.json or left by a save that did not finish."""
+    return isinstance(path, RemotePath) and DATA_PREFIX.fullmatch(name) is not None
+
+
+def _sharded_checkpoint_files(path: Path | RemotePath) -> set[str] | None:
     """The names a sharded checkpoint directory may hold (meta.json and the files it lists), or
     None if `path` has no meta.json of our format."""
     if (path / META_FILE).is_symlink():
@@ -326,10 +349,10 @@ def _sharded_checkpoint_files(path: Path) -> set[str] | None:
     return {META_FILE, *(name for name in meta["files"] if isinstance(name, str))}
 
 
-def is_torch_file(path: Path) -> bool:
+def is_torch_file(path: Path | RemotePath) -> bool:
     """A zip archive as torch.save writes it: every record under one folder that holds data.pkl."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with path.open("rb") as f, zipfile.ZipFile(f) as archive:
             names = archive.namelist()
     except (OSError, zipfile.BadZipFile, ValueError):
         return False
@@ -337,11 +360,11 @@ def is_torch_file(path: Path) -> bool:
     return len(folders) == 1 and f"{next(iter(folders))}/data.pkl" in names
 
 
-def is_safetensors_file(path: Path) -> bool:
+def is_safetensors_file(path: Path | RemotePath) -> bool:
     """An 8-byte little-endian header length, then a JSON object header that fits the file."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > min(size - 8, 100 << 20):
                 return False

@@ -31,6 +31,7 @@ import torch
 
 from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
 from lightning_zero3.checkpoint.files import FORMAT, META_FILE, crc32, few
+from lightning_zero3.checkpoint.remote import DATA_PREFIX, RemotePath, as_path
 from lightning_zero3.checkpoint.trust import (
     CheckpointReader,
     check_meta,
@@ -105,7 +106,11 @@ def fingerprint(parameters: Mapping[str, TensorInfo]) -> str:
 
 
 def describe_mismatch(
-    path: str | os.PathLike, saved: Mapping[str, TensorInfo], expected: Mapping[str, TensorInfo], *, strict: bool
+    path: str | os.PathLike | RemotePath,
+    saved: Mapping[str, TensorInfo],
+    expected: Mapping[str, TensorInfo],
+    *,
+    strict: bool,
 ) -> str | None:
     """Why a checkpoint holding `saved` tensors cannot load into a model holding `expected`:
     names on one side only (when `strict`) and shapes that differ; None if it can."""
@@ -215,8 +220,11 @@ class ShardedCheckpoint:
     """A sharded checkpoint directory whose meta.json and DCP index have been read and checked.
     Unless `trusted`, nothing read from it runs code (Note: checkpoint trust model)."""
 
-    def __init__(self, path: Path, meta: dict[str, Any], *, index: Any, saved: dict[str, Any], trusted: bool) -> None:
+    def __init__(
+        self, path: Path | RemotePath, meta: dict[str, Any], *, index: Any, saved: dict, trusted: bool
+    ) -> None:
         self.path = path
+        self.data = data_directory(path, meta)  # where its files are
         self.meta = meta
         self.index = index  # DCP's index (.metadata), read once
         self._saved = saved  # trainer_state.pt, read once
@@ -248,7 +256,7 @@ class ShardedCheckpoint:
 
     def reader(self) -> CheckpointReader:
         """A DCP storage reader of this directory that reuses the checked index."""
-        return CheckpointReader(self.path, trusted=self.trusted, index=self.index)
+        return CheckpointReader(self.data, trusted=self.trusted, index=self.index)
 
     def trainer_state(self) -> dict[str, Any]:
         """trainer_state.pt (weights_only unless trusted): {"keys": the checkpoint dict's keys in
@@ -297,32 +305,29 @@ class ShardedOptimizerStates(list):
 
 
 def open_sharded(
-    path: str | os.PathLike,
-    *,
-    comm: Comm | None = None,
-    verify: bool = True,
-    trusted: bool = False,
+    path: str | os.PathLike | RemotePath, *, comm: Comm | None = None, verify: bool = True, trusted: bool = False
 ) -> ShardedCheckpoint:
     """Read and check a sharded checkpoint: meta.json, format version, every file's presence
     and size, the CRC-32 of the files this rank verifies (rank r checks files r, r + N, ...;
     all of them without `comm`), and DCP's index (Note: checkpoint trust model). With `comm`,
     ranks agree before returning (Note: no hang on a bad checkpoint)."""
-    path = Path(path)
+    path = as_path(path)
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
 
     def check() -> ShardedCheckpoint:
         meta = _read_meta(path)
+        data = data_directory(path, meta)
         names = sorted(meta["files"])
         for name in names:
-            _check_file(path, name, meta["files"][name], crc=False)
+            _check_file(data, name, meta["files"][name], crc=False)
         if verify:
             for name in names[rank::world]:
-                _check_file(path, name, meta["files"][name], crc=True)
-        index = read_dcp_index(path / DCP_INDEX_FILE, trusted=trusted)
+                _check_file(data, name, meta["files"][name], crc=True)
+        index = read_dcp_index(data / DCP_INDEX_FILE, trusted=trusted)
         unlisted = sorted({info.relative_path for info in index.storage_data.values()} - set(names))
         if unlisted:
-            raise CheckpointError(f"{path / DCP_INDEX_FILE} names files that {META_FILE} does not list: {unlisted}")
-        file = path / TRAINER_STATE_FILE
+            raise CheckpointError(f"{data / DCP_INDEX_FILE} names files that {META_FILE} does not list: {unlisted}")
+        file = data / TRAINER_STATE_FILE
         saved = dict(check_trainer_state(load_torch_file(file, trusted=trusted), file))
         return ShardedCheckpoint(path, meta, index=index, saved=saved, trusted=trusted)
 
@@ -331,7 +336,18 @@ def open_sharded(
     return result
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def data_directory(path: Path | RemotePath, meta: Mapping[str, Any]) -> Path | RemotePath:
+    """Where meta.json's files are: next to it, or in the prefix it names (Note: remote checkpoints)."""
+    data = meta.get("data")
+    if data is None:
+        return path
+    if not isinstance(data, str) or DATA_PREFIX.fullmatch(data) is None:
+        raise CheckpointError(f"{path / META_FILE} is corrupted: 'data' must name a 'shards.<16 hex digits>' prefix")
+    check_plain_name(path, data, str(path / META_FILE))
+    return path / data
+
+
+def _read_meta(path: Path | RemotePath) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     if not path.is_dir():
@@ -339,7 +355,8 @@ def _read_meta(path: Path) -> dict[str, Any]:
     meta_file = path / META_FILE
     check_plain_name(path, META_FILE, str(path))  # a link out of the directory is not read
     if not meta_file.is_file():
-        if (path / DCP_INDEX_FILE).exists() or _dcp_files(path):
+        saved = [p.name for p in path.iterdir() if DATA_PREFIX.fullmatch(p.name) or p.match("__*_*.distcp")]
+        if (path / DCP_INDEX_FILE).exists() or saved:
             raise CheckpointError(
                 f"{path} has shard files but no {META_FILE}: the save that wrote it did not finish, or it was "
                 f"not written by lightning_zero3; it is not a complete checkpoint"
@@ -364,7 +381,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _check_file(directory: Path, name: str, expected: Mapping[str, Any], *, crc: bool) -> None:
+def _check_file(directory: Path | RemotePath, name: str, expected: Mapping[str, Any], *, crc: bool) -> None:
     check_plain_name(directory, name, str(directory / META_FILE))  # before the name touches the disk
     file = directory / name
     what = f"rank {expected['rank']}'s shard file" if "rank" in expected else "file"
@@ -379,7 +396,3 @@ def _check_file(directory: Path, name: str, expected: Mapping[str, Any], *, crc:
             raise CheckpointError(
                 f"{what} {file} is corrupted: CRC-32 {actual} does not match {expected['crc32']} in {META_FILE}"
             )
-
-
-def _dcp_files(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.glob("__*_*.distcp"))

@@ -14,13 +14,18 @@ import torch
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error, run_and_agree
 from lightning_zero3.checkpoint.files import atomic_torch_save, few
 from lightning_zero3.checkpoint.format import TensorInfo, describe_mismatch, dtype_name, model_tensors
+from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.trust import forbidden_global
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 
 
 def save_full(
-    checkpoint: Mapping[str, Any], path: str | os.PathLike, comm: Comm, *, write: Callable[..., Any] | None = None
+    checkpoint: Mapping[str, Any],
+    path: str | os.PathLike | RemotePath,
+    comm: Comm,
+    *,
+    write: Callable[..., Any] | None = None,
 ) -> None:
     """Rank 0 writes `checkpoint` (whole tensors, already gathered to it) to the file `path`,
     atomically (Note: temporary names in files.py), or with `write(checkpoint, path)` (a
@@ -28,21 +33,23 @@ def save_full(
     `CheckpointError`."""
 
     def write_on_rank_0() -> None:
-        if comm.rank == 0:
-            (write or atomic_torch_save)(checkpoint, path)
+        if comm.rank == 0 and write is not None:
+            write(checkpoint, path if isinstance(path, Path) else str(path))  # a plugin opens URLs itself
+        elif comm.rank == 0:
+            atomic_torch_save(checkpoint, path)
 
     context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
     run_and_agree(comm, write_on_rank_0, context=context)
 
 
 def load_full(
-    path: str | os.PathLike,
+    path: str | os.PathLike | RemotePath,
     model: ShardedModel,
     *,
     key: str | None = "state_dict",
     strict: bool,
     trusted: bool,
-    read: Callable[[Path], Any] | None = None,
+    read: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """The full checkpoint at `path`, read by every rank (`read_full_file`) and checked to fit
     `model`: its entry `key` (the whole dict when None) is a state dict whose names (with
@@ -63,14 +70,18 @@ def load_full(
 
 
 def read_full_file(
-    path: str | os.PathLike, *, key: str | None = "state_dict", trusted: bool, read: Callable[[Path], Any] | None = None
+    path: str | os.PathLike | RemotePath,
+    *,
+    key: str | None = "state_dict",
+    trusted: bool,
+    read: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """The dict saved in the file `path`, with an entry `key` unless None: read with `read` if
     given, else memory-mapped (the ranks of one machine share the page cache) and, unless
     `trusted`, with `torch.load(weights_only=True)` (Note: checkpoint trust model)."""
-    path = Path(path)
+    path = as_path(path)
     if read is not None:
-        checkpoint = read(path)
+        checkpoint = read(path if isinstance(path, Path) else str(path))
     elif not path.exists():
         raise CheckpointError(f"{path} does not exist")
     elif path.is_dir():
@@ -92,8 +103,11 @@ def read_full_file(
     raise CheckpointError(f"{path} has no entry '{key}' (it has {few(sorted(map(str, checkpoint)))})")
 
 
-def _torch_load(path: Path, *, trusted: bool) -> Any:
+def _torch_load(path: Path | RemotePath, *, trusted: bool) -> Any:
     try:
+        if isinstance(path, RemotePath):  # no memory map: read as a stream
+            with path.open("rb") as f:
+                return torch.load(f, map_location="cpu", weights_only=not trusted)
         try:
             return torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
         except RuntimeError as err:
@@ -104,7 +118,7 @@ def _torch_load(path: Path, *, trusted: bool) -> Any:
         forbidden = forbidden_global(path, err)
         if forbidden is not None:
             raise CheckpointError(forbidden) from err
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             zip_start = f.read(4) == b"PK\x03\x04"  # torch.save's files are zip archives
         if zip_start:
             raise CheckpointError(

@@ -24,12 +24,19 @@ from lightning_zero3.checkpoint.format import (
     sharded_by_name,
     with_params,
 )
+from lightning_zero3.checkpoint.remote import RemotePath
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
 
 
 def open_checked(
-    path: str | os.PathLike, model: ShardedModel, *, strict: bool, context: str, trusted: bool, verify: bool = True
+    path: str | os.PathLike | RemotePath,
+    model: ShardedModel,
+    *,
+    strict: bool,
+    context: str,
+    trusted: bool,
+    verify: bool = True,
 ) -> ShardedCheckpoint:
     """Open the sharded checkpoint `path` and check it fits `model`; every rank raises if any rank found a problem."""
     ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
@@ -153,7 +160,7 @@ def load_sharded_optimizers(
         optimizer.load_state_dict(packed)
 
 
-def _check_groups(path: Path, index: int, saved: list[list[str]], current: list[list[str]]) -> None:
+def _check_groups(path: Path | RemotePath, index: int, saved: list[list[str]], current: list[list[str]]) -> None:
     if len(saved) != len(current):
         raise CheckpointError(
             f"checkpoint {path}: optimizer {index} had {len(saved)} param groups, this run's has {len(current)}"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -23,6 +22,7 @@ from lightning_zero3.checkpoint.consolidate import deferred_checkpoint
 from lightning_zero3.checkpoint.errors import CheckpointError
 from lightning_zero3.checkpoint.format import open_sharded
 from lightning_zero3.checkpoint.full import read_full_file
+from lightning_zero3.checkpoint.remote import as_path
 from lightning_zero3.checkpoint.streaming import materialized
 
 ModuleT = TypeVar("ModuleT")
@@ -39,7 +39,7 @@ def load_checkpoint(
     leave out (and never read) optimizer states, LR schedulers and callback states; `trusted`:
     unpickle without restriction (Note: checkpoint trust model); `verify`: check every file's
     CRC-32 first. Raises `CheckpointError` naming the path and the problem."""
-    if Path(path).is_dir():  # a directory of another kind: the CheckpointError says what it lacks
+    if as_path(path).is_dir():  # a directory of another kind: the CheckpointError says what it lacks
         ckpt = open_sharded(path, verify=verify, trusted=trusted)
         return materialized(deferred_checkpoint(ckpt, weights_only=weights_only))
     checkpoint = read_full_file(path, trusted=trusted)
@@ -67,7 +67,7 @@ def load_from_checkpoint(
     options: dict[str, Any] = {"map_location": map_location, "hparams_file": hparams_file, "strict": strict}
     options["weights_only"] = not trusted
     source: str | os.PathLike | io.BytesIO = path
-    if Path(path).is_dir():
+    if as_path(path).is_dir():
         checkpoint = load_checkpoint(path, weights_only=True, trusted=trusted)
         if _LIGHTNING_VERSION_KEY not in checkpoint:  # Lightning's migration reads it first
             raise CheckpointError(

@@ -3,16 +3,20 @@ temporary directory, which rank 0 swaps into place once every rank's part is on 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import warnings
 from collections.abc import Mapping
+from copy import deepcopy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of, run_and_agree
 from lightning_zero3.checkpoint.files import (
     Partial,
     check_replaceable,
@@ -38,12 +42,14 @@ from lightning_zero3.checkpoint.format import (
     sharded_by_name,
     with_params,
 )
+from lightning_zero3.checkpoint.remote import RemotePath, as_path, new_data_prefix
 from lightning_zero3.checkpoint.trust import read_dcp_index
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
 
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # the entries of a checkpoint dict stored by DCP
+_LIGHTNING_KEYS = ("epoch", "global_step", "pytorch-lightning_version")  # copied into meta.json
 
 
 def sharded_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -54,6 +60,10 @@ def sharded_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimize
     name_of = {number: name for name, number in param_numbers(groups).items()}
     state = {name_of[index]: dict(entry) for index, entry in packed["state"].items()}
     return {"state": state, "param_groups": with_params(packed["param_groups"], groups)}
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _local_piece(sp: ShardedParam, value: torch.Tensor, *, whole: bool, key: str) -> torch.Tensor:
@@ -74,8 +84,11 @@ def _plan_save(
     optimizer_states: list[Mapping[str, Any]] | None,
     *,
     whole: bool,
+    copy: bool,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """(tensors for DCP, objects for trainer_state.pt, tensor inventory for meta.json)."""
+    """(tensors for DCP, objects for trainer_state.pt, tensor inventory for meta.json); `copy`:
+    the tensors are copies in host memory (a snapshot), not views of the live ones."""
+    snap = _host_copy if copy else torch.Tensor.detach
     pieces = Pieces(model)
     sharded = sharded_by_name(model)
     tensors: dict[str, torch.Tensor] = {}
@@ -89,12 +102,12 @@ def _plan_save(
         elif sp is not None and key != sp.name:
             entries.append({"key": key, "kind": "alias", "of": sp.name})
         elif sp is not None:
-            piece = _local_piece(sp, value, whole=whole, key=key)
+            piece = snap(_local_piece(sp, value, whole=whole, key=key))
             tensors[f"state_dict/{key}"] = pieces.sharded(piece, sp.numel)
             info = TensorInfo(tuple(sp.full_shape), dtype_name(value.dtype))
             entries.append({"key": key, "kind": "sharded", **info.as_json()})
         else:
-            tensors[f"state_dict/{key}"] = value.detach()
+            tensors[f"state_dict/{key}"] = snap(value)
             info = TensorInfo(tuple(value.shape), dtype_name(value.dtype))
             entries.append({"key": key, "kind": "tensor", **info.as_json()})
     optimizers_meta, optimizers_objects = [], []
@@ -110,11 +123,11 @@ def _plan_save(
                     continue
                 dcp_key = f"optimizer_states/{index}/{name}/{k}"
                 if sp is not None and sp.is_shard_shaped(v):
-                    tensors[dcp_key] = pieces.sharded(v.detach()[: sp.valid_numel()], sp.numel)
+                    tensors[dcp_key] = pieces.sharded(snap(v[: sp.valid_numel()]), sp.numel)
                     info = TensorInfo(tuple(sp.full_shape), dtype_name(v.dtype))
                     state_meta.setdefault(name, {})[k] = {"kind": "sharded", **info.as_json()}
                 else:
-                    tensors[dcp_key] = v.detach()
+                    tensors[dcp_key] = snap(v)
                     info = TensorInfo(tuple(v.shape), dtype_name(v.dtype))
                     state_meta.setdefault(name, {})[k] = {"kind": "tensor", **info.as_json()}
         optimizers_meta.append({"state": state_meta})
@@ -124,8 +137,49 @@ def _plan_save(
     return tensors, objects, meta
 
 
+@dataclass
+class PlannedSave:
+    """What a sharded save writes, planned on every rank (`plan_sharded`): DCP's tensors, the
+    pickled remainder, and meta.json without its file list."""
+
+    tensors: dict[str, torch.Tensor]
+    trainer_state: dict[str, Any]
+    meta: dict[str, Any]
+
+
+def plan_sharded(
+    path: object, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False, copy: bool = False
+) -> PlannedSave:
+    """Plan the save of `checkpoint` (see `save_sharded`); with `copy`, a snapshot in host memory
+    that training may go on from (Note: background saves in checkpoint/background.py). Every rank
+    returns, or raises the same `CheckpointError`."""
+    state_dict, optimizer_states = checkpoint["state_dict"], checkpoint.get("optimizer_states")
+    lightning = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
+    extra = {"keys": list(checkpoint), "extra": lightning}
+
+    def plan() -> PlannedSave:
+        tensors, objects, inventory = _plan_save(model, state_dict, optimizer_states, whole=whole, copy=copy)
+        parameters = model_parameters(model)
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "world_size": model.world_comm.world_size,
+            "shard_size": model.comm.world_size,
+            "torch_version": torch.__version__,
+            "fingerprint": fingerprint(parameters),
+            "parameters": {name: info.as_json() for name, info in parameters.items()},
+            "lightning": {k: lightning[k] for k in _LIGHTNING_KEYS if k in lightning},
+            **inventory,
+        }
+        remainder = {**extra, **objects}
+        return PlannedSave(tensors, deepcopy(remainder) if copy else remainder, meta)
+
+    context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
+    return run_and_agree(model.world_comm, plan, context=context)
+
+
 def save_sharded(
-    path: str | os.PathLike, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False
+    path: str | os.PathLike | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False
 ) -> None:
     """Write `checkpoint` as a sharded checkpoint directory at `path`; every rank calls it with
     the same path.
@@ -137,58 +191,66 @@ def save_sharded(
     every rank's part is on disk; on any failure the previous checkpoint at `path` is left as it
     was and every rank raises `CheckpointError`. A `path` holding anything but a checkpoint is
     refused before anything is written (Note: what a save may replace)."""
-    state_dict, optimizer_states = checkpoint["state_dict"], checkpoint.get("optimizer_states")
-    extra = {"keys": list(checkpoint), "extra": {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}}
-    path = Path(path)
-    comm = model.world_comm
+    write_sharded(path, plan_sharded(path, model, checkpoint, whole=whole), model.world_comm)
+
+
+def write_sharded(path: str | os.PathLike | RemotePath, planned: PlannedSave, comm: Comm) -> None:
+    """Write a planned save at `path` (see `save_sharded`), with collectives on `comm` only."""
+    path = as_path(path)
     context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
     mine: Partial | None = None  # rank 0's temporary directory (Note: temporary names in files.py)
+    prefix: RemotePath | None = None  # rank 0's new prefix at a URL until committed (Note: remote checkpoints)
     try:
 
         def start() -> str | None:
-            nonlocal mine
+            nonlocal mine, prefix
             if comm.rank != 0:
                 return None
             check_replaceable(path)
+            if isinstance(path, RemotePath):
+                prefix = new_data_prefix(path)
+                return str(prefix)
             mine = Partial(path, directory=True)
             return str(mine.path)
 
         name, error = error_of(start)
-        partial = Path(agree(comm, error, context=f"Cannot save the checkpoint {path}", share=name)[0])
-        planned, error = error_of(lambda: _plan_save(model, state_dict, optimizer_states, whole=whole))
-        agree(comm, error, context=context)
-        tensors, objects, inventory = planned
-        writer = dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True, thread_count=1)
+        partial = as_path(agree(comm, error, context=f"Cannot save the checkpoint {path}", share=name)[0])
+        writer = _writer(partial)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.save(tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed)
+                dcp.save(planned.tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed)
         except (Exception, dcp.CheckpointException) as err:
             raise CheckpointError(f"{context}: writing the shards failed: {describe_error(err)}") from err
         own, error = error_of(lambda: checksums(partial, _rank_files(partial, comm.rank)))
         every = agree(comm, error, context=context, share=own)
         if comm.rank == 0:
             files = {name: info for part in every for name, info in part.items()}
-            _, error = error_of(lambda: _finish(path, partial, files, objects, inventory, model, extra, comm))
+            _, error = error_of(lambda: _finish(path, partial, files, planned))
         else:
             error = None
         # Rank 0 may be lost after its swap: the path then holds the old or the new checkpoint.
         lost = f"Saving the checkpoint {path} failed as rank 0 put it in place (it holds the previous or the new one)"
         agree(comm, error, context=context, if_lost=lost)
+        prefix = None  # committed: meta.json names it
     finally:
         if mine is not None:
             mine.close(remove=True)
+        if prefix is not None:
+            with contextlib.suppress(Exception):  # best effort: unnamed by any meta.json, it is never read
+                prefix.remove_prefix()
+
+
+def _writer(directory: Path | RemotePath) -> dcp.FileSystemWriter:
+    if isinstance(directory, RemotePath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(str(directory), single_file_per_rank=True, sync_files=False, thread_count=1)
+    return dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1)
 
 
 def _finish(
-    path: Path,
-    partial: Path,
-    files: dict[str, dict[str, Any]],
-    objects: dict[str, Any],
-    inventory: dict[str, Any],
-    model: ShardedModel,
-    extra: dict[str, Any],
-    comm: Comm,
+    path: Path | RemotePath, partial: Path | RemotePath, files: dict[str, dict[str, Any]], planned: PlannedSave
 ) -> None:
     """Rank 0, once every rank's shards are on disk: the pickled remainder, then meta.json,
     then the atomic swap into `path`."""
@@ -197,25 +259,37 @@ def _finish(
     missing = sorted(indexed - set(files))
     if missing:
         raise CheckpointError(f"the DCP index names files no rank reported: {missing}")
-    fsynced_torch_save({**extra, **objects}, partial / TRAINER_STATE_FILE)
+    fsynced_torch_save(planned.trainer_state, partial / TRAINER_STATE_FILE)
     files.update(checksums(partial, [DCP_INDEX_FILE, TRAINER_STATE_FILE]))
-    lightning, parameters = extra["extra"], model_parameters(model)
-    meta = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "world_size": comm.world_size,
-        "shard_size": model.comm.world_size,
-        "torch_version": torch.__version__,
-        "fingerprint": fingerprint(parameters),
-        "parameters": {name: info.as_json() for name, info in parameters.items()},
-        "lightning": {k: lightning[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in lightning},
-        **inventory,
-        "files": files,
-    }
+    meta = {**planned.meta, "files": files}
+    if isinstance(path, RemotePath):
+        assert isinstance(partial, RemotePath)
+        _commit_manifest(path, partial, meta)
+        return
+    assert isinstance(path, Path) and isinstance(partial, Path)
     write_json_atomically(meta, partial / META_FILE)
     fsync_directory(partial)
     replace_path(partial, path)
 
 
-def _rank_files(directory: Path, rank: int) -> list[str]:
+def _commit_manifest(path: RemotePath, data: RemotePath, meta: dict[str, Any]) -> None:
+    """At a URL, the swap is one PUT of meta.json naming the new prefix; then what the previous
+    meta.json named is deleted (Note: remote checkpoints in remote.py)."""
+    previous = _previous_files(path)
+    write_json_atomically({**meta, "data": data.name}, path / META_FILE)
+    for name in previous - {data.name, META_FILE}:
+        (path / name).remove()
+    path.remove_object()  # a full file that was at the URL itself
+
+
+def _previous_files(path: RemotePath) -> set[str]:
+    """What the sharded checkpoint at `path` consists of: its prefix, or its files (one copied there whole)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        return {meta["data"]} if "data" in meta else set(meta["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _rank_files(directory: Path | RemotePath, rank: int) -> list[str]:
     return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
+from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.engine.comm import Comm
 
 TRUST_HINT = (
@@ -48,7 +49,7 @@ TRUST_HINT = (
 
 
 # ---- file names --------------------------------------------------------------------------
-def plain_name_problem(directory: Path, name: Any) -> str | None:
+def plain_name_problem(directory: Path | RemotePath, name: Any) -> str | None:
     """Why `name` is not a plain file name inside `directory` (None if it is): a name with a
     separator, `..`, an absolute path, or a link that leads outside the directory."""
     if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name:
@@ -58,7 +59,7 @@ def plain_name_problem(directory: Path, name: Any) -> str | None:
     # A link is followed by reading it, never by stat'ing its target: a link to a plain name in
     # the directory is followed there; any other target is outside and is not touched.
     file, hops = directory / name, 0
-    while file.is_symlink():  # an lstat of a name inside the directory
+    while isinstance(file, Path) and file.is_symlink():  # an lstat of a name inside the directory
         target = os.readlink(file)
         if target in ("", ".", "..") or "/" in target or os.sep in target or (os.altsep and os.altsep in target):
             return f"{name!r} is a link to {target!r}, outside the checkpoint directory"
@@ -68,7 +69,7 @@ def plain_name_problem(directory: Path, name: Any) -> str | None:
     return None
 
 
-def check_plain_name(directory: Path, name: Any, source: str) -> None:
+def check_plain_name(directory: Path | RemotePath, name: Any, source: str) -> None:
     problem = plain_name_problem(directory, name)
     if problem is not None:
         raise CheckpointError(f"{source} is not a valid checkpoint: {problem}; it was not opened")
@@ -78,7 +79,7 @@ def check_plain_name(directory: Path, name: Any, source: str) -> None:
 _KINDS = ("sharded", "tensor", "alias", "object")
 
 
-def check_meta(meta: dict[str, Any], meta_file: Path) -> None:
+def check_meta(meta: dict[str, Any], meta_file: Path | RemotePath) -> None:
     """Raise `CheckpointError` naming `meta_file` unless every entry this package reads from
     meta.json has the type it must have (a hand-edited file fails here, not in a TypeError)."""
 
@@ -183,7 +184,7 @@ class RestrictedUnpickler(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, file: Any, *, source: Path) -> None:
+    def __init__(self, file: Any, *, source: Path | RemotePath) -> None:
         super().__init__(file)
         self.source = source
 
@@ -223,7 +224,7 @@ def _keys(part: Any) -> list[Any]:
     return list(part) if isinstance(part, dict) else [part]  # a non-dict state names no field: refused
 
 
-def read_dcp_index(file: Path, *, trusted: bool) -> dcp_metadata.Metadata:
+def read_dcp_index(file: Path | RemotePath, *, trusted: bool) -> dcp_metadata.Metadata:
     """DCP's index at `file`, unpickled by `RestrictedUnpickler` unless `trusted`, and checked
     (trusted or not): a `Metadata` whose entries are tensors stored in plain-named files of its
     directory."""
@@ -254,8 +255,13 @@ class CheckpointReader(dcp.FileSystemReader):
     """DCP's file reader whose index is read by `read_dcp_index` (Note: checkpoint trust model),
     once: the same object serves every `dcp.load` from this directory."""
 
-    def __init__(self, path: str | os.PathLike, *, trusted: bool = False, index: Any = None) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike | RemotePath, *, trusted: bool = False, index: Any = None) -> None:
+        super().__init__(path if not isinstance(path, RemotePath) else "")
+        if isinstance(path, RemotePath):  # what DCP's FsspecReader sets (Note: remote checkpoints)
+            from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+            self.fs = FileSystem()  # type: ignore[assignment]
+            self.path = self.fs.init_path(str(path))
         self.trusted = trusted
         self._index = index
 
@@ -263,7 +269,7 @@ class CheckpointReader(dcp.FileSystemReader):
         if self._index is None:
             rank = kwargs.get("rank")
             name = ".metadata" if rank is None else f"__{rank}.metadata"
-            self._index = read_dcp_index(Path(self.path) / name, trusted=self.trusted)
+            self._index = read_dcp_index(as_path(self.path) / name, trusted=self.trusted)
         if getattr(self._index, "storage_meta", None) is None:
             self._index.storage_meta = dcp_metadata.StorageMeta()
         self._index.storage_meta.load_id = self.load_id
@@ -282,15 +288,16 @@ class CheckpointReader(dcp.FileSystemReader):
 
 
 # ---- trainer_state.pt ----------------------------------------------------------------------
-def load_torch_file(file: Path, *, trusted: bool) -> Any:
+def load_torch_file(file: Path | RemotePath, *, trusted: bool) -> Any:
     """`torch.load` of a file of the checkpoint: weights_only unless `trusted`."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=not trusted)
+        with file.open("rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=not trusted)
     except Exception as err:
         raise CheckpointError(forbidden_global(file, err) or f"cannot read {file}: {describe_error(err)}") from err
 
 
-def forbidden_global(file: Path, err: Exception) -> str | None:
+def forbidden_global(file: Path | RemotePath, err: Exception) -> str | None:
     """The message for `torch.load(weights_only=True)` refusing a global in `file`, or None if
     `err` is another failure."""
     forbidden = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(err))
@@ -302,7 +309,7 @@ def forbidden_global(file: Path, err: Exception) -> str | None:
     )
 
 
-def check_trainer_state(saved: Any, file: Path) -> Mapping[str, Any]:
+def check_trainer_state(saved: Any, file: Path | RemotePath) -> Mapping[str, Any]:
     needed = ("keys", "extra", "state_dict", "optimizers")
     if not isinstance(saved, dict) or not all(k in saved for k in needed):
         raise CheckpointError(f"{file} is corrupted: it is not the dict of {needed} that a save writes")

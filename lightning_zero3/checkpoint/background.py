@@ -1,0 +1,91 @@
+"""Sharded saves that write in a background thread while training goes on.
+
+[Note: background saves]
+A save is split in two (checkpoint/save.py): `plan_sharded(copy=True)` runs on the caller's
+thread and copies this rank's shards, optimizer state and the pickled remainder into host memory
+(the snapshot); `write_sharded` then runs in a thread: DCP's write, the checksums, rank 0's
+meta.json and atomic swap (or manifest-last commit at a URL), exactly as a synchronous save.
+- Its collectives (the ranks' agreement, DCP's plan and index) run on a process group of their
+  own, created once per run (gloo, whatever the training backend), never on the training group,
+  whose collectives the main thread keeps issuing meanwhile. This is what torch's own
+  `dcp.async_save` does with its `process_group` argument.
+- One save in flight: the next save, a load, the end of `fit` and teardown wait for it first;
+  its outcome is then agreed on the training group (on the caller's thread), so an error in the
+  background is raised on every rank, at that point, as a `CheckpointError`.
+- Host memory: one snapshot, about the bytes of this rank's shards and optimizer state,
+  freed when the write ends.
+- `kill -9` during the write leaves what a killed synchronous save leaves: the previous
+  checkpoint (Note: temporary names in files.py; Note: remote checkpoints in remote.py).
+- Removals asked for while a save is in flight (`ModelCheckpoint` rotating out an older
+  checkpoint, on rank 0) run after that save has put its checkpoint in place, and not at all if
+  it failed: the older checkpoint is never removed before the newer one is whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from lightning_zero3.checkpoint.errors import describe_error
+from lightning_zero3.engine.comm import Comm
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundSave:
+    """One save's write running in a thread; `wait` joins it and returns its error, or None."""
+
+    def __init__(self, write: Callable[[], None], *, what: str) -> None:
+        self.what = what  # named in messages: "the checkpoint PATH"
+        self._error: str | None = None
+        self._lock = threading.Lock()  # guards _after and _done
+        self._after: list[Callable[[], None]] = []  # rank 0's removals, run once the save succeeded
+        self._done = False
+        self._thread = threading.Thread(target=self._run, args=(write,), name="zero3-checkpoint-save")
+        self._thread.start()
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as err:  # noqa: BLE001 - reported at the wait point, on every rank
+            self._error = describe_error(err)
+            log.error(f"Saving {self.what} in the background failed: {self._error}")  # also if never waited for
+        with self._lock:
+            self._done = True
+            after, self._after = self._after, []
+        for fn in after if self._error is None else []:
+            _run_logged(fn)
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (no collective) once this save has succeeded; at once if it already has."""
+        with self._lock:
+            if not self._done:
+                self._after.append(fn)
+                return
+        if self._error is None:
+            _run_logged(fn)
+
+    def wait(self) -> str | None:
+        self._thread.join()
+        return self._error
+
+
+def _run_logged(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - a removal that fails leaves a file, never a hang
+        log.warning(f"After a background checkpoint save: {describe_error(err)}")
+
+
+def saver_comm(world: Comm) -> Comm:
+    """A gloo process group over the same ranks as `world`, for background saves (collective)."""
+    if not world.distributed:
+        return world
+    ranks = dist.get_process_group_ranks(world.group) if world.group is not None else None
+    return Comm(dist.new_group(ranks=ranks, backend="gloo"))
+
+
+__all__ = ["BackgroundSave", "saver_comm"]

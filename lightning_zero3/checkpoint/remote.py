@@ -1,0 +1,207 @@
+"""Checkpoints at fsspec URLs (`s3://`, `gs://`, `memory://`, ...): a handle with the few `Path`
+methods the checkpoint code uses, and what replaces a rename on an object store.
+
+[Note: remote checkpoints]
+`as_path` turns a user's path into a `Path` (a local path, or a `file://` URL, which keeps every
+local guarantee: temporary names, locks, the atomic swap) or a `RemotePath` (any other URL).
+Object stores have no rename, so a remote sharded checkpoint is committed by its manifest:
+    URL/meta.json                 written last, in one PUT: the checkpoint is what it names
+    URL/shards.<16 hex>/          one save's files (DCP's shards and index, trainer_state.pt)
+Each save writes a new `shards.<token>` prefix, checks every rank's objects (size and CRC-32
+read back), then rank 0 writes meta.json with `"data": "shards.<token>"`: a reader sees the old
+manifest or the new one, whole (an object store replaces an object atomically), and each
+manifest names its own prefix with every file's size and CRC-32, so two saves never mix. Only
+then is the prefix the old manifest named deleted. A save killed before meta.json leaves the
+previous checkpoint as it was plus an unnamed `shards.<token>` prefix, which no reader opens
+(a URL with shard objects but no meta.json is refused as a save that did not finish);
+`remove_checkpoint(URL)` deletes such leftovers. A full file is one object, written by one
+upload that the store creates only when it completes (an upload cut short is discarded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import IO, Any
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # a scheme, at the start
+DATA_PREFIX = re.compile(r"shards\.[0-9a-f]{16}")  # a save's own prefix under the URL
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """A URL fsspec resolves to a non-local filesystem (`file://` is local)."""
+    text = os.fspath(path)
+    return isinstance(text, str) and _URL.match(text) is not None and not text.startswith(("file://", "local://"))
+
+
+def as_path(path: str | os.PathLike | RemotePath) -> Path | RemotePath:
+    """A local `Path` (for a path or a `file://` URL) or a `RemotePath` (Note: remote checkpoints)."""
+    if isinstance(path, (Path, RemotePath)):
+        return path
+    text = os.fspath(path)
+    if is_url(text):
+        return RemotePath(text)
+    for scheme in ("file://", "local://"):
+        text = text.removeprefix(scheme)
+    return Path(text)
+
+
+class RemotePath:
+    """A file or prefix at a URL, with the `Path` methods the checkpoint code calls."""
+
+    def __init__(self, url: str, *, fs: Any = None, path: str | None = None) -> None:
+        if fs is None:
+            from fsspec.core import url_to_fs  # type: ignore[import-untyped]
+
+            try:
+                fs, path = url_to_fs(url)
+            except (ImportError, ValueError) as err:
+                raise ValueError(f"cannot open the checkpoint URL {url}: {err} (install the fsspec backend)") from err
+        self.fs = fs
+        self.path = (path or "").rstrip("/")
+
+    def _child(self, path: str) -> RemotePath:
+        return RemotePath("", fs=self.fs, path=path)
+
+    def __str__(self) -> str:
+        return str(self.fs.unstrip_protocol(self.path))
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __truediv__(self, name: str) -> RemotePath:
+        return self._child(f"{self.path}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> RemotePath:
+        return self._child(self.path.rsplit("/", 1)[0])
+
+    @property
+    def parents(self) -> list[RemotePath]:
+        parts = self.path.split("/")
+        return [self._child("/".join(parts[:i])) for i in range(len(parts) - 1, 0, -1)]
+
+    def match(self, pattern: str) -> bool:
+        return fnmatch.fnmatch(self.name, pattern)
+
+    def resolve(self) -> RemotePath:
+        return self
+
+    def with_name(self, name: str) -> RemotePath:
+        return self.parent / name
+
+    # Listings are not cached across calls: another rank or job may have written since.
+    def exists(self) -> bool:
+        self.fs.invalidate_cache()
+        return bool(self.fs.exists(self.path))
+
+    def is_dir(self) -> bool:
+        self.fs.invalidate_cache()
+        return bool(self.fs.isdir(self.path))
+
+    def is_file(self) -> bool:
+        self.fs.invalidate_cache()
+        return bool(self.fs.isfile(self.path))
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self) -> SimpleNamespace:
+        return SimpleNamespace(st_size=int(self.fs.size(self.path)))
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        self.fs.invalidate_cache()
+        return (self._child(p.rstrip("/")) for p in self.fs.ls(self.path, detail=False) if p.rstrip("/") != self.path)
+
+    def glob(self, pattern: str) -> list[RemotePath]:
+        self.fs.invalidate_cache()
+        return [self._child(p) for p in self.fs.glob(f"{self.path}/{pattern}")]
+
+    def open(self, mode: str = "rb") -> IO[Any]:
+        return self.fs.open(self.path, mode)  # type: ignore[no-any-return]
+
+    def read_bytes(self) -> bytes:
+        with self.open("rb") as f:
+            return f.read()  # type: ignore[no-any-return]
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def remove(self) -> None:
+        """Delete the object at this URL and everything under it as a prefix."""
+        self.remove_object()
+        self.remove_prefix()
+
+    def remove_object(self) -> None:
+        self.fs.invalidate_cache()
+        if self.fs.isfile(self.path):
+            self.fs.rm_file(self.path)
+
+    def remove_prefix(self) -> None:
+        """Delete every object under `URL/` (meta.json first, so that a removal cut short never
+        leaves what looks like a complete checkpoint), not the object at the URL itself."""
+        self.fs.invalidate_cache()
+        under = [p for p in self.fs.find(self.path) if p.startswith(f"{self.path}/")]
+        manifest = f"{self.path}/meta.json"
+        if manifest in under:
+            self.fs.rm_file(manifest)
+        rest = [p for p in under if p != manifest]
+        if rest:
+            self.fs.rm(rest)
+        self.fs.invalidate_cache()
+
+
+@contextlib.contextmanager
+def uploading(file: RemotePath) -> Iterator[IO[bytes]]:
+    """A stream whose object appears at `file` only if the block ends without an exception: an
+    upload cut short (an exception, a killed process) is discarded by the store, never committed."""
+    stream = file.fs.open(file.path, "wb")
+    try:
+        yield stream
+    except BaseException:
+        discard = getattr(stream, "discard", None)
+        if discard is not None:
+            discard()
+            stream.closed = True  # nothing left to flush
+        raise
+    stream.close()
+
+
+@contextlib.contextmanager
+def staged(file: RemotePath) -> Iterator[IO[bytes]]:
+    """A local temporary file (seekable, for writers that need it) uploaded to `file` when the
+    block ends without an exception; removed in any case."""
+    directory = tempfile.mkdtemp(prefix="zero3-upload-")
+    try:
+        local = Path(directory) / file.name
+        with open(local, "wb") as stream:
+            yield stream
+        with open(local, "rb") as source, uploading(file) as target:
+            shutil.copyfileobj(source, target, 8 << 20)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def new_data_prefix(path: RemotePath) -> RemotePath:
+    return path / f"shards.{secrets.token_hex(8)}"
+
+
+__all__ = ["DATA_PREFIX", "RemotePath", "as_path", "is_url", "new_data_prefix", "staged", "uploading"]

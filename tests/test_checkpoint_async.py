@@ -1,0 +1,188 @@
+"""`ZeRO3Strategy(async_save=True)`: sharded saves write in a background thread while training
+goes on (Note: background saves in lightning_zero3/checkpoint/background.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+import lightning_zero3
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
+from tests.ranks import RankFailure, run_ranks
+
+TOL = 1e-5
+STEPS_PER_EPOCH = 4
+
+
+class _SeesSavesInFlight(Callback):
+    """Records, at each batch, whether a save was left writing in the background."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.seen.append(trainer.strategy.run.saving is not None)
+
+
+def _fit_saving_every_2_steps(rank: int, world_size: int, directory: str, async_save: bool) -> list[float]:
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    torch.manual_seed(0)
+    model = LitMLP()
+    every = ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    # save_top_k=1 rotates: each save removes the one before (deferred while a save writes).
+    rotating = ModelCheckpoint(
+        dirpath=directory, filename="latest-{step}", every_n_train_steps=2, save_top_k=1, monitor="step", mode="max"
+    )
+    strategy = ZeRO3Strategy(async_save=async_save)
+    sees = _SeesSavesInFlight()
+    t = trainer(strategy, world_size, max_epochs=2, enable_checkpointing=True, callbacks=[every, rotating, sees])
+    t.fit(model, loader(world_size))
+    assert any(sees.seen) == async_save  # training went on while a save was in flight
+    assert strategy.run is not None and strategy.run.saving is None  # the end of fit waited
+    return model.step_losses
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[float]]]:
+    out = {}
+    for mode in ("sync", "async"):
+        directory = tmp_path_factory.mktemp(mode)
+        losses = run_ranks(_fit_saving_every_2_steps, 2, str(directory), mode == "async")[0]
+        out[mode] = (directory, losses)
+    return out
+
+
+def test_saving_in_the_background_equals_saving_synchronously(runs):
+    (sync_dir, sync_losses), (async_dir, async_losses) = runs["sync"], runs["async"]
+    assert async_losses == sync_losses
+    names = sorted(p.name for p in sync_dir.iterdir())
+    assert names == ["latest-step=8.ckpt", "step=2.ckpt", "step=4.ckpt", "step=6.ckpt", "step=8.ckpt"]
+    assert sorted(p.name for p in async_dir.iterdir()) == names  # nothing else: no temporary names left
+    for name in names:
+        a, b = (lightning_zero3.load_checkpoint(d / name) for d in (sync_dir, async_dir))
+        assert max_difference(a["state_dict"], b["state_dict"]) == 0
+        for index, entry in a["optimizer_states"][0]["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(b["optimizer_states"][0]["state"][index][key], value), (name, index, key)
+        assert a["global_step"] == b["global_step"] == int(name.split("=")[1].split(".")[0])
+
+
+def _resume(rank: int, world_size: int, path: str) -> tuple[list[float], dict]:
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    model = LitMLP()
+    trainer(ZeRO3Strategy(), world_size, max_epochs=2).fit(model, loader(world_size), ckpt_path=path)
+    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_background_checkpoint_resumes_exactly_at_another_world_size(runs):
+    torch.manual_seed(0)
+    model = LitMLP()
+    losses = reference_fit(model, epochs=2)
+    ((step_losses, final),) = run_ranks(_resume, 1, str(runs["async"][0] / "step=4.ckpt"))
+    assert len(step_losses) == STEPS_PER_EPOCH
+    assert max(abs(a - b) for a, b in zip(step_losses, losses[STEPS_PER_EPOCH:])) < TOL
+    assert max_difference(final, model.state_dict()) < TOL
+
+
+def _fit_with_a_failing_background_write_on_rank_1(rank: int, world_size: int, directory: str) -> None:
+    """Rank 1's background write raises after its part is written (rank 0's succeeds): only
+    the agreement at the next save can tell rank 0."""
+    import lightning_zero3.core as core
+
+    if rank == 1:
+        write = core.write_sharded
+
+        def failing(*args: Any, **kwargs: Any) -> None:
+            write(*args, **kwargs)
+            raise OSError("injected failure in the background")
+
+        core.write_sharded = failing  # type: ignore[assignment]
+    _fit_saving_every_2_steps(rank, world_size, directory, True)
+
+
+def test_an_error_in_the_background_write_is_raised_on_every_rank(tmp_path):
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_fit_with_a_failing_background_write_on_rank_1, 2, str(tmp_path))
+    message = str(failure.value)
+    for rank in (0, 1):
+        report = message.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
+        assert "CheckpointError: Saving the checkpoint" in report and "in the background failed" in report
+        assert "injected failure in the background (on rank 1)" in report
+    assert os.listdir(tmp_path)  # the first save (step 2) is in place, whole
+    assert lightning_zero3.load_checkpoint(tmp_path / "step=2.ckpt")["global_step"] == 2
+
+
+def _fit_with_rank_0_killed_in_its_second_background_write(rank: int, world_size: int, directory: str) -> None:
+    """Every 2 steps a save to one path, `latest.ckpt`; rank 0 is killed (kill -9) in the
+    background thread of the second, once every shard is written, as it would put it in place."""
+    import lightning_zero3.checkpoint.save as save
+
+    if rank == 0:
+        finish, calls = save._finish, []
+
+        def killed_on_the_second(*args: Any, **kwargs: Any) -> None:
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            finish(*args, **kwargs)
+
+        save._finish = killed_on_the_second  # type: ignore[assignment]
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    torch.manual_seed(0)
+    latest = ModelCheckpoint(
+        dirpath=directory, filename="latest", every_n_train_steps=2, enable_version_counter=False, save_top_k=1,
+        monitor="step", mode="max",
+    )  # fmt: skip
+    t = trainer(ZeRO3Strategy(async_save=True), world_size, max_epochs=1, enable_checkpointing=True, callbacks=[latest])
+    t.fit(LitMLP(), loader(world_size))
+
+
+def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
+    with pytest.raises(RankFailure, match="rank 0"):
+        run_ranks(_fit_with_rank_0_killed_in_its_second_background_write, 2, str(tmp_path))
+    assert lightning_zero3.load_checkpoint(tmp_path / "latest.ckpt")["global_step"] == 2
+
+
+def _fabric_saving_every_step(rank: int, world_size: int, directory: str, async_save: bool) -> list[float]:
+    from tests.fabric_helpers import adamw, fabric, train_step
+    from tests.models import MLP
+
+    f = fabric(rank, world_size, lightning_zero3.ZeRO3FabricStrategy(async_save=async_save))
+    torch.manual_seed(0)
+    module = MLP()
+    model, optimizer = f.setup(module, adamw(module))
+    losses, in_flight = [], []
+    for step in range(3):
+        losses.append(train_step(f, model, optimizer, step, rank, world_size, None)[0])
+        f.save(f"{directory}/step{step}", {"model": model, "optimizer": optimizer, "step": step})
+        in_flight.append(any(run.saving is not None for run in f.strategy._runs.values()))
+    assert all(in_flight) == async_save
+    assert f.load(f"{directory}/step2", {"model": model, "optimizer": optimizer}) == {"step": 2}  # waits first
+    return losses
+
+
+def test_fabric_saves_in_the_background_equal_synchronous_ones(tmp_path):
+    results = {}
+    for mode in ("sync", "async"):
+        (tmp_path / mode).mkdir()
+        results[mode] = run_ranks(_fabric_saving_every_step, 2, str(tmp_path / mode), mode == "async")[0]
+    assert results["sync"] == results["async"]
+    for step in range(3):
+        a, b = (lightning_zero3.load_checkpoint(tmp_path / mode / f"step{step}") for mode in ("sync", "async"))
+        assert max_difference(a["state_dict"], b["state_dict"]) == 0
+        for index, entry in a["optimizer_states"][0]["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(b["optimizer_states"][0]["state"][index][key], value)

@@ -1,0 +1,228 @@
+"""Checkpoints at `s3://` URLs, against a real S3 endpoint on this machine: moto's server on
+127.0.0.1, through s3fs, with two ranks writing to one bucket (Note: remote checkpoints in
+lightning_zero3/checkpoint/remote.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+pytest.importorskip("s3fs", reason="the test extra installs s3fs and moto[server]")
+moto_server = pytest.importorskip("moto.server", reason="the test extra installs s3fs and moto[server]")
+
+import lightning_zero3  # noqa: E402
+from lightning_zero3.checkpoint import CheckpointError, remove_checkpoint  # noqa: E402
+from lightning_zero3.checkpoint.full import read_full_file  # noqa: E402
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer  # noqa: E402
+from tests.ranks import RankFailure, run_ranks  # noqa: E402
+
+TOL = 1e-5
+STEPS_PER_EPOCH = 4
+BUCKET = "ckpts"
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, str]]:
+    """moto's S3 server on 127.0.0.1 and a free port, a bucket, and the environment that points
+    boto/s3fs at it (fake credentials); the server stops at the end of the module."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        yield env
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _objects(prefix: str) -> list[str]:
+    import boto3
+
+    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
+
+
+def _fit_and_save(rank: int, world_size: int, env: dict[str, str], url: str) -> None:
+    os.environ.update(env)  # the forkserver's children do not see the test's environment
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    torch.manual_seed(0)
+    callback = ModelCheckpoint(dirpath=url, filename="during_fit")
+    t = trainer(ZeRO3Strategy(), world_size, max_epochs=1, enable_checkpointing=True, callbacks=[callback])
+    t.fit(LitMLP(), loader(world_size))
+    t.strategy.lightning_options = dataclasses.replace(t.strategy.lightning_options, state_dict_type="full")
+    t.save_checkpoint(f"{url}/full.ckpt")
+
+
+def _resume(rank: int, world_size: int, env: dict[str, str], url: str) -> tuple[list[float], dict]:
+    os.environ.update(env)
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    model = LitMLP()
+    trainer(ZeRO3Strategy(), world_size, max_epochs=2).fit(model, loader(world_size), ckpt_path=url)
+    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def saved(s3: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-rank fit that saved a sharded checkpoint (ModelCheckpoint) and a full one to S3, run
+    from an empty working directory."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        run_ranks(_fit_and_save, 2, s3, f"s3://{BUCKET}/run")
+    finally:
+        os.chdir(before)
+    assert list(cwd.iterdir()) == []  # nothing local, e.g. no `s3:/ckpts/run` directory
+    return f"s3://{BUCKET}/run"
+
+
+def test_sharded_and_full_checkpoints_are_objects_in_the_bucket(saved):
+    keys = _objects("run/")
+    assert "run/full.ckpt" in keys
+    assert "run/during_fit.ckpt/meta.json" in keys
+    prefixes = {k.split("/")[2] for k in keys if k.startswith("run/during_fit.ckpt/shards.")}
+    assert len(prefixes) == 1  # one save's prefix, named by meta.json
+    (prefix,) = prefixes
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "trainer_state.pt"):
+        assert f"run/during_fit.ckpt/{prefix}/{name}" in keys
+    assert not Path("s3:").exists()
+
+
+@pytest.mark.parametrize("kind", ["during_fit", "full"])
+def test_checkpoint_at_a_url_resumes_exactly_at_another_world_size(saved, s3, kind):
+    torch.manual_seed(0)
+    model = LitMLP()
+    losses = reference_fit(model, epochs=2)
+    ((step_losses, final),) = run_ranks(_resume, 1, s3, f"{saved}/{kind}.ckpt")
+    assert len(step_losses) == STEPS_PER_EPOCH  # only the second epoch ran
+    assert max(abs(a - b) for a, b in zip(step_losses, losses[STEPS_PER_EPOCH:])) < TOL
+    assert max_difference(final, model.state_dict()) < TOL
+
+
+def test_load_checkpoint_consolidate_and_the_cli_read_a_url(saved, s3, tmp_path):
+    full = lightning_zero3.load_checkpoint(f"{saved}/full.ckpt")
+    sharded = lightning_zero3.load_checkpoint(f"{saved}/during_fit.ckpt")
+    assert max_difference(sharded["state_dict"], full["state_dict"]) == 0
+    model = lightning_zero3.load_from_checkpoint(LitMLP, f"{saved}/during_fit.ckpt")
+    assert max_difference(model.state_dict(), full["state_dict"]) == 0
+    cli = [sys.executable, "-m", "lightning_zero3", "consolidate", f"{saved}/during_fit.ckpt", f"{saved}/out.ckpt"]
+    subprocess.run(cli, check=True, env={**os.environ, **s3}, capture_output=True, cwd=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    out = lightning_zero3.load_checkpoint(f"{saved}/out.ckpt")
+    assert max_difference(out["state_dict"], full["state_dict"]) == 0
+    remove_checkpoint(f"{saved}/out.ckpt")
+    assert "run/out.ckpt" not in _objects("run/")
+
+
+# ---- saves cut short: the previous checkpoint stays, the partial one is refused ---------------
+def _fabric_save_twice(rank: int, world_size: int, env: dict[str, str], url: str, kind: str, cut: str) -> None:
+    """Save (A) to `url`, one step, then save again (B), cut short on rank 0 by `cut`."""
+    os.environ.update(env)
+    from tests.fabric_helpers import adamw, fabric, train_step
+    from tests.models import MLP
+
+    f = fabric(rank, world_size, lightning_zero3.ZeRO3FabricStrategy(state_dict_type=kind))
+    torch.manual_seed(0)
+    module = MLP()
+    model, optimizer = f.setup(module, adamw(module))
+    f.save(url, {"model": model, "optimizer": optimizer})
+    train_step(f, model, optimizer, 0, rank, world_size, None)
+    if rank == 0:
+        _cut_on_rank_0(kind, cut)
+    f.save(url, {"model": model, "optimizer": optimizer})
+
+
+def _cut_on_rank_0(kind: str, cut: str) -> None:
+    """Sharded: rank 0 dies (kill -9) or raises as it commits meta.json, after every shard is
+    uploaded. Full: rank 0 raises in the middle of uploading the file."""
+    from lightning_zero3.checkpoint import save
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        if cut == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError("injected failure")
+
+    def half_a_file(obj: Any, stream: Any) -> None:
+        stream.write(b"PK\x03\x04" + bytes(1 << 20))
+        raise OSError("injected failure in the middle of the upload")
+
+    if kind == "sharded":
+        save.write_json_atomically = die  # type: ignore[assignment]
+    else:
+        torch.save = half_a_file  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(("kind", "cut"), [("sharded", "kill"), ("sharded", "raise"), ("full", "raise")])
+def test_a_save_cut_short_leaves_the_previous_checkpoint(s3, kind, cut):
+    url = f"s3://{BUCKET}/cut-{kind}-{cut}"
+    with pytest.raises(RankFailure, match="injected failure" if cut == "raise" else "without reporting"):
+        run_ranks(_fabric_save_twice, 2, s3, url, kind, cut)
+    from tests.models import MLP
+
+    torch.manual_seed(0)
+    initial = MLP()
+    # A: the weights before the step
+    state = (
+        lightning_zero3.load_checkpoint(url)["state_dict"]
+        if kind == "sharded"
+        else read_full_file(url, key="model", trusted=False)["model"]
+    )
+    assert max_difference(state, initial.state_dict()) == 0
+    if kind == "sharded":
+        shards = {k.split("/")[1] for k in _objects(f"cut-{kind}-{cut}/") if "/shards." in k}
+        assert len(shards) == (2 if cut == "kill" else 1)  # B's prefix stays after a kill, unnamed
+
+
+def test_a_first_save_killed_before_its_manifest_is_refused(s3):
+    url = f"s3://{BUCKET}/first-killed"
+    with pytest.raises(RankFailure):
+        run_ranks(_killed_first_save, 2, s3, url)
+    assert any(k.endswith("__1_0.distcp") for k in _objects("first-killed/"))
+    with pytest.raises(CheckpointError, match="has shard files but no meta.json"):
+        lightning_zero3.load_checkpoint(url)
+
+
+def _killed_first_save(rank: int, world_size: int, env: dict[str, str], url: str) -> None:
+    os.environ.update(env)
+    from tests.fabric_helpers import adamw, fabric
+    from tests.models import MLP
+
+    f = fabric(rank, world_size, lightning_zero3.ZeRO3FabricStrategy())
+    module = MLP()
+    model, optimizer = f.setup(module, adamw(module))
+    if rank == 0:
+        _cut_on_rank_0("sharded", "kill")
+    f.save(url, {"model": model, "optimizer": optimizer})
