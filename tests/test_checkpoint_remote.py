@@ -149,28 +149,37 @@ def test_load_checkpoint_consolidate_and_the_cli_read_a_url(saved, s3, tmp_path)
 
 # ---- saves cut short: the previous checkpoint stays, the partial one is refused ---------------
 def _fabric_save_twice(rank: int, world_size: int, env: dict[str, str], url: str, kind: str, cut: str) -> None:
-    """Save (A) to `url`, one step, then save again (B), cut short on rank 0 by `cut`."""
+    """Save (A) to `url`, one step, then save again (B), cut short on rank 0 by `cut` ("kill",
+    "raise"; "kill in the background": with `async_save`, in the thread writing B)."""
     os.environ.update(env)
     from tests.fabric_helpers import adamw, fabric, train_step
     from tests.models import MLP
 
-    f = fabric(rank, world_size, lightning_zero3.ZeRO3FabricStrategy(state_dict_type=kind))
+    background = cut == "kill in the background"
+    strategy = lightning_zero3.ZeRO3FabricStrategy(state_dict_type=kind, async_save=background)
+    f = fabric(rank, world_size, strategy)
     torch.manual_seed(0)
     module = MLP()
     model, optimizer = f.setup(module, adamw(module))
     f.save(url, {"model": model, "optimizer": optimizer})
     train_step(f, model, optimizer, 0, rank, world_size, None)
     if rank == 0:
-        _cut_on_rank_0(kind, cut)
+        _cut_on_rank_0(kind, "kill" if background else cut, skip=1 if background else 0)  # A may be writing still
     f.save(url, {"model": model, "optimizer": optimizer})
+    strategy.teardown()  # waits for a save in the background
 
 
-def _cut_on_rank_0(kind: str, cut: str) -> None:
-    """Sharded: rank 0 dies (kill -9) or raises as it commits meta.json, after every shard is
-    uploaded. Full: rank 0 raises in the middle of uploading the file."""
+def _cut_on_rank_0(kind: str, cut: str, skip: int = 0) -> None:
+    """Sharded: rank 0 dies (kill -9) or raises as it commits meta.json (after the first `skip`
+    commits), after every shard is uploaded. Full: rank 0 raises in the middle of uploading the file."""
     from lightning_zero3.checkpoint import save
 
+    commit, calls = save.write_json_atomically, []
+
     def die(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) <= skip:
+            return commit(*args, **kwargs)
         if cut == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise OSError("injected failure")
@@ -185,9 +194,12 @@ def _cut_on_rank_0(kind: str, cut: str) -> None:
         torch.save = half_a_file  # type: ignore[assignment]
 
 
-@pytest.mark.parametrize(("kind", "cut"), [("sharded", "kill"), ("sharded", "raise"), ("full", "raise")])
+@pytest.mark.parametrize(
+    ("kind", "cut"),
+    [("sharded", "kill"), ("sharded", "kill in the background"), ("sharded", "raise"), ("full", "raise")],
+)
 def test_a_save_cut_short_leaves_the_previous_checkpoint(s3, kind, cut):
-    url = f"s3://{BUCKET}/cut-{kind}-{cut}"
+    url = f"s3://{BUCKET}/cut-{kind}-{cut.replace(' ', '-')}"
     with pytest.raises(RankFailure, match="injected failure" if cut == "raise" else "without reporting"):
         run_ranks(_fabric_save_twice, 2, s3, url, kind, cut)
     from tests.models import MLP
@@ -202,8 +214,8 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint(s3, kind, cut):
     )
     assert max_difference(state, initial.state_dict()) == 0
     if kind == "sharded":
-        shards = {k.split("/")[1] for k in _objects(f"cut-{kind}-{cut}/") if "/shards." in k}
-        assert len(shards) == (2 if cut == "kill" else 1)  # B's prefix stays after a kill, unnamed
+        shards = {k.split("/")[1] for k in _objects(url.removeprefix(f"s3://{BUCKET}/") + "/") if "/shards." in k}
+        assert len(shards) == (1 if cut == "raise" else 2)  # B's prefix stays after a kill, unnamed
 
 
 def test_a_first_save_killed_before_its_manifest_is_refused(s3):
