@@ -39,6 +39,7 @@ LIGHTNING = {
     "trust_checkpoint": True,
     "timeout": timedelta(minutes=3),
     "start_method": "spawn",
+    "async_save": True,
 }
 
 
