@@ -314,14 +314,25 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.run is not None:  # the last background save, its error raised on every rank
-            self.run.wait_for_save(agree=not self._failed)
+        save_error: BaseException | None = None
+        if self.run is not None:  # the last background save: its error is raised on every rank, after teardown
+            try:
+                self.run.wait_for_save(agree=not self._failed)
+            except Exception as err:  # agreed: every rank is here, so the collectives below still pair
+                save_error = err
         if self.run is not None and self.run.state is Lifecycle.SHARDED:
             # Failed: the module stays sharded (and savable) until the next engine built for it
             # makes it whole. Else whole parameters in host memory, one unit at a time, as
             # Lightning moves every model to the CPU at teardown anyway.
             self.run.end(failed=self._failed)
             self.model = self.lightning_module
+        try:
+            self._teardown_lightning()
+        finally:
+            if save_error is not None:
+                raise save_error
+
+    def _teardown_lightning(self) -> None:
         module = self.lightning_module
         if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             # Setup failed while the module was still (partly) on the meta device, e.g. a module

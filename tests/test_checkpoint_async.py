@@ -186,3 +186,40 @@ def test_fabric_saves_in_the_background_equal_synchronous_ones(tmp_path):
         for index, entry in a["optimizer_states"][0]["state"].items():
             for key, value in entry.items():
                 assert torch.equal(b["optimizer_states"][0]["state"][index][key], value)
+
+
+def _last_background_write_fails_on_rank_1(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """The last save of fit (step 2 of 2) fails in rank 1's background: only teardown's wait
+    sees it. It is raised on every rank, after teardown made the module whole as usual."""
+    import lightning_zero3.core as core
+
+    if rank == 1:
+        write = core.write_sharded
+
+        def failing(*args: Any, **kwargs: Any) -> None:
+            write(*args, **kwargs)
+            raise OSError("injected failure in the background")
+
+        core.write_sharded = failing  # type: ignore[assignment]
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+    from lightning_zero3.core import Lifecycle
+
+    model = LitMLP()
+    every = ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    strategy = ZeRO3Strategy(async_save=True)
+    t = trainer(strategy, world_size, max_steps=2, enable_checkpointing=True, callbacks=[every])
+    try:
+        t.fit(model, loader(world_size))
+    except Exception as err:  # Lightning re-raises teardown's error
+        raised = str(err)
+    else:
+        raised = ""
+    assert strategy.run is not None
+    return {"raised": raised, "state": strategy.run.state is Lifecycle.WHOLE, "whole": model.net.inp.weight.dim()}
+
+
+def test_an_error_of_the_last_background_write_is_raised_at_teardown_after_it_completes(tmp_path):
+    for result in run_ranks(_last_background_write_fails_on_rank_1, 2, str(tmp_path)):
+        assert "in the background failed" in result["raised"], result
+        assert result["state"] and result["whole"] == 2, result
