@@ -17,6 +17,9 @@ training, so its average is itself), and a checkpoint's "state_dict" holds the c
 (Lightning's puts the average there and the current ones under "current_model_state"): load a
 mid-training checkpoint into the callback's run to continue, or take the average from the
 optimizer state. At the end of `fit` the average is copied into the model, as Lightning does.
+Buffers (BatchNorm statistics) are each rank's own under this strategy, where DDP broadcasts rank
+0's at every forward: averaged buffers then differ by rank as the buffers do (use SyncBatchNorm,
+or `use_buffers=False`, for DDP's numbers).
 """
 
 from __future__ import annotations

@@ -185,12 +185,14 @@ def run(args: argparse.Namespace) -> str:
         param_dtype=parse_dtype(args.param_dtype, "--param-dtype"),
         reduce_dtype=parse_dtype(args.reduce_dtype, "--reduce-dtype"),
     )
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
     states = OPTIMIZER_STATES[args.optimizer]
     if (args.model is None) == (args.params is None):
         raise ValueError("give either a model (MODULE:CALLABLE) or --params with --units, not both or neither")
     if args.params is not None:
-        if args.units < 1:
-            raise ValueError(f"--units must be at least 1, got {args.units}")
+        if args.units < 1 or args.params < args.units:
+            raise ValueError(f"--params ({args.params:g}) must be at least --units ({args.units}), which must be >= 1")
         each = int(args.params) // args.units
         units = [[0], *([each] for _ in range(args.units))]
         result = estimate_units(units, world_size=args.world_size, config=config, optimizer_states=states)

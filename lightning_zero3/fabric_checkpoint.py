@@ -141,37 +141,37 @@ def load(
     module_key, run, optimizers, rest = _split(run_of, state, "load")
     run.wait_for_save()
     trusted = run.trusted(weights_only)
+    # Every check runs before anything is loaded: a refused load leaves the model and optimizers as they were.
     if file.is_dir():
         ckpt = run.open_sharded(file, strict=strict, trusted=trusted, context=context)
-        load_sharded_model(ckpt, run.engine)
         saved = run_and_agree(run.engine.world_comm, ckpt.trainer_state, context=context)
         extra = dict(saved["extra"])
         # A Trainer's checkpoint has no "fabric" entry: its optimizers are in order, the rest is metadata.
         info = extra.pop(FABRIC_KEY, None) or {"optimizers": [key for key, _ in optimizers], "metadata": extra}
-        if optimizers:
-            by_key = dict(optimizers)
-            if set(by_key) != set(info["optimizers"]):
-                raise CheckpointError(
-                    f"{context}: it holds the optimizers {info['optimizers']} but the state passed to `fabric.load` "
-                    f"has {sorted(by_key)}; pass all of them (or none)."
-                )
-            load_sharded_optimizers(ckpt, run.engine, [by_key[key] for key in info["optimizers"]])
+        by_key = dict(optimizers)
+        if optimizers and set(by_key) != set(info["optimizers"]):
+            raise CheckpointError(
+                f"{context}: it holds the optimizers {info['optimizers']} but the state passed to `fabric.load` "
+                f"has {sorted(by_key)}; pass all of them (or none)."
+            )
         metadata = dict(info["metadata"])
+        _check_holds(rest, metadata, strict=strict, context=context)
+        load_sharded_model(ckpt, run.engine)
+        if optimizers:
+            load_sharded_optimizers(ckpt, run.engine, [by_key[key] for key in info["optimizers"]])
     else:
         checkpoint = run.read_full(file, read_file, trusted=trusted, strict=strict, context=context, key=module_key)
-        run.engine.load_full_state_dict(checkpoint.pop(module_key), strict=strict)
-        for key, optimizer in optimizers:
-            if key in checkpoint:
-                load_full_optimizer_state(run.engine, optimizer, checkpoint.pop(key))
-            elif strict:
-                raise KeyError(f"{context}: it has no entry '{key}'. Pass strict=False to load without it.")
+        absent = [key for key, _ in optimizers if key not in checkpoint]
+        if strict and absent:
+            raise KeyError(f"{context}: it has no entry {absent}. Pass strict=False to load without it.")
+        model_state = checkpoint.pop(module_key)
+        optimizer_states = {key: checkpoint.pop(key) for key, _ in optimizers if key in checkpoint}
         metadata = checkpoint
-    missing = [key for key in rest if key not in metadata]
-    if strict and missing:
-        raise KeyError(
-            f"{context}: the state asks for {missing}, which the checkpoint does not hold. Pass strict=False to "
-            f"load the rest."
-        )
+        _check_holds(rest, metadata, strict=strict, context=context)
+        run.engine.load_full_state_dict(model_state, strict=strict)
+        for key, optimizer in optimizers:
+            if key in optimizer_states:
+                load_full_optimizer_state(run.engine, optimizer, optimizer_states[key])
     for key, obj in rest.items():
         if key not in metadata:
             continue
@@ -180,3 +180,12 @@ def load(
         else:
             state[key] = metadata.pop(key)
     return metadata
+
+
+def _check_holds(rest: dict[str, Any], metadata: dict[str, Any], *, strict: bool, context: str) -> None:
+    missing = [key for key in rest if key not in metadata]
+    if strict and missing:
+        raise KeyError(
+            f"{context}: the state asks for {missing}, which the checkpoint does not hold. Pass strict=False to "
+            f"load the rest."
+        )

@@ -326,6 +326,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         for run in self._runs.values():
             run.end(failed=True)
         self._runs.clear()
+        self._replaced.clear()  # the whole parameters' entries would keep every old shard alive
         super().teardown()
         for error in errors:
             if error is not None:

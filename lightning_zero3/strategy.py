@@ -54,8 +54,9 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     Takes keyword options only: those of the engine (`lightning_zero3.engine.ShardingConfig`:
     wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
-    param_init_fn, reductions_in_flight) and the Lightning-only ones (`LightningOptions`:
-    state_dict_type, trust_checkpoint, timeout, start_method), documented there and in the README;
+    param_init_fn, reductions_in_flight, rank_checks) and the Lightning-only ones (`LightningOptions`:
+    state_dict_type, trust_checkpoint, async_save, timeout, start_method), documented there and in
+    the README;
     plus Lightning's own (accelerator, parallel_devices, cluster_environment, checkpoint_io,
     precision_plugin, process_group_backend). They are read back as `strategy.config` and
     `strategy.lightning_options`; replace one with `dataclasses.replace(strategy.config, prefetch=2)`,

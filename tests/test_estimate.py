@@ -83,3 +83,15 @@ def test_the_command_takes_a_model_by_import_path(capsys: pytest.CaptureFixture[
 def test_the_command_refuses_a_model_and_a_count_together(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "tests.test_estimate:_Net", "--params", "1e6", "--world-size", "2"]) == 2
     assert "either a model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--params", "1e6", "--units", "2", "--world-size", "0"], "--world-size must be at least 1"),
+        (["--params", "10", "--units", "32", "--world-size", "2"], "must be at least --units"),
+    ],
+)
+def test_the_command_refuses_counts_that_make_no_model(argv: list[str], expected: str, capsys) -> None:
+    assert main(["estimate", *argv]) == 2
+    assert expected in capsys.readouterr().err

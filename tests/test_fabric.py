@@ -279,3 +279,31 @@ def _threads_after_launch(rank: int, world_size: int) -> tuple[int, int]:
 def test_ranks_started_outside_fabric_get_their_share_of_the_cores() -> None:
     for threads, share in run_ranks(_threads_after_launch, 2):
         assert threads == share, (threads, share)
+
+
+def _refused_strict_load(rank: int, world_size: int, directory: str, kind: str) -> dict:
+    from tests.lit import become_lightning_rank
+
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3FabricStrategy
+
+    torch.manual_seed(0)
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ZeRO3FabricStrategy(state_dict_type=kind))
+    fabric.launch()
+    module = models.MLP()
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=0.1))
+    path = f"{directory}/{kind}"
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    model(torch.randn(4, 7)).sum().backward()
+    optimizer.step()
+    stepped = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(KeyError, match=r"asks for \['epoch'\]"):
+        fabric.load(path, {"model": model, "optimizer": optimizer, "epoch": 0})
+    return {"unchanged": all(torch.equal(stepped[k], v) for k, v in module.state_dict().items())}
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_strict_load_refused_for_a_missing_key_leaves_the_model_as_it_was(tmp_path, kind: str) -> None:
+    """Every check of `fabric.load` runs before anything is loaded, as in Lightning's own strategies."""
+    for result in run_ranks(_refused_strict_load, 2, str(tmp_path), kind):
+        assert result["unchanged"]

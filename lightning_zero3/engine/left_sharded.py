@@ -33,8 +33,8 @@ class ShardedModel(Protocol):
 
 
 _HOW_TO_USE = (
-    "Fit, validate, test or predict with it again on every rank (the new run makes it whole first), or build a new "
-    "module and load a checkpoint into it."
+    "Fit, validate, test or predict with it again on every rank, or set it up again with `fabric.setup` (the new run "
+    "makes it whole first), or build a new module and load a checkpoint into it."
 )
 
 
@@ -46,8 +46,8 @@ class _RefuseForward:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         raise RuntimeError(
-            f"{type(module).__name__}'s parameters are still this rank's 1-D shards: the run that sharded it failed "
-            f"and left it sharded. {_HOW_TO_USE}"
+            f"{type(module).__name__}'s parameters are still this rank's 1-D shards: the run that sharded it ended "
+            f"without making it whole (it failed, or Fabric's strategy was torn down). {_HOW_TO_USE}"
         )
 
 
