@@ -263,7 +263,8 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     # "sharded": a directory, each rank its shards; "full": one ordinary Lightning file from rank 0.
     @property
     def _run(self) -> ShardedRun:
-        self.sharded_model  # noqa: B018 - raises the explanation when there is no run yet
+        if self.run is None:
+            self.sharded_model  # noqa: B018 - raises the explanation
         assert self.run is not None
         return self.run
 

@@ -95,19 +95,24 @@ def test_a_background_checkpoint_resumes_exactly_at_another_world_size(runs):
     assert max_difference(final, model.state_dict()) < TOL
 
 
+def _fail_background_writes() -> None:
+    """Every background write of this process raises after its part is written."""
+    import lightning_zero3.core as core
+
+    write = core.write_sharded
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        write(*args, **kwargs)
+        raise OSError("injected failure in the background")
+
+    core.write_sharded = failing  # type: ignore[assignment]
+
+
 def _fit_with_a_failing_background_write_on_rank_1(rank: int, world_size: int, directory: str) -> None:
     """Rank 1's background write raises after its part is written (rank 0's succeeds): only
     the agreement at the next save can tell rank 0."""
-    import lightning_zero3.core as core
-
     if rank == 1:
-        write = core.write_sharded
-
-        def failing(*args: Any, **kwargs: Any) -> None:
-            write(*args, **kwargs)
-            raise OSError("injected failure in the background")
-
-        core.write_sharded = failing  # type: ignore[assignment]
+        _fail_background_writes()
     _fit_saving_every_2_steps(rank, world_size, directory, True)
 
 
@@ -191,16 +196,8 @@ def test_fabric_saves_in_the_background_equal_synchronous_ones(tmp_path):
 def _last_background_write_fails_on_rank_1(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """The last save of fit (step 2 of 2) fails in rank 1's background: only teardown's wait
     sees it. It is raised on every rank, after teardown made the module whole as usual."""
-    import lightning_zero3.core as core
-
     if rank == 1:
-        write = core.write_sharded
-
-        def failing(*args: Any, **kwargs: Any) -> None:
-            write(*args, **kwargs)
-            raise OSError("injected failure in the background")
-
-        core.write_sharded = failing  # type: ignore[assignment]
+        _fail_background_writes()
     become_lightning_rank(rank, world_size)
     from lightning_zero3 import ZeRO3Strategy
     from lightning_zero3.core import Lifecycle
