@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lightning_zero3.engine import ShardedModel, ShardingConfig
 from tests.models import MLP, Block, ReusedBlockModel, mlp_batch
 from tests.parity import Recipe, adamw, local_slice, max_param_difference
-from tests.ranks import RankFailure, run_ranks
+from tests.ranks import run_ranks
 from tests.test_engine_kept import SavedPerBlock
 from tests.test_engine_parity import parity
 
@@ -85,27 +85,44 @@ def test_bf16_gathers_train_alike_under_every_setting():
         assert differences == [0.0, 0.0], differences
 
 
-def _saved_after_forward(rank: int, world_size: int, reshard: bool | int) -> dict:
-    """Bytes of full weights autograd saved inside each block, after forward and after backward."""
+def _held_and_gathered(rank: int, world_size: int, reshard: bool | int) -> dict:
+    """Per block, the bytes of full weights autograd saved inside it after forward and after
+    backward; the All-Gather bytes per process-group size in forward and in backward, counted at
+    torch.distributed (gloo's All-Gather is one broadcast per rank, engine/gloo.py)."""
     torch.manual_seed(0)
     model = MLP(dim=DIM)
     sharded = ShardedModel(model, reshard_after_forward=reshard)
     x, y = mlp_batch(0)
-    for _ in range(2):  # the second step runs with the recorded order
-        saved = SavedPerBlock(model)
-        loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
-        after_forward = [saved.weight_bytes(i) for i in range(len(model.blocks))]
-        loss.backward()
-        after_backward = [saved.weight_bytes(i) for i in range(len(model.blocks))]
-    slices_left = [u.slice_comm is not None and u._slice is not None for u in sharded.units]
-    return {"forward": after_forward, "backward": after_backward, "slices_left": slices_left}
+    real, phase = dist.broadcast, ["forward"]
+
+    def counting(tensor, *args, group=None, **kwargs):
+        size, counted = dist.get_world_size(group), gathered[phase[0]]
+        counted[size] = counted.get(size, 0) + tensor.numel() * tensor.element_size()
+        return real(tensor, *args, group=group, **kwargs)
+
+    dist.broadcast = counting
+    try:
+        for _ in range(2):  # the second step runs with the recorded order
+            gathered: dict[str, dict[int, int]] = {"forward": {}, "backward": {}}
+            saved, phase[0] = SavedPerBlock(model), "forward"
+            loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+            after_forward = [saved.weight_bytes(i) for i in range(len(model.blocks))]
+            phase[0] = "backward"
+            loss.backward()
+            after_backward = [saved.weight_bytes(i) for i in range(len(model.blocks))]
+    finally:
+        dist.broadcast = real
+    slices_left = [u._slice is not None for u in sharded.units]
+    return {"forward": after_forward, "backward": after_backward, "slices_left": slices_left, "gathered": gathered}
 
 
-@pytest.mark.parametrize(("reshard", "world_size"), [(True, 2), (False, 2), (2, 4)])
-def test_what_each_setting_holds_between_forward_and_backward(reshard, world_size):
-    """False: every block's full weights stay alive until its backward; True and G: only the
-    last block's (kept because backward begins with it). Afterwards nothing, no slice left."""
-    for result in run_ranks(_saved_after_forward, world_size, reshard):
+@pytest.mark.parametrize(("reshard", "world_size"), [(False, 2), (2, 4)])
+def test_what_each_setting_holds_and_where_it_gathers(reshard, world_size):
+    """False: every block's full weights stay alive until its backward, which gathers nothing.
+    G=2 of 4: only the last block's (kept: backward begins with it), and backward gathers only
+    inside the pair of ranks, the released blocks (2 of the MLP's 3 blocks, each as large as its
+    forward gather). Afterwards no full weights and no slice are left."""
+    for result in run_ranks(_held_and_gathered, world_size, reshard):
         *released, last = result["forward"]
         assert last >= WEIGHT_BYTES, result
         if reshard is False:
@@ -114,51 +131,19 @@ def test_what_each_setting_holds_between_forward_and_backward(reshard, world_siz
             assert released == [0] * len(released), result
         assert result["backward"] == [0] * len(result["backward"]), result
         assert not any(result["slices_left"]), result
-
-
-def _broadcasts_by_group(rank: int, world_size: int) -> dict:
-    """The All-Gathers of a step with G=2 of 4 ranks, counted at torch.distributed (gloo's
-    All-Gather is one broadcast per rank, engine/gloo.py): bytes per group size, by phase."""
-    torch.manual_seed(0)
-    model = MLP()
-    ShardedModel(model, reshard_after_forward=2)
-    counted: dict[str, dict[int, int]] = {"forward": {}, "backward": {}}
-    phase = ["forward"]
-    real = dist.broadcast
-
-    def counting(tensor, *args, group=None, **kwargs):
-        size = dist.get_world_size(group)
-        counted[phase[0]][size] = counted[phase[0]].get(size, 0) + tensor.numel() * tensor.element_size()
-        return real(tensor, *args, group=group, **kwargs)
-
-    dist.broadcast = counting
-    try:
-        for step in range(2):
-            phase[0] = "forward"
-            x, y = mlp_batch(step)
-            loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
-            phase[0] = "backward"
-            loss.backward()
-            if step == 0:
-                counted = {"forward": {}, "backward": {}}  # the second step: an order is recorded
-    finally:
-        dist.broadcast = real
-    return counted
-
-
-def test_an_int_setting_gathers_in_backward_only_inside_its_group():
-    for counted in run_ranks(_broadcasts_by_group, 4):
-        assert set(counted["forward"]) == {4}, counted  # forward: the shard group of 4
-        assert set(counted["backward"]) == {2}, counted  # backward: inside the pair
-        # The pair gathers the units released after forward (MLP: 2 of its 3 blocks), each
-        # a whole unit as large as its forward gather.
-        assert 0.4 * counted["forward"][4] < counted["backward"][2] < 0.9 * counted["forward"][4], counted
+        forward, backward = result["gathered"]["forward"], result["gathered"]["backward"]
+        assert set(forward) == {world_size}, result  # forward: over the shard group
+        if reshard is False:
+            assert backward == {}, result
+        else:
+            assert set(backward) == {2}, result
+            assert 0.4 * forward[world_size] < backward[2] < 0.9 * forward[world_size], result
 
 
 def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) -> dict:
     """Evaluation before training, a grad-enabled forward never backpropagated, a forward that
-    raises, gathered_for_inference, retain_graph: nothing is left gathered between passes and
-    training stays exact."""
+    raises, a backward that does not reach every unit, gathered_for_inference, retain_graph:
+    nothing is left gathered between passes and training stays exact."""
     torch.manual_seed(0)
     reference = MLP(dim=DIM)
     torch.manual_seed(0)
@@ -174,9 +159,11 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
     saved = SavedPerBlock(model)
     model(mine[0])  # grad enabled, never backpropagated
     held_then = sum(saved.weight_bytes(i) for i in range(len(model.blocks)))
+    slices_then = sum(u._slice is not None for u in sharded.units)
     with torch.no_grad():
-        model(mine[0])  # the next pass gives back what the first kept
+        model.inp(mine[0])  # the next pass (the root alone) gives back what the first kept
     alive["after_next_pass"] = sharded.unit_stats.alive
+    alive["slices_after_next_pass"] = sum(u._slice is not None for u in sharded.units)
     alive["left_by_first"] = sum(saved.weight_bytes(i) for i in range(len(model.blocks)))
 
     def fail(*_: object) -> None:
@@ -187,6 +174,14 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
         model(mine[0])
     handle.remove()
     alive["after_raise"] = sharded.unit_stats.alive
+    hidden: list[torch.Tensor] = []
+    handle = model.blocks[0].register_forward_hook(lambda module, args, out: hidden.append(out))
+    model(mine[0])
+    handle.remove()
+    hidden[0].square().sum().backward()  # never reaches the later blocks
+    optimizers[1].zero_grad()
+    alive["after_partial_backward"] = sharded.unit_stats.alive
+    alive["slices_after_partial_backward"] = sum(u._slice is not None for u in sharded.units)
     with sharded.gathered_for_inference(), torch.no_grad():
         model(mine[0])
     alive["after_held"] = sharded.unit_stats.alive
@@ -201,7 +196,9 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
             optimizer.zero_grad()
         alive[f"after_step_{step}"] = sharded.unit_stats.alive
     sharded.end_step()
-    return {"alive": alive, "held_then": held_then, "diff": max_param_difference(sharded, reference)}
+    alive["slices_at_end"] = sum(u._slice is not None for u in sharded.units)
+    return {"alive": alive, "held_then": held_then, "slices_then": slices_then,
+            "diff": max_param_difference(sharded, reference)}  # fmt: skip
 
 
 @pytest.mark.parametrize(("reshard", "world_size"), [(False, 2), (2, 4)])
@@ -210,6 +207,8 @@ def test_passes_without_backward_leave_nothing_gathered(reshard, world_size):
         assert set(result["alive"].values()) == {0}, result
         if reshard is False:
             assert result["held_then"] >= 3 * WEIGHT_BYTES, result  # what the next pass had to free
+        else:
+            assert result["slices_then"] == 2, result  # the blocks released after forward
         assert result["diff"] < TOL, result
 
 
@@ -222,15 +221,16 @@ def test_bad_values_name_the_option_and_the_fix(value, expected):
     assert expected in str(raised.value)
 
 
-def _build(rank: int, world_size: int, reshard: int) -> bool:
-    sharded = ShardedModel(MLP(), reshard_after_forward=reshard)
-    return sharded.reshard
+def _build(rank: int, world_size: int) -> tuple[str, bool | int]:
+    try:
+        ShardedModel(MLP(), reshard_after_forward=3)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return refused, ShardedModel(MLP(), reshard_after_forward=2).reshard
 
 
 def test_an_int_must_divide_the_shard_group_and_the_whole_group_means_true():
-    with pytest.raises(RankFailure) as raised:
-        run_ranks(_build, 4, 3)
-    text = raised.value.args[0]
-    for rank in range(4):  # refused on every rank
-        assert "must divide the shard group of 4 ranks" in text.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
-    assert run_ranks(_build, 2, 2) == [True, True]
+    for refused, resolved in run_ranks(_build, 2):  # on every rank
+        assert "reshard_after_forward=3 must divide the shard group of 2 ranks" in refused
+        assert resolved is True
