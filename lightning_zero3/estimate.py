@@ -193,12 +193,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", choices=sorted(DTYPE_NAMES), help="Reduce-Scatter dtype (default fp32)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument(
-        "--reshard-after-forward", type=_reshard, default=True, metavar="{true,false,G}",
+        "--reshard-after-forward", type=parse_reshard, default=True, metavar="{true,false,G}",
         help="true (default), false (units stay whole until backward), or G (keep 1/G, gathered in groups of G)",
     )  # fmt: skip
 
 
-def _reshard(text: str) -> bool | int:
+def parse_reshard(text: str) -> bool | int:
+    """A command line's `reshard_after_forward`: "true", "false" or an int."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
@@ -238,4 +239,4 @@ def run(args: argparse.Namespace) -> str:
     return result.table()
 
 
-__all__ = ["Estimate", "estimate", "estimate_units"]
+__all__ = ["Estimate", "estimate", "estimate_units", "parse_reshard"]
