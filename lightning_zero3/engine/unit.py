@@ -329,9 +329,12 @@ class Unit:
         empty = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device)
         block = empty.set_(fulls[0].untyped_storage(), 0, (self.block_numel,), (1,))
         spans = [(n * o + j * per * p.shard_numel, per * p.shard_numel) for p, o in zip(self.params, self.offsets)]
-        with comm.streams(block.device).on("copy_in"), torch.no_grad():
+        streams = comm.streams(block.device)
+        with streams.on("copy_in"), torch.no_grad():
             kept = self.pool.take("slice", per * self.shard_numel, block.dtype, block.device)
             torch.cat([block[start : start + size] for start, size in spans], out=kept)
+            copied = streams.event()
+        streams.wait_for(copied)  # the block goes back to the pool next, on the compute stream
         self._slice = (kept, self._versions())
         self.record.add("kept_slice", self.uid)
 
