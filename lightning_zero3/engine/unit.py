@@ -11,7 +11,10 @@ parameter i's full flat data is column block [o_i, o_i + shard_numel_i) read row
 `numel_i`. The Reduce-Scatter input is (world_size, reduce row) with the same column layout and
 one check column at S (then alignment zeros), so each rank receives exactly the summed gradient
 of its own shards. This rank's row of the receive buffer is its send buffer: the shards are
-copied (cast to `param_dtype`) into it, and the collective runs in place.
+copied (cast to `param_dtype`) into it, and the collective runs in place. A slice kept after
+forward (reshard.py) is the same with N/G shards per parameter: member j of a group of G holds
+ranks jN/G .. (j+1)N/G - 1's shards of parameter i back to back at (N/G) o_i, and the group's
+(G, row) gather puts them in place by the same rule.
 
 [Note: dtypes]
 Shards (the optimizer's master copy) keep the model's dtype. Gathers run in `param_dtype`
@@ -181,8 +184,8 @@ class Unit:
             kept = None
         comm = self.comm if kept is None else self.slice_comm
         assert comm is not None
-        s = (self.world_size // comm.world_size) * self.shard_numel  # a slice holds N/G shards
-        width = aligned_numel(s + tag_numel(dtype), dtype)
+        per = self.world_size // comm.world_size  # a slice holds N/G shards of each parameter
+        s, width = per * self.shard_numel, self.row_numel(dtype, per=per)
         streams = comm.streams(device)
         with streams.on("copy_in"), torch.no_grad():
             recv = self.pool.take("gather", comm.world_size * width, dtype, device)
