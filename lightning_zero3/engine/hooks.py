@@ -100,8 +100,7 @@ class HookDriver:
 
     def __init__(
         self, units: list[Unit], *, schedule: Schedule, checks: RankChecks, reductions: Reductions,
-        persistent: PersistentGrads, live: LiveUnits, record: StepRecord, world_comm: Comm,
-        reshard: bool | int = True,
+        persistent: PersistentGrads, live: LiveUnits, record: StepRecord, world_comm: Comm, reshard: bool | int,
     ) -> None:  # fmt: skip
         self.units = units
         self.schedule = schedule
