@@ -6,6 +6,7 @@ nothing gathered after passes without a backward."""
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import pytest
@@ -14,9 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel, ShardingConfig
-from tests.models import MLP, Block, ReusedBlockModel, mlp_batch
+from tests.models import MLP, Block, ReusedBlockModel, RoutedMLP, mlp_batch
 from tests.parity import Recipe, adamw, local_slice, max_param_difference
-from tests.ranks import run_ranks
+from tests.ranks import RankFailure, run_ranks
 from tests.test_engine_kept import SavedPerBlock
 from tests.test_engine_parity import parity
 
@@ -234,3 +235,27 @@ def test_an_int_must_divide_the_shard_group_and_the_whole_group_means_true():
     for refused, resolved in run_ranks(_build, 2):  # on every rank
         assert "reshard_after_forward=3 must divide the shard group of 2 ranks" in refused
         assert resolved is True
+
+
+def _routed(rank: int, world_size: int, routes: list[list[list[int]]]) -> str:
+    torch.manual_seed(0)
+    model = RoutedMLP(depth=3)
+    ShardedModel(model, reshard_after_forward=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, per_rank in enumerate(routes):
+        model.route = per_rank[rank]
+        x, y = mlp_batch(step, batch=16)
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return "finished"
+
+
+def test_ranks_running_different_units_with_slices_raise_on_every_rank():
+    """One rank of 4 runs its blocks in another order in the forward of step 2 (step 1 kept
+    slices and gathered them in pairs): every rank raises OrderMismatchError naming the unit."""
+    same = [[0, 1, 2]] * 4
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_routed, 4, [same, [*same[:3], [1, 0, 2]]], timeout_s=20)
+    per_rank = re.split(r"--- rank \d+ ---\n", str(failure.value))[1:]
+    assert len(per_rank) == 4 and all(err.startswith("OrderMismatchError") for err in per_rank), failure.value

@@ -23,7 +23,11 @@ post-forward of a call that owes a backward; `resolve` and `slice_group` set it 
   changed (an optimizer step in between) is stale and dropped, the gather then runs over the
   shard group. A unit called twice in one forward keeps one slice: the later backward uses it,
   the earlier gathers over the shard group. The root and last unit are kept whole as with True.
-  G = shard group is True; G = 1 is refused (False is its name).
+  G = shard group is True; G = 1 is refused (False is its name). A rank that leaves the
+  recorded order in backward announces it in its group of G only (departure.py): that group
+  raises `OrderMismatchError` (its ranks numbered within the group); the other groups fail at
+  their next collective over the shard group, with a `CollectiveError` once the departed ranks
+  exit (under NCCL, after the timeout).
 Passes without a backward never keep anything past their end: a forward without gradients
 owes no backward (its calls go DONE), and what a grad-enabled forward kept is released when its
 output needs no gradient, when the next pass begins, or when the hooks go (hooks.py).
