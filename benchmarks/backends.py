@@ -33,11 +33,15 @@ BACKENDS: dict[str, tuple[str, str, int | None]] = {
     "engine-p1-async": (
         "ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", "ShardedModel p=1 async RS", 1
     ),
+    # reshard_after_forward=False on both sides: units stay whole from forward to backward.
+    "fsdp2-no-reshard": ("PyTorch FSDP2, reshard_after_forward=False", "FSDP2 no reshard", None),
+    "zero3-p1-no-reshard": ('Lightning strategy="zero3", reshard_after_forward=False', "zero3 no reshard", 1),
     "deepspeed": ("DeepSpeed ZeRO-3, its defaults", "DeepSpeed ZeRO-3", None),
     "deepspeed-strict": ("DeepSpeed ZeRO-3, ~1 block live", "DeepSpeed ZeRO-3 strict", None),
 }
-# DeepSpeed is optional (benchmarks/deepspeed_backend.py): not in the default set.
-DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name]
+# DeepSpeed is optional (benchmarks/deepspeed_backend.py) and the no-reshard pair a setting of
+# their own: not in the default set.
+DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name and "no-reshard" not in name]
 
 
 @dataclass
@@ -73,7 +77,7 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
         (w[rank, :, :-1].contiguous().to(device), w[rank, :, 1:].contiguous().to(device)) for w in spec.windows
     ]  # (B, T) inputs and targets of this rank, per step
     try:
-        if spec.backend in ("lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2"):
+        if spec.backend in ("lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2", "zero3-p1-no-reshard"):
             extra = _run_lightning(rank, world_size, spec, model, batches, recorder)
         elif spec.backend.startswith("deepspeed"):
             from benchmarks.deepspeed_backend import run_deepspeed
@@ -112,12 +116,13 @@ def _run_raw(
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    elif spec.backend == "fsdp2":
+    elif spec.backend.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
+        reshard = not spec.backend.endswith("-no-reshard")
         for block in model.h:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
     elif spec.backend.startswith("engine-"):
         from lightning_zero3.engine import ShardedModel
 
@@ -203,7 +208,11 @@ def _run_lightning(
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     # Lightning uses the process group already initialised by the launcher (as under torchrun).
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size))
-    strategy: Any = "ddp" if spec.backend == "lightning-ddp" else ZeRO3Strategy(prefetch=BACKENDS[spec.backend][2])
+    reshard = not spec.backend.endswith("-no-reshard")
+    strategy: Any = (
+        "ddp" if spec.backend == "lightning-ddp"
+        else ZeRO3Strategy(prefetch=BACKENDS[spec.backend][2], reshard_after_forward=reshard)
+    )  # fmt: skip
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=spec.accelerator,

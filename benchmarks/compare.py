@@ -9,6 +9,7 @@ DeepSpeed ZeRO-3; compare them.
     python benchmarks/compare.py --mode scaling --plot  # model state and step time for N = 1..4
     python benchmarks/compare.py --backends ddp,fsdp2,deepspeed,lightning-ddp,zero3-p1 --rounds 5
     python benchmarks/compare.py --mode scaling --size 124m --batch-size 1 --scaling-steps 2 --plot
+    python benchmarks/compare.py --backends fsdp2,zero3-p1,fsdp2-no-reshard,zero3-p1-no-reshard  # reshard False too
     python benchmarks/compare.py --smoke                # tiny model, 2 rounds, a few steps
     python benchmarks/compare.py --accelerator gpu --devices 2 --size 85m   # NCCL, with MFU
 

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero3 import ZeRO3Strategy
+from lightning_zero3.estimate import parse_reshard
 
 # ---------------------------------------------------------------------------------------------
 # Model
@@ -327,6 +328,13 @@ def report(stats: dict, *, prefetch: int, steps: int, wall_s: float, module: Cha
         expected_across = stats["expected_step_bytes_across_groups"]["all_reduce"]
         print(f"  formula (shard gradients + 1 tag element per unit, in {stats['reduce_dtype']}): {expected_across:,}")
         wire += sum(count["wire_bytes"] for count in across.values())
+    in_slices = stats["last_step_in_slice_groups"]
+    if in_slices:
+        print("\nbackward's All-Gathers inside the groups of reshard_after_forward=G (slices kept after forward):")
+        for kind, count in sorted(in_slices.items()):
+            print(f"  {kind:<16}{count['calls']:>6}{count['payload_bytes']:>16,}{count['wire_bytes']:>14,}")
+        print(f"  formula: {stats['expected_step_bytes_in_slice_groups']['all_gather']:,}")
+        wire += sum(count["wire_bytes"] for count in in_slices.values())
     if n > 1:
         print(f"  sent on a ring {wire:,} = {wire / ddp_wire:.3f}x DDP's 2(N-1)/N·Ψb = {ddp_wire:,.0f}")
     print(
@@ -351,6 +359,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, help="shard within groups of this many ranks; default: all ranks")
     parser.add_argument("--param-dtype", help="gather dtype, e.g. bf16; default: what --precision implies")
     parser.add_argument("--reduce-dtype", help="gradient reduction dtype, e.g. bf16; default fp32")
+    parser.add_argument(
+        "--reshard-after-forward", type=parse_reshard, default=True,
+        help="true (default), false (units whole from forward to backward) or G (a 1/G slice, gathered in groups of G)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--save", metavar="PATH", help="write a sharded checkpoint (a directory) at the end")
     parser.add_argument("--resume", metavar="PATH", help="resume from a checkpoint, saved at any number of ranks")
@@ -382,6 +394,7 @@ def main() -> None:
             shard_size=args.shard_size,
             param_dtype=args.param_dtype,
             reduce_dtype=args.reduce_dtype,
+            reshard_after_forward=args.reshard_after_forward,
         ),
         accelerator=args.accelerator,
         devices=args.devices,

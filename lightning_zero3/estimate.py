@@ -11,15 +11,19 @@ collective carries per step, from the same unit plan the engine builds (engine/p
   dtype (G: the shard group, `shard_size` or the world), its gradient, and `optimizer_states`
   tensors like it (AdamW: 2); parameters kept whole (`persistence_threshold`) in full. This is
   16Ψ/G bytes for fp32 AdamW, the figure the parity tests measure.
-- Live units, the peak during forward and backward: the root unit and the last unit of
-  forward (kept from forward into backward), the unit computing and `prefetch` more, in the
-  gather dtype, the largest units taken; plus in backward one unit's full gradients and
-  `reductions_in_flight` + 1 Reduce-Scatter inputs in the reduce dtype.
-- Payload per training step: every unit All-Gathered for forward and again for backward, except
-  the root and the last unit (once); one Reduce-Scatter of every trainable unit; one All-Reduce
-  of the whole parameters' gradients; with shard groups, one All-Reduce of each rank's reduced
-  shard across groups. A ring sends (G-1)/G of an All-Gather's or Reduce-Scatter's payload from
-  each rank and 2(R-1)/R of an All-Reduce's over R ranks.
+- Live units, the peak during forward and backward (`accounting.live_peak`): the root unit and
+  the last unit of forward (kept from forward into backward), the unit computing and `prefetch`
+  more, in the gather dtype, the largest units taken (every unit with
+  `reshard_after_forward=False`, and each other unit's 1/G slice with an int G); plus in backward
+  one unit's full gradients and `reductions_in_flight` + 1 Reduce-Scatter inputs in the reduce
+  dtype.
+- Payload per training step, by the engine's own rules (`accounting.step_bytes`): every unit
+  All-Gathered for forward and again for backward, except the root and the last unit (once;
+  every unit once with False; with an int G the backward's inside groups of G); one
+  Reduce-Scatter of every trainable unit; one All-Reduce of the whole parameters' gradients;
+  with shard groups, one All-Reduce of each rank's reduced shard across groups. A ring sends
+  (G-1)/G of an All-Gather's or Reduce-Scatter's payload from each rank and 2(R-1)/R of an
+  All-Reduce's over R ranks.
 The engine's own row padding (16-byte alignment, one tag element) is left out: under 1% for
 units of more than a few thousand elements.
 """
@@ -35,9 +39,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_zero3.engine.accounting import UnitSizes, live_peak, step_bytes
 from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.dtypes import DTYPE_NAMES, parse_dtype
 from lightning_zero3.engine.plan import make_plan
+from lightning_zero3.engine.reshard import resolve
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 
@@ -56,6 +62,8 @@ class Estimate:
     reduce_scatter: int
     all_reduce: int
     all_reduce_across_groups: int
+    all_gather_in_groups: int = 0  # reshard_after_forward=G: the backward's, inside groups of G
+    slice_group: int = 1
 
     @property
     def model_state(self) -> int:
@@ -67,9 +75,11 @@ class Estimate:
         ring = (g - 1) / g * (self.all_gather + self.reduce_scatter) + 2 * (self.world_size - 1) / self.world_size * (
             self.all_reduce
         )
-        return ring + (2 * (r - 1) / r * self.all_reduce_across_groups if r > 1 else 0.0)
+        inside = (self.slice_group - 1) / self.slice_group * self.all_gather_in_groups
+        return ring + inside + (2 * (r - 1) / r * self.all_reduce_across_groups if r > 1 else 0.0)
 
     def table(self) -> str:
+        in_groups = [(f"All-Gather in groups of {self.slice_group} / step", self.all_gather_in_groups)]
         rows = [
             ("parameters (shards)", self.parameters),
             ("gradients (shards)", self.gradients),
@@ -77,6 +87,7 @@ class Estimate:
             ("model state, between steps", self.model_state),
             ("live units, peak in a pass", self.live_units),
             ("All-Gather payload / step", self.all_gather),
+            *in_groups * (self.slice_group > 1),
             ("Reduce-Scatter payload / step", self.reduce_scatter),
             ("All-Reduce payload / step", self.all_reduce + self.all_reduce_across_groups),
             ("sent by each rank / step (ring)", round(self.sent_per_rank)),
@@ -112,18 +123,22 @@ def estimate_units(
     master = master_dtype.itemsize
     gather = (config.param_dtype or master_dtype).itemsize
     reduce = (config.reduce_dtype or torch.float32).itemsize
+    reshard = resolve(config.reshard_after_forward, shard_group=g)
     rows = [sum(math.ceil(n / g) for n in params) for params in unit_params]  # elements each rank keeps
     shard_elements = sum(rows) + sum(persistent)
     parameters = shard_elements * master
     full = [sum(params) for params in unit_params]
-    root, rest = full[0], full[1:]
-    last = rest[-1] if rest else 0
-    computing = sorted(rest[:-1] if rest else [], reverse=True)[: 1 + config.prefetch]
+    ends = [i in (0, len(rows) - 1) for i in range(len(rows))]  # the root and the last unit
+    units = [
+        UnitSizes(gather=g * r * gather, reduce=g * r * reduce * trainable, reduced=r * reduce * trainable,
+                  slice_gather=g * r * gather, backward=trainable, ends_forward=end)
+        for r, end in zip(rows, ends)
+    ]  # fmt: skip
+    sent = step_bytes(units, reshard)
     in_flight = 2 if config.reductions_in_flight is None else config.reductions_in_flight  # as on CUDA
     largest = max(full, default=0)
-    live = (root + last + sum(computing)) * gather + (largest * gather + (in_flight + 1) * largest * reduce)
-    gathered_twice = sum(rows[1:-1]) if len(rows) > 2 else 0
-    all_gather = g * (sum(rows) + gathered_twice) * gather
+    live = live_peak([f * gather for f in full], reshard, prefetch=config.prefetch, ends_forward=ends)
+    live += largest * gather + (in_flight + 1) * largest * reduce
     return Estimate(
         world_size=world_size,
         shard_group=g,
@@ -131,10 +146,12 @@ def estimate_units(
         gradients=parameters if trainable else 0,
         optimizer_states=optimizer_states * parameters if trainable else 0,
         live_units=live,
-        all_gather=all_gather if world_size > 1 else 0,
-        reduce_scatter=g * sum(rows) * reduce if trainable and g > 1 else 0,
+        all_gather=sent["shard"]["all_gather"] if world_size > 1 else 0,
+        reduce_scatter=sent["shard"]["reduce_scatter"] if g > 1 else 0,
         all_reduce=sum(persistent) * reduce if trainable and world_size > 1 else 0,
-        all_reduce_across_groups=sum(rows) * reduce if trainable and g < world_size else 0,
+        all_reduce_across_groups=sent["across"]["all_reduce"] if g < world_size else 0,
+        all_gather_in_groups=sent["slices"]["all_gather"],
+        slice_group=reshard if type(reshard) is int else 1,
     )
 
 
@@ -175,6 +192,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-dtype", choices=sorted(DTYPE_NAMES), help="gather dtype (default: the model's)")
     parser.add_argument("--reduce-dtype", choices=sorted(DTYPE_NAMES), help="Reduce-Scatter dtype (default fp32)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    parser.add_argument(
+        "--reshard-after-forward", type=parse_reshard, default=True, metavar="{true,false,G}",
+        help="true (default), false (units stay whole until backward), or G (keep 1/G, gathered in groups of G)",
+    )  # fmt: skip
+
+
+def parse_reshard(text: str) -> bool | int:
+    """A command line's `reshard_after_forward`: "true", "false" or an int."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if not lowered.isdigit():
+        raise argparse.ArgumentTypeError(f"expected true, false or an int G >= 2, got {text!r}")
+    return int(lowered)
 
 
 def run(args: argparse.Namespace) -> str:
@@ -184,6 +215,7 @@ def run(args: argparse.Namespace) -> str:
         shard_size=args.shard_size,
         param_dtype=parse_dtype(args.param_dtype, "--param-dtype"),
         reduce_dtype=parse_dtype(args.reduce_dtype, "--reduce-dtype"),
+        reshard_after_forward=args.reshard_after_forward,
     )
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
@@ -207,4 +239,4 @@ def run(args: argparse.Namespace) -> str:
     return result.table()
 
 
-__all__ = ["Estimate", "estimate", "estimate_units"]
+__all__ = ["Estimate", "estimate", "estimate_units", "parse_reshard"]

@@ -113,6 +113,9 @@ def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[st
         "expected_step_bytes_across_groups": (
             expected(across_groups=True) or sharded.expected_step_bytes(across_groups=True)
         ),
+        # reshard_after_forward=G: the backward's All-Gathers inside the groups of G.
+        "last_step_in_slice_groups": measured(sharded.slice_stats),
+        "expected_step_bytes_in_slice_groups": expected(slices=True) or sharded.expected_step_bytes(slices=True),
         # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
         "last_step_control": measured(sharded.world_comm.stats),
         "gather_wait_s": sharded.stats.last_step_gather_wait_s,

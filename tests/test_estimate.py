@@ -37,10 +37,10 @@ def _alive_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _run(rank: int, world_size: int, param_dtype: str | None) -> dict[str, int]:
+def _run(rank: int, world_size: int, param_dtype: str | None, reshard: bool | int) -> dict[str, int]:
     torch.manual_seed(0)
     model = _Net()
-    sharded = ShardedModel(model, param_dtype=param_dtype)
+    sharded = ShardedModel(model, param_dtype=param_dtype, reshard_after_forward=reshard)
     optimizer = torch.optim.AdamW(model.parameters())
     for _ in range(2):  # the second step runs with the recorded order, as every later one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
@@ -55,17 +55,25 @@ def _run(rank: int, world_size: int, param_dtype: str | None) -> dict[str, int]:
         "gradients": _alive_bytes([p.grad for p in params if p.grad is not None]),
         "optimizer_states": _alive_bytes(states),
         **{kind: counted.payload_bytes for kind, counted in sharded.stats.last_step.items()},
+        "all_gather_in_groups": sum(c.payload_bytes for c in sharded.slice_stats.last_step.values())
+        if sharded.slice_stats is not None else 0,
     }
 
 
-@pytest.mark.parametrize(("world_size", "param_dtype"), [(2, None), (3, None), (2, "bf16")])
-def test_estimate_matches_the_model_state_alive_and_the_bytes_counted(world_size: int, param_dtype: str | None):
+@pytest.mark.parametrize(
+    ("world_size", "param_dtype", "reshard"),
+    [(2, None, True), (3, None, True), (2, "bf16", True), (2, "bf16", False), (4, None, 2)],
+)
+def test_estimate_matches_the_model_state_alive_and_the_bytes_counted(world_size, param_dtype, reshard):
+    config = ShardingConfig(param_dtype=param_dtype, reshard_after_forward=reshard)
     with torch.device("meta"):
-        predicted = estimate(_Net(), world_size=world_size, config=ShardingConfig(param_dtype=param_dtype))
-    for measured in run_ranks(_run, world_size, param_dtype):
-        for kind in ("parameters", "gradients", "optimizer_states", "all_gather", "reduce_scatter"):
+        predicted = estimate(_Net(), world_size=world_size, config=config)
+    kinds = ["parameters", "gradients", "optimizer_states", "all_gather", "reduce_scatter", "all_gather_in_groups"]
+    for measured in run_ranks(_run, world_size, param_dtype, reshard):
+        for kind in kinds:
             expected = getattr(predicted, kind)
             assert abs(measured[kind] - expected) <= 0.05 * expected, (kind, measured[kind], expected)
+        assert (measured["all_gather_in_groups"] > 0) == (reshard == 2), measured
 
 
 def test_the_command_prints_per_rank_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,3 +103,13 @@ def test_the_command_refuses_a_model_and_a_count_together(capsys: pytest.Capture
 def test_the_command_refuses_counts_that_make_no_model(argv: list[str], expected: str, capsys) -> None:
     assert main(["estimate", *argv]) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_the_command_takes_reshard_after_forward(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--params", "7e9", "--units", "32", "--world-size", "8", "--reshard-after-forward"]
+    assert main([*argv, "false"]) == 0
+    assert "All-Gather payload / step             26.08 GiB" in capsys.readouterr().out  # 4 bytes x 7e9, once
+    assert main([*argv, "2"]) == 0
+    assert "All-Gather in groups of 2 / step      25.26 GiB" in capsys.readouterr().out  # backward's, but the ends
+    assert main([*argv, "3"]) == 2
+    assert "must divide the shard group of 8 ranks" in capsys.readouterr().err

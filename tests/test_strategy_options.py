@@ -33,6 +33,7 @@ ENGINE = {
     "param_init_fn": _init,
     "reductions_in_flight": 1,
     "rank_checks": 5,
+    "reshard_after_forward": False,
 }
 LIGHTNING = {
     "state_dict_type": "full",

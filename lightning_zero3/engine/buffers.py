@@ -19,6 +19,8 @@ same size; a block can match another unit's rows):
 - "reduce" (Reduce-Scatter input): taken and filled on the compute stream (reduce.py, Note:
   gradient copy-in), read by the collective on the reduce stream, given back on the compute
   stream after waiting for it.
+- "slice" (the 1/G slice a unit keeps after forward, reshard.py): taken, filled, copied into
+  the send row and given back on the copy-in stream.
 - "received" (gloo's Reduce-Scatter receive rows, gloo.py): CPU only, program order.
 `give` is called once the giving stream has waited for every use of the buffer; it records an
 event there, and `take` makes the taker's current stream wait for it, so the next user never
@@ -32,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 # What a buffer is for (Note: buffer roles and streams).
-Role = Literal["gather", "block", "reduce", "received"]
+Role = Literal["gather", "block", "reduce", "received", "slice"]
 
 
 def current_event(device: torch.device) -> Any:

@@ -216,6 +216,7 @@ class CallTable:
     and where a slot's count of open forward hooks changes (`set_depth`)."""
 
     def __init__(self, units: list[Unit], *, live: LiveUnits, record: StepRecord) -> None:
+        self.units = units
         self.slots = [Slot() for _ in units]
         # Slots with an open forward hook (depth > 0), kept by `set_depth`: 0 between passes.
         self.open = 0
@@ -227,7 +228,8 @@ class CallTable:
         assert (old, state) in LEGAL, f"ZeRO-3 internal error: unit '{call.unit.name}' {old.name} -> {state.name}"
         slot = self.slots[call.unit.uid]
         if state is S.KEPT:
-            assert slot.kept is None, f"ZeRO-3 internal error: unit '{call.unit.name}' kept twice"
+            if slot.kept is not None:  # called again in this forward: one kept copy (reshard.py)
+                self.move(slot.kept, S.RESHARDED)
             slot.kept = call
             self.record.add("kept", call.unit.uid)
         elif old is S.KEPT and slot.kept is call:
@@ -251,6 +253,8 @@ class CallTable:
             with engine_mode():
                 call.unit.release(call.fulls)
             call.fulls = []
+        elif state is S.DONE and old is S.RESHARDED:
+            call.unit.drop_slice()  # its backward never came (reshard.py)
         elif state is S.DONE and old in (S.FORWARD, S.REDUCED_IN_FORWARD):
             call.fulls = []  # autograd may still hold them (GatherParams' outputs): they die with it
         call.state = state
@@ -269,8 +273,10 @@ class CallTable:
     def drop_leftovers(self) -> None:
         """Between passes (a new one begins, or the hooks go), in one walk over the units: a
         kept call gives its memory back (its backward, if it still comes, gathers again), and a
-        call still on its modules, left by a pass that raised (Note: exceptions), is closed."""
-        for slot in self.slots:
+        call still on its modules, left by a pass that raised (Note: exceptions), is closed;
+        slices kept for a backward go (reshard.py)."""
+        for unit, slot in zip(self.units, self.slots):
+            unit.drop_slice()
             if slot.kept is not None:
                 self.move(slot.kept, S.RESHARDED)
             if slot.call is not None:

@@ -265,6 +265,17 @@ class Comm:
         self.stats.gather_wait_s += time.perf_counter() - start
 
 
+def consecutive_group(size: int) -> dist.ProcessGroup | None:
+    """Split the world into groups of `size` consecutive ranks; this rank's (`size` divides the
+    world). Every rank must call it (creating a group is a collective)."""
+    rank, mine = dist.get_rank(), None
+    for start in range(0, dist.get_world_size(), size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = group
+    return mine
+
+
 def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """Split the world into groups of `shard_size` consecutive ranks that shard the model (one
     group per node, when `shard_size` is the processes per node) and groups of the ranks at
@@ -280,11 +291,7 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.Proce
     if shard_size == world:
         return None, None
     rank = dist.get_rank()
-    shard_group = replicate_group = None
-    for start in range(0, world, shard_size):
-        group = dist.new_group(list(range(start, start + shard_size)))
-        if start <= rank < start + shard_size:
-            shard_group = group
+    shard_group, replicate_group = consecutive_group(shard_size), None
     for offset in range(shard_size):
         group = dist.new_group(list(range(offset, world, shard_size)))
         if rank % shard_size == offset:

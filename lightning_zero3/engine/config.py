@@ -43,6 +43,11 @@ class ShardingConfig:
             them instead of hanging or mixing parameters (checks.py, Note: rank check modes):
             "every_step", "first_step" (until the first backward ends), or an int K (the steps
             whose count of finished backwards is a multiple of K; 1 is "every_step").
+        reshard_after_forward: what a unit keeps from its forward to its backward (reshard.py,
+            Note: reshard after forward). True: nothing but its shards (the root and the last
+            unit excepted); False: its full parameters (no backward All-Gather); an int G >= 2
+            dividing the shard group: its 1/G slice, so backward gathers inside groups of G
+            consecutive ranks (G equal to the shard group is True).
     """
 
     wrap_policy: WrapPolicy = None
@@ -54,6 +59,7 @@ class ShardingConfig:
     param_init_fn: Callable[[nn.Module], None] | None = None
     reductions_in_flight: int | None = None
     rank_checks: str | int = "every_step"
+    reshard_after_forward: bool | int = True
 
     def __post_init__(self) -> None:
         def bad(option: str, expected: str) -> ValueError:
@@ -78,6 +84,13 @@ class ShardingConfig:
         checks = self.rank_checks
         if checks not in ("every_step", "first_step") and (type(checks) is not int or checks < 1):
             raise bad("rank_checks", '"every_step", "first_step" or an int K >= 1 (check every K-th step)')
+        keep = self.reshard_after_forward
+        if type(keep) is not bool and (type(keep) is not int or keep < 2):
+            raise bad(
+                "reshard_after_forward",
+                "True (reshard every unit), False (keep units whole until backward) or an int G >= 2 "
+                "that divides the shard group (keep a 1/G slice; for 1 write False)",
+            )
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise bad("param_init_fn", "callable")
         # Normalised in place: the dataclass is frozen to its users, not to its own constructor.

@@ -24,14 +24,13 @@ that matters: the memory is back before anything else is released. So a post-for
 closes a call owing a backward moves it to KEPT when its unit is the root and it closes the
 pass (a root layer called inside another unit's forward, outside the root's own, is followed
 by the rest of that forward), or when the forward has run the whole recorded order
-(`Schedule.forward_complete`); either happens at most once per unit and pass. The tensors leave
-the modules but keep their storage, and the pre-backward puts them back without a collective
-(FSDP2 keeps its root so; torchtitan its last block too). Every rank decides alike: the root,
-the nesting of calls and the record are the same on every rank. A kept call whose backward
-does not follow gives its memory back: when a new pass begins (KEPT -> RESHARDED), when the
-forward ends with nothing that needs a gradient, when the hooks are removed, or when a
-backward ends without reaching it (KEPT -> DONE). All-Gather bytes per step: 2Ψ - Ψ_root -
-Ψ_last instead of 2Ψ; the step record (record.py) counts what was kept.
+(`Schedule.forward_complete`); with `reshard_after_forward=False`, always (reshard.py). The
+tensors leave the modules but keep their storage, and the pre-backward puts them back without
+a collective (FSDP2 keeps its root so; torchtitan its last block too). Every rank decides
+alike: the root, the nesting of calls and the record are the same on every rank. A kept call
+whose backward does not follow gives its memory back: when a new pass begins (KEPT ->
+RESHARDED), when the forward ends with nothing that needs a gradient, when the hooks are
+removed, or when a backward ends without reaching it (KEPT -> DONE); record.py counts them.
 
 [Note: frozen units]
 A unit without a trainable parameter still runs backward whenever its input needs a gradient
@@ -84,6 +83,7 @@ from lightning_zero3.engine.held import UNSYNCED_HINT, HeldUnits
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.record import LiveUnits, StepRecord
 from lightning_zero3.engine.reduce import Reductions
+from lightning_zero3.engine.reshard import after_forward
 from lightning_zero3.engine.schedule import Prefetcher, Schedule
 from lightning_zero3.engine.unit import Unit
 
@@ -100,7 +100,7 @@ class HookDriver:
 
     def __init__(
         self, units: list[Unit], *, schedule: Schedule, checks: RankChecks, reductions: Reductions,
-        persistent: PersistentGrads, live: LiveUnits, record: StepRecord, world_comm: Comm,
+        persistent: PersistentGrads, live: LiveUnits, record: StepRecord, world_comm: Comm, reshard: bool | int,
     ) -> None:  # fmt: skip
         self.units = units
         self.schedule = schedule
@@ -109,6 +109,7 @@ class HookDriver:
         self.persistent = persistent  # gradients of the parameters kept whole (persistent.py)
         self.record = record  # what each step gathered, kept and reduced (record.py)
         self.world_comm = world_comm  # the first step's order comparison runs on it
+        self.reshard = reshard  # reshard_after_forward, resolved (reshard.py)
         self.state = P.IDLE
         # Per unit the call on its modules, the call kept for backward, the open forward hooks.
         self.calls = CallTable(units, live=live, record=record)
@@ -261,16 +262,15 @@ class HookDriver:
             # forward raised (output None): no backward owed.
             self.calls.move(call, S.DONE)
             return
-        self.calls.move(call, S.KEPT if self._ends_forward(unit) else S.RESHARDED)
+        after_forward(self.reshard, call, self.calls, ends_forward=self._ends_forward(unit))
         self._pending.append(call)
         for tensor in outputs:
             tensor.register_hook(partial(self._pre_backward, call))
 
     def _ends_forward(self, unit: Unit) -> bool:
         """Whether backward begins with this unit's call, so it is kept (Note: kept for backward)."""
-        if self.state is P.BACKWARD:
-            return False
-        return (unit is self.units[0] and not self.calls.open) or self.schedule.forward_complete
+        return self.state is not P.BACKWARD and ((unit is self.units[0] and not self.calls.open)
+                                                 or self.schedule.forward_complete)  # fmt: skip
 
     def _begin_pass(self, state: P = P.FORWARD) -> None:
         """A unit starts forward (or every unit is held) with nothing open, no backward running."""

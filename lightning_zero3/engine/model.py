@@ -30,6 +30,7 @@ from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.record import LiveUnits, Step, StepRecord, UnitStats
 from lightning_zero3.engine.reduce import Reductions
+from lightning_zero3.engine.reshard import resolve, slice_group
 from lightning_zero3.engine.schedule import Schedule
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
@@ -80,6 +81,11 @@ class ShardedModel:
         self.replicate_comm = (
             Comm(replicate_group, pool=self.pool, device=target) if replicate_group is not None else None
         )
+        # reshard_after_forward=G: the groups of G ranks that gather the slices kept after
+        # forward (reshard.py), their traffic counted apart from the shard group's.
+        self.reshard = resolve(config.reshard_after_forward, shard_group=self.comm.world_size)
+        group_of_g = slice_group(self.reshard)
+        self.slice_comm = Comm(group_of_g, pool=self.pool, device=target) if group_of_g is not None else None
         # Control traffic that must reach every rank: initial broadcast, order check, edits.
         self.world_comm = Comm(None)
         # Shards left by an earlier engine whose run failed are made whole first (Note: a module left sharded).
@@ -102,7 +108,8 @@ class ShardedModel:
             Unit(uid=uid, name=unit_plan.name, module=unit_plan.module,
                  params=[shards[id(entry)] for entry in unit_plan.params], comm=self.comm, checks=self.checks,
                  replicate=self.replicate_comm, param_dtype=config.param_dtype,
-                 reduce_dtype=config.reduce_dtype, pool=self.pool, record=self.record)  # fmt: skip
+                 reduce_dtype=config.reduce_dtype, pool=self.pool, record=self.record,
+                 slice_comm=self.slice_comm)  # fmt: skip
             for uid, unit_plan in enumerate(self.plan.units)
         ]
         self._by_param: dict[int, ShardedParam] = {id(s.param): s for s in shards.values()}
@@ -127,7 +134,7 @@ class ShardedModel:
             self.units, schedule=self.schedule, checks=self.checks,
             reductions=Reductions(in_flight=self.reductions_in_flight),
             persistent=self.persistent_grads, live=self.live,
-            record=self.record, world_comm=self.world_comm,
+            record=self.record, world_comm=self.world_comm, reshard=self.reshard,
         )  # fmt: skip
         # HF generate() outside gathered_for_inference() keeps the ranks in step by default
         # (generation.py, Note: synced generation by default).
@@ -173,12 +180,18 @@ class ShardedModel:
         """Traffic across shard groups (hierarchical sharding only)."""
         return self.replicate_comm.stats if self.replicate_comm is not None else None
 
+    @property
+    def slice_stats(self) -> CommStats | None:
+        """Traffic inside the groups of G (`reshard_after_forward=G` only): backward's gathers."""
+        return self.slice_comm.stats if self.slice_comm is not None else None
+
     def end_step(self) -> None:
         """Close the step's accounting: `stats.last_step` becomes this step's traffic and
         `last_step_record` what the engine gathered, kept and reduced in it (record.py)."""
         self.comm.stats.end_step()
-        if self.replicate_comm is not None:
-            self.replicate_comm.stats.end_step()
+        for comm in (self.replicate_comm, self.slice_comm):
+            if comm is not None:
+                comm.stats.end_step()
         self.world_comm.stats.end_step()
         self.record.end_step()
 
@@ -187,14 +200,14 @@ class ShardedModel:
         """What the last step closed by `end_step` gathered, kept and reduced, by unit id."""
         return self.record.last
 
-    def last_step_expected_bytes(self, *, across_groups: bool = False) -> dict[str, int] | None:
+    def last_step_expected_bytes(self, *, across_groups: bool = False, slices: bool = False) -> dict[str, int] | None:
         """The formula (accounting.py) for the step `stats.last_step` measured, with the record
         of unit orders that step ran with; None before any `end_step`."""
         last = self.record.last
         if last is None:
             return None
-        orders = last.orders
-        return accounting.expected_step_bytes(self.units, self.persistent, orders=orders, across_groups=across_groups)
+        return accounting.expected_step_bytes(self.units, self.persistent, orders=last.orders, reshard=self.reshard,
+                                              across_groups=across_groups, slices=slices)  # fmt: skip
 
     @property
     def global_rank(self) -> int:
@@ -339,10 +352,11 @@ class ShardedModel:
         parameters), gradient shards, and optimizer state for them."""
         return accounting.model_state_bytes([p.param for p in self.sharded_params] + self.persistent, optimizers)
 
-    def expected_step_bytes(self, *, across_groups: bool = False) -> dict[str, int]:
+    def expected_step_bytes(self, *, across_groups: bool = False, slices: bool = False) -> dict[str, int]:
         """The formula (accounting.py) for a training step with the unit orders recorded now."""
         orders = (self.schedule.forward_order, self.schedule.backward_order)
-        return accounting.expected_step_bytes(self.units, self.persistent, orders=orders, across_groups=across_groups)
+        return accounting.expected_step_bytes(self.units, self.persistent, orders=orders, reshard=self.reshard,
+                                              across_groups=across_groups, slices=slices)  # fmt: skip
 
     def remove_hooks(self) -> None:
         """Remove the hooks (`HookDriver.remove` first closes the calls still holding full

@@ -1,5 +1,6 @@
 """What the engine did, counted where it does it: `StepRecord`, per step, which units it
-All-Gathered, kept gathered from forward into backward, and Reduce-Scattered (the one source of
+All-Gathered, kept gathered from forward into backward, and Reduce-Scattered, and with
+`reshard_after_forward=G` which kept a 1/G slice and gathered it inside its group of G (the one source of
 truth; accounting.py's formula is the oracle tests and docs/accounting.md check it against);
 `LiveUnits`, how many units hold full parameters now and at the peak."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-KINDS = ("gathered", "kept", "reduced")
+KINDS = ("gathered", "kept", "reduced", "kept_slice", "gathered_slice")
 
 # The recorded (forward, backward) unit orders a step ran with (schedule.py).
 Orders = tuple[list[int] | None, list[int] | None]
@@ -21,6 +22,8 @@ class Step:
     gathered: Counter[int] = field(default_factory=Counter)
     kept: Counter[int] = field(default_factory=Counter)
     reduced: Counter[int] = field(default_factory=Counter)
+    kept_slice: Counter[int] = field(default_factory=Counter)  # reshard_after_forward=G (reshard.py)
+    gathered_slice: Counter[int] = field(default_factory=Counter)  # All-Gathers inside the group of G
     orders: Orders = (None, None)
 
 

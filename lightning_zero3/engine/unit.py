@@ -11,7 +11,10 @@ parameter i's full flat data is column block [o_i, o_i + shard_numel_i) read row
 `numel_i`. The Reduce-Scatter input is (world_size, reduce row) with the same column layout and
 one check column at S (then alignment zeros), so each rank receives exactly the summed gradient
 of its own shards. This rank's row of the receive buffer is its send buffer: the shards are
-copied (cast to `param_dtype`) into it, and the collective runs in place.
+copied (cast to `param_dtype`) into it, and the collective runs in place. A slice kept after
+forward (reshard.py) is the same with N/G shards per parameter: member j of a group of G holds
+ranks jN/G .. (j+1)N/G - 1's shards of parameter i back to back at (N/G) o_i, and the group's
+(G, row) gather puts them in place by the same rule.
 
 [Note: dtypes]
 Shards (the optimizer's master copy) keep the model's dtype. Gathers run in `param_dtype`
@@ -73,6 +76,8 @@ class _PendingGather:
     issued: Any  # event after the issue (CUDA), else None
     tag: int  # the tag this rank stamped
     stamped: bool  # whether the step's rank checks stamped it (checks.py)
+    comm: Comm  # the shard group, or the group of G holding slices (reshard.py)
+    data: int  # elements of each row before its check slot
 
 
 class Unit:
@@ -92,6 +97,7 @@ class Unit:
         reduce_dtype: torch.dtype | None = None,
         pool: BufferPool | None = None,
         record: StepRecord | None = None,
+        slice_comm: Comm | None = None,
     ) -> None:
         dtypes = {p.param.dtype for p in params}
         if len(dtypes) > 1:
@@ -128,6 +134,10 @@ class Unit:
         # Elements of each rank's Reduce-Scatter row: shards, check column, alignment.
         self.reduce_row_numel = aligned_numel(total + 1, self.reduce_dtype)
         self._pending: _PendingGather | None = None
+        # reshard_after_forward=G: the group of G ranks and this rank's 1/G slice of the full
+        # parameters kept after forward, with the shard versions it was cut at (reshard.py).
+        self.slice_comm = slice_comm
+        self._slice: tuple[torch.Tensor, tuple[int, ...]] | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
@@ -150,10 +160,14 @@ class Unit:
         """Elements of a full-parameter block: the padded full parameters (Note: full-parameter blocks)."""
         return self.world_size * self.shard_numel
 
-    def row_numel(self, dtype: torch.dtype | None = None) -> int:
-        """Elements each rank sends in an All-Gather in `dtype` (default `param_dtype`)."""
+    def row_numel(self, dtype: torch.dtype | None = None, *, per: int = 1) -> int:
+        """Elements each rank sends in an All-Gather in `dtype` (default `param_dtype`) when it
+        holds `per` shards of each parameter (a slice of a group of G holds N/G)."""
         dtype = dtype or self.param_dtype
-        return aligned_numel(self.shard_numel + tag_numel(dtype), dtype)
+        return aligned_numel(per * self.shard_numel + tag_numel(dtype), dtype)
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p.param._version for p in self.params)
 
     # ---- gather ---------------------------------------------------------------------------
     def start_gather(self, dtype: torch.dtype | None = None, *, tag: int | None = None) -> None:
@@ -164,19 +178,30 @@ class Unit:
         dtype = dtype or self.param_dtype
         tag = self.checks.tag(self.uid) if tag is None else tag
         device = self.params[0].param.device
-        n, s, width = self.world_size, self.shard_numel, self.row_numel(dtype)
-        streams = self.comm.streams(device)
+        kept = self._slice
+        if kept is not None and (kept[0].dtype != dtype or kept[1] != self._versions()):
+            self.drop_slice()  # stale (an optimizer step since) or another dtype asked for
+            kept = None
+        comm = self.comm if kept is None else self.slice_comm
+        assert comm is not None
+        per = self.world_size // comm.world_size  # a slice holds N/G shards of each parameter
+        s, width = per * self.shard_numel, self.row_numel(dtype, per=per)
+        streams = comm.streams(device)
         with streams.on("copy_in"), torch.no_grad():
-            recv = self.pool.take("gather", n * width, dtype, device)
-            mine = recv[self.comm.rank * width : (self.comm.rank + 1) * width]  # the send row
-            torch.cat([p.param.detach() for p in self.params], out=mine[:s])  # casts to `dtype`
+            recv = self.pool.take("gather", comm.world_size * width, dtype, device)
+            mine = recv[comm.rank * width : (comm.rank + 1) * width]  # the send row
+            if kept is None:
+                torch.cat([p.param.detach() for p in self.params], out=mine[:s])  # casts to `dtype`
+            else:
+                mine[:s].copy_(kept[0])
+                self.drop_slice()  # used: freed (reshard.py)
             stamped = self.checks.stamp_gather(mine[s : s + tag_numel(dtype)], tag)
             copied = streams.event()
         with streams.on("gather", after=copied):
-            work = self.comm.all_gather(recv, mine, async_op=True, what=f"unit '{self.name}'")
+            work = comm.all_gather(recv, mine, async_op=True, what=f"unit '{self.name}'")
             issued = streams.event()
-        self._pending = _PendingGather(work, recv, dtype, issued, tag, stamped)
-        self.record.add("gathered", self.uid)
+        self._pending = _PendingGather(work, recv, dtype, issued, tag, stamped, comm, s)
+        self.record.add("gathered" if kept is None else "gathered_slice", self.uid)
         if stamped:
             self.checks.in_flight[self.uid] = self._settle_if_arrived
 
@@ -204,32 +229,34 @@ class Unit:
         assert pending is not None
         self._pending = None
         self.checks.in_flight.pop(self.uid, None)
+        comm = pending.comm
         try:
-            self.comm.streams(pending.recv.device).wait_for(pending.issued)
-            self.comm.wait(pending.work)
+            comm.streams(pending.recv.device).wait_for(pending.issued)
+            comm.wait(pending.work)
         except RuntimeError as err:
             self.checks.raise_pending_mismatch()
-            raise self.comm.failed("All-Gather", f"unit '{self.name}'", err) from err
-        return pending.recv.view(self.world_size, self.row_numel(pending.dtype)), pending
+            raise comm.failed("All-Gather", f"unit '{self.name}'", err) from err
+        return pending.recv.view(comm.world_size, -1), pending
 
-    def _slots(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The check slots of a gathered (N, row) buffer (checks.py, Note: check slot)."""
-        return gathered[:, self.shard_numel : self.shard_numel + tag_numel(gathered.dtype)]
+    @staticmethod
+    def _slots(gathered: torch.Tensor, pending: _PendingGather) -> torch.Tensor:
+        """The check slots of a gathered (rows, row) buffer (checks.py, Note: check slot)."""
+        return gathered[:, pending.data : pending.data + tag_numel(gathered.dtype)]
 
     def _wait_gather(self) -> torch.Tensor:
         """Wait for the pending All-Gather and hand its check slots to the rank checks; the
         (N, row) buffer (give it back to the pool when done with it)."""
         gathered, pending = self._finish_gather()
         if pending.stamped:
-            self.checks.read_gather(self.name, self._slots(gathered), pending.tag)
+            self.checks.read_gather(self.name, self._slots(gathered, pending), pending.tag)
         return gathered
 
     def announce(self, tag: int) -> list[int]:
         """Join this unit's All-Gather (what the ranks that follow the recorded order issue
         next) carrying `tag` instead of the unit's; return every rank's tag, read at once."""
         self.start_gather(tag=tag)
-        gathered, _ = self._finish_gather()
-        tags = read_tags(self._slots(gathered)).tolist()  # a sync, only when leaving the record
+        gathered, pending = self._finish_gather()
+        tags = read_tags(self._slots(gathered, pending)).tolist()  # a sync, only when leaving the record
         self.pool.give("gather", gathered.view(-1))
         return tags
 
@@ -258,13 +285,14 @@ class Unit:
             empty = torch.empty(0, dtype=into[0].dtype, device=into[0].device)
             block = empty.set_(storage, 0, (self.block_numel,), (1,))
             fulls = list(into)
-        sizes = [p.shard_numel for p in self.params]
+        per = n // gathered.shape[0]  # shards of each parameter per row: 1, or N/G from slices
+        sizes = [per * p.shard_numel for p in self.params]
         with torch.no_grad():
-            # One pass per rank: its row's shards -> their places in the padded full data (rank
-            # r's shard of parameter i at n * o_i + r * size_i).
-            for r in range(n):
+            # One pass per row: its shards -> their places in the padded full data (row r's
+            # shards of parameter i at n * o_i + r * size_i).
+            for r in range(gathered.shape[0]):
                 out = [block[n * o + r * s : n * o + (r + 1) * s] for o, s in zip(self.offsets, sizes)]
-                torch.split_with_sizes_copy(gathered[r, : self.shard_numel], sizes, out=out)
+                torch.split_with_sizes_copy(gathered[r, : per * self.shard_numel], sizes, out=out)
         self.pool.give("gather", gathered.view(-1))
         return fulls
 
@@ -291,3 +319,31 @@ class Unit:
         # `storage` is left empty; private API, not in torch's stubs (Note: full-parameter blocks)
         holder.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]
         self.pool.give("block", holder.set_(holder.untyped_storage(), 0, (self.block_numel,), (1,)))
+
+    # ---- the slice kept after forward (reshard.py) ----------------------------------------
+    def keep_slice(self, fulls: list[torch.Tensor]) -> None:
+        """Copy this rank's 1/G slice out of the full parameters `fulls` (from `gather`): the
+        shards of ranks j*N/G .. (j+1)*N/G - 1 of each parameter, j this rank's place in its
+        group of G, laid out as the rows of a gather inside that group (reshard.py)."""
+        comm = self.slice_comm
+        assert comm is not None and fulls
+        self.drop_slice()
+        n, per, j = self.world_size, self.world_size // comm.world_size, comm.rank
+        empty = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device)
+        block = empty.set_(fulls[0].untyped_storage(), 0, (self.block_numel,), (1,))
+        spans = [(n * o + j * per * p.shard_numel, per * p.shard_numel) for p, o in zip(self.params, self.offsets)]
+        streams = comm.streams(block.device)
+        with streams.on("copy_in"), torch.no_grad():
+            kept = self.pool.take("slice", per * self.shard_numel, block.dtype, block.device)
+            torch.cat([block[start : start + size] for start, size in spans], out=kept)
+            copied = streams.event()
+        streams.wait_for(copied)  # the block goes back to the pool next, on the compute stream
+        self._slice = (kept, self._versions())
+        self.record.add("kept_slice", self.uid)
+
+    def drop_slice(self) -> None:
+        """Give the kept slice back to the pool, if any."""
+        if self._slice is not None and self.slice_comm is not None:
+            with self.slice_comm.streams(self._slice[0].device).on("copy_in"):
+                self.pool.give("slice", self._slice[0])
+        self._slice = None
