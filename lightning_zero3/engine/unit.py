@@ -206,7 +206,7 @@ class Unit:
         self.checks.in_flight.pop(self.uid, None)
         try:
             self.comm.streams(pending.recv.device).wait_for(pending.issued)
-            self.comm.wait(pending.work)
+            self.comm.wait(pending.work, pending.recv.device)
         except RuntimeError as err:
             self.checks.raise_pending_mismatch()
             raise self.comm.failed("All-Gather", f"unit '{self.name}'", err) from err
@@ -260,11 +260,10 @@ class Unit:
             fulls = list(into)
         sizes = [p.shard_numel for p in self.params]
         with torch.no_grad():
-            # One pass per rank: its row's shards -> their places in the padded full data (rank
-            # r's shard of parameter i at n * o_i + r * size_i).
-            for r in range(n):
-                out = [block[n * o + r * s : n * o + (r + 1) * s] for o, s in zip(self.offsets, sizes)]
-                torch.split_with_sizes_copy(gathered[r, : self.shard_numel], sizes, out=out)
+            # One copy for all ranks: column block i of the (n, shard_numel) rows is parameter
+            # i's (n, size_i) padded full data, rank r's shard at n * o_i + r * size_i.
+            out = [block[n * o : n * (o + s)].view(n, s) for o, s in zip(self.offsets, sizes)]
+            torch.split_with_sizes_copy(gathered[:, : self.shard_numel], sizes, dim=1, out=out)
         self.pool.give("gather", gathered.view(-1))
         return fulls
 
