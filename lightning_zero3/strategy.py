@@ -368,9 +368,8 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
 
 def _last_batch_of_epoch(trainer: Any) -> bool:
-    """Whether the training step about to run takes the last batch of this rank's epoch and
-    training would go on after it (a step that ends the run by `max_steps` on every rank is not
-    uneven, whatever the loaders hold)."""
+    """Whether the training step about to run takes the last batch of this rank's epoch, unless
+    it ends the run by `max_steps`, which every rank reaches alike whatever its loader holds."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     last = progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
     return bool(last) and not (0 <= trainer.max_steps <= trainer.global_step + 1)
