@@ -232,6 +232,8 @@ def fabric_run(dev: torch.device, precision: str, *, zero3: bool, fused: bool = 
                 "scale": (scale, scaler.get_scale() if scaler is not None else None),
             }
         out["losses"].append(loss.item())
+    if zero3:  # read after the loop: on CUDA the events are read then (a sync outside any window)
+        out["gather_wait_s"] = fabric.strategy.sharded_model(model).stats.last_step_gather_wait_s
     return out
 
 
@@ -245,6 +247,11 @@ def check_b(dry: bool) -> None:
             report("RAN", "b", f"{precision}, fused AdamW: steady step ran (syncs are a CUDA notion)")
         else:
             report(verdict(run["syncs"] == 1), "b", f"{precision}, fused AdamW: {run['syncs']} syncs in a steady step")
+    run = fabric_run(dev, "32-true", zero3=True, clip=True, steps=5, sync_window=4)  # foreach norm and clip
+    wait = run["gather_wait_s"]
+    ok = wait >= 0 and (dry or run["syncs"] == 1)
+    detail = f"{'-' if dry else run['syncs']} syncs; last step's gather wait {wait * 1e3:.2f} ms"
+    report(("RAN" if dry else "PASS") if ok else "FAIL", "b", f"32-true, clipping: {detail}")
     import lightning as L
 
     fabric = L.Fabric(accelerator=dev.type, devices=1, strategy=ZeRO3FabricStrategy())

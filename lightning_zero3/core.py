@@ -33,7 +33,7 @@ from lightning_zero3.checkpoint.load import open_checked
 from lightning_zero3.checkpoint.remote import RemotePath
 from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
 from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.comm import Comm, destroy_group
 from lightning_zero3.engine.state import full_optimizer_state
 
 if TYPE_CHECKING:
@@ -85,6 +85,9 @@ class ShardedRun:
             for sharded in self.engine.sharded_params:
                 sharded.param.grad = None
         self.engine.pool.clear()  # buffers kept for the next step, which will not come
+        if self._saver is not None and self._saver is not self.engine.world_comm:
+            destroy_group(self._saver.group)  # later saves of this run write synchronously
+        self._saver = None
 
     # ---- checkpoints: "sharded" a directory of every rank's shards, "full" one file from rank 0
     @property

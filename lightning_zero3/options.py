@@ -167,8 +167,9 @@ def join_process_group(
             f"global rank {env.global_rank()}). Check that every node runs the same command with the same "
             f"num_nodes and devices, and that the main address and port are reachable. Cause: {err}"
         ) from err
-    if backend == "nccl":
-        atexit.register(_leave_process_group)  # NCCL warns about a group never destroyed
+    # Destroyed at exit, for every backend: NCCL warns about a group never destroyed, and gloo's
+    # worker threads abort the process as Python finalizes (engine/comm.py, `new_group`).
+    atexit.register(_leave_process_group)
     rank_zero_info(f"{owner}: {env.world_size()} processes joined the {backend} process group.")
 
 

@@ -219,6 +219,14 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         self.sharded_model.reset_peaks()
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Ranks with uneven batch counts fail at the step where the shortest epoch ends, on every
+        # rank (engine/checks.py, Note: uneven batches).
+        assert self.lightning_module is not None
+        self.sharded_model.checks.final_batch = _last_batch_of_epoch(self.lightning_module.trainer)
+        return super().training_step(*args, **kwargs)
+
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.sharded_model.end_step()
@@ -357,6 +365,14 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def __repr__(self) -> str:
         # Shown by Fabric when given this class: say which one it wants.
         return f"{type(self).__name__}(a Trainer strategy: for Fabric use ZeRO3FabricStrategy or strategy='zero3')"
+
+
+def _last_batch_of_epoch(trainer: Any) -> bool:
+    """Whether the training step about to run takes the last batch of this rank's epoch, unless
+    it ends the run by `max_steps`, which every rank reaches alike whatever its loader holds."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    last = progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
+    return bool(last) and not (0 <= trainer.max_steps <= trainer.global_step + 1)
 
 
 __all__ = ["ZeRO3Strategy"]

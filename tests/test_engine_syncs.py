@@ -93,3 +93,39 @@ def test_an_evaluation_pass_reads_device_memory_on_the_host_at_most_once():
     """4 reads per pass before (1 per unit)."""
     for result in run_ranks(_host_reads_per_step, 2, 4):
         assert result["eval"] <= 4, result
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the operations dispatched, by name: what a GPU launches kernels for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_gather_and_clip(rank: int, world_size: int, depth: int) -> dict:
+    from lightning_zero3.engine import clip_grad_norm_
+
+    torch.manual_seed(0)
+    model = MLP(depth=depth)
+    sharded = ShardedModel(model, prefetch=0)
+    x, y = mlp_batch(0)
+    with _Ops() as forward:
+        loss = F.mse_loss(model(x), y)
+    loss.backward()
+    with _Ops() as clip:
+        clip_grad_norm_(sharded, list(model.parameters()), 0.01)
+    return {"copies": forward.names.count("split_with_sizes_copy"), "clip": [n for n in clip.names if n != "detach"]}
+
+
+def test_copy_out_is_one_op_per_gather_and_clipping_a_fixed_number_of_ops():
+    """Before: one copy per rank per gather, and ~3 ops per parameter to clip (a 3-block MLP's
+    14 parameters against a 6-block one's 26)."""
+    small, large = (run_ranks(_ops_per_gather_and_clip, 2, depth) for depth in (3, 6))
+    for shallow, deep in zip(small, large):
+        assert (shallow["copies"], deep["copies"]) == (4, 7), (shallow, deep)  # one per unit gathered in forward
+        assert shallow["clip"] == deep["clip"], (shallow, deep)

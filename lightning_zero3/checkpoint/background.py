@@ -27,10 +27,11 @@ import logging
 import threading
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from lightning_zero3.checkpoint.errors import describe_error
-from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.comm import Comm, new_group
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def saver_comm(world: Comm) -> Comm:
     if not world.distributed:
         return world
     ranks = dist.get_process_group_ranks(world.group) if world.group is not None else None
-    return Comm(dist.new_group(ranks=ranks, backend="gloo"))
+    return Comm(new_group(ranks, backend="gloo"), device=torch.device("cpu"))
 
 
 __all__ = ["BackgroundSave", "saver_comm"]

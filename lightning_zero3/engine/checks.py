@@ -32,6 +32,17 @@ whose count of finished backwards is a multiple of K. Other steps stamp, read an
 nothing: a disagreement then surfaces as a failed or hanging collective (or, for units of one
 size, silently mixed parameters), as under DDP or FSDP. Every rank counts the same backwards,
 so every rank checks the same steps.
+
+[Note: uneven batches]
+A rank given more training batches than its peers (a DataLoader without a DistributedSampler)
+runs a step they never run: its collectives meet whatever they do next (a save, teardown),
+which ends in a hang until the process-group timeout or a C++ abort. So a strategy that knows
+a training step runs the last batch of this rank's epoch says so (`final_batch`), and every
+gather tag of that step carries the `FINAL` bit. With equal counts every rank sets it on the
+same step; with uneven counts the tags of the step where the shortest epoch ends differ in that
+bit only, and every rank raises, at that step's check, an error naming uneven batch counts,
+before any rank takes an extra step. Only checked steps compare tags (Note: rank check modes):
+under "first_step" or K, an epoch whose last step is not checked is not caught this way.
 """
 
 from __future__ import annotations
@@ -53,6 +64,8 @@ class OrderMismatchError(RuntimeError):
 # A gather tag with this bit set says "this rank departed from the recorded order and runs the
 # unit whose tag is in the low bits" (departure.py).
 DEPARTED = 1 << 30
+# A gather tag with this bit set says "this rank runs the last batch of its epoch" (Note: uneven batches).
+FINAL = 1 << 29
 
 
 def exact_integers(dtype: torch.dtype) -> int:
@@ -108,6 +121,9 @@ class RankChecks:
         # completed, never waits (Note: deferred tag checks).
         self.in_flight: dict[int, Callable[[], None]] = {}
         self._stamps: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
+        # This step runs the last batch of this rank's epoch: set by the strategy before the
+        # step, cleared when its backward ends (Note: uneven batches).
+        self.final_batch = False
 
     @property
     def active(self) -> bool:
@@ -134,9 +150,8 @@ class RankChecks:
         slot.copy_(stamp)
         return True
 
-    @staticmethod
-    def tag(uid: int, *, notice: bool = False) -> int:
-        return (DEPARTED if notice else 0) | (uid + 1)
+    def tag(self, uid: int, *, notice: bool = False) -> int:
+        return (DEPARTED if notice else 0) | (FINAL if self.final_batch else 0) | (uid + 1)
 
     def read_gather(self, unit: str, slots: torch.Tensor, tag: int) -> None:
         """Record the tags a stamped gather brought ((N, tag_numel) slots), which must all be `tag`."""
@@ -189,13 +204,27 @@ class RankChecks:
     def step_done(self) -> None:
         """A backward ended (after its check): count it."""
         self.steps += 1
+        self.final_batch = False
 
     def describe_tag(self, tag: int) -> str:
+        final = " (its last batch)" if tag & FINAL else ""
+        tag &= ~FINAL
         if tag & DEPARTED:
-            return f"'{self.name((tag & ~DEPARTED) - 1)}' (departed from the recorded order)"
-        return f"'{self.name(tag - 1)}'"
+            return f"'{self.name((tag & ~DEPARTED) - 1)}' (departed from the recorded order){final}"
+        return f"'{self.name(tag - 1)}'{final}"
 
     def _message(self, record: _Record, seen: list[int]) -> str:
+        last = [r for r, t in enumerate(seen) if t & FINAL]
+        if record.collective == "All-Gather" and last and len(last) < len(seen):
+            more = [r for r in range(len(seen)) if r not in last]
+            return (
+                f"Uneven batch counts (All-Gather of unit '{record.unit}', rank {self.rank}): ranks {last} run the "
+                f"last training batch of their epoch while ranks {more} have more batches; the ranks would run "
+                f"different numbers of steps and their collectives would pair wrongly (a hang or an abort). Give "
+                f"every rank the same number of batches: Lightning's DistributedSampler (`use_distributed_sampler="
+                f"True`, the default, pads to equal lengths), `drop_last=True` on a sampler or DataLoader that "
+                f"splits data per rank, or equal per-rank datasets."
+            )
         if record.collective == "All-Gather":
             where = ", ".join(f"rank {r}: {self.describe_tag(t)}" for r, t in enumerate(seen))
             detail = f"this rank expected unit '{record.unit}' but the ranks were at [{where}]"
@@ -255,4 +284,4 @@ def first_difference(orders: list[list[int]]) -> tuple[int, int, int] | None:
     return None
 
 
-__all__ = ["DEPARTED", "OrderMismatchError", "RankChecks", "exact_integers", "read_tags", "tag_numel"]
+__all__ = ["DEPARTED", "FINAL", "OrderMismatchError", "RankChecks", "exact_integers", "read_tags", "tag_numel"]

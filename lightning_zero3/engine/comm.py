@@ -20,10 +20,19 @@ the current stream, not of the host). `Streams` owns the streams and events, one
 and process group; on CPU every method is a no-op and everything runs in program order.
 Buffers move between streams through the `BufferPool`, one stream per role (buffers.py, Note:
 buffer roles and streams).
+
+[Note: collective device]
+A `Comm` built with `device` takes tensors of that device type only, on every backend: NCCL
+has no path for CPU tensors ("No backend type associated with device type cpu", or a crash),
+and gloo, which takes both, would hide such a call in every CPU test. So every collective
+checks its tensors first and raises `CollectiveError` naming them; callers holding state
+elsewhere (optimizer state Lightning's teardown moved to the host) copy it to `device`
+one tensor at a time (state.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -65,15 +74,28 @@ class CommStats:
 
     current: dict[str, CollectiveBytes] = field(default_factory=lambda: defaultdict(CollectiveBytes))
     last_step: dict[str, CollectiveBytes] = field(default_factory=dict)
-    # Seconds spent blocked in `wait()` on All-Gathers: what prefetch failed to hide.
+    # Seconds spent blocked waiting for All-Gathers: what prefetch failed to hide. On CPU the
+    # host blocks in `wait()`; on CUDA the compute stream does, timed by events read only when
+    # `last_step_gather_wait_s` is (a sync then, never during the step).
     gather_wait_s: float = 0.0
-    last_step_gather_wait_s: float = 0.0
+    _last_host_s: float = 0.0
+    waits: list[tuple[Any, Any]] = field(default_factory=list)  # (start, end) CUDA events
+    _last_waits: list[tuple[Any, Any]] = field(default_factory=list)
 
     def end_step(self) -> None:
         self.last_step = dict(self.current)
         self.current = defaultdict(CollectiveBytes)
-        self.last_step_gather_wait_s = self.gather_wait_s
-        self.gather_wait_s = 0.0
+        self._last_host_s, self._last_waits = self.gather_wait_s, self.waits
+        self.gather_wait_s, self.waits = 0.0, []
+
+    @property
+    def last_step_gather_wait_s(self) -> float:
+        """Seconds the last step waited for All-Gathers (host on CPU, compute stream on CUDA)."""
+        stalled = 0.0
+        for start, end in self._last_waits:
+            end.synchronize()
+            stalled += start.elapsed_time(end) / 1e3
+        return self._last_host_s + stalled
 
 
 class CollectiveError(RuntimeError):
@@ -98,12 +120,14 @@ class Streams:
         self.enabled = device.type == "cuda"
         self._streams: dict[str, Any] = {}
         if self.enabled:
-            self._streams = {name: torch.cuda.Stream(device) for name in ("copy_in", "gather", "reduce")}
+            # High priority, as FSDP2's: communication is what the compute waits for.
+            names = ("copy_in", "gather", "reduce", "replicate")
+            self._streams = {name: torch.cuda.Stream(device, priority=-1) for name in names}
 
     @contextmanager
     def on(self, name: str | None, *, after: Any = None, wait_current: bool | None = None) -> Iterator[None]:
-        """Run the block on stream `name` ("copy_in", "gather", "reduce"; None: the current
-        one). "copy_in" and "reduce" first wait for the current stream unless `wait_current`
+        """Run the block on stream `name` ("copy_in", "gather", "reduce", "replicate"; None: the
+        current one). "copy_in" and "reduce" first wait for the current stream unless `wait_current`
         says otherwise; `after`: an event to wait for too."""
         if not self.enabled or name is None:
             yield
@@ -142,6 +166,8 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()
         # Receive buffers of a transport that needs them (gloo.py).
         self.pool = pool or BufferPool()
+        # The device the group's collectives take (Note: collective device); None: any.
+        self.device = device
         self._device_type = device.type if device is not None else "cpu"
         # One rank: collectives are local copies. benchmarks/gpu_check.py turns it off to run
         # real NCCL collectives at world size 1.
@@ -185,6 +211,19 @@ class Comm:
             f"oldest first: {recent}.{step}{COLLECTIVE_HINT}"
         )
 
+    def _check_device(self, collective: str, what: str, *tensors: torch.Tensor) -> None:
+        """Raise unless every tensor is on this group's device type (Note: collective device)."""
+        if self.device is None:
+            return
+        for tensor in tensors:
+            if tensor.device.type != self.device.type:
+                raise CollectiveError(
+                    f"{collective} of {what}: a tensor on {tensor.device}, but this process group's collectives "
+                    f"take {self.device.type} tensors ({self.device}). NCCL takes CUDA tensors only and fails "
+                    f"or crashes on others. This is a lightning_zero3 bug: the caller must copy the tensor to "
+                    f"{self.device} first; please report it."
+                )
+
     def _count(self, kind: Collective, payload_bytes: int, ring_factor: float) -> None:
         n = self.world_size
         wire = int(round(ring_factor * (n - 1) / n * payload_bytes))
@@ -193,6 +232,7 @@ class Comm:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
         """Gather `shard` (same numel on every rank) into `output` (world_size x shard), rank-major.
         `shard` may be this rank's row of `output` itself (in place: nothing is copied)."""
+        self._check_device("All-Gather", what, output)
         self._count(Collective.ALL_GATHER, output.numel() * output.element_size(), 1.0)
         self.recent.append(f"All-Gather of {what}")
         rows = output.view(self.world_size, -1)
@@ -203,6 +243,7 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False) -> Any:
         """Sum `full` (world_size x chunk, rank-major) over ranks; this rank keeps its chunk in
         `output`. `full` must not change until the returned work is waited for."""
+        self._check_device("Reduce-Scatter", what, output, full)
         self._count(Collective.REDUCE_SCATTER, full.numel() * full.element_size(), 1.0)
         self.recent.append(f"Reduce-Scatter of {what}")
         rows = full.view(self.world_size, -1)
@@ -221,6 +262,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum", async_op: bool = False) -> Any:
         """Reduce `tensor` over ranks in place (`op`: "sum" or "max"); with `async_op`, return
         the work to wait for."""
+        self._check_device("All-Reduce", what, tensor)
         self._count(Collective.ALL_REDUCE, tensor.numel() * tensor.element_size(), 2.0)
         self.recent.append(f"All-Reduce of {what}")
         if not self.distributed:
@@ -233,6 +275,7 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, what: str) -> None:
         """Copy `tensor` from group rank `src` to every rank, in place."""
+        self._check_device("Broadcast", what, tensor)
         self._count(Collective.BROADCAST, tensor.numel() * tensor.element_size(), 1.0)
         if not self.distributed:
             return
@@ -256,13 +299,21 @@ class Comm:
         """Whether an async collective has completed (or failed); never waits."""
         return work is None or bool(work.is_completed())
 
-    def wait(self, work: Any) -> None:
-        """Wait on an async All-Gather, charging the blocked time to `gather_wait_s`."""
+    def wait(self, work: Any, device: torch.device | None = None) -> None:
+        """Wait on an async All-Gather, charging the time blocked to `gather_wait_s`: on CUDA
+        (`device`) `work.wait()` only makes the current stream wait, so events time the stall."""
         if work is None:
             return
-        start = time.perf_counter()
+        if device is not None and device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            work.wait()
+            end.record()
+            self.stats.waits.append((start, end))
+            return
+        start_s = time.perf_counter()
         work.wait()
-        self.stats.gather_wait_s += time.perf_counter() - start
+        self.stats.gather_wait_s += time.perf_counter() - start_s
 
 
 def consecutive_group(size: int) -> dist.ProcessGroup | None:
@@ -270,7 +321,7 @@ def consecutive_group(size: int) -> dist.ProcessGroup | None:
     world). Every rank must call it (creating a group is a collective)."""
     rank, mine = dist.get_rank(), None
     for start in range(0, dist.get_world_size(), size):
-        group = dist.new_group(list(range(start, start + size)))
+        group = new_group(list(range(start, start + size)))
         if start <= rank < start + size:
             mine = group
     return mine
@@ -293,7 +344,28 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.Proce
     rank = dist.get_rank()
     shard_group, replicate_group = consecutive_group(shard_size), None
     for offset in range(shard_size):
-        group = dist.new_group(list(range(offset, world, shard_size)))
+        group = new_group(list(range(offset, world, shard_size)))
         if rank % shard_size == offset:
             replicate_group = group
     return shard_group, replicate_group
+
+
+def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> dist.ProcessGroup:
+    """`dist.new_group` (collective), destroyed at interpreter exit if still alive: a gloo group
+    never destroyed leaves worker threads that abort the process as Python finalizes
+    ("terminate called without an active exception"); NCCL warns."""
+    group = dist.new_group(ranks=ranks, backend=backend)
+    if group is not dist.GroupMember.NON_GROUP_MEMBER:
+        atexit.register(destroy_group, group)
+    return group
+
+
+def destroy_group(group: dist.ProcessGroup | None) -> None:
+    """Destroy `group` if it still exists (no collective); `destroy_process_group()` may have
+    destroyed every group already."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group(group)
+    except (ValueError, RuntimeError):
+        pass  # destroyed already

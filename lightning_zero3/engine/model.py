@@ -87,7 +87,7 @@ class ShardedModel:
         group_of_g = slice_group(self.reshard)
         self.slice_comm = Comm(group_of_g, pool=self.pool, device=target) if group_of_g is not None else None
         # Control traffic that must reach every rank: initial broadcast, order check, edits.
-        self.world_comm = Comm(None)
+        self.world_comm = Comm(None, device=target)
         # Shards left by an earlier engine whose run failed are made whole first (Note: a module left sharded).
         restore_if_left_sharded(module, world_comm=self.world_comm, device=target)
         self.plan = make_plan(

@@ -183,10 +183,11 @@ def _wait(pending: PendingReduce, collective: str, stream: str | None) -> None:
 
 
 def _wait_scatter(pending: PendingReduce) -> None:
-    """Wait for the Reduce-Scatter itself, once."""
+    """Wait for the Reduce-Scatter itself, once. With shard groups on the "replicate" stream, so
+    the reduce stream goes on to the next unit's Reduce-Scatter without waiting for this one."""
     if not pending.scattered:
         pending.scattered = True
-        _wait(pending, "Reduce-Scatter", "reduce" if pending.unit.replicate is not None else None)
+        _wait(pending, "Reduce-Scatter", "replicate" if pending.unit.replicate is not None else None)
 
 
 def _replicate(pending: PendingReduce) -> None:
@@ -196,7 +197,7 @@ def _replicate(pending: PendingReduce) -> None:
     assert unit.replicate is not None
     _wait_scatter(pending)
     streams = unit.comm.streams(pending.out.device)
-    with streams.on("reduce", after=pending.done, wait_current=False):  # not behind the compute
+    with streams.on("replicate", after=pending.done, wait_current=False):  # not behind the compute
         what = f"gradients of unit '{unit.name}' across shard groups"
         pending.work = unit.replicate.all_reduce(pending.out, what=what, async_op=True)
         pending.done = streams.event()

@@ -12,9 +12,13 @@ from lightning_zero3.engine.shard import ShardedParam, shard_slice
 
 
 def gather_shard_tensor(model: ShardedModel, sharded: ShardedParam, shard: torch.Tensor) -> torch.Tensor:
-    """The whole tensor behind per-rank `shard`s laid out like `sharded` (one All-Gather)."""
+    """The whole tensor behind per-rank `shard`s laid out like `sharded` (one All-Gather), on the
+    group's device wherever `shard` is: after `fit`, Lightning's teardown has moved optimizer
+    state to the host, which NCCL cannot send (comm.py, Note: collective device). The shard is
+    copied into its row of the output, one tensor at a time."""
     n = model.comm.world_size
-    gathered = torch.empty(n * sharded.shard_numel, dtype=shard.dtype, device=shard.device)
+    device = model.comm.device or shard.device
+    gathered = torch.empty(n * sharded.shard_numel, dtype=shard.dtype, device=device)
     what = f"state of '{sharded.name}'"
     work = model.comm.all_gather(gathered, shard.detach().contiguous(), async_op=False, what=what)
     model.comm.wait(work)

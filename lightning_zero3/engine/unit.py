@@ -232,7 +232,7 @@ class Unit:
         comm = pending.comm
         try:
             comm.streams(pending.recv.device).wait_for(pending.issued)
-            comm.wait(pending.work)
+            comm.wait(pending.work, pending.recv.device)
         except RuntimeError as err:
             self.checks.raise_pending_mismatch()
             raise comm.failed("All-Gather", f"unit '{self.name}'", err) from err
@@ -288,11 +288,11 @@ class Unit:
         per = n // gathered.shape[0]  # shards of each parameter per row: 1, or N/G from slices
         sizes = [per * p.shard_numel for p in self.params]
         with torch.no_grad():
-            # One pass per row: its shards -> their places in the padded full data (row r's
-            # shards of parameter i at n * o_i + r * size_i).
-            for r in range(gathered.shape[0]):
-                out = [block[n * o + r * s : n * o + (r + 1) * s] for o, s in zip(self.offsets, sizes)]
-                torch.split_with_sizes_copy(gathered[r, : per * self.shard_numel], sizes, out=out)
+            # One copy for all rows: column block i of the (rows, per * shard_numel) rows is
+            # parameter i's padded full data, row r's shards at n * o_i + r * size_i.
+            rows = gathered.shape[0]
+            out = [block[n * o : n * o + rows * s].view(rows, s) for o, s in zip(self.offsets, sizes)]
+            torch.split_with_sizes_copy(gathered[:, : per * self.shard_numel], sizes, dim=1, out=out)
         self.pool.give("gather", gathered.view(-1))
         return fulls
 

@@ -29,6 +29,17 @@ class _DieAt(pl.Callback):
             os._exit(17)
 
 
+class _SaveAt(pl.Callback):
+    """Save a checkpoint inside `fit`, after a given step."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -37,14 +48,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-step", type=int, default=1)
+    parser.add_argument("--save-step", type=int, default=-1, help="save a checkpoint inside fit after this step")
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
     world_size = args.num_nodes * args.devices
     torch.manual_seed(0)
     model = LitMLP()
-    strategy = ZeRO3Strategy(timeout=timedelta(seconds=args.timeout))
-    t = trainer(
-        strategy, args.devices, num_nodes=args.num_nodes, max_epochs=1, callbacks=[_DieAt(args.die_rank, args.die_step)]
-    )
+    strategy = ZeRO3Strategy(timeout=timedelta(seconds=args.timeout), async_save=args.async_save)
+    callbacks = [_DieAt(args.die_rank, args.die_step), _SaveAt(args.save_step, os.path.join(args.out, "inside-fit"))]
+    t = trainer(strategy, args.devices, num_nodes=args.num_nodes, max_epochs=1, callbacks=callbacks)
     t.fit(model, loader(world_size))
     torch.save(
         {
