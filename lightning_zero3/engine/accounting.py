@@ -73,7 +73,13 @@ def _trainable(unit: Unit) -> bool:
 
 
 def expected_step_bytes(
-    units: list[Unit], persistent: Sequence[torch.Tensor], *, orders: Orders, across_groups: bool = False
+    units: list[Unit],
+    persistent: Sequence[torch.Tensor],
+    *,
+    orders: Orders,
+    across_groups: bool = False,
+    micro_batches: int = 1,
+    synced: int | None = None,
 ) -> dict[str, int]:
     """Payload bytes per training step that the design predicts: the All-Gathers of
     `expected_gathers` and one Reduce-Scatter per trainable unit, each rank's row (the padded
@@ -82,7 +88,10 @@ def expected_step_bytes(
     of ranks that produced it, so that an unused one keeps grad None). With `across_groups`
     (hierarchical sharding): what crosses between shard groups, one All-Reduce of each rank's
     reduced shard gradients (1/G of the gradient), and the persistent parameters' All-Reduce,
-    which runs over all ranks (persistent.py)."""
+    which runs over all ranks (persistent.py). Per optimizer step of `micro_batches` forward and
+    backward passes, of which `synced` (default: all) reduce: the gathers repeat per pass, the
+    reductions per synced pass (accumulate.py, Note: unsynced accumulation: k-fold fewer)."""
+    reduced = micro_batches if synced is None else synced
     n = units[0].world_size
     hybrid = units[0].replicate is not None
     persistent_bytes = sum((p.numel() + 1) * p.element_size() for p in persistent if p.requires_grad)
@@ -91,12 +100,13 @@ def expected_step_bytes(
         if not hybrid:
             return {}
         shards = sum(u.reduce_row_numel * u.reduce_dtype.itemsize for u in trainable)
-        return {"all_reduce": shards + persistent_bytes}
+        return {"all_reduce": reduced * (shards + persistent_bytes)}
     gathers = expected_gathers(units, orders)
     expected = {
-        "all_gather": sum(gathers[u.uid] * n * u.row_numel() * u.param_dtype.itemsize for u in units if u.params),
-        "reduce_scatter": sum(n * u.reduce_row_numel * u.reduce_dtype.itemsize for u in trainable),
+        "all_gather": micro_batches
+        * sum(gathers[u.uid] * n * u.row_numel() * u.param_dtype.itemsize for u in units if u.params),
+        "reduce_scatter": reduced * sum(n * u.reduce_row_numel * u.reduce_dtype.itemsize for u in trainable),
     }
     if persistent_bytes and n > 1 and not hybrid:  # with shard groups: counted across them
-        expected["all_reduce"] = persistent_bytes
+        expected["all_reduce"] = reduced * persistent_bytes
     return expected

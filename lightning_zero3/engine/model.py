@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero3.engine import accounting
+from lightning_zero3.engine.accumulate import GradientSync
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import RankChecks
@@ -123,9 +124,11 @@ class ShardedModel:
         in_flight = config.reductions_in_flight
         self.reductions_in_flight = in_flight if in_flight is not None else 2 * (target.type == "cuda")
         self.schedule = Schedule(config.prefetch)
+        # Reduces each backward's gradients, or sums them while sync is off (accumulate.py).
+        self.gradient_sync = GradientSync(self.units, reductions=Reductions(in_flight=self.reductions_in_flight),
+                                          persistent=self.persistent_grads, record=self.record)  # fmt: skip
         self.hooks = HookDriver(
-            self.units, schedule=self.schedule, checks=self.checks,
-            reductions=Reductions(in_flight=self.reductions_in_flight),
+            self.units, schedule=self.schedule, checks=self.checks, grads=self.gradient_sync,
             persistent=self.persistent_grads, live=self.live,
             record=self.record, world_comm=self.world_comm,
         )  # fmt: skip
@@ -202,6 +205,31 @@ class ShardedModel:
 
     def reset_peaks(self) -> None:
         self.live.reset_peaks()
+
+    # ---- gradient sync (accumulate.py, Note: unsynced accumulation) ---------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch. False: each backward adds every unit's full (unsharded) gradients into a
+        buffer (fp32, 4 bytes per parameter on every rank) and sends nothing; True (default): the
+        next backward adds its own and reduces the sums once. Call `optimizer.step()` and
+        `zero_grad()` only after that backward: both are refused while sums are owed."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync takes a bool; got {requires_gradient_sync!r}.")
+        self.gradient_sync.requires_sync = requires_gradient_sync
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate locally; the setting before the block comes back on exit."""
+        before = self.gradient_sync.requires_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(before)
+
+    def discard_unsynced_gradients(self) -> None:
+        """Drop the gradients summed with sync off (after a backward that raised, or to start
+        over); zero `.grad` too (`optimizer.zero_grad()`): it may hold part of them."""
+        self.gradient_sync.discard()
 
     # ---- whole parameters outside forward -------------------------------------------------
     @contextmanager
@@ -348,6 +376,7 @@ class ShardedModel:
         """Remove the hooks (`HookDriver.remove` first closes the calls still holding full
         parameters; no collective) and the synced `generate` (generation.py)."""
         self.hooks.remove()
+        self.gradient_sync.discard()  # and its optimizer-step hook
         remove_synced_generate(self._synced_generate)
 
     def restore_module(self, *, device: torch.device | str = "cpu") -> None:
