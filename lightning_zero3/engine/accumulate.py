@@ -27,7 +27,8 @@ N times its shard gradient, from the first unsynced backward to the sync (docs/a
     SYNCED or OWED --a backward raised while sync was off or gradients were owed--> INCOMPLETE
     OWED or INCOMPLETE --discard()--> SYNCED
 While OWED or INCOMPLETE, `optimizer.step()` of an optimizer holding the model's parameters
-raises (a global step pre-hook, registered only then), as does every backward while
+raises (a global step pre-hook, registered only then; a step given a closure, as Lightning's,
+is checked after the closure's backward, before the update), as does every backward while
 INCOMPLETE: the gradients of the micro-batches since the last sync are not all in `.grad`.
 `optimizer.zero_grad()` cannot clear the buffers, so it is caught: when a backward with sync off
 ends, every trainable shard of a unit holding a buffer has a `.grad` (where it had none, a
@@ -108,12 +109,7 @@ class GradientSync:
                 self._step_hook = None
         elif self._step_hook is None:
             me = weakref.ref(self)  # the global hook must not keep the model alive
-
-            def refuse_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-                if (sync := me()) is not None:
-                    sync._refuse_step(optimizer)
-
-            self._step_hook = register_optimizer_step_pre_hook(refuse_step)
+            self._step_hook = register_optimizer_step_pre_hook(lambda opt, *rest: _check_step(me, opt, *rest))
         self.state = state
 
     # ---- the driver's calls -----------------------------------------------------------------
@@ -218,12 +214,34 @@ class GradientSync:
                 p.param.grad = None
         self._watched.clear()
 
-    def _refuse_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
         mine = {id(p.param) for u in self.units for p in u.params} | {id(p) for p in self.persistent.params}
-        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+
+    def _refuse_step(self) -> None:
+        if self.state is not _S.SYNCED:
             what = "are incomplete (a backward raised)" if self.state is _S.INCOMPLETE else "have not been reduced"
             raise RuntimeError(
                 f"optimizer.step() while the gradients accumulated with gradient sync off {what}: `.grad` does not "
                 f"hold them yet. Run the last micro-batch's backward with sync on (outside no_sync / "
                 f"no_backward_sync) before the step. Or, to drop them: " + FIX
             )
+
+
+def _check_step(me: weakref.ref[GradientSync], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+    """The optimizer-step pre-hook while gradients are owed (Note: gradients owed). A step given
+    a closure (Lightning's) runs its forward and backward first: checked after the closure."""
+    sync = me()
+    if sync is None or not sync._holds(optimizer):
+        return None
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+    if closure is None:
+        sync._refuse_step()
+        return None
+
+    def checked() -> Any:
+        loss = closure()
+        sync._refuse_step()
+        return loss
+
+    return ((args[0], checked, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "closure": checked})
