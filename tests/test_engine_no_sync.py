@@ -110,7 +110,7 @@ def _formula(sharded: ShardedModel, **counts: int) -> dict[str, int]:
 
 
 def _bytes_and_buffers(rank: int, world_size: int, k: int) -> dict:
-    sharded, model, reference, optimizers = _models()
+    sharded, model, reference, optimizers = _models(persistence_threshold=20)  # biases, norms: All-Reduced
     out: dict = {"diff": 0.0, "alive": [], "held_bytes": []}
     held: list[weakref.ref[torch.Tensor]] = []
 
@@ -134,7 +134,7 @@ def _bytes_and_buffers(rank: int, world_size: int, k: int) -> dict:
         _step(optimizers)
         sharded.end_step()
         out.setdefault("steps", []).append({
-            kind: sharded.stats.last_step[kind].payload_bytes for kind in ("all_gather", "reduce_scatter")
+            kind: sharded.stats.last_step[kind].payload_bytes for kind in ("all_gather", "reduce_scatter", "all_reduce")
         })  # fmt: skip
         if step == 1:
             out["synced_formula"] = _formula(sharded, micro_batches=k)
@@ -151,6 +151,7 @@ def test_reduce_scatter_bytes_fall_k_fold_and_the_sums_are_freed_at_the_sync(k: 
         synced, unsynced = result["steps"][1], result["steps"][3]
         assert synced == result["synced_formula"] and unsynced == result["unsynced_formula"], result
         assert unsynced["reduce_scatter"] * k == synced["reduce_scatter"], result  # k-fold fewer
+        assert unsynced["all_reduce"] * k == synced["all_reduce"] > 0, result  # the persistent gradients' too
         assert unsynced["all_gather"] == synced["all_gather"], result
         # The sums: every unit's full gradient in fp32 while owed, none alive after the sync step.
         assert result["held_bytes"][-1] == 4 * result["full_numel"], result
