@@ -68,13 +68,13 @@ def test_accumulation_without_sync_matches_single_process() -> None:
 
 
 def _micro_batches(sharded: ShardedModel, model: torch.nn.Module, reference: torch.nn.Module, first: int,
-                   k: int, rank: int, world_size: int, between=None) -> float:  # fmt: skip
+                   k: int, rank: int, world_size: int, between=None, unsynced: bool = True) -> float:  # fmt: skip
     """k micro-batches (all but the last with sync off) on both models; the largest difference of
     the shard gradients from the reference's slices. `between(micro)` runs after each unsynced one."""
     for micro in range(k):
         x, y = mlp_batch(first + micro)
         (F.mse_loss(reference(x), y) / k).backward()
-        with sharded.no_sync() if micro < k - 1 else nullcontext():
+        with sharded.no_sync() if unsynced and micro < k - 1 else nullcontext():
             (F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)) / k).backward()
         if between is not None and micro < k - 1:
             between(micro)
@@ -231,3 +231,17 @@ def test_step_zero_grad_and_a_raising_backward_while_unsynced_are_refused() -> N
         assert "backward raised" in result["after_raise_backward"], result
         assert "incomplete" in result["after_raise_step"], result
         assert result["diff_after"] < TOL and result["final_state"] == SyncState.SYNCED.name, result
+
+
+def _bf16_reduction(rank: int, world_size: int, k: int) -> dict:
+    sharded, model, reference, _ = _models(reduce_dtype="bf16")
+    error = _micro_batches(sharded, model, reference, 0, k, rank, world_size)
+    largest = max(float(p.grad.abs().max()) for p in reference.parameters())
+    return {"relative": error / largest}
+
+
+def test_sums_reduced_in_bf16_carry_one_rounding_whatever_k() -> None:
+    """The sums are fp32, rounded to the bf16 reduce dtype once, then summed over ranks in it
+    (Note: unsynced accumulation): within two bf16 roundings (2^-7) of the largest gradient at k = 16."""
+    for result in run_ranks(_bf16_reduction, 2, 16):
+        assert result["relative"] < 2**-7, result
