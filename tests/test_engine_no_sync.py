@@ -211,11 +211,19 @@ def _errors(rank: int, world_size: int) -> dict:
     out["incomplete_state"] = sharded.gradient_sync.state.name
     expect("after_raise_backward", partial(backward, 5))
     expect("after_raise_step", optimizers[1].step)
-    # Discarded: a fresh accumulation equals one process again.
+    # Discarded: a fresh accumulation, with evaluation passes between, equals one process again.
     sharded.discard_unsynced_gradients()
     for optimizer in optimizers:
         optimizer.zero_grad()
-    out["diff_after"] = _micro_batches(sharded, model, reference, 6, 2, rank, world_size)
+
+    def infer(micro: int) -> None:  # evaluation between micro-batches leaves the sums alone
+        x, _ = mlp_batch(100 + micro)
+        with torch.no_grad():
+            model(local_slice(x, rank, world_size))
+        with sharded.gathered_for_inference(), torch.no_grad():
+            model(local_slice(x, rank, world_size))
+
+    out["diff_after"] = _micro_batches(sharded, model, reference, 6, 3, rank, world_size, between=infer)
     out["final_state"] = sharded.gradient_sync.state.name
     return out
 
