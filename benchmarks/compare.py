@@ -11,7 +11,6 @@ DeepSpeed ZeRO-3; compare them.
     python benchmarks/compare.py --mode scaling --size 124m --batch-size 1 --scaling-steps 2 --plot
     python benchmarks/compare.py --smoke                # tiny model, 2 rounds, a few steps
     python benchmarks/compare.py --accelerator gpu --devices 2 --size 85m   # NCCL, with MFU
-    python benchmarks/compare.py --backends ddp,fsdp2,engine-p1 --accumulate 4   # gradient sync off but the last
 
 Runs alternate backend by backend within each round (A B C ... A B C ...) so that drift on a
 shared machine hits every backend alike; the figures are medians over steps and rounds, and
@@ -77,11 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument(
-        "--accumulate", type=int, default=1, metavar="K",
-        help="split each step's batch into K micro-batches, gradient sync off on all but the last "
-        "(DDP no_sync, FSDP2 set_requires_gradient_sync(False), ShardedModel.no_sync); raw backends only",
-    )  # fmt: skip
+    p.add_argument("--accumulate", type=int, default=1, metavar="K", help="K micro-batches per step, gradient sync off "
+                   "but on the last (DDP no_sync, FSDP2, ShardedModel.no_sync); ddp, fsdp2, engine-* only")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores // ranks, >= 1)")
     p.add_argument("--scaling-ranks", default="1,2,3,4", help="N values for --mode scaling (default 1,2,3,4)")
@@ -104,9 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.out = args.out or ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "")
     args.backends = _available(_names(args.backends))
     args.scaling_backends = _available(_names(args.scaling_backends))
-    raw = ("ddp", "fsdp2", "engine-p1", "engine-p1-async")
-    if args.accumulate > 1 and (args.batch_size % args.accumulate or set(args.backends) - set(raw)):
-        p.error(f"--accumulate {args.accumulate} needs --batch-size divisible by it and --backends from {raw}")
+    kinds = {b.split("-")[0] for b in args.backends}
+    if args.accumulate > 1 and (args.batch_size % args.accumulate or kinds - {"ddp", "fsdp2", "engine"}):
+        p.error(f"--accumulate {args.accumulate} needs a --batch-size it divides and --backends ddp, fsdp2, engine-*")
     return args
 
 
@@ -370,7 +366,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "steps": args.steps,
             "warmup": args.warmup,
             "batch_size": args.batch_size,
-            "accumulate": args.accumulate,
             "lr": args.lr,
             "seed": args.seed,
             "threads_per_rank": args.threads or max(1, _cores() // args.devices),
