@@ -136,10 +136,12 @@ def _bytes_and_buffers(rank: int, world_size: int, k: int) -> dict:
         out.setdefault("steps", []).append({
             kind: sharded.stats.last_step[kind].payload_bytes for kind in ("all_gather", "reduce_scatter", "all_reduce")
         })  # fmt: skip
-        if step == 1:
-            out["synced_formula"] = _formula(sharded, micro_batches=k)
+        if step == 1:  # the record's count of backwards and synced ones gives the formula its k
+            out["synced_formula"] = sharded.last_step_expected_bytes()
+            assert out["synced_formula"] == _formula(sharded, micro_batches=k)
         if step == 3:
-            out["unsynced_formula"] = _formula(sharded, micro_batches=k, synced=1)
+            out["unsynced_formula"] = sharded.last_step_expected_bytes()
+            assert out["unsynced_formula"] == _formula(sharded, micro_batches=k, synced=1)
     out["full_numel"] = sum(u.world_size * u.shard_numel for u in sharded.units)
     return out
 

@@ -87,6 +87,8 @@ def _fit_accumulating(rank: int, world_size: int) -> dict[str, Any]:
     )
     engine = strategy.sharded_model
     assert engine.last_step_record is not None
+    stats = strategy.stats  # what users read: the last optimizer step beside its formula
+    shown = {kind: stats["last_step"][kind]["payload_bytes"] for kind in ("all_gather", "reduce_scatter")}
     formula = accounting.expected_step_bytes(
         engine.units, engine.persistent, orders=engine.last_step_record.orders, micro_batches=K, synced=1
     )
@@ -95,6 +97,8 @@ def _fit_accumulating(rank: int, world_size: int) -> dict[str, Any]:
         "syncs": syncs,
         "reduce_scatter": engine.stats.last_step["reduce_scatter"].payload_bytes,
         "formula": formula["reduce_scatter"],
+        "shown": shown,
+        "shown_formula": {kind: stats["expected_step_bytes"][kind] for kind in shown},
         "sync_state": engine.gradient_sync.state.name,
     }
 
@@ -106,5 +110,6 @@ def test_trainer_accumulate_unsharded_matches_single_process_with_one_reduction_
     for result in run_ranks(_fit_accumulating, 2):
         assert result["syncs"] == [False, True] * 2, result["syncs"]  # Lightning's non-final micro-batches unsynced
         assert result["reduce_scatter"] == result["formula"], result
+        assert result["shown"] == result["shown_formula"], result
         assert result["sync_state"] == "SYNCED"
         assert max_difference(result["state"], reference.state_dict()) < TOL

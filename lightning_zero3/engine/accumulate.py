@@ -156,6 +156,8 @@ class GradientSync:
 
     def finish_backward(self) -> None:
         """End of backward, last: All-Reduce the persistent gradients, or leave them owed."""
+        self.record.current.backwards += 1
+        self.record.current.synced += self.requires_sync
         if self.requires_sync:
             self.persistent.reduce()
             if self.state is _S.OWED:

@@ -192,12 +192,13 @@ class ShardedModel:
 
     def last_step_expected_bytes(self, *, across_groups: bool = False) -> dict[str, int] | None:
         """The formula (accounting.py) for the step `stats.last_step` measured, with the record
-        of unit orders that step ran with; None before any `end_step`."""
+        of unit orders, backwards and synced backwards that step ran with; None before any `end_step`."""
         last = self.record.last
         if last is None:
             return None
-        orders = last.orders
-        return accounting.expected_step_bytes(self.units, self.persistent, orders=orders, across_groups=across_groups)
+        passes = {"micro_batches": last.backwards, "synced": last.synced} if last.backwards else {}
+        return accounting.expected_step_bytes(self.units, self.persistent, orders=last.orders,
+                                              across_groups=across_groups, **passes)  # fmt: skip
 
     @property
     def global_rank(self) -> int:

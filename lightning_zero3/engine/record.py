@@ -22,6 +22,8 @@ class Step:
     kept: Counter[int] = field(default_factory=Counter)
     reduced: Counter[int] = field(default_factory=Counter)
     orders: Orders = (None, None)
+    backwards: int = 0  # backward passes (micro-batches) that ended in the step
+    synced: int = 0  # of which reduced their gradients (accumulate.py)
 
 
 class StepRecord:
