@@ -54,6 +54,7 @@ class RunSpec:
     seed: int
     lr: float
     accelerator: str  # "cpu" or "gpu"
+    accumulate: int = 1  # micro-batches per step, gradient sync off on all but the last (raw backends)
 
 
 def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
@@ -132,11 +133,14 @@ def _run_raw(
         raise ValueError(f"unknown backend {spec.backend!r}")
     optimizer = make_optimizer(model.parameters(), spec.lr)
     wait = (lambda: sharded.stats.last_step_gather_wait_s) if sharded is not None else None
+    k = spec.accumulate
     for x, y in batches:
         recorder.start()
         optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(model, x, y)
-        loss.backward()
+        for micro, (mx, my) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            _set_sync(model, sharded, micro == k - 1)
+            loss = lm_loss(model, mx, my) / k
+            loss.backward()
         optimizer.step()
         if sharded is not None:
             sharded.stats.end_step()
@@ -146,8 +150,23 @@ def _run_raw(
         extra["model_state_bytes"] = sharded.model_state_bytes([optimizer])
         extra["peak_units_alive"] = sharded.unit_stats.peak
         extra["engine_step_bytes"] = {k: vars(v).copy() for k, v in sharded.stats.last_step.items()}
-        extra["expected_step_bytes"] = sharded.expected_step_bytes()
+        from lightning_zero3.engine import accounting
+
+        orders = (sharded.schedule.forward_order, sharded.schedule.backward_order)
+        extra["expected_step_bytes"] = accounting.expected_step_bytes(
+            sharded.units, sharded.persistent, orders=orders, micro_batches=k, synced=1
+        )
     return extra
+
+
+def _set_sync(model: nn.Module, sharded: Any, sync: bool) -> None:
+    """Gradient sync on or off for the next backward: each backend's own switch."""
+    if sharded is not None:
+        sharded.set_requires_gradient_sync(sync)
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    else:  # DDP: `require_backward_grad_sync` is what its `no_sync()` context sets
+        model.require_backward_grad_sync = sync
 
 
 # ---- Lightning -------------------------------------------------------------------------------

@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--accumulate", type=int, default=1, metavar="K", help="K micro-batches per step, gradient sync off "
+                   "but on the last (DDP no_sync, FSDP2, ShardedModel.no_sync); ddp, fsdp2, engine-* only")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores // ranks, >= 1)")
     p.add_argument("--scaling-ranks", default="1,2,3,4", help="N values for --mode scaling (default 1,2,3,4)")
@@ -99,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.out = args.out or ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "")
     args.backends = _available(_names(args.backends))
     args.scaling_backends = _available(_names(args.scaling_backends))
+    kinds = {b.split("-")[0] for b in args.backends}
+    if args.accumulate > 1 and (args.batch_size % args.accumulate or kinds - {"ddp", "fsdp2", "engine"}):
+        p.error(f"--accumulate {args.accumulate} needs a --batch-size it divides and --backends ddp, fsdp2, engine-*")
     return args
 
 
@@ -183,6 +188,7 @@ def run_once(
         seed=args.seed,
         lr=args.lr,
         accelerator=args.accelerator,
+        accumulate=args.accumulate,
     )
     threads = args.threads or max(1, _cores() // world_size)
     dist_backend = "nccl" if args.accelerator == "gpu" else "gloo"

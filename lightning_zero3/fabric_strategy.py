@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -85,6 +86,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         # before setup). The weak reference tells a reused id apart and lets the whole tensor be
         # freed once no optimizer holds it.
         self._replaced: dict[int, tuple[weakref.ref[Tensor], nn.Parameter]] = {}
+        self._backward_sync_control = _NoBackwardSync(self.sharded_model)  # fabric.no_backward_sync
 
     # ---- what Fabric asks of a distributed strategy (and RanksAndDevices in options.py) -------
     @override
@@ -341,6 +343,18 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     def __repr__(self) -> str:
         # Shown by the Trainer when given this class: say which one it wants.
         return f"{type(self).__name__}(a Fabric strategy: for the Trainer use ZeRO3Strategy or strategy='zero3')"
+
+
+class _NoBackwardSync(_BackwardSyncControl):
+    """`fabric.no_backward_sync(model)`: backwards inside sum the unsharded gradients locally and
+    the first outside Reduce-Scatters once (`ShardedModel.no_sync`, engine/accumulate.py)."""
+
+    def __init__(self, engine_of: Callable[[nn.Module], ShardedModel]) -> None:
+        self.engine_of = engine_of
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return self.engine_of(module).no_sync() if enabled else nullcontext()
 
 
 def _check_no_state(optimizers: list[Optimizer], owner: str) -> None:

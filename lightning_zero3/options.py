@@ -13,6 +13,8 @@ rename fails at import, naming the missing name, not mid-training.
   Lightning's own DDP/FSDP strategies set in `_configure_launcher`.
 - Fabric's `_FabricModule._forward_module` (fabric_strategy.py): the module `fabric.setup`
   wrapped, to find the engine that holds it.
+- Fabric's `_BackwardSyncControl` and `Strategy._backward_sync_control` (fabric_strategy.py):
+  what `fabric.no_backward_sync` calls; without it Fabric only warns.
 - Not needed any more: `_sync_ddp_if_available`, `_get_default_process_group_backend_for_device`
   and `_optimizers_to_device` (`all_reduce`, `default_backend`, `optimizer_state_to` below),
   `_StrategyRegistry` and `_PATH` (public types), `LightningOptimizer._optimizer` (its public
@@ -62,6 +64,10 @@ class LightningOptions:
         async_save: sharded saves (`trainer.save_checkpoint`, `ModelCheckpoint`, `fabric.save`)
             return once each rank has a host copy of its shards and write in a background
             thread (docs/checkpoints.md). Default False.
+        accumulate_unsharded: with `accumulate_grad_batches=k` (Trainer), the micro-batches
+            before the last sum their unsharded gradients locally and the last Reduce-Scatters
+            once: k-fold fewer Reduce-Scatter bytes, for 4 bytes per parameter held on every
+            rank meanwhile (engine/accumulate.py). Default False: each micro-batch reduces.
     """
 
     state_dict_type: Literal["sharded", "full"] = "sharded"
@@ -69,6 +75,7 @@ class LightningOptions:
     timeout: timedelta = timedelta(minutes=30)
     start_method: StartMethod = "popen"
     async_save: bool = False
+    accumulate_unsharded: bool = False
 
     def __post_init__(self) -> None:
         def bad(option: str, expected: str) -> ValueError:
@@ -82,6 +89,8 @@ class LightningOptions:
             raise bad("timeout", "a datetime.timedelta")
         if not isinstance(self.async_save, bool):
             raise bad("async_save", "a bool")
+        if not isinstance(self.accumulate_unsharded, bool):
+            raise bad("accumulate_unsharded", "a bool")
         if self.start_method not in START_METHODS:
             raise bad("start_method", f"one of {START_METHODS}")
 

@@ -232,6 +232,14 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         self.sharded_model.end_step()
         return output
 
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning runs the micro-batches before the last of `accumulate_grad_batches` in here:
+        # with `accumulate_unsharded`, their gradients are summed locally (ShardedModel.no_sync).
+        with self.sharded_model.no_sync() if self.lightning_options.accumulate_unsharded else nullcontext():
+            yield
+
     @override
     def on_validation_end(self) -> None:
         if self.run is not None:

@@ -4,6 +4,7 @@ largest difference of parameters and shard gradients from the reference's, every
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,7 @@ class Recipe:
     param_groups: Callable[[nn.Module], Any] | None = None
     steps: int = 3
     accumulate: int = 1
+    no_sync: bool = False  # micro-batches but the last accumulate unsharded (ShardedModel.no_sync)
     clip_norm: float | None = None
     clip_value: float | None = None
     sharded_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -120,9 +122,11 @@ how far the reference parameters moved in training, so a test can check that it 
             x, y = recipe.batch(step * recipe.accumulate + micro)
             ref_loss = recipe.loss(reference(x), y) / recipe.accumulate
             ref_loss.backward()
-            out = model(local_slice(x, rank, world_size))
-            loss = recipe.loss(out, local_slice(y, rank, world_size)) / recipe.accumulate
-            loss.backward()
+            unsynced = recipe.no_sync and micro < recipe.accumulate - 1
+            with sharded.no_sync() if unsynced else nullcontext():
+                out = model(local_slice(x, rank, world_size))
+                loss = recipe.loss(out, local_slice(y, rank, world_size)) / recipe.accumulate
+                loss.backward()
             mean_loss = loss.detach().clone()
             sharded.world_comm.all_reduce(mean_loss, what="test loss")
             worst["loss"] = max(worst["loss"], abs(float(mean_loss) / world_size - float(ref_loss.detach())))

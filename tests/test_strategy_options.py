@@ -41,6 +41,7 @@ LIGHTNING = {
     "timeout": timedelta(minutes=3),
     "start_method": "spawn",
     "async_save": True,
+    "accumulate_unsharded": True,
 }
 
 
@@ -70,6 +71,7 @@ def test_an_unknown_option_is_a_type_error_that_lists_the_options(cls: type) -> 
         ("shard_size", 0, "None .whole world. or a positive int"),
         ("state_dict_type", "consolidated", "one of"),
         ("timeout", 30, "a datetime.timedelta"),
+        ("accumulate_unsharded", "yes", "a bool"),
     ],
 )
 def test_a_bad_option_names_the_strategy_class_and_the_option(cls: type, option: str, value: object, expected: str):

@@ -23,7 +23,7 @@ def _fit_overlapping(rank: int, world_size: int, reductions_in_flight: int | Non
     return {
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "losses": model.step_losses,
-        "in_flight": strategy.sharded_model.hooks.reductions.in_flight,
+        "in_flight": strategy.sharded_model.gradient_sync.reductions.in_flight,
     }
 
 
@@ -43,7 +43,7 @@ def test_reductions_in_flight_defaults_to_none_on_cpu_and_rejects_bad_values() -
     assert ZeRO3Strategy().config.reductions_in_flight is None  # resolved by the engine: 2 on CUDA, 0 elsewhere
     from lightning_zero3.engine import ShardedModel
 
-    assert ShardedModel(torch.nn.Linear(4, 4)).hooks.reductions.in_flight == 0  # CPU parameters
+    assert ShardedModel(torch.nn.Linear(4, 4)).gradient_sync.reductions.in_flight == 0  # CPU parameters
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="reductions_in_flight"):
             ZeRO3Strategy(reductions_in_flight=bad)

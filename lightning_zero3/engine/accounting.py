@@ -75,19 +75,26 @@ def gathers(unit: UnitSizes, reshard: bool | int) -> tuple[int, int]:
     return (2, 0) if reshard is True else (1, 1)
 
 
-def step_bytes(units: Sequence[UnitSizes], reshard: bool | int, *, persistent: int = 0) -> dict[str, dict[str, int]]:
-    """Payload bytes per training step by group: "shard" (the All-Gathers and Reduce-Scatters of
+def step_bytes(
+    units: Sequence[UnitSizes], reshard: bool | int, *, persistent: int = 0, micro_batches: int = 1,
+    synced: int | None = None,
+) -> dict[str, dict[str, int]]:  # fmt: skip
+    """Payload bytes per optimizer step by group: "shard" (the All-Gathers and Reduce-Scatters of
     the shard group, the persistent parameters' All-Reduce), "across" (between shard groups: each
-    rank's reduced rows) and "slices" (inside the groups of G), each {collective: bytes}."""
+    rank's reduced rows) and "slices" (inside the groups of G), each {collective: bytes}. A step
+    of `micro_batches` forward and backward passes, of which `synced` (default: all) reduce: the
+    gathers repeat per pass, the reductions per synced pass (accumulate.py, Note: unsynced
+    accumulation: k-fold fewer)."""
+    reduced = micro_batches if synced is None else synced
     counts = [gathers(u, reshard) for u in units]
     shard = {
-        "all_gather": sum(k * u.gather for (k, _), u in zip(counts, units)),
-        "reduce_scatter": sum(u.reduce for u in units),
+        "all_gather": micro_batches * sum(k * u.gather for (k, _), u in zip(counts, units)),
+        "reduce_scatter": reduced * sum(u.reduce for u in units),
     }
     if persistent:
-        shard["all_reduce"] = persistent
-    slices = {"all_gather": sum(k * u.slice_gather for (_, k), u in zip(counts, units))}
-    return {"shard": shard, "across": {"all_reduce": sum(u.reduced for u in units)}, "slices": slices}
+        shard["all_reduce"] = reduced * persistent
+    slices = {"all_gather": micro_batches * sum(k * u.slice_gather for (_, k), u in zip(counts, units))}
+    return {"shard": shard, "across": {"all_reduce": reduced * sum(u.reduced for u in units)}, "slices": slices}
 
 
 def live_peak(full: Sequence[int], reshard: bool | int, *, prefetch: int, ends_forward: Sequence[bool]) -> int:
@@ -151,26 +158,30 @@ def _sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:
 
 def expected_step_bytes(
     units: list[Unit], persistent: Sequence[torch.Tensor], *, orders: Orders, reshard: bool | int = True,
-    across_groups: bool = False, slices: bool = False,
+    across_groups: bool = False, slices: bool = False, micro_batches: int = 1, synced: int | None = None,
 ) -> dict[str, int]:  # fmt: skip
-    """Payload bytes per training step that the design predicts (`step_bytes` on the engine's
-    rows): the All-Gathers of `expected_gathers` and one Reduce-Scatter per trainable unit.
-    Trainable persistent parameters add one All-Reduce of their gradients and one element each
-    (the count of ranks that produced it, so that an unused one keeps grad None). With
-    `across_groups` (hierarchical sharding): what crosses between shard groups, one All-Reduce
-    of each rank's reduced shard gradients (1/G of the gradient), and the persistent
-    parameters' All-Reduce, which runs over all ranks (persistent.py). With `slices`
-    (`reshard_after_forward=G`): the backward's All-Gathers inside the groups of G."""
+    """Payload bytes per optimizer step that the design predicts (`step_bytes` on the engine's
+    rows): the All-Gathers of `expected_gathers` and one Reduce-Scatter per trainable unit, per
+    pass of `micro_batches`, of which `synced` reduce. Trainable persistent parameters add one
+    All-Reduce of their gradients and one element each (the count of ranks that produced it, so
+    that an unused one keeps grad None). With `across_groups` (hierarchical sharding): what
+    crosses between shard groups, one All-Reduce of each rank's reduced shard gradients (1/G of
+    the gradient), and the persistent parameters' All-Reduce, which runs over all ranks
+    (persistent.py). With `slices` (`reshard_after_forward=G`): the backward's All-Gathers
+    inside the groups of G."""
     n = units[0].world_size
     hybrid = units[0].replicate is not None
     persistent_bytes = sum((p.numel() + 1) * p.element_size() for p in persistent if p.requires_grad)
     sized = _sizes(units, orders)
-    by_group = step_bytes([sized[u.uid] for u in units if u.params], reshard)
+    by_group = step_bytes(
+        [sized[u.uid] for u in units if u.params], reshard, micro_batches=micro_batches, synced=synced
+    )
     if slices:
         return by_group["slices"] if units[0].slice_comm is not None else {}
+    persistent_all_reduce = (micro_batches if synced is None else synced) * persistent_bytes
     if across_groups:
-        return {"all_reduce": by_group["across"]["all_reduce"] + persistent_bytes} if hybrid else {}
+        return {"all_reduce": by_group["across"]["all_reduce"] + persistent_all_reduce} if hybrid else {}
     expected = by_group["shard"]
     if persistent_bytes and n > 1 and not hybrid:  # with shard groups: counted across them
-        expected["all_reduce"] = persistent_bytes
+        expected["all_reduce"] = persistent_all_reduce
     return expected

@@ -64,6 +64,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten  # private: Note below the imports
 
+from lightning_zero3.engine.accumulate import GradientSync
 from lightning_zero3.engine.calls import (
     DEEPCOPY_REFUSED,
     PASS_LEGAL,
@@ -82,7 +83,6 @@ from lightning_zero3.engine.departure import announce_departure
 from lightning_zero3.engine.held import UNSYNCED_HINT, HeldUnits
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.record import LiveUnits, StepRecord
-from lightning_zero3.engine.reduce import Reductions
 from lightning_zero3.engine.reshard import after_forward
 from lightning_zero3.engine.schedule import Prefetcher, Schedule
 from lightning_zero3.engine.unit import Unit
@@ -99,13 +99,13 @@ class HookDriver:
         raise TypeError(DEEPCOPY_REFUSED)
 
     def __init__(
-        self, units: list[Unit], *, schedule: Schedule, checks: RankChecks, reductions: Reductions,
+        self, units: list[Unit], *, schedule: Schedule, checks: RankChecks, grads: GradientSync,
         persistent: PersistentGrads, live: LiveUnits, record: StepRecord, world_comm: Comm, reshard: bool | int,
     ) -> None:  # fmt: skip
         self.units = units
         self.schedule = schedule
         self.checks = checks  # rank-disagreement checks (checks.py)
-        self.reductions = reductions  # Reduce-Scatters in flight (reduce.py)
+        self.grads = grads  # reduces each unit's gradients, or sums them while sync is off (accumulate.py)
         self.persistent = persistent  # gradients of the parameters kept whole (persistent.py)
         self.record = record  # what each step gathered, kept and reduced (record.py)
         self.world_comm = world_comm  # the first step's order comparison runs on it
@@ -323,6 +323,7 @@ class HookDriver:
         self.held.refuse_backward(self.state)
         if self.state is P.BACKWARD:
             return
+        self.grads.begin_backward()  # refused while accumulated gradients are incomplete
         self._enter(P.BACKWARD)
         self.schedule.begin_backward()
         Variable._execution_engine.queue_callback(self._end_backward)
@@ -354,8 +355,7 @@ class HookDriver:
         asynchronous reduction)."""
         self._ensure_backward_started()
         unit = call.unit
-        self.reductions.start(unit, grads)
-        self.record.add("reduced", unit.uid)
+        self.grads.reduce_or_add(unit, grads)
         if call.state is S.FORWARD:
             self.calls.move(call, S.REDUCED_IN_FORWARD)  # tensors stay on the modules until forward ends
         else:
@@ -369,7 +369,7 @@ class HookDriver:
 
     def _abandon_backward(self) -> None:
         """Close a backward that raised (Note: exceptions)."""
-        self.reductions.drop_all()
+        self.grads.abandon()
         for slot in self.calls.slots:
             if slot.call is not None and slot.call.state is S.BACKWARD:
                 self.calls.move(slot.call, S.DONE)
@@ -378,10 +378,10 @@ class HookDriver:
 
     @eager
     def _end_backward(self) -> None:
-        self.reductions.finish_all()
+        self.grads.finish_reductions()
         self.checks.check()  # the step's one host sync, before the optimizer step (checks.py)
         self._close_pending()
-        self.persistent.reduce()
+        self.grads.finish_backward()  # the persistent gradients' All-Reduce, unless sync is off
         self.schedule.end_backward()
         self._leave()
         if self.schedule.passes_recorded == 1:

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, cast
 
 import torch
@@ -17,11 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero3.engine import accounting
+from lightning_zero3.engine.accumulate import GradientSync
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import RankChecks
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.config import ShardingConfig
+from lightning_zero3.engine.gathered import gathered_parameters
 from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
@@ -130,9 +132,11 @@ class ShardedModel:
         in_flight = config.reductions_in_flight
         self.reductions_in_flight = in_flight if in_flight is not None else 2 * (target.type == "cuda")
         self.schedule = Schedule(config.prefetch)
+        # Reduces each backward's gradients, or sums them while sync is off (accumulate.py).
+        self.gradient_sync = GradientSync(self.units, reductions=Reductions(in_flight=self.reductions_in_flight),
+                                          persistent=self.persistent_grads, record=self.record)  # fmt: skip
         self.hooks = HookDriver(
-            self.units, schedule=self.schedule, checks=self.checks,
-            reductions=Reductions(in_flight=self.reductions_in_flight),
+            self.units, schedule=self.schedule, checks=self.checks, grads=self.gradient_sync,
             persistent=self.persistent_grads, live=self.live,
             record=self.record, world_comm=self.world_comm, reshard=self.reshard,
         )  # fmt: skip
@@ -202,12 +206,13 @@ class ShardedModel:
 
     def last_step_expected_bytes(self, *, across_groups: bool = False, slices: bool = False) -> dict[str, int] | None:
         """The formula (accounting.py) for the step `stats.last_step` measured, with the record
-        of unit orders that step ran with; None before any `end_step`."""
+        of unit orders, backwards and synced backwards that step ran with; None before any `end_step`."""
         last = self.record.last
         if last is None:
             return None
+        passes = {"micro_batches": last.backwards, "synced": last.synced} if last.backwards else {}
         return accounting.expected_step_bytes(self.units, self.persistent, orders=last.orders, reshard=self.reshard,
-                                              across_groups=across_groups, slices=slices)  # fmt: skip
+                                              across_groups=across_groups, slices=slices, **passes)  # fmt: skip
 
     @property
     def global_rank(self) -> int:
@@ -216,72 +221,39 @@ class ShardedModel:
     def reset_peaks(self) -> None:
         self.live.reset_peaks()
 
-    # ---- whole parameters outside forward -------------------------------------------------
+    # ---- gradient sync (accumulate.py, Note: unsynced accumulation) ---------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch. False: each backward adds every unit's full (unsharded) gradients into a
+        buffer (fp32, 4 bytes per parameter on every rank) and sends nothing; True (default): the
+        next backward adds its own and reduces the sums once. Call `optimizer.step()` and
+        `zero_grad()` only after that backward: both are refused while sums are owed."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync takes a bool; got {requires_gradient_sync!r}.")
+        self.gradient_sync.requires_sync = requires_gradient_sync
+
     @contextmanager
-    def gathered_parameters(
-        self, module: nn.Module | None = None, *, modifier_rank: int | None = None
-    ) -> Iterator[None]:
-        """Make the parameters under `module` (default: all) whole on every rank. The
-        registered parameters themselves hold the full data inside the block, so both
-        `module.weight` and `module.parameters()` see it. With `modifier_rank=r`, rank r's
-        values are broadcast on exit and every rank keeps its slice of them; otherwise changes
-        are discarded. The whole tensors go back to the buffer pool on exit: keep a copy, not a
-        reference, of what you need after the block."""
-        scope = module if module is not None else self.module
-        in_scope = {id(p) for p in scope.parameters()}
-        chosen = [p for p in self.sharded_params if id(p.param) in in_scope]
-        persistent = [p for p in self.persistent if id(p) in in_scope]
-        units = [u for u in self.units if any(p in chosen for p in u.params)]
-        # Persistent parameters are whole already; without a modifier, writes to them must be
-        # discarded like writes to gathered ones, or the ranks drift apart.
-        saved = [p.detach().clone() for p in persistent] if modifier_rank is None else []
-        shards: dict[int, torch.Tensor] = {}
-        gathered: list[tuple[Unit, list[torch.Tensor]]] = []
-
-        def put_shards_back() -> list[tuple[ShardedParam, torch.Tensor]]:
-            """The shards back on the parameters; returns (parameter, its whole data)."""
-            wholes = []
-            for unit in units:
-                for sharded in unit.params:
-                    if id(sharded) in shards:
-                        wholes.append((sharded, sharded.param.data))
-                        sharded.param.data = shards.pop(id(sharded))
-            return wholes
-
-        try:
-            for unit in units:
-                with engine_mode():  # Note: inference mode (calls.py): the blocks go to the pool
-                    fulls = unit.gather(dtype=unit.shard_dtype)
-                gathered.append((unit, fulls))
-                for sharded, full in zip(unit.params, fulls):
-                    if sharded in chosen:
-                        shards[id(sharded)] = sharded.param.data
-                        sharded.param.data = full
-            self.checks.check()  # outside any pass: check the tags of these gathers now
-        except BaseException:  # a failed gather or tag check: shards back, no collective
-            put_shards_back()
-            with engine_mode():
-                for unit, fulls in gathered:
-                    unit.release(fulls)
-            raise
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate locally; the setting before the block comes back on exit."""
+        before = self.gradient_sync.requires_sync
+        self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            for sharded, full in put_shards_back():
-                if modifier_rank is not None:
-                    what = f"'{sharded.name}' from rank {modifier_rank}"
-                    self.world_comm.broadcast(full, src=modifier_rank, what=what)
-                    sharded.load_full(full)
-            with engine_mode():
-                for unit, fulls in gathered:
-                    unit.release(fulls)  # the blocks go back to the pool
-            if modifier_rank is not None:
-                for p in persistent:
-                    self.world_comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
-            else:
-                with torch.no_grad():
-                    for p, value in zip(persistent, saved):
-                        p.copy_(value)
+            self.set_requires_gradient_sync(before)
+
+    def discard_unsynced_gradients(self) -> None:
+        """Drop the gradients summed with sync off (after a backward that raised, or to start
+        over); zero `.grad` too (`optimizer.zero_grad()`): it may hold part of them."""
+        self.gradient_sync.discard()
+
+    # ---- whole parameters outside forward -------------------------------------------------
+    def gathered_parameters(
+        self, module: nn.Module | None = None, *, modifier_rank: int | None = None
+    ) -> AbstractContextManager[None]:
+        """Make the parameters under `module` (default: all) whole on every rank (gathered.py)."""
+        scope = module if module is not None else self.module
+        return gathered_parameters(scope, self.units, self.persistent, checks=self.checks,
+                                   world_comm=self.world_comm, modifier_rank=modifier_rank)  # fmt: skip
 
     @contextmanager
     def gathered_for_inference(self) -> Iterator[None]:
@@ -362,6 +334,7 @@ class ShardedModel:
         """Remove the hooks (`HookDriver.remove` first closes the calls still holding full
         parameters; no collective) and the synced `generate` (generation.py)."""
         self.hooks.remove()
+        self.gradient_sync.discard()  # and its optimizer-step hook
         remove_synced_generate(self._synced_generate)
 
     def restore_module(self, *, device: torch.device | str = "cpu") -> None:

@@ -25,6 +25,8 @@ class Step:
     kept_slice: Counter[int] = field(default_factory=Counter)  # reshard_after_forward=G (reshard.py)
     gathered_slice: Counter[int] = field(default_factory=Counter)  # All-Gathers inside the group of G
     orders: Orders = (None, None)
+    backwards: int = 0  # backward passes (micro-batches) that ended in the step
+    synced: int = 0  # of which reduced their gradients (accumulate.py)
 
 
 class StepRecord:

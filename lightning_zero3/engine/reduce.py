@@ -34,7 +34,30 @@ import torch.nn.functional as F
 
 from lightning_zero3.engine.unit import Unit
 
-__all__ = ["PendingReduce", "Reductions"]
+__all__ = ["PendingReduce", "Reductions", "Summed", "grad_blocks"]
+
+
+@dataclass(eq=False)
+class Summed:
+    """A unit's full gradients summed over backwards with sync off (accumulate.py, Note:
+    unsynced accumulation): `total` is laid out as the Reduce-Scatter input's (N, S) columns."""
+
+    total: torch.Tensor
+    present: list[bool]  # which parameters had a gradient in any of them
+
+
+def grad_blocks(unit: Unit, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each gradient, padded to N x shard, viewed as its (N, shard) column block (None stays None)."""
+    n, blocks = unit.world_size, list[torch.Tensor | None]()
+    for p, grad in zip(unit.params, grads):
+        if grad is None:
+            blocks.append(None)
+            continue
+        flat = grad.reshape(-1)
+        if p.numel != n * p.shard_numel:
+            flat = F.pad(flat, (0, n * p.shard_numel - p.numel))
+        blocks.append(flat.view(n, p.shard_numel))
+    return blocks
 
 
 @dataclass(eq=False)
@@ -61,11 +84,12 @@ class Reductions:
         # Reductions whose All-Reduce across shard groups is not issued yet, oldest first.
         self._awaiting_replication: list[PendingReduce] = []
 
-    def start(self, unit: Unit, grads: list[torch.Tensor | None]) -> None:
-        """Start reducing `unit`'s full gradients (None for frozen parameters); wait for the
-        oldest ones while more than `in_flight` are pending."""
+    def start(self, unit: Unit, grads: list[torch.Tensor | None] | Summed) -> None:
+        """Start reducing `unit`'s full gradients (None for frozen parameters), or their sum
+        over backwards with sync off; wait for the oldest ones while more than `in_flight` are pending."""
         with torch.profiler.record_function(f"ZeRO3::reduce_grads({unit.name})"):
-            grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
+            if not isinstance(grads, Summed):
+                grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
             self._pending.append(self._start(unit, grads))
             while len(self._pending) > self.in_flight:
                 self._finish_oldest()
@@ -94,7 +118,7 @@ class Reductions:
             else:
                 sharded.param.grad.add_(grad)
 
-    def _start(self, unit: Unit, grads: list[torch.Tensor | None]) -> PendingReduce:
+    def _start(self, unit: Unit, grads: list[torch.Tensor | None] | Summed) -> PendingReduce:
         """Issue the Reduce-Scatter of `unit`'s full gradients asynchronously (None: no gradient,
         sent as zeros). With shard groups, the All-Reduce across groups follows without waiting
         on the host (comm.py, Note: streams)."""
@@ -105,23 +129,18 @@ class Reductions:
         out = torch.empty(width, dtype=unit.reduce_dtype, device=like.device)
         with torch.no_grad():  # the copy-in, on the compute stream (Note: gradient copy-in)
             full = unit.pool.take("reduce", n * width, unit.reduce_dtype, like.device).view(n, width)  # (N, row)
-            # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
-            blocks = []
-            zero = full.new_zeros(())  # a parameter without a gradient (frozen): zeros, not allocated per parameter
-            for p, grad in zip(unit.params, grads):
-                if grad is None:
-                    blocks.append(zero.expand(n, p.shard_numel))
-                    continue
-                flat = grad.reshape(-1)
-                if p.numel != n * p.shard_numel:
-                    flat = F.pad(flat, (0, n * p.shard_numel - p.numel))
-                blocks.append(flat.view(n, p.shard_numel))
-            torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
+            if isinstance(grads, Summed):
+                full[:, :s].copy_(grads.total)  # casts to reduce_dtype
+            else:  # one copy: each gradient as its (N, shard) column block
+                zero = full.new_zeros(())  # a parameter without a gradient (frozen): zeros, not allocated per parameter
+                blocks = [zero.expand(n, p.shard_numel) if b is None else b
+                          for p, b in zip(unit.params, grad_blocks(unit, grads))]  # fmt: skip
+                torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
             stamped = unit.checks.stamp_reduce(full[:, s], unit.uid, unit.comm.rank)
         with streams.on("reduce"):  # waits for the copy-in
             work = unit.comm.reduce_scatter(out, full, what=f"gradients of unit '{unit.name}'", async_op=True)
             done = streams.event()
-        present = [g is not None for g in grads]
+        present = grads.present if isinstance(grads, Summed) else [g is not None for g in grads]
         pending = PendingReduce(unit=unit, work=work, out=out, full=full, present=present, done=done, stamped=stamped)
         if unit.replicate is not None:
             self._awaiting_replication.append(pending)

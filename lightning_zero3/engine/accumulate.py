@@ -1,0 +1,251 @@
+"""`GradientSync`: whether a unit's backward Reduce-Scatters its full gradients now (reduce.py)
+or adds them into a buffer it keeps until a backward with sync on: gradient accumulation without
+communication (`ShardedModel.set_requires_gradient_sync`, `ShardedModel.no_sync`; FSDP2's
+`set_requires_gradient_sync(False)`, Lightning's `no_backward_sync`). The driver (hooks.py)
+hands it every unit's full gradients and the ends of backward.
+
+[Note: unsynced accumulation]
+While sync is off, a unit's post-backward adds its full gradients into a buffer of its own,
+laid out as the Reduce-Scatter input's (N, S) columns (unit.py, Note: flat layout), and sends
+nothing; the persistent parameters' gradients accumulate where autograd puts them, in `.grad`,
+and their All-Reduce waits too. The first backward with sync on adds its gradients into the
+buffer and Reduce-Scatters the sum once; a unit holding a buffer that this backward does not
+reach (unused in the last micro-batch) is reduced when it ends, in unit order (the same on
+every rank); then the persistent gradients are All-Reduced. Each buffer is dropped as its
+reduction starts. So one Reduce-Scatter per unit per optimizer step instead of one per
+micro-batch, and the shard gradients equal k synced micro-batches' to float rounding.
+The buffers are fp32 (the reduce dtype when wider), not the reduce dtype: with the default fp32
+reduction the sums are then exact to fp32 rounding against one process, and with a bf16
+reduction the sum of k micro-batches is rounded to bf16 once, whatever k, where a bf16 buffer
+would round every addition against the growing sum. Measured on the test MLP at k = 4, 2 ranks,
+bf16 reduction, largest difference from one process: 8.0e-4 with these sums, 6.4e-4 with bf16
+sums, 3.2e-4 with every micro-batch reduced (smaller pieces rounded): all bf16 rounding, none
+better by design (tests/test_engine_no_sync.py bounds it at k = 16). The cost: 4 bytes per
+parameter of every unit that ran backward, N times its shard gradient, from the first unsynced
+backward to the sync (docs/accounting.md, "Accumulation without communication").
+
+[Note: gradients owed]
+    SYNCED --a backward with sync off ends--> OWED --the backward with sync on ends--> SYNCED
+    SYNCED or OWED --a backward raised while sync was off or gradients were owed--> INCOMPLETE
+    OWED or INCOMPLETE --discard()--> SYNCED
+While OWED or INCOMPLETE, `optimizer.step()` of an optimizer holding the model's parameters
+raises (a global step pre-hook, registered only then; a step given a closure, as Lightning's,
+is checked after the closure's backward, before the update), as does every backward while
+INCOMPLETE: the gradients of the micro-batches since the last sync are not all in `.grad`.
+`optimizer.zero_grad()` cannot clear the buffers, so it is caught: when a backward with sync off
+ends, every trainable shard of a unit holding a buffer has a `.grad` (where it had none, a
+zero-stride zero tensor: no memory), whose object and version are noted; zero_grad sets it to
+None or zeroes it in place, and the next backward refuses to start (-> INCOMPLETE) rather than
+add micro-batches that one process would have cleared. The backward with sync on removes the
+placeholders before its reductions land. Between unsynced backwards `.grad` reads zero.
+"""
+
+from __future__ import annotations
+
+import weakref
+from enum import Enum
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lightning_zero3.engine.persistent import PersistentGrads
+from lightning_zero3.engine.record import StepRecord
+from lightning_zero3.engine.reduce import Reductions, Summed, grad_blocks
+from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.unit import Unit
+
+__all__ = ["GradientSync", "SyncState"]
+
+
+class SyncState(Enum):
+    SYNCED = "nothing owed"
+    OWED = "gradients accumulated locally, owed one reduction"
+    INCOMPLETE = "a backward raised while accumulating"
+
+
+_S = SyncState
+LEGAL = {(_S.SYNCED, _S.OWED), (_S.OWED, _S.SYNCED), (_S.SYNCED, _S.INCOMPLETE), (_S.OWED, _S.INCOMPLETE),
+         (_S.INCOMPLETE, _S.SYNCED)}  # fmt: skip
+
+FIX = (
+    "Call `discard_unsynced_gradients()` on the ShardedModel (Fabric: `fabric.strategy.sharded_model(model)`, "
+    "Trainer: `trainer.strategy.sharded_model`) and `optimizer.zero_grad()`, then start the accumulation again."
+)
+INCOMPLETE = (
+    "A backward raised while gradients were accumulated with gradient sync off (no_sync / no_backward_sync / "
+    "accumulate_unsharded), so the gradients of the micro-batches since the last sync are incomplete. " + FIX
+)
+
+
+class GradientSync:
+    """Per unit, the full gradients summed with sync off; reduces them, or each backward's."""
+
+    def __init__(
+        self, units: list[Unit], *, reductions: Reductions, persistent: PersistentGrads, record: StepRecord
+    ) -> None:
+        self.units = units
+        self.reductions = reductions  # Reduce-Scatters in flight (reduce.py)
+        self.persistent = persistent  # their All-Reduce waits for the sync too
+        self.record = record  # counts the reductions (record.py)
+        self.requires_sync = True  # the user's setting
+        self.state = SyncState.SYNCED  # moved only by `_move` (Note: gradients owed)
+        self._held: dict[int, Summed] = {}  # unit id -> its gradients summed with sync off
+        # id(shard param) -> (it, the `.grad` noted, its version, whether it is a placeholder).
+        self._watched: dict[int, tuple[ShardedParam, torch.Tensor, int, bool]] = {}
+        self._step_hook: Any = None  # the global optimizer-step pre-hook while owed
+        self._began_unsynced = False  # whether the backward running began with sync off
+
+    @property
+    def held_units(self) -> list[int]:
+        """Ids of the units holding gradients summed with sync off."""
+        return sorted(self._held)
+
+    def _move(self, state: SyncState) -> None:
+        assert (self.state, state) in LEGAL, f"ZeRO-3 internal error: sync {self.state.name} -> {state.name}"
+        if state is _S.SYNCED:
+            self._held.clear()
+            self._unwatch()
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
+        elif self._step_hook is None:
+            me = weakref.ref(self)  # the global hook must not keep the model alive
+            self._step_hook = register_optimizer_step_pre_hook(lambda opt, *rest: _check_step(me, opt, *rest))
+        self.state = state
+
+    # ---- the driver's calls -----------------------------------------------------------------
+    def begin_backward(self) -> None:
+        """A backward starts: refused while INCOMPLETE or after zero_grad while OWED."""
+        if self.state is _S.INCOMPLETE:
+            raise RuntimeError(INCOMPLETE)
+        self._began_unsynced = not self.requires_sync
+        if self.state is not _S.OWED:
+            return
+        changed = [p.name for p, grad, version, _ in self._watched.values()
+                   if p.param.grad is not grad or grad._version != version]  # fmt: skip
+        if changed:
+            self._move(_S.INCOMPLETE)
+            self._held.clear()
+            raise RuntimeError(
+                f"The gradients of {changed[:3]} were cleared or replaced (optimizer.zero_grad()?) while gradients "
+                f"accumulated with gradient sync off were owed a reduction: those live in the engine's buffers, "
+                f"which zero_grad cannot clear, so the result would not be what one process computes. Call "
+                f"zero_grad only after the backward with sync on (and the optimizer step). " + FIX
+            )
+        if self.requires_sync:
+            self._unwatch()  # the reductions assign or add into `.grad` from here
+
+    def reduce_or_add(self, unit: Unit, grads: list[torch.Tensor | None]) -> None:
+        """`GatherParams.backward` has `unit`'s full gradients: reduce them, or add them up."""
+        held = self._held.get(unit.uid)
+        if self.requires_sync and held is None:
+            self._reduce(unit, grads)  # the common case
+            return
+        held = self._add(unit, grads, held)
+        if self.requires_sync:
+            self._reduce(unit, self._held.pop(unit.uid))
+
+    def finish_reductions(self) -> None:
+        """End of backward, before the tag check: with sync on, reduce the units still holding
+        sums (Note: unsynced accumulation); then every shard gradient lands in `.grad`."""
+        if self.requires_sync:
+            for uid in sorted(self._held):
+                self._reduce(self.units[uid], self._held.pop(uid))
+        self.reductions.finish_all()
+
+    def finish_backward(self) -> None:
+        """End of backward, last: All-Reduce the persistent gradients, or leave them owed."""
+        self.record.current.backwards += 1
+        self.record.current.synced += self.requires_sync
+        if self.requires_sync:
+            self.persistent.reduce()
+            if self.state is _S.OWED:
+                self._move(_S.SYNCED)
+        elif self._held or any(p.requires_grad for p in self.persistent.params):
+            self._watch()
+            if self.state is _S.SYNCED:
+                self._move(_S.OWED)
+
+    def abandon(self) -> None:
+        """A backward raised (hooks.py, Note: exceptions): its reductions are dropped, and so is
+        whatever was accumulated, which is now incomplete."""
+        self.reductions.drop_all()
+        owed = self._began_unsynced or self._held or self.state is _S.OWED  # the setting may have changed since
+        if owed and self.state is not _S.INCOMPLETE:
+            self._move(_S.INCOMPLETE)
+            self._held.clear()
+
+    def discard(self) -> None:
+        """Drop what was accumulated with sync off; the sync setting stays."""
+        if self.state is not _S.SYNCED:
+            self._move(_S.SYNCED)
+
+    # ---- inside ---------------------------------------------------------------------------
+    def _reduce(self, unit: Unit, grads: list[torch.Tensor | None] | Summed) -> None:
+        self.reductions.start(unit, grads)
+        self.record.add("reduced", unit.uid)
+
+    def _add(self, unit: Unit, grads: list[torch.Tensor | None], held: Summed | None) -> Summed:
+        if held is None:
+            like = unit.params[0].param
+            dtype = torch.promote_types(unit.reduce_dtype, torch.float32)  # Note: unsynced accumulation
+            total = torch.zeros(unit.world_size, unit.shard_numel, dtype=dtype, device=like.device)  # (N, S)
+            held = self._held[unit.uid] = Summed(total, [False] * len(unit.params))
+        grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
+        with torch.no_grad():
+            for i, (p, offset, block) in enumerate(zip(unit.params, unit.offsets, grad_blocks(unit, grads))):
+                if block is not None:
+                    held.total[:, offset : offset + p.shard_numel].add_(block)
+                    held.present[i] = True
+        return held
+
+    def _watch(self) -> None:
+        """Note each held unit's trainable shards' `.grad` (Note: gradients owed)."""
+        for uid in self._held:
+            for p in self.units[uid].params:
+                if not p.requires_grad or id(p) in self._watched:
+                    continue
+                grad, placeholder = p.param.grad, p.param.grad is None
+                if grad is None:
+                    grad = torch.zeros((), dtype=p.param.dtype, device=p.param.device).expand(p.shard_numel)
+                    p.param.grad = grad
+                self._watched[id(p)] = (p, grad, grad._version, placeholder)
+
+    def _unwatch(self) -> None:
+        for p, grad, _, placeholder in self._watched.values():
+            if placeholder and p.param.grad is grad:
+                p.param.grad = None
+        self._watched.clear()
+
+    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        mine = {id(p.param) for u in self.units for p in u.params} | {id(p) for p in self.persistent.params}
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+
+    def _refuse_step(self) -> None:
+        if self.state is not _S.SYNCED:
+            what = "are incomplete (a backward raised)" if self.state is _S.INCOMPLETE else "have not been reduced"
+            raise RuntimeError(
+                f"optimizer.step() while the gradients accumulated with gradient sync off {what}: `.grad` does not "
+                f"hold them yet. Run the last micro-batch's backward with sync on (outside no_sync / "
+                f"no_backward_sync) before the step. Or, to drop them: " + FIX
+            )
+
+
+def _check_step(me: weakref.ref[GradientSync], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+    """The optimizer-step pre-hook while gradients are owed (Note: gradients owed). A step given
+    a closure (Lightning's) runs its forward and backward first: checked after the closure."""
+    sync = me()
+    if sync is None or not sync._holds(optimizer):
+        return None
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+    if closure is None:
+        sync._refuse_step()
+        return None
+
+    def checked() -> Any:
+        loss = closure()
+        sync._refuse_step()
+        return loss
+
+    return ((args[0], checked, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "closure": checked})

@@ -1,0 +1,86 @@
+"""Whole parameters outside forward: `ShardedModel.gathered_parameters` (model.py), e.g. for a
+callback that reads or edits weights between steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from lightning_zero3.engine.calls import engine_mode
+from lightning_zero3.engine.checks import RankChecks
+from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.unit import Unit
+
+__all__ = ["gathered_parameters"]
+
+
+@contextmanager
+def gathered_parameters(
+    scope: nn.Module, units: list[Unit], persistent: list[nn.Parameter], *, checks: RankChecks,
+    world_comm: Comm, modifier_rank: int | None = None,
+) -> Iterator[None]:  # fmt: skip
+    """Make the parameters under `scope` whole on every rank (`units` and `persistent`: all of
+    the model's). The
+    registered parameters themselves hold the full data inside the block, so both
+    `module.weight` and `module.parameters()` see it. With `modifier_rank=r`, rank r's
+    values are broadcast on exit and every rank keeps its slice of them; otherwise changes
+    are discarded. The whole tensors go back to the buffer pool on exit: keep a copy, not a
+    reference, of what you need after the block."""
+    in_scope = {id(p) for p in scope.parameters()}
+    chosen = [p for u in units for p in u.params if id(p.param) in in_scope]
+    persistent = [p for p in persistent if id(p) in in_scope]
+    units = [u for u in units if any(p in chosen for p in u.params)]
+    # Persistent parameters are whole already; without a modifier, writes to them must be
+    # discarded like writes to gathered ones, or the ranks drift apart.
+    saved = [p.detach().clone() for p in persistent] if modifier_rank is None else []
+    shards: dict[int, torch.Tensor] = {}
+    gathered: list[tuple[Unit, list[torch.Tensor]]] = []
+
+    def put_shards_back() -> list[tuple[ShardedParam, torch.Tensor]]:
+        """The shards back on the parameters; returns (parameter, its whole data)."""
+        wholes = []
+        for unit in units:
+            for sharded in unit.params:
+                if id(sharded) in shards:
+                    wholes.append((sharded, sharded.param.data))
+                    sharded.param.data = shards.pop(id(sharded))
+        return wholes
+
+    try:
+        for unit in units:
+            with engine_mode():  # Note: inference mode (calls.py): the blocks go to the pool
+                fulls = unit.gather(dtype=unit.shard_dtype)
+            gathered.append((unit, fulls))
+            for sharded, full in zip(unit.params, fulls):
+                if sharded in chosen:
+                    shards[id(sharded)] = sharded.param.data
+                    sharded.param.data = full
+        checks.check()  # outside any pass: check the tags of these gathers now
+    except BaseException:  # a failed gather or tag check: shards back, no collective
+        put_shards_back()
+        with engine_mode():
+            for unit, fulls in gathered:
+                unit.release(fulls)
+        raise
+    try:
+        yield
+    finally:
+        for sharded, full in put_shards_back():
+            if modifier_rank is not None:
+                what = f"'{sharded.name}' from rank {modifier_rank}"
+                world_comm.broadcast(full, src=modifier_rank, what=what)
+                sharded.load_full(full)
+        with engine_mode():
+            for unit, fulls in gathered:
+                unit.release(fulls)  # the blocks go back to the pool
+        if modifier_rank is not None:
+            for p in persistent:
+                world_comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
+        else:
+            with torch.no_grad():
+                for p, value in zip(persistent, saved):
+                    p.copy_(value)

@@ -1,0 +1,115 @@
+"""Accumulation without communication through Lightning (engine/accumulate.py): Fabric's
+`no_backward_sync(model)` and the Trainer's `accumulate_grad_batches` with
+`accumulate_unsharded=True` sum the unsharded gradients locally on the micro-batches before the
+last and Reduce-Scatter once, training exactly like one process."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_zero3.engine import accounting
+from tests import models
+from tests.fabric_helpers import adamw, fabric, full_state, max_difference
+from tests.lit import LitMLP, become_lightning_rank, loader, reference_fit, trainer
+from tests.parity import local_slice
+from tests.ranks import run_ranks
+
+TOL = 1e-5
+K = 2
+
+
+def _fabric_accumulates(rank: int, world_size: int) -> dict[str, Any]:
+    f = fabric(rank, world_size)
+    torch.manual_seed(0)
+    model = models.MLP()
+    model, optimizer = f.setup(model, adamw(model))
+    engine = f.strategy.sharded_model(model)
+    out: dict[str, Any] = {"reduce_scatters": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            for micro in range(K):
+                x, y = models.mlp_batch(step * K + micro)
+                with f.no_backward_sync(model, enabled=micro < K - 1):
+                    loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+                    f.backward(loss / K)
+            optimizer.step()
+            optimizer.zero_grad()
+            out["reduce_scatters"].append(engine.stats.last_step["reduce_scatter"].calls)
+    out["warnings"] = [str(w.message) for w in caught if "gradient synchronization" in str(w.message)]
+    out["state"] = full_state(f, model)
+    out["units"] = sum(1 for u in engine.units if u.params)
+    return out
+
+
+def _reference_accumulating(steps: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = models.MLP()
+    optimizer = adamw(model)
+    for step in range(steps):
+        for micro in range(K):
+            x, y = models.mlp_batch(step * K + micro)
+            (F.mse_loss(model(x), y) / K).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def test_fabric_no_backward_sync_accumulates_locally_and_matches_single_process() -> None:
+    reference = _reference_accumulating(2)
+    for result in run_ranks(_fabric_accumulates, 2):
+        assert not result["warnings"], result["warnings"]  # Fabric warned that it did nothing
+        assert result["reduce_scatters"] == [result["units"]] * 2, result  # one per unit per step, not K
+        assert max_difference(result["state"], reference) < TOL
+
+
+def _fit_accumulating(rank: int, world_size: int) -> dict[str, Any]:
+    become_lightning_rank(rank, world_size)
+    import lightning.pytorch as pl
+
+    from lightning_zero3 import ZeRO3Strategy
+
+    syncs: list[bool] = []
+
+    class Syncs(pl.Callback):
+        def on_before_backward(self, trainer: Any, module: Any, loss: torch.Tensor) -> None:
+            syncs.append(trainer.strategy.sharded_model.gradient_sync.requires_sync)
+
+    torch.manual_seed(0)
+    model = LitMLP()
+    strategy = ZeRO3Strategy(accumulate_unsharded=True)
+    trainer(strategy, world_size, max_epochs=1, accumulate_grad_batches=K, callbacks=[Syncs()]).fit(
+        model, loader(world_size)
+    )
+    engine = strategy.sharded_model
+    assert engine.last_step_record is not None
+    stats = strategy.stats  # what users read: the last optimizer step beside its formula
+    shown = {kind: stats["last_step"][kind]["payload_bytes"] for kind in ("all_gather", "reduce_scatter")}
+    formula = accounting.expected_step_bytes(
+        engine.units, engine.persistent, orders=engine.last_step_record.orders, micro_batches=K, synced=1
+    )
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "syncs": syncs,
+        "reduce_scatter": engine.stats.last_step["reduce_scatter"].payload_bytes,
+        "formula": formula["reduce_scatter"],
+        "shown": shown,
+        "shown_formula": {kind: stats["expected_step_bytes"][kind] for kind in shown},
+        "sync_state": engine.gradient_sync.state.name,
+    }
+
+
+def test_trainer_accumulate_unsharded_matches_single_process_with_one_reduction_per_step() -> None:
+    torch.manual_seed(0)
+    reference = LitMLP()
+    reference_fit(reference, epochs=1, accumulate=K)
+    for result in run_ranks(_fit_accumulating, 2):
+        assert result["syncs"] == [False, True] * 2, result["syncs"]  # Lightning's non-final micro-batches unsynced
+        assert result["reduce_scatter"] == result["formula"], result
+        assert result["shown"] == result["shown_formula"], result
+        assert result["sync_state"] == "SYNCED"
+        assert max_difference(result["state"], reference.state_dict()) < TOL
