@@ -7,6 +7,7 @@ and nowhere else: the strategies pass on whatever this dataclass declares.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -43,6 +44,11 @@ class ShardingConfig:
             them instead of hanging or mixing parameters (checks.py, Note: rank check modes):
             "every_step", "first_step" (until the first backward ends), or an int K (the steps
             whose count of finished backwards is a multiple of K; 1 is "every_step").
+        offload: None (everything on the compute device) or "host": parameter shards, their
+            gradients and the optimizer state in host memory, the optimizer step on the CPU
+            (offload.py, Note: host offload).
+        offload_dir: a directory for the optimizer state in files, one set per rank and run,
+            removed at teardown (disk.py, Note: optimizer state on disk); needs offload="host".
     """
 
     wrap_policy: WrapPolicy = None
@@ -54,6 +60,8 @@ class ShardingConfig:
     param_init_fn: Callable[[nn.Module], None] | None = None
     reductions_in_flight: int | None = None
     rank_checks: str | int = "every_step"
+    offload: str | None = None
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         def bad(option: str, expected: str) -> ValueError:
@@ -78,6 +86,13 @@ class ShardingConfig:
         checks = self.rank_checks
         if checks not in ("every_step", "first_step") and (type(checks) is not int or checks < 1):
             raise bad("rank_checks", '"every_step", "first_step" or an int K >= 1 (check every K-th step)')
+        if self.offload not in (None, "host"):
+            raise bad("offload", 'None (all on the compute device) or "host" (shards, gradients, optimizer state)')
+        if self.offload_dir is not None:
+            if self.offload != "host":
+                raise bad("offload_dir", 'None unless offload="host" (the optimizer steps on the CPU): add it')
+            if not isinstance(self.offload_dir, str) or not os.path.isdir(self.offload_dir):
+                raise bad("offload_dir", "the path (str) of an existing directory, e.g. on a local NVMe disk")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise bad("param_init_fn", "callable")
         # Normalised in place: the dataclass is frozen to its users, not to its own constructor.

@@ -26,6 +26,7 @@ from lightning_zero3.engine.generation import install_synced_generate, remove_sy
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import restore_whole, shard_parameters
+from lightning_zero3.engine.offload import HostOffload, move_module
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.record import LiveUnits, Step, StepRecord, UnitStats
@@ -43,6 +44,17 @@ def _device_of(module: nn.Module, device: torch.device | str | None) -> torch.de
         if not t.is_meta:
             return t.device
     return torch.device("cpu")
+
+
+class _OffloadHooks(HookDriver):
+    """The driver with host offload: each pass begins by marking the device copies of the host
+    shards for refresh (offload.py, Note: host offload)."""
+
+    def _begin_pass(self, state: PassState = PassState.FORWARD) -> None:
+        offload = self.units[0].offload
+        assert isinstance(offload, HostOffload)
+        offload.begin_pass()
+        super()._begin_pass(state)
 
 
 class ShardedModel:
@@ -90,6 +102,7 @@ class ShardedModel:
         shards = shard_parameters(
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
             param_init_fn=config.param_init_fn, sync_module_states=sync_module_states,
+            on_host=config.offload is not None,
         )  # fmt: skip
         # What each step gathered, kept and reduced (record.py), and the units alive.
         self.record = StepRecord()
@@ -105,6 +118,9 @@ class ShardedModel:
                  reduce_dtype=config.reduce_dtype, pool=self.pool, record=self.record)  # fmt: skip
             for uid, unit_plan in enumerate(self.plan.units)
         ]
+        # The compute device; with offload the shards are in host memory (offload.py, Note: host offload).
+        self.device = target
+        self.offload = HostOffload(self.units, device=target) if config.offload is not None else None
         self._by_param: dict[int, ShardedParam] = {id(s.param): s for s in shards.values()}
         # Read from the module: materialising may have replaced the parameter objects.
         # The plan lists registered parameters only, never a None slot.
@@ -123,9 +139,10 @@ class ShardedModel:
         in_flight = config.reductions_in_flight
         self.reductions_in_flight = in_flight if in_flight is not None else 2 * (target.type == "cuda")
         self.schedule = Schedule(config.prefetch)
-        self.hooks = HookDriver(
+        driver = HookDriver if self.offload is None else _OffloadHooks
+        self.hooks = driver(
             self.units, schedule=self.schedule, checks=self.checks,
-            reductions=Reductions(in_flight=self.reductions_in_flight),
+            reductions=Reductions(in_flight=self.reductions_in_flight, offload=self.offload),
             persistent=self.persistent_grads, live=self.live,
             record=self.record, world_comm=self.world_comm,
         )  # fmt: skip
@@ -343,6 +360,10 @@ class ShardedModel:
         """The formula (accounting.py) for a training step with the unit orders recorded now."""
         orders = (self.schedule.forward_order, self.schedule.backward_order)
         return accounting.expected_step_bytes(self.units, self.persistent, orders=orders, across_groups=across_groups)
+
+    def move_module(self, device: torch.device | str) -> None:
+        """`module.to(device)`; with offload the shards stay in host memory (offload.py)."""
+        move_module(self.module, self.sharded_params if self.offload is not None else [], torch.device(device))
 
     def remove_hooks(self) -> None:
         """Remove the hooks (`HookDriver.remove` first closes the calls still holding full

@@ -50,7 +50,7 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     whole has the same gradient on every rank: its share is divided by N, so the sum over ranks
     counts it once. For p = inf the share is the largest absolute value (the max over ranks is
     the whole gradient's); an empty shard (more ranks than elements) or no gradient shares 0."""
-    device = next(iter(model.module.parameters())).device
+    device = model.device  # where the collective runs; offloaded shards' gradients are on the host
     n = model.comm.world_size
     shares = []
     for param in parameters:
@@ -77,7 +77,7 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         assert p.grad is not None
-        p.grad.detach().mul_(coef.to(p.grad.dtype))
+        p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
     return total
 
 

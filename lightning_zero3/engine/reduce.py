@@ -27,12 +27,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine.unit import Unit
+
+if TYPE_CHECKING:
+    from lightning_zero3.engine.offload import HostOffload
 
 __all__ = ["PendingReduce", "Reductions"]
 
@@ -55,8 +58,10 @@ class PendingReduce:
 class Reductions:
     """Reduce-Scatters in flight, oldest first; at most `in_flight` stay pending."""
 
-    def __init__(self, *, in_flight: int) -> None:
+    def __init__(self, *, in_flight: int, offload: HostOffload | None = None) -> None:
         self.in_flight = in_flight
+        # Host offload: reduced shard gradients go to host memory (offload.py, Note: host offload).
+        self.offload = offload
         self._pending: deque[PendingReduce] = deque()
         # Reductions whose All-Reduce across shard groups is not issued yet, oldest first.
         self._awaiting_replication: list[PendingReduce] = []
@@ -74,18 +79,25 @@ class Reductions:
         """The backward is over: every shard gradient goes into `.grad`."""
         while self._pending:
             self._finish_oldest()
+        if self.offload is not None:
+            self.offload.settle()
 
     def drop_all(self) -> None:
         """A backward that raised (hooks.py, Note: exceptions): the collectives complete, their
         gradients are dropped."""
         while self._pending:
             self._finish(self._pending.popleft())
+        if self.offload is not None:
+            self.offload.drop()
 
     def _finish_oldest(self) -> None:
         """Wait for the oldest Reduce-Scatter and add its shard gradients into `.grad`."""
         pending = self._pending.popleft()
         with torch.profiler.record_function(f"ZeRO3::wait_reduce({pending.unit.name})"):
             shard_grads = self._finish(pending)
+        if self.offload is not None:
+            self.offload.download(pending.unit, shard_grads)  # into `.grad` at `finish_all`
+            return
         for sharded, grad in zip(pending.unit.params, shard_grads):
             if grad is None:
                 continue
@@ -98,13 +110,13 @@ class Reductions:
         """Issue the Reduce-Scatter of `unit`'s full gradients asynchronously (None: no gradient,
         sent as zeros). With shard groups, the All-Reduce across groups follows without waiting
         on the host (comm.py, Note: streams)."""
-        like = unit.params[0].param
+        device = unit.device
         n, width, s = unit.world_size, unit.reduce_row_numel, unit.shard_numel
         self._advance()  # older reductions' All-Reduces go out first, in order
-        streams = unit.comm.streams(like.device)
-        out = torch.empty(width, dtype=unit.reduce_dtype, device=like.device)
+        streams = unit.comm.streams(device)
+        out = torch.empty(width, dtype=unit.reduce_dtype, device=device)
         with torch.no_grad():  # the copy-in, on the compute stream (Note: gradient copy-in)
-            full = unit.pool.take("reduce", n * width, unit.reduce_dtype, like.device).view(n, width)  # (N, row)
+            full = unit.pool.take("reduce", n * width, unit.reduce_dtype, device).view(n, width)  # (N, row)
             # One copy: each gradient, padded to N x shard, as its (N, shard) column block.
             blocks = []
             zero = full.new_zeros(())  # a parameter without a gradient (frozen): zeros, not allocated per parameter

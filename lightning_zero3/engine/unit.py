@@ -39,7 +39,7 @@ never inside a compiled graph (calls.py, Note: torch.compile).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -60,6 +60,14 @@ def aligned_numel(numel: int, dtype: torch.dtype) -> int:
     """`numel` rounded up so that `numel` elements of `dtype` fill a multiple of ALIGN_BYTES."""
     per = max(1, ALIGN_BYTES // dtype.itemsize)
     return -(-numel // per) * per
+
+
+class ShardSource(Protocol):
+    """Where a unit's gathers read its shards when they live off the compute device (offload.py)."""
+
+    device: torch.device
+
+    def fill(self, unit: Unit, out: torch.Tensor, *, exact: bool) -> None: ...
 
 
 @dataclass
@@ -128,6 +136,8 @@ class Unit:
         # Elements of each rank's Reduce-Scatter row: shards, check column, alignment.
         self.reduce_row_numel = aligned_numel(total + 1, self.reduce_dtype)
         self._pending: _PendingGather | None = None
+        # Host offload: the shards live in host memory and gathers read its device copy (offload.py).
+        self.offload: ShardSource | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
@@ -135,6 +145,11 @@ class Unit:
     @property
     def world_size(self) -> int:
         return self.comm.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the unit gathers, computes and reduces (the shards' device unless offloaded)."""
+        return self.offload.device if self.offload is not None else self.params[0].param.device
 
     @property
     def gather_in_flight(self) -> bool:
@@ -161,15 +176,19 @@ class Unit:
         No-op if one is already pending. `tag` replaces the unit's own (a departure notice)."""
         if self._pending is not None or not self.params:
             return
+        exact = dtype is not None  # a caller's dtype asks for the shards' own values (offload.py)
         dtype = dtype or self.param_dtype
         tag = self.checks.tag(self.uid) if tag is None else tag
-        device = self.params[0].param.device
+        device = self.device
         n, s, width = self.world_size, self.shard_numel, self.row_numel(dtype)
         streams = self.comm.streams(device)
         with streams.on("copy_in"), torch.no_grad():
             recv = self.pool.take("gather", n * width, dtype, device)
             mine = recv[self.comm.rank * width : (self.comm.rank + 1) * width]  # the send row
-            torch.cat([p.param.detach() for p in self.params], out=mine[:s])  # casts to `dtype`
+            if self.offload is not None:
+                self.offload.fill(self, mine[:s], exact=exact)
+            else:
+                torch.cat([p.param.detach() for p in self.params], out=mine[:s])  # casts to `dtype`
             stamped = self.checks.stamp_gather(mine[s : s + tag_numel(dtype)], tag)
             copied = streams.event()
         with streams.on("gather", after=copied):
@@ -238,10 +257,10 @@ class Unit:
         for the exact master values). With `into` (full tensors that `release` emptied), refill
         those tensors' storage in place instead of allocating new tensors, without bumping their
         version (Note: full-parameter blocks)."""
-        dtype = dtype or self.param_dtype
+        asked, dtype = dtype, dtype or self.param_dtype
         if self._pending is not None and self._pending.dtype != dtype:
             self.discard_gather()
-        self.start_gather(dtype)
+        self.start_gather(asked)
         gathered = self._wait_gather()
         n = self.world_size
         if into is None:
