@@ -6,6 +6,7 @@ the hot path, a sharded checkpoint resumed at another world size."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -51,6 +52,8 @@ def _train(rank: int, world_size: int, options: dict[str, Any], steps: int = 3) 
     shards = [p.param for p in sharded.sharded_params]
     copies = list(sharded.offload._copies.values()) if sharded.offload else []
     state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    disk = sharded.disk
+    maps = [line for line in open("/proc/self/maps") if disk and disk.directory in line]
     return {
         "full": sharded.full_state_dict(to_rank=None),
         "uploads": uploads,
@@ -62,13 +65,18 @@ def _train(rank: int, world_size: int, options: dict[str, Any], steps: int = 3) 
         "shard_numel": sum(u.shard_numel for u in sharded.units),
         # Offloaded: each gradient a host tensor of its own; else views of one reduced buffer per unit.
         "grad_storages": (len(_storages(grads)), len(grads)),
+        "on_disk": [disk.on_disk(v) for v in state] if disk else [],
+        "files": (disk.files, len(os.listdir(disk.directory)), len(maps), all("(deleted)" in m for m in maps))
+        if disk
+        else None,
     }
 
 
-def _side_by_side(rank: int, world_size: int) -> dict[str, Any]:
+def _side_by_side(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out = {}
     for name, options in {"fp32": {}, "bf16": {"param_dtype": "bf16"}}.items():
         out[name] = {"plain": _train(rank, world_size, options), "host": _train(rank, world_size, {**options, **HOST})}
+    out["disk"] = _train(rank, world_size, {**HOST, "offload_dir": directory})
     recipe = Recipe(model=models.mlp_frozen_input, batch=models.mlp_batch, optimizer=adamw, clip_norm=0.05,
                     steps=3, accumulate=2, sharded_kwargs=HOST)  # fmt: skip
     out["parity"] = run_parity(rank, world_size, recipe)
@@ -76,8 +84,8 @@ def _side_by_side(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def side_by_side() -> list[dict[str, Any]]:
-    return run_ranks(_side_by_side, 2)
+def side_by_side(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(_side_by_side, 2, str(tmp_path_factory.mktemp("offload_dir")))
 
 
 def test_host_offload_matches_one_process_with_clipping_accumulation_and_frozen_layers(side_by_side) -> None:
@@ -105,6 +113,15 @@ def test_the_device_keeps_one_copy_of_the_shards_in_the_compute_dtype_refreshed_
             assert host["grad_storages"][0] == host["grad_storages"][1]
             plain = result[gathers]["plain"]
             assert plain["grad_storages"][0] < plain["grad_storages"][1] and plain["device_bytes"] == 0
+
+
+def test_optimizer_state_on_disk_changes_no_bit_and_lives_on_unlinked_file_maps(side_by_side) -> None:
+    for result in side_by_side:
+        disk, host = result["disk"], result["fp32"]["host"]
+        assert max_difference(disk["full"], host["full"]) == 0.0
+        assert disk["on_disk"] and all(disk["on_disk"])  # Adam's moments, every shard's
+        # One file (the first step made all state), gone from the directory, mapped (deleted).
+        assert disk["files"] == (1, 0, 1, True), disk["files"]
 
 
 def _load_between_passes(rank: int, world_size: int) -> float:
@@ -157,27 +174,36 @@ def test_bad_offload_options_name_the_option_and_the_fix(tmp_path) -> None:
 
 
 # ---- Lightning end to end ------------------------------------------------------------------
-def _fit(rank: int, world_size: int) -> dict[str, Any]:
+def _fit(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     become_lightning_rank(rank, world_size)
     from lightning_zero3 import ZeRO3Strategy
 
     torch.manual_seed(0)
     model = LitMLP()
-    uploads = []
-    model.on_train_end = lambda: uploads.append(model.trainer.strategy.sharded_model.offload.uploads)  # type: ignore[method-assign]
+    seen = []
+
+    def on_train_end() -> None:
+        engine = model.trainer.strategy.sharded_model
+        state = [v for s in model.trainer.optimizers[0].state.values() for v in s.values() if v.dim() > 0]
+        seen.append((engine.offload.uploads, [engine.disk.on_disk(v) for v in state]))
+
+    model.on_train_end = on_train_end  # type: ignore[method-assign]
     options = {"max_epochs": 1, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
-    trainer(ZeRO3Strategy(offload="host"), world_size, **options).fit(model, loader(world_size))
-    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "uploads": uploads}
+    strategy = ZeRO3Strategy(offload="host", offload_dir=directory)
+    trainer(strategy, world_size, **options).fit(model, loader(world_size))
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "seen": seen}
 
 
-def test_trainer_fit_with_host_offload_matches_one_process() -> None:
-    results = run_ranks(_fit, 2)
+def test_trainer_fit_with_host_and_disk_offload_matches_one_process(tmp_path) -> None:
+    results = run_ranks(_fit, 2, str(tmp_path))
     torch.manual_seed(0)
     model = LitMLP()
     reference_fit(model, epochs=1, clip_norm=0.05)
     for result in results:
         assert max_difference(result["state"], model.state_dict()) < TOL
-        assert result["uploads"][0] > 0  # the strategy passed the option on
+        [(uploads, on_disk)] = result["seen"]  # the strategy passed the options on
+        assert uploads > 0 and on_disk and all(on_disk)
+    assert os.listdir(tmp_path) == []
 
 
 def _fabric_save(rank: int, world_size: int, directory: str) -> None:
@@ -195,19 +221,29 @@ def _fabric_save(rank: int, world_size: int, directory: str) -> None:
 def _fabric_resume(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     from lightning_zero3 import ZeRO3FabricStrategy
 
-    f = fabric(rank, world_size, strategy=ZeRO3FabricStrategy(offload="host"))
+    os.makedirs(f"{directory}/states", exist_ok=True)
+    f = fabric(rank, world_size, strategy=ZeRO3FabricStrategy(offload="host", offload_dir=f"{directory}/states"))
     model = f.setup_module(models.MLP())
     optimizer = f.setup_optimizers(fabric_adamw(model))
     f.load(f"{directory}/sharded", {"model": model, "optimizer": optimizer})
     loss, norm = train_step(f, model, optimizer, 2, rank, world_size, 0.05)
-    offload = f.strategy.sharded_model(model).offload
-    return {"loss": loss, "norm": norm, "state": full_state(f, model), "uploads": offload.uploads}
+    engine = f.strategy.sharded_model(model)
+    state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    on_disk = [engine.disk.on_disk(v) for v in state]
+    return {
+        "loss": loss,
+        "norm": norm,
+        "state": full_state(f, model),
+        "uploads": engine.offload.uploads,
+        "on_disk": on_disk,
+    }
 
 
-def test_fabric_with_host_offload_resumes_a_sharded_checkpoint_at_another_world_size(tmp_path) -> None:
+def test_fabric_with_host_and_disk_offload_resumes_a_sharded_checkpoint_at_another_world_size(tmp_path) -> None:
     run_ranks(_fabric_save, 2, str(tmp_path))
     results = run_ranks(_fabric_resume, 3, str(tmp_path))
     model, expected = reference(3, clip=0.05)
     for result in results:
         assert abs(result["loss"] - expected[2][0]) < TOL and abs(result["norm"] - expected[2][1]) < TOL
         assert max_difference(result["state"], model.state_dict()) < TOL and result["uploads"] > 0
+        assert result["on_disk"] and all(result["on_disk"])  # the loaded state went to disk at the step

@@ -22,11 +22,12 @@ from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import RankChecks
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.config import ShardingConfig
+from lightning_zero3.engine.disk import DiskState
 from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import restore_whole, shard_parameters
-from lightning_zero3.engine.offload import HostOffload, move_module
+from lightning_zero3.engine.offload import HostOffload, OffloadHooks, move_module
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.record import LiveUnits, Step, StepRecord, UnitStats
@@ -44,17 +45,6 @@ def _device_of(module: nn.Module, device: torch.device | str | None) -> torch.de
         if not t.is_meta:
             return t.device
     return torch.device("cpu")
-
-
-class _OffloadHooks(HookDriver):
-    """The driver with host offload: each pass begins by marking the device copies of the host
-    shards for refresh (offload.py, Note: host offload)."""
-
-    def _begin_pass(self, state: PassState = PassState.FORWARD) -> None:
-        offload = self.units[0].offload
-        assert isinstance(offload, HostOffload)
-        offload.begin_pass()
-        super()._begin_pass(state)
 
 
 class ShardedModel:
@@ -122,6 +112,9 @@ class ShardedModel:
         self.device = target
         self.offload = HostOffload(self.units, device=target) if config.offload is not None else None
         self._by_param: dict[int, ShardedParam] = {id(s.param): s for s in shards.values()}
+        # Optimizer state of the shards in files under `offload_dir` (disk.py), until `remove_hooks`.
+        directory, rank = config.offload_dir, self.world_comm.rank
+        self.disk = DiskState(directory, rank=rank, lookup=self.sharded_param) if directory is not None else None
         # Read from the module: materialising may have replaced the parameter objects.
         # The plan lists registered parameters only, never a None slot.
         owners = (e.owners[0] for e in self.plan.persistent)
@@ -139,7 +132,7 @@ class ShardedModel:
         in_flight = config.reductions_in_flight
         self.reductions_in_flight = in_flight if in_flight is not None else 2 * (target.type == "cuda")
         self.schedule = Schedule(config.prefetch)
-        driver = HookDriver if self.offload is None else _OffloadHooks
+        driver = HookDriver if self.offload is None else OffloadHooks
         self.hooks = driver(
             self.units, schedule=self.schedule, checks=self.checks,
             reductions=Reductions(in_flight=self.reductions_in_flight, offload=self.offload),
@@ -370,6 +363,8 @@ class ShardedModel:
         parameters; no collective) and the synced `generate` (generation.py)."""
         self.hooks.remove()
         remove_synced_generate(self._synced_generate)
+        if self.disk is not None:
+            self.disk.close()
 
     def restore_module(self, *, device: torch.device | str = "cpu") -> None:
         """Make `module` an ordinary module again, on `device`: whole parameters (gathered one

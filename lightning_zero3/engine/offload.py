@@ -33,10 +33,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lightning_zero3.engine.calls import PassState
+from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
 
-__all__ = ["HostOffload", "keep_on_host", "move_module"]
+__all__ = ["HostOffload", "OffloadHooks", "keep_on_host", "move_module"]
 
 
 class HostOffload:
@@ -132,6 +134,17 @@ class HostOffload:
         if self._stream is not None and self._sources:
             self._stream.synchronize()
         self._sources.clear()
+
+
+class OffloadHooks(HookDriver):
+    """The hook driver with host offload: each pass begins by marking the device copies of
+    the host shards for refresh (Note: host offload)."""
+
+    def _begin_pass(self, state: PassState = PassState.FORWARD) -> None:
+        offload = self.units[0].offload
+        assert isinstance(offload, HostOffload)
+        offload.begin_pass()
+        super()._begin_pass(state)
 
 
 @contextmanager

@@ -27,17 +27,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine.unit import Unit
 
-if TYPE_CHECKING:
-    from lightning_zero3.engine.offload import HostOffload
-
-__all__ = ["PendingReduce", "Reductions"]
+__all__ = ["GradSink", "PendingReduce", "Reductions"]
 
 
 @dataclass(eq=False)
@@ -55,10 +52,18 @@ class PendingReduce:
     scattered: bool = False
 
 
+class GradSink(Protocol):
+    """Where reduced shard gradients go instead of `.grad` (offload.py's `HostOffload`)."""
+
+    def download(self, unit: Unit, grads: list[torch.Tensor | None]) -> None: ...
+    def settle(self) -> None: ...
+    def drop(self) -> None: ...
+
+
 class Reductions:
     """Reduce-Scatters in flight, oldest first; at most `in_flight` stay pending."""
 
-    def __init__(self, *, in_flight: int, offload: HostOffload | None = None) -> None:
+    def __init__(self, *, in_flight: int, offload: GradSink | None = None) -> None:
         self.in_flight = in_flight
         # Host offload: reduced shard gradients go to host memory (offload.py, Note: host offload).
         self.offload = offload
