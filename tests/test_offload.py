@@ -142,6 +142,39 @@ def test_a_load_between_passes_reaches_the_next_forward() -> None:
     assert max(run_ranks(_load_between_passes, 2)) < TOL
 
 
+class _StepInsideForward(torch.nn.Module):
+    """Lightning's manual optimization: `training_step` runs inside the root's forward, and may
+    step the optimizer and call the model again within it (one pass, no new `begin_pass`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = models.MLP()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        F.mse_loss(self.net(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return self.net(x)
+
+
+def _step_inside_forward(rank: int, world_size: int) -> float:
+    torch.manual_seed(0)
+    reference = _StepInsideForward()
+    torch.manual_seed(0)
+    model = _StepInsideForward()
+    ShardedModel(model, **HOST)
+    x, y = models.mlp_batch(0)
+    expected = reference(x, y, torch.optim.SGD(reference.parameters(), lr=0.5))
+    out = model(
+        local_slice(x, rank, world_size), local_slice(y, rank, world_size), torch.optim.SGD(model.parameters(), lr=0.5)
+    )
+    return float((out - local_slice(expected, rank, world_size)).abs().max())
+
+
+def test_a_step_inside_a_pass_reaches_the_gathers_after_it() -> None:
+    assert max(run_ranks(_step_inside_forward, 2)) < TOL
+
+
 def _host_reads(rank: int, world_size: int) -> list[int]:
     torch.manual_seed(0)
     model = models.MLP(depth=3)
