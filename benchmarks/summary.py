@@ -53,7 +53,7 @@ def summarize_run(backend: str, ranks: list[dict[str, Any]], *, warmup: int) -> 
         out["step_bytes_source"] = "counted at torch.distributed"
     if "gather_wait_s" in ranks[0]["steps"][0]:
         out["gather_wait_s"] = [sum(r["steps"][i]["gather_wait_s"] for r in ranks) / n for i in range(warmup, steps)]
-    for key in ("peak_units_alive",):
+    for key in ("peak_units_alive", "anon_rss_bytes"):
         if key in ranks[0]:
             out[key] = max(r[key] for r in ranks)
     for key in ("engine_step_bytes", "expected_step_bytes", "device_name"):
@@ -98,6 +98,7 @@ def summarize_backends(
             "model_state_vs_16psi_over_n": first["model_state_bytes"]["total"] / (16 * psi / world_size),
             "peak_rss_bytes": max(s["peak_rss_bytes"] for s in mine),
             "peak_rss_growth_bytes": max(s["peak_rss_bytes"] - s["base_rss_bytes"] for s in mine),
+            "anon_rss_bytes": max(s.get("anon_rss_bytes", 0) for s in mine),
             "step_bytes": first["step_bytes"],
             "step_bytes_source": first["step_bytes_source"],
         }

@@ -23,6 +23,7 @@ step); the directory must be on a real disk (on tmpfs the "file" is RAM again).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import tempfile
 from collections.abc import Callable
@@ -70,6 +71,8 @@ class DiskState:
                     moves.append((state, key, value))
         if moves:
             self._move(moves)
+            del moves  # the last references to the anonymous copies
+            _release_freed_heap()
 
     def _move(self, moves: list[tuple[dict, Any, torch.Tensor]]) -> None:
         sizes = [-(-v.numel() * v.element_size() // _ALIGN) * _ALIGN for _, _, v in moves]
@@ -89,3 +92,18 @@ class DiskState:
                 on_disk.copy_(value.detach())
                 state[key] = on_disk
                 offset += size
+
+
+def _release_freed_heap() -> None:
+    """Give the pages of freed heap blocks back to the kernel (glibc's `malloc_trim`; elsewhere
+    nothing). The state moved out was allocated in the step, in blocks glibc keeps in its heap
+    once freed (below its mmap threshold, which rises to the size of the largest block freed),
+    so without this RssAnon keeps them: measured on the 20m GPT, 2 ranks, the drop against the
+    in-memory run was 43 MiB of 73 (docs/accounting.md, Offload)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)

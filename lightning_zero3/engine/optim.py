@@ -177,8 +177,10 @@ class AgreeingGradScaler(torch.amp.GradScaler):
             return
         self._unscaled.add(id(optimizer))
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        for flag in found.values():
-            self.sharded_model.world_comm.all_reduce(flag, what="GradScaler inf/NaN flag", op="max")
+        for flag in found.values():  # host gradients (offload) have a host flag: agreed on the compute device
+            agreed = flag.to(self.sharded_model.device)
+            self.sharded_model.world_comm.all_reduce(agreed, what="GradScaler inf/NaN flag", op="max")
+            flag.copy_(agreed)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object) -> float | None:
         if self.is_enabled() and id(optimizer) not in self._unscaled:
