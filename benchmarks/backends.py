@@ -101,7 +101,6 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
         "steps": recorder.steps,
         "base_rss_bytes": base_rss,
         "peak_rss_bytes": peak_rss_bytes(),
-        "anon_rss_bytes": status_bytes("RssAnon"),  # after the last step: what optimizer state on disk saves
         **extra,
     }
     if device.type == "cuda":
@@ -153,6 +152,7 @@ def _run_raw(
             sharded.stats.end_step()
         recorder.stop(loss, wait)
     extra: dict[str, Any] = {"model_state_bytes": model_state_bytes(model.parameters(), [optimizer])}
+    extra["anon_rss_bytes"] = status_bytes("RssAnon")  # after the last step: what optimizer state on disk saves
     if sharded is not None:
         extra["model_state_bytes"] = sharded.model_state_bytes([optimizer])
         extra["peak_units_alive"] = sharded.unit_stats.peak
@@ -213,6 +213,7 @@ def _run_lightning(
                     found["expected_step_bytes"] = stats["expected_step_bytes"]
                 else:
                     found["model_state_bytes"] = model_state_bytes(module.parameters(), trainer.optimizers)
+                found["anon_rss_bytes"] = status_bytes("RssAnon")
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")

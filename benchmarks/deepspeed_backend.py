@@ -141,4 +141,7 @@ def run_deepspeed(
         engine.backward(loss)
         engine.step()
         recorder.stop(loss)
-    return {"model_state_bytes": ds_model_state_bytes(engine), "ds_config": config}
+    from benchmarks.measure import status_bytes
+
+    anon = status_bytes("RssAnon")  # after the last step, the engine alive
+    return {"model_state_bytes": ds_model_state_bytes(engine), "ds_config": config, "anon_rss_bytes": anon}

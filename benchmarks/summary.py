@@ -98,11 +98,11 @@ def summarize_backends(
             "model_state_vs_16psi_over_n": first["model_state_bytes"]["total"] / (16 * psi / world_size),
             "peak_rss_bytes": max(s["peak_rss_bytes"] for s in mine),
             "peak_rss_growth_bytes": max(s["peak_rss_bytes"] - s["base_rss_bytes"] for s in mine),
-            "anon_rss_bytes": max(s.get("anon_rss_bytes", 0) for s in mine),
             "step_bytes": first["step_bytes"],
             "step_bytes_source": first["step_bytes_source"],
         }
-        for key in ("peak_units_alive", "engine_step_bytes", "expected_step_bytes", "device_name", "peak_device_bytes"):
+        keys = ("peak_units_alive", "engine_step_bytes", "expected_step_bytes", "device_name", "peak_device_bytes")
+        for key in (*keys, "anon_rss_bytes"):
             if key in first:
                 entry[key] = first[key]
         if "gather_wait_s" in first:
