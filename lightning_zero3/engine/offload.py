@@ -16,7 +16,7 @@ What lives where, per rank (Ψ parameters, N ranks, fp32 shards):
   so it is exact and never sees a copy older than the last write. Persistent parameters
   (`persistence_threshold`) and buffers stay on the compute device, whole, as without offload.
 - Gradients: each unit's reduced shard gradients are copied to fresh host tensors (pinned on a
-  GPU, on a stream of this object's, after an event of the compute stream), and become or are
+  GPU, on a stream of this object's that first waits for the compute stream), and become or are
   added into `.grad` once the backward's reductions are done (`settle`, from
   `Reductions.finish_all`): the one host wait of a backward, before the optimizer step that
   needs them. Nothing on the per-unit path waits on the host.
@@ -51,7 +51,7 @@ class HostOffload:
         # Per unit id: the flat device copy in `param_dtype`, and the host versions it holds.
         self._copies: dict[int, torch.Tensor] = {}
         self._uploaded: dict[int, tuple[int, ...]] = {}
-        # Downloads of this backward not yet in `.grad`: (shard, host gradient), and their events.
+        # Downloads of this backward not yet in `.grad`: (shard, host gradient).
         self._arrived: list[tuple[ShardedParam, torch.Tensor]] = []
         self._sources: list[torch.Tensor] = []  # device gradients kept alive until the copies end
         self._stream = torch.cuda.Stream(device) if self.pinned else None
