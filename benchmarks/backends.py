@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.measure import DistCounter, StepRecorder, model_state_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks.measure import (
+    DistCounter,
+    StepRecorder,
+    model_state_bytes,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    status_bytes,
+)
 from benchmarks.model import build_model, count_parameters, lm_loss, make_config
 
 # name -> (label in tables, short label in charts, prefetch or None). Order: the order of a round.
@@ -36,7 +45,10 @@ BACKENDS: dict[str, tuple[str, str, int | None]] = {
     # reshard_after_forward=False on both sides: units stay whole from forward to backward.
     "fsdp2-no-reshard": ("PyTorch FSDP2, reshard_after_forward=False", "FSDP2 no reshard", None),
     "zero3-p1-no-reshard": ('Lightning strategy="zero3", reshard_after_forward=False', "zero3 no reshard", 1),
+    "engine-host": ('ShardedModel without Lightning, prefetch=1, offload="host"', "ShardedModel host", 1),
+    "engine-disk": ("ShardedModel, prefetch=1, offload to host, optimizer state in $TMPDIR", "ShardedModel disk", 1),
     "deepspeed": ("DeepSpeed ZeRO-3, its defaults", "DeepSpeed ZeRO-3", None),
+    "deepspeed-offload": ('DeepSpeed ZeRO-3, offload_optimizer device "cpu"', "DeepSpeed offload", None),
     "deepspeed-strict": ("DeepSpeed ZeRO-3, ~1 block live", "DeepSpeed ZeRO-3 strict", None),
 }
 # DeepSpeed is optional (benchmarks/deepspeed_backend.py) and the no-reshard pair a setting of
@@ -128,7 +140,10 @@ def _run_raw(
         from lightning_zero3.engine import ShardedModel
 
         in_flight = 1 if spec.backend.endswith("-async") else None
-        sharded = ShardedModel(model, prefetch=BACKENDS[spec.backend][2], reductions_in_flight=in_flight)
+        offload = {"offload": "host"} if spec.backend in ("engine-host", "engine-disk") else {}
+        if spec.backend == "engine-disk":  # files under $TMPDIR, unlinked at once (engine/disk.py)
+            offload["offload_dir"] = tempfile.gettempdir()
+        sharded = ShardedModel(model, prefetch=BACKENDS[spec.backend][2], reductions_in_flight=in_flight, **offload)
     else:
         raise ValueError(f"unknown backend {spec.backend!r}")
     optimizer = make_optimizer(model.parameters(), spec.lr)
@@ -146,6 +161,7 @@ def _run_raw(
             sharded.stats.end_step()
         recorder.stop(loss, wait)
     extra: dict[str, Any] = {"model_state_bytes": model_state_bytes(model.parameters(), [optimizer])}
+    extra["anon_rss_bytes"] = status_bytes("RssAnon")  # after the last step: what optimizer state on disk saves
     if sharded is not None:
         extra["model_state_bytes"] = sharded.model_state_bytes([optimizer])
         extra["peak_units_alive"] = sharded.unit_stats.peak
@@ -221,6 +237,7 @@ def _run_lightning(
                     found["expected_step_bytes"] = stats["expected_step_bytes"]
                 else:
                     found["model_state_bytes"] = model_state_bytes(module.parameters(), trainer.optimizers)
+                found["anon_rss_bytes"] = status_bytes("RssAnon")
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-DEEPSPEED_BACKENDS = ("deepspeed", "deepspeed-strict")
+DEEPSPEED_BACKENDS = ("deepspeed", "deepspeed-strict", "deepspeed-offload")
 INSTALL = 'DS_BUILD_OPS=0 pip install deepspeed  (or DS_BUILD_OPS=0 pip install -e ".[bench]")'
 
 
@@ -72,7 +72,11 @@ def ds_config(backend: str, model: nn.Module, batch_size: int) -> dict[str, Any]
             stage3_max_reuse_distance=one_block,
             stage3_prefetch_bucket_size=one_block,
         )
+    offload = backend == "deepspeed-offload"
+    if offload:  # ZeRO-Offload: master partitions and optimizer state in host memory, step on the CPU
+        zero["offload_optimizer"] = {"device": "cpu"}
     return {
+        "zero_force_ds_cpu_optimizer": not offload,  # offload steps the benchmark's torch AdamW too
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
@@ -137,4 +141,7 @@ def run_deepspeed(
         engine.backward(loss)
         engine.step()
         recorder.stop(loss)
-    return {"model_state_bytes": ds_model_state_bytes(engine), "ds_config": config}
+    from benchmarks.measure import status_bytes
+
+    anon = status_bytes("RssAnon")  # after the last step, the engine alive
+    return {"model_state_bytes": ds_model_state_bytes(engine), "ds_config": config, "anon_rss_bytes": anon}

@@ -64,7 +64,7 @@ def time_table(backends: dict[str, dict[str, Any]]) -> str:
 
 def memory_table(backends: dict[str, dict[str, Any]]) -> str:
     head = (
-        "backend;model state / rank (MB);÷ 16Ψ/N;peak RSS (MiB);All-Gather (MB);Reduce-Scatter "
+        "backend;model state / rank (MB);÷ 16Ψ/N;peak RSS (MiB);RssAnon at end (MiB);All-Gather (MB);Reduce-Scatter "
         "(MB);All-Reduce (MB);wire (MB);bytes from;peak units alive;max \\|Δloss\\| vs DDP"
     ).split(";")
     device = any("peak_device_bytes" in e for e in backends.values())
@@ -81,6 +81,7 @@ def memory_table(backends: dict[str, dict[str, Any]]) -> str:
             f"{e['model_state_bytes']['total'] / MB:.2f}",
             f"{e['model_state_vs_16psi_over_n']:.4f}",
             f"{e['peak_rss_bytes'] / MIB:,.0f}",
+            f"{e['anon_rss_bytes'] / MIB:,.0f}" if "anon_rss_bytes" in e else "-",
             payload["all_gather"],
             payload["reduce_scatter"],
             payload["all_reduce"],

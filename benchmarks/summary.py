@@ -53,7 +53,7 @@ def summarize_run(backend: str, ranks: list[dict[str, Any]], *, warmup: int) -> 
         out["step_bytes_source"] = "counted at torch.distributed"
     if "gather_wait_s" in ranks[0]["steps"][0]:
         out["gather_wait_s"] = [sum(r["steps"][i]["gather_wait_s"] for r in ranks) / n for i in range(warmup, steps)]
-    for key in ("peak_units_alive",):
+    for key in ("peak_units_alive", "anon_rss_bytes"):
         if key in ranks[0]:
             out[key] = max(r[key] for r in ranks)
     for key in ("engine_step_bytes", "expected_step_bytes", "device_name"):
@@ -101,7 +101,8 @@ def summarize_backends(
             "step_bytes": first["step_bytes"],
             "step_bytes_source": first["step_bytes_source"],
         }
-        for key in ("peak_units_alive", "engine_step_bytes", "expected_step_bytes", "device_name", "peak_device_bytes"):
+        keys = ("peak_units_alive", "engine_step_bytes", "expected_step_bytes", "device_name", "peak_device_bytes")
+        for key in (*keys, "anon_rss_bytes"):
             if key in first:
                 entry[key] = first[key]
         if "gather_wait_s" in first:

@@ -123,8 +123,9 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         # persistent parameters and buffers on the device one module at a time, so a whole model
         # in host memory never goes there whole (engine/materialize.py, Note: sharding from host
         # memory). A module set up already is there.
-        if any(run.engine.module is module for run in self._runs.values()):
-            module.to(self.root_device)
+        for run in self._runs.values():
+            if run.engine.module is module:
+                run.engine.move_module(self.root_device)  # offloaded shards stay on the host
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -137,7 +138,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             precision=self.precision, world_size=self.world_size, device=self.root_device,
         )  # fmt: skip
         self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options)
-        module.to(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
+        sharded.move_module(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
         for name, old in before.items():
             if after[name] is not old:  # parameters kept whole (persistence_threshold) stay as they are

@@ -16,7 +16,7 @@ rename fails at import, naming the missing name, not mid-training.
 - Fabric's `_BackwardSyncControl` and `Strategy._backward_sync_control` (fabric_strategy.py):
   what `fabric.no_backward_sync` calls; without it Fabric only warns.
 - Not needed any more: `_sync_ddp_if_available`, `_get_default_process_group_backend_for_device`
-  and `_optimizers_to_device` (`all_reduce`, `default_backend`, `optimizer_state_to` below),
+  and `_optimizers_to_device` (`all_reduce`, `default_backend`, `optimizer_state_to_params` below),
   `_StrategyRegistry` and `_PATH` (public types), `LightningOptimizer._optimizer` (its public
   `.optimizer`).
 Replaced by public code: `_init_dist_connection` and `_distributed_is_initialized`
@@ -214,14 +214,15 @@ def all_reduce(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -
     return tensor
 
 
-def optimizer_state_to(optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
-    """Move the optimizers' state tensors onto `device`, as Lightning's strategies do after
-    setup; "step" counters stay where they are (torch keeps them on the CPU)."""
+def optimizer_state_to_params(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Move the optimizers' state tensors next to their parameters (the device, or host memory
+    for offloaded shards), as Lightning's strategies do after setup; "step" counters stay where
+    they are (torch keeps them on the CPU)."""
     for optimizer in optimizers:
-        for state in optimizer.state.values():
+        for param, state in optimizer.state.items():
             for key, value in state.items():
                 if key != "step" and isinstance(value, torch.Tensor):
-                    state[key] = value.to(device)
+                    state[key] = value.to(param.device)
 
 
 def default_backend(device: torch.device) -> str:

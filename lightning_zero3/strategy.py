@@ -31,7 +31,7 @@ from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.core import Lifecycle, ShardedRun
 from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
 from lightning_zero3.engine.materialize import parameters_on_meta
-from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, optimizer_state_to, split_options
+from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, optimizer_state_to_params, split_options
 from lightning_zero3.precision import sharded_precision
 from lightning_zero3.summary import count_full_parameters, sharded_stats
 
@@ -140,7 +140,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            optimizer_state_to(self.optimizers, self.root_device)
+            optimizer_state_to_params(self.optimizers)
         count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
 
     @override
@@ -196,7 +196,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         # whole model in host memory, as after a teardown, never goes to the device. What is left
         # (e.g. torchmetrics states) moves, and the LightningModule learns its device.
         assert self.lightning_module is not None
-        self.lightning_module.to(self.root_device)
+        self.sharded_model.move_module(self.root_device)  # offloaded shards stay on the host
 
     @property
     def sharded_model(self) -> ShardedModel:

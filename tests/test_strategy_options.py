@@ -6,6 +6,7 @@ names the strategy class the user called, the option and the fix."""
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from datetime import timedelta
 
 import pytest
@@ -34,6 +35,8 @@ ENGINE = {
     "reductions_in_flight": 1,
     "rank_checks": 5,
     "reshard_after_forward": False,
+    "offload": "host",
+    "offload_dir": tempfile.gettempdir(),
 }
 LIGHTNING = {
     "state_dict_type": "full",
@@ -69,6 +72,7 @@ def test_an_unknown_option_is_a_type_error_that_lists_the_options(cls: type) -> 
         ("prefetch", -1, "an int >= 0"),
         ("param_dtype", "int8", "a floating torch.dtype"),
         ("shard_size", 0, "None .whole world. or a positive int"),
+        ("offload", "cpu", 'None .all on the compute device. or "host"'),
         ("state_dict_type", "consolidated", "one of"),
         ("timeout", 30, "a datetime.timedelta"),
         ("accumulate_unsharded", "yes", "a bool"),

@@ -188,9 +188,8 @@ class GradientSync:
 
     def _add(self, unit: Unit, grads: list[torch.Tensor | None], held: Summed | None) -> Summed:
         if held is None:
-            like = unit.params[0].param
             dtype = torch.promote_types(unit.reduce_dtype, torch.float32)  # Note: unsynced accumulation
-            total = torch.zeros(unit.world_size, unit.shard_numel, dtype=dtype, device=like.device)  # (N, S)
+            total = torch.zeros(unit.world_size, unit.shard_numel, dtype=dtype, device=unit.device)  # (N, S)
             held = self._held[unit.uid] = Summed(total, [False] * len(unit.params))
         grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
         with torch.no_grad():

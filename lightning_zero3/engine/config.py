@@ -7,6 +7,7 @@ and nowhere else: the strategies pass on whatever this dataclass declares.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -48,6 +49,11 @@ class ShardingConfig:
             unit excepted); False: its full parameters (no backward All-Gather); an int G >= 2
             dividing the shard group: its 1/G slice, so backward gathers inside groups of G
             consecutive ranks (G equal to the shard group is True).
+        offload: None (everything on the compute device) or "host": parameter shards, their
+            gradients and the optimizer state in host memory, the optimizer step on the CPU
+            (offload.py, Note: host offload).
+        offload_dir: a directory for the optimizer state in files, one set per rank and run,
+            removed at teardown (disk.py, Note: optimizer state on disk); needs offload="host".
     """
 
     wrap_policy: WrapPolicy = None
@@ -60,6 +66,8 @@ class ShardingConfig:
     reductions_in_flight: int | None = None
     rank_checks: str | int = "every_step"
     reshard_after_forward: bool | int = True
+    offload: str | None = None
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         def bad(option: str, expected: str) -> ValueError:
@@ -91,6 +99,13 @@ class ShardingConfig:
                 "True (reshard every unit), False (keep units whole until backward) or an int G >= 2 "
                 "that divides the shard group (keep a 1/G slice; for 1 write False)",
             )
+        if self.offload not in (None, "host"):
+            raise bad("offload", 'None (all on the compute device) or "host" (shards, gradients, optimizer state)')
+        if self.offload_dir is not None:
+            if self.offload != "host":
+                raise bad("offload_dir", 'None unless offload="host" (the optimizer steps on the CPU): add it')
+            if not isinstance(self.offload_dir, str) or not os.path.isdir(self.offload_dir):
+                raise bad("offload_dir", "the path (str) of an existing directory, e.g. on a local NVMe disk")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise bad("param_init_fn", "callable")
         # Normalised in place: the dataclass is frozen to its users, not to its own constructor.

@@ -104,9 +104,11 @@ def shard_parameters(
     device: torch.device,
     param_init_fn: ParamInitFn | None = None,
     sync_module_states: bool = True,
+    on_host: bool = False,
 ) -> dict[int, ShardedParam]:
     """Replace every planned parameter of `root` by this rank's shard, module by module.
-    Returns the shards by `id(entry.param)` of the plan entries."""
+    Returns the shards by `id(entry.param)` of the plan entries. With `on_host` the shards are
+    made in host memory, pinned when `device` is a GPU (offload.py, Note: host offload)."""
     _raise_if_meta_state(root)  # before any collective: every rank has the same model
     init = param_init_fn or reset_parameters
     entry_of: dict[tuple[int, str], ParamEntry] = {}
@@ -117,7 +119,9 @@ def shard_parameters(
     persistent_entry_of = {(id(m), a): entry for entry in plan.persistent for m, a in entry.owners}
     persistent = set(persistent_entry_of)
     # Note: shards before full tensors
-    storage = {id(entry): shard for unit in plan.units for entry, shard in _shard_storage(unit.params, comm, device)}
+    home = torch.device("cpu") if on_host else device
+    pin = on_host and device.type == "cuda"
+    storage = {id(e): shard for unit in plan.units for e, shard in _shard_storage(unit.params, comm, home, pin=pin)}
     shards: dict[int, ShardedParam] = {}
 
     def shard_own_tensors(module: nn.Module) -> None:
@@ -170,7 +174,7 @@ def shard_parameters(
 
 
 def _shard_storage(
-    entries: list[ParamEntry], comm: Comm, device: torch.device
+    entries: list[ParamEntry], comm: Comm, device: torch.device, *, pin: bool = False
 ) -> list[tuple[ParamEntry, torch.Tensor]]:
     """Memory on `device` for one unit's shards: one buffer, the shards back to back (shard.py,
     Note: shards in one buffer), or one tensor each where the unit mixes dtypes."""
@@ -179,7 +183,7 @@ def _shard_storage(
     if len(dtypes) != 1:
         return [(e, torch.empty(n, dtype=e.param.dtype, device=device)) for e, n in zip(entries, numels)]
     dtype = entries[0].param.dtype
-    return list(zip(entries, tensors_in_one_row(numels, sum(numels), dtype, device)))
+    return list(zip(entries, tensors_in_one_row(numels, sum(numels), dtype, device, pin=pin)))
 
 
 def _tie_persistent(module: nn.Module, persistent_entry_of: dict[tuple[int, str], ParamEntry]) -> None:

@@ -23,11 +23,13 @@ from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import RankChecks
 from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
 from lightning_zero3.engine.config import ShardingConfig
+from lightning_zero3.engine.disk import DiskState
 from lightning_zero3.engine.gathered import gathered_parameters
 from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import restore_whole, shard_parameters
+from lightning_zero3.engine.offload import HostOffload, OffloadHooks, move_module
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.record import LiveUnits, Step, StepRecord, UnitStats
@@ -98,6 +100,7 @@ class ShardedModel:
         shards = shard_parameters(
             module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
             param_init_fn=config.param_init_fn, sync_module_states=sync_module_states,
+            on_host=config.offload is not None,
         )  # fmt: skip
         # What each step gathered, kept and reduced (record.py), and the units alive.
         self.record = StepRecord()
@@ -114,7 +117,13 @@ class ShardedModel:
                  slice_comm=self.slice_comm)  # fmt: skip
             for uid, unit_plan in enumerate(self.plan.units)
         ]
+        # The compute device; with offload the shards are in host memory (offload.py, Note: host offload).
+        self.device = target
+        self.offload = HostOffload(self.units, device=target) if config.offload is not None else None
         self._by_param: dict[int, ShardedParam] = {id(s.param): s for s in shards.values()}
+        # Optimizer state of the shards in files under `offload_dir` (disk.py), until `remove_hooks`.
+        directory, rank = config.offload_dir, self.world_comm.rank
+        self.disk = DiskState(directory, rank=rank, lookup=self.sharded_param) if directory is not None else None
         # Read from the module: materialising may have replaced the parameter objects.
         # The plan lists registered parameters only, never a None slot.
         owners = (e.owners[0] for e in self.plan.persistent)
@@ -133,9 +142,11 @@ class ShardedModel:
         self.reductions_in_flight = in_flight if in_flight is not None else 2 * (target.type == "cuda")
         self.schedule = Schedule(config.prefetch)
         # Reduces each backward's gradients, or sums them while sync is off (accumulate.py).
-        self.gradient_sync = GradientSync(self.units, reductions=Reductions(in_flight=self.reductions_in_flight),
-                                          persistent=self.persistent_grads, record=self.record)  # fmt: skip
-        self.hooks = HookDriver(
+        reductions = Reductions(in_flight=self.reductions_in_flight, offload=self.offload)
+        self.gradient_sync = GradientSync(self.units, reductions=reductions, persistent=self.persistent_grads,
+                                          record=self.record)  # fmt: skip
+        driver = HookDriver if self.offload is None else OffloadHooks
+        self.hooks = driver(
             self.units, schedule=self.schedule, checks=self.checks, grads=self.gradient_sync,
             persistent=self.persistent_grads, live=self.live,
             record=self.record, world_comm=self.world_comm, reshard=self.reshard,
@@ -330,12 +341,18 @@ class ShardedModel:
         return accounting.expected_step_bytes(self.units, self.persistent, orders=orders, reshard=self.reshard,
                                               across_groups=across_groups, slices=slices)  # fmt: skip
 
+    def move_module(self, device: torch.device | str) -> None:
+        """`module.to(device)`; with offload the shards stay in host memory (offload.py)."""
+        move_module(self.module, self.sharded_params if self.offload is not None else [], torch.device(device))
+
     def remove_hooks(self) -> None:
         """Remove the hooks (`HookDriver.remove` first closes the calls still holding full
         parameters; no collective) and the synced `generate` (generation.py)."""
         self.hooks.remove()
         self.gradient_sync.discard()  # and its optimizer-step hook
         remove_synced_generate(self._synced_generate)
+        if self.disk is not None:
+            self.disk.close()
 
     def restore_module(self, *, device: torch.device | str = "cpu") -> None:
         """Make `module` an ordinary module again, on `device`: whole parameters (gathered one

@@ -51,7 +51,7 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     whole has the same gradient on every rank: its share is divided by N, so the sum over ranks
     counts it once. For p = inf the share is the largest absolute value (the max over ranks is
     the whole gradient's); an empty shard (more ranks than elements) or no gradient shares 0."""
-    device = next(iter(model.module.parameters())).device
+    device = model.device  # where the collective runs; offloaded shards' gradients are on the host
     n = model.comm.world_size
     if not parameters:
         return torch.zeros(0, dtype=torch.float64, device=device)
@@ -179,8 +179,10 @@ class AgreeingGradScaler(torch.amp.GradScaler):
             return
         self._unscaled.add(id(optimizer))
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        for flag in found.values():
-            self.sharded_model.world_comm.all_reduce(flag, what="GradScaler inf/NaN flag", op="max")
+        for flag in found.values():  # host gradients (offload) have a host flag: agreed on the compute device
+            agreed = flag.to(self.sharded_model.device)
+            self.sharded_model.world_comm.all_reduce(agreed, what="GradScaler inf/NaN flag", op="max")
+            flag.copy_(agreed)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object) -> float | None:
         if self.is_enabled() and id(optimizer) not in self._unscaled:

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine.unit import Unit
 
-__all__ = ["PendingReduce", "Reductions", "Summed", "grad_blocks"]
+__all__ = ["GradSink", "PendingReduce", "Reductions", "Summed", "grad_blocks"]
 
 
 @dataclass(eq=False)
@@ -75,11 +75,21 @@ class PendingReduce:
     scattered: bool = False
 
 
+class GradSink(Protocol):
+    """Where reduced shard gradients go instead of `.grad` (offload.py's `HostOffload`)."""
+
+    def download(self, unit: Unit, grads: list[torch.Tensor | None]) -> None: ...
+    def settle(self) -> None: ...
+    def drop(self) -> None: ...
+
+
 class Reductions:
     """Reduce-Scatters in flight, oldest first; at most `in_flight` stay pending."""
 
-    def __init__(self, *, in_flight: int) -> None:
+    def __init__(self, *, in_flight: int, offload: GradSink | None = None) -> None:
         self.in_flight = in_flight
+        # Host offload: reduced shard gradients go to host memory (offload.py, Note: host offload).
+        self.offload = offload
         self._pending: deque[PendingReduce] = deque()
         # Reductions whose All-Reduce across shard groups is not issued yet, oldest first.
         self._awaiting_replication: list[PendingReduce] = []
@@ -98,18 +108,25 @@ class Reductions:
         """The backward is over: every shard gradient goes into `.grad`."""
         while self._pending:
             self._finish_oldest()
+        if self.offload is not None:
+            self.offload.settle()
 
     def drop_all(self) -> None:
         """A backward that raised (hooks.py, Note: exceptions): the collectives complete, their
         gradients are dropped."""
         while self._pending:
             self._finish(self._pending.popleft())
+        if self.offload is not None:
+            self.offload.drop()
 
     def _finish_oldest(self) -> None:
         """Wait for the oldest Reduce-Scatter and add its shard gradients into `.grad`."""
         pending = self._pending.popleft()
         with torch.profiler.record_function(f"ZeRO3::wait_reduce({pending.unit.name})"):
             shard_grads = self._finish(pending)
+        if self.offload is not None:
+            self.offload.download(pending.unit, shard_grads)  # into `.grad` at `finish_all`
+            return
         for sharded, grad in zip(pending.unit.params, shard_grads):
             if grad is None:
                 continue
@@ -122,13 +139,13 @@ class Reductions:
         """Issue the Reduce-Scatter of `unit`'s full gradients asynchronously (None: no gradient,
         sent as zeros). With shard groups, the All-Reduce across groups follows without waiting
         on the host (comm.py, Note: streams)."""
-        like = unit.params[0].param
+        device = unit.device
         n, width, s = unit.world_size, unit.reduce_row_numel, unit.shard_numel
         self._advance()  # older reductions' All-Reduces go out first, in order
-        streams = unit.comm.streams(like.device)
-        out = torch.empty(width, dtype=unit.reduce_dtype, device=like.device)
+        streams = unit.comm.streams(device)
+        out = torch.empty(width, dtype=unit.reduce_dtype, device=device)
         with torch.no_grad():  # the copy-in, on the compute stream (Note: gradient copy-in)
-            full = unit.pool.take("reduce", n * width, unit.reduce_dtype, like.device).view(n, width)  # (N, row)
+            full = unit.pool.take("reduce", n * width, unit.reduce_dtype, device).view(n, width)  # (N, row)
             if isinstance(grads, Summed):
                 full[:, :s].copy_(grads.total)  # casts to reduce_dtype
             else:  # one copy: each gradient as its (N, shard) column block

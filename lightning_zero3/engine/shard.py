@@ -31,11 +31,11 @@ def shard_numel(numel: int, world_size: int) -> int:
 
 
 def tensors_in_one_row(
-    numels: list[int], row_numel: int, dtype: torch.dtype, device: torch.device
+    numels: list[int], row_numel: int, dtype: torch.dtype, device: torch.device, *, pin: bool = False
 ) -> list[torch.Tensor]:
     """Tensors of `numels` elements, back to back from the start of one new buffer of `row_numel`
-    elements (Note: shards in one buffer); contents undefined."""
-    storage = torch.empty(row_numel, dtype=dtype, device=device).untyped_storage()
+    elements (Note: shards in one buffer), in pinned host memory with `pin`; contents undefined."""
+    storage = torch.empty(row_numel, dtype=dtype, device=device, pin_memory=pin).untyped_storage()
     tensors, offset = [], 0
     for numel in numels:
         tensors.append(torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (numel,), (1,)))

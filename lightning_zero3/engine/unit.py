@@ -42,7 +42,7 @@ never inside a compiled graph (calls.py, Note: torch.compile).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -63,6 +63,14 @@ def aligned_numel(numel: int, dtype: torch.dtype) -> int:
     """`numel` rounded up so that `numel` elements of `dtype` fill a multiple of ALIGN_BYTES."""
     per = max(1, ALIGN_BYTES // dtype.itemsize)
     return -(-numel // per) * per
+
+
+class ShardSource(Protocol):
+    """Where a unit's gathers read its shards when they live off the compute device (offload.py)."""
+
+    device: torch.device
+
+    def fill(self, unit: Unit, out: torch.Tensor, *, exact: bool) -> None: ...
 
 
 @dataclass
@@ -138,6 +146,8 @@ class Unit:
         # parameters kept after forward, with the shard versions it was cut at (reshard.py).
         self.slice_comm = slice_comm
         self._slice: tuple[torch.Tensor, tuple[int, ...]] | None = None
+        # Host offload: the shards live in host memory and gathers read its device copy (offload.py).
+        self.offload: ShardSource | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
@@ -145,6 +155,11 @@ class Unit:
     @property
     def world_size(self) -> int:
         return self.comm.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the unit gathers, computes and reduces (the shards' device unless offloaded)."""
+        return self.offload.device if self.offload is not None else self.params[0].param.device
 
     @property
     def gather_in_flight(self) -> bool:
@@ -175,9 +190,10 @@ class Unit:
         No-op if one is already pending. `tag` replaces the unit's own (a departure notice)."""
         if self._pending is not None or not self.params:
             return
+        exact = dtype is not None  # a caller's dtype asks for the shards' own values (offload.py)
         dtype = dtype or self.param_dtype
         tag = self.checks.tag(self.uid) if tag is None else tag
-        device = self.params[0].param.device
+        device = self.device
         kept = self._slice
         if kept is not None and (kept[0].dtype != dtype or kept[1] != self._versions()):
             self.drop_slice()  # stale (an optimizer step since) or another dtype asked for
@@ -190,7 +206,9 @@ class Unit:
         with streams.on("copy_in"), torch.no_grad():
             recv = self.pool.take("gather", comm.world_size * width, dtype, device)
             mine = recv[comm.rank * width : (comm.rank + 1) * width]  # the send row
-            if kept is None:
+            if kept is None and self.offload is not None:
+                self.offload.fill(self, mine[:s], exact=exact)
+            elif kept is None:
                 torch.cat([p.param.detach() for p in self.params], out=mine[:s])  # casts to `dtype`
             else:
                 mine[:s].copy_(kept[0])
@@ -265,10 +283,10 @@ class Unit:
         for the exact master values). With `into` (full tensors that `release` emptied), refill
         those tensors' storage in place instead of allocating new tensors, without bumping their
         version (Note: full-parameter blocks)."""
-        dtype = dtype or self.param_dtype
+        asked, dtype = dtype, dtype or self.param_dtype
         if self._pending is not None and self._pending.dtype != dtype:
             self.discard_gather()
-        self.start_gather(dtype)
+        self.start_gather(asked)
         gathered = self._wait_gather()
         n = self.world_size
         if into is None:
