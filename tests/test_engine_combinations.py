@@ -6,9 +6,14 @@ one setting assumes of another (where tensors live, what a kept unit or a sum ho
 
 from __future__ import annotations
 
+import os
 import tempfile
 from functools import partial
+from typing import Any
 
+import torch
+
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
 from tests.models import MLP, mlp_batch, mlp_frozen_block
 from tests.parity import Recipe, adamw, run_parity
 from tests.ranks import run_ranks
@@ -73,3 +78,38 @@ def test_combinations_cover_every_setting() -> None:
     used = {key for group in COMBINATIONS.values() for r in group.values() for key in r.sharded_kwargs}
     used |= {"no_sync"} if any(r.no_sync for g in COMBINATIONS.values() for r in g.values()) else set()
     assert {"reshard_after_forward", "offload", "offload_dir", "shard_size", "no_sync"} <= used
+
+
+SETTINGS = {"reshard_after_forward": False, "offload": "host", "accumulate_unsharded": True}
+FIT = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "accumulate_grad_batches": 2}
+
+
+def _fit_then_resume(rank: int, world_size: int, directory: str, resume: bool) -> Any:
+    """Epoch 1 at 2 ranks with every setting on, a sharded checkpoint, epoch 2 resumed from it."""
+    become_lightning_rank(rank, world_size)
+    from lightning_zero3 import ZeRO3Strategy
+
+    torch.manual_seed(0)
+    model = LitMLP()
+    path = os.path.join(directory, "combined.ckpt")
+    strategy = ZeRO3Strategy(**SETTINGS, offload_dir=directory)
+    if not resume:
+        t = trainer(strategy, world_size, max_epochs=1, **FIT)
+        t.fit(model, loader(world_size))
+        t.save_checkpoint(path)
+        return None
+    trainer(strategy, world_size, max_epochs=2, **FIT).fit(model, loader(world_size), ckpt_path=path)
+    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_trainer_with_the_settings_combined_resumes_at_another_world_size_like_one_process(tmp_path) -> None:
+    """reshard_after_forward=False, host offload with optimizer state on disk, accumulation without
+    communication, clipping: saved at 2 ranks, resumed at 3; epoch 2 equals an uninterrupted run."""
+    run_ranks(_fit_then_resume, 2, str(tmp_path), False)
+    torch.manual_seed(0)
+    reference = LitMLP()
+    losses = reference_fit(reference, epochs=2, accumulate=2, clip_norm=0.05)
+    for step_losses, state in run_ranks(_fit_then_resume, 3, str(tmp_path), True):
+        assert len(step_losses) == 4
+        assert max(abs(a - b) for a, b in zip(step_losses, losses[4:8])) < TOL
+        assert max_difference(state, reference.state_dict()) < TOL
