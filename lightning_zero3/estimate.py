@@ -24,6 +24,15 @@ collective carries per step, from the same unit plan the engine builds (engine/p
   with shard groups, one All-Reduce of each rank's reduced shard across groups. A ring sends
   (G-1)/G of an All-Gather's or Reduce-Scatter's payload from each rank and 2(R-1)/R of an
   All-Reduce's over R ranks.
+- Accumulation over K micro-batches (`--accumulate K`): the gathers repeat per micro-batch;
+  with `--no-sync` (`set_requires_gradient_sync(False)`, Fabric's `no_backward_sync`, the
+  Trainer's `accumulate_unsharded=True`) the reductions run once per optimizer step, and every
+  trainable unit's full gradients are summed in fp32 (or the reduce dtype if wider) on every
+  rank until then: `unsynced sums`.
+- Offload (`--offload host`): the shards, their gradients and the optimizer state in host
+  memory, the device keeps one copy of the shards in the gather dtype; `--offload disk` also
+  moves the optimizer state of the shards to files (`offload_dir`). Parameters kept whole stay
+  on the device. The payload is the same.
 The engine's own row padding (16-byte alignment, one tag element) is left out: under 1% for
 units of more than a few thousand elements.
 """
@@ -34,7 +43,7 @@ import argparse
 import importlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -64,10 +73,19 @@ class Estimate:
     all_reduce_across_groups: int
     all_gather_in_groups: int = 0  # reshard_after_forward=G: the backward's, inside groups of G
     slice_group: int = 1
+    unsynced_sums: int = 0  # full gradients summed while sync is off (accumulate.py)
+    offloaded_to_host: int = 0  # of the model state: shards, gradients, optimizer state (offload.py)
+    offloaded_to_disk: int = 0  # of the model state: optimizer state in files (disk.py)
+    device_copy: int = 0  # with offload: the device's copy of the shards, in the gather dtype
 
     @property
     def model_state(self) -> int:
         return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def on_device(self) -> int:
+        """Bytes on the compute device between steps (model state not offloaded, the shards' copy)."""
+        return self.model_state - self.offloaded_to_host - self.offloaded_to_disk + self.device_copy
 
     @property
     def sent_per_rank(self) -> float:
@@ -85,7 +103,11 @@ class Estimate:
             ("gradients (shards)", self.gradients),
             ("optimizer state", self.optimizer_states),
             ("model state, between steps", self.model_state),
+            *[("  of it in host memory (offload)", self.offloaded_to_host)] * bool(self.offloaded_to_host),
+            *[("  of it on disk (offload_dir)", self.offloaded_to_disk)] * bool(self.offloaded_to_disk),
+            *[("on the device between steps", self.on_device)] * bool(self.device_copy),
             ("live units, peak in a pass", self.live_units),
+            *[("unsynced gradient sums", self.unsynced_sums)] * bool(self.unsynced_sums),
             ("All-Gather payload / step", self.all_gather),
             *in_groups * (self.slice_group > 1),
             ("Reduce-Scatter payload / step", self.reduce_scatter),
@@ -113,9 +135,12 @@ def estimate_units(
     master_dtype: torch.dtype = torch.float32,
     optimizer_states: int = 2,
     trainable: bool = True,
+    micro_batches: int = 1,
+    no_sync: bool = False,
 ) -> Estimate:
     """The estimate from each unit's parameter sizes (root first, then the units in forward
-    order) and the whole parameters' sizes."""
+    order) and the whole parameters' sizes, per optimizer step of `micro_batches` (`no_sync`:
+    all but the last without gradient sync)."""
     config = config or ShardingConfig()
     g = config.shard_size or world_size
     if world_size % g:
@@ -134,11 +159,14 @@ def estimate_units(
                   slice_gather=g * r * gather, backward=trainable, ends_forward=end)
         for r, end in zip(rows, ends)
     ]  # fmt: skip
-    sent = step_bytes(units, reshard)
+    synced = 1 if no_sync else micro_batches
+    sent = step_bytes(units, reshard, micro_batches=micro_batches, synced=synced)
     in_flight = 2 if config.reductions_in_flight is None else config.reductions_in_flight  # as on CUDA
     largest = max(full, default=0)
     live = live_peak([f * gather for f in full], reshard, prefetch=config.prefetch, ends_forward=ends)
     live += largest * gather + (in_flight + 1) * largest * reduce
+    sharded = sum(rows) * master * (1 + trainable * (1 + optimizer_states))  # shards, gradients, state
+    on_disk = sum(rows) * master * optimizer_states * trainable if config.offload_dir is not None else 0
     return Estimate(
         world_size=world_size,
         shard_group=g,
@@ -148,10 +176,14 @@ def estimate_units(
         live_units=live,
         all_gather=sent["shard"]["all_gather"] if world_size > 1 else 0,
         reduce_scatter=sent["shard"]["reduce_scatter"] if g > 1 else 0,
-        all_reduce=sum(persistent) * reduce if trainable and world_size > 1 else 0,
+        all_reduce=synced * sum(persistent) * reduce if trainable and world_size > 1 else 0,
         all_reduce_across_groups=sent["across"]["all_reduce"] if g < world_size else 0,
         all_gather_in_groups=sent["slices"]["all_gather"],
         slice_group=reshard if type(reshard) is int else 1,
+        unsynced_sums=sum(full) * max(reduce, 4) * trainable if no_sync and micro_batches > 1 else 0,
+        offloaded_to_host=sharded - on_disk if config.offload is not None else 0,
+        offloaded_to_disk=on_disk,
+        device_copy=sum(rows) * gather if config.offload is not None else 0,
     )
 
 
@@ -161,6 +193,8 @@ def estimate(
     world_size: int,
     config: ShardingConfig | None = None,
     optimizer_states: int = 2,
+    micro_batches: int = 1,
+    no_sync: bool = False,
 ) -> Estimate:
     """The estimate for `module` (build it on the meta device: nothing is allocated), with the
     units the engine would pick. Unit order is module order, the forward order of most models."""
@@ -179,6 +213,8 @@ def estimate(
         master_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
         optimizer_states=optimizer_states,
         trainable=trainable,
+        micro_batches=micro_batches,
+        no_sync=no_sync,
     )
 
 
@@ -195,6 +231,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reshard-after-forward", type=parse_reshard, default=True, metavar="{true,false,G}",
         help="true (default), false (units stay whole until backward), or G (keep 1/G, gathered in groups of G)",
+    )  # fmt: skip
+    parser.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per optimizer step")
+    parser.add_argument("--no-sync", action="store_true", help="with --accumulate: reduce once per optimizer step")
+    parser.add_argument(
+        "--offload", choices=("none", "host", "disk"), default="none",
+        help="host: shards, gradients, optimizer state in host memory; disk: the optimizer state in files too",
     )  # fmt: skip
 
 
@@ -216,9 +258,15 @@ def run(args: argparse.Namespace) -> str:
         param_dtype=parse_dtype(args.param_dtype, "--param-dtype"),
         reduce_dtype=parse_dtype(args.reduce_dtype, "--reduce-dtype"),
         reshard_after_forward=args.reshard_after_forward,
+        offload=None if args.offload == "none" else "host",
     )
+    if args.offload == "disk":  # the directory is the run's; any existing one stands in for it here
+        config = replace(config, offload_dir=".")
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.accumulate < 1:
+        raise ValueError(f"--accumulate must be at least 1, got {args.accumulate}")
+    passes = {"micro_batches": args.accumulate, "no_sync": args.no_sync}
     states = OPTIMIZER_STATES[args.optimizer]
     if (args.model is None) == (args.params is None):
         raise ValueError("give either a model (MODULE:CALLABLE) or --params with --units, not both or neither")
@@ -227,7 +275,7 @@ def run(args: argparse.Namespace) -> str:
             raise ValueError(f"--params ({args.params:g}) must be at least --units ({args.units}), which must be >= 1")
         each = int(args.params) // args.units
         units = [[0], *([each] for _ in range(args.units))]
-        result = estimate_units(units, world_size=args.world_size, config=config, optimizer_states=states)
+        result = estimate_units(units, world_size=args.world_size, config=config, optimizer_states=states, **passes)
     else:
         module_name, _, attr = args.model.partition(":")
         if not attr:
@@ -235,7 +283,7 @@ def run(args: argparse.Namespace) -> str:
         build = getattr(importlib.import_module(module_name), attr)
         with torch.device("meta"):
             module = build()
-        result = estimate(module, world_size=args.world_size, config=config, optimizer_states=states)
+        result = estimate(module, world_size=args.world_size, config=config, optimizer_states=states, **passes)
     return result.table()
 
 

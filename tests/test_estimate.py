@@ -113,3 +113,44 @@ def test_the_command_takes_reshard_after_forward(capsys: pytest.CaptureFixture[s
     assert "All-Gather in groups of 2 / step      25.26 GiB" in capsys.readouterr().out  # backward's, but the ends
     assert main([*argv, "3"]) == 2
     assert "must divide the shard group of 8 ranks" in capsys.readouterr().err
+
+
+def _run_offloaded_and_unsynced(rank: int, world_size: int, directory: str) -> dict[str, int]:
+    """Host offload with the optimizer state on disk, 2 micro-batches the first without sync: the
+    model state in host memory and in file maps after a step, and the sums alive while owed."""
+    torch.manual_seed(0)
+    model = _Net()
+    sharded = ShardedModel(model, offload="host", offload_dir=directory)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        with sharded.no_sync():
+            model(torch.randn(4, 64)).square().mean().backward()
+        sums = sum(held.total.nbytes for held in sharded.gradient_sync._held.values())
+        model(torch.randn(4, 64)).square().mean().backward()
+        sharded.end_step()
+        optimizer.step()
+    params = list(model.parameters())
+    states = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    return {
+        "host": _alive_bytes(params) + _alive_bytes([p.grad for p in params if p.grad is not None]),
+        "disk": _alive_bytes(states),
+        "sums": sums,
+        **{kind: counted.payload_bytes for kind, counted in sharded.stats.last_step.items()},
+    }
+
+
+def test_estimate_matches_offloaded_state_and_unsynced_sums(tmp_path) -> None:
+    """`offloaded_to_host` (shards and gradients), `offloaded_to_disk` (AdamW state in file maps),
+    `unsynced_sums` and the payload per optimizer step of 2 micro-batches with one sync, within 5%."""
+    config = ShardingConfig(offload="host", offload_dir=str(tmp_path))
+    with torch.device("meta"):
+        predicted = estimate(_Net(), world_size=2, config=config, micro_batches=2, no_sync=True)
+    expected = {
+        "host": predicted.offloaded_to_host, "disk": predicted.offloaded_to_disk, "sums": predicted.unsynced_sums,
+        "all_gather": predicted.all_gather, "reduce_scatter": predicted.reduce_scatter,
+    }  # fmt: skip
+    assert expected["host"] == predicted.parameters + predicted.gradients
+    assert expected["disk"] == predicted.optimizer_states
+    for measured in run_ranks(_run_offloaded_and_unsynced, 2, str(tmp_path)):
+        for kind, value in expected.items():
+            assert abs(measured[kind] - value) <= 0.05 * value, (kind, measured[kind], value)
