@@ -45,15 +45,23 @@ BACKENDS: dict[str, tuple[str, str, int | None]] = {
     # reshard_after_forward=False on both sides: units stay whole from forward to backward.
     "fsdp2-no-reshard": ("PyTorch FSDP2, reshard_after_forward=False", "FSDP2 no reshard", None),
     "zero3-p1-no-reshard": ('Lightning strategy="zero3", reshard_after_forward=False', "zero3 no reshard", 1),
+    # reshard_after_forward=2 on both sides (4+ ranks): backward gathers inside pairs of ranks.
+    "fsdp2-reshard-2": ("PyTorch FSDP2, reshard_after_forward=2", "FSDP2 reshard 2", None),
+    "zero3-p1-reshard-2": ('Lightning strategy="zero3", reshard_after_forward=2', "zero3 reshard 2", 1),
     "engine-host": ('ShardedModel without Lightning, prefetch=1, offload="host"', "ShardedModel host", 1),
     "engine-disk": ("ShardedModel, prefetch=1, offload to host, optimizer state in $TMPDIR", "ShardedModel disk", 1),
     "deepspeed": ("DeepSpeed ZeRO-3, its defaults", "DeepSpeed ZeRO-3", None),
     "deepspeed-offload": ('DeepSpeed ZeRO-3, offload_optimizer device "cpu"', "DeepSpeed offload", None),
     "deepspeed-strict": ("DeepSpeed ZeRO-3, ~1 block live", "DeepSpeed ZeRO-3 strict", None),
 }
-# DeepSpeed is optional (benchmarks/deepspeed_backend.py) and the no-reshard pair a setting of
+# DeepSpeed is optional (benchmarks/deepspeed_backend.py) and the reshard pairs settings of
 # their own: not in the default set.
-DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name and "no-reshard" not in name]
+DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name and "reshard" not in name]
+
+
+def reshard_after_forward(backend: str) -> bool | int:
+    """The `reshard_after_forward` a backend's name asks for (True unless it says otherwise)."""
+    return False if backend.endswith("-no-reshard") else 2 if backend.endswith("-reshard-2") else True
 
 
 @dataclass
@@ -90,7 +98,7 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
         (w[rank, :, :-1].contiguous().to(device), w[rank, :, 1:].contiguous().to(device)) for w in spec.windows
     ]  # (B, T) inputs and targets of this rank, per step
     try:
-        if spec.backend in ("lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2", "zero3-p1-no-reshard"):
+        if spec.backend == "lightning-ddp" or spec.backend.startswith("zero3-"):
             extra = _run_lightning(rank, world_size, spec, model, batches, recorder)
         elif spec.backend.startswith("deepspeed"):
             from benchmarks.deepspeed_backend import run_deepspeed
@@ -132,7 +140,7 @@ def _run_raw(
     elif spec.backend.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
-        reshard = not spec.backend.endswith("-no-reshard")
+        reshard = reshard_after_forward(spec.backend)
         for block in model.h:
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
@@ -244,7 +252,7 @@ def _run_lightning(
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     # Lightning uses the process group already initialised by the launcher (as under torchrun).
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size))
-    reshard = not spec.backend.endswith("-no-reshard")
+    reshard = reshard_after_forward(spec.backend)
     strategy: Any = (
         "ddp" if spec.backend == "lightning-ddp"
         else ZeRO3Strategy(prefetch=BACKENDS[spec.backend][2], reshard_after_forward=reshard)
