@@ -17,6 +17,7 @@ stats, and the optimizer's sharded state for a save after `fit`.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -33,6 +34,7 @@ from lightning_zero3.checkpoint.load import open_checked
 from lightning_zero3.checkpoint.remote import RemotePath
 from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
 from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine.accumulate import SyncState
 from lightning_zero3.engine.comm import Comm, destroy_group
 from lightning_zero3.engine.state import full_optimizer_state
 
@@ -117,6 +119,14 @@ class ShardedRun:
         """Write `checkpoint` (built from `model_state_dict` and `optimizer_state`) at `path`,
         replacing what a save put there before, atomically. `background`: a sharded save while
         the module is sharded returns once its snapshot is in host memory (Note: background saves)."""
+        if self.engine.gradient_sync.state is not SyncState.SYNCED:
+            warnings.warn(
+                f"Saving {path} while gradients summed with sync off are owed (between the micro-batches of "
+                "`no_backward_sync` / `no_sync`): the checkpoint holds the parameters and optimizer state from "
+                "before them, not the partial sums, so a resume repeats those micro-batches. Save after the "
+                "synced backward and the optimizer step.",
+                stacklevel=3,
+            )
         self.wait_for_save()
         if not self.sharded_checkpoints:
             save_full(checkpoint, path, self.engine.world_comm, write=write_file)

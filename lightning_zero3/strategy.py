@@ -377,10 +377,12 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
 def _last_batch_of_epoch(trainer: Any) -> bool:
     """Whether the training step about to run takes the last batch of this rank's epoch, unless
-    it ends the run by `max_steps`, which every rank reaches alike whatever its loader holds."""
+    it ends the run by `max_steps` at a regular optimizer step, which every rank reaches alike
+    whatever its loader holds (a step that flushes a short epoch's accumulation is not one)."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     last = progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
-    return bool(last) and not (0 <= trainer.max_steps <= trainer.global_step + 1)
+    regular_step = progress.current.ready % trainer.accumulate_grad_batches == 0
+    return bool(last) and not (regular_step and 0 <= trainer.max_steps <= trainer.global_step + 1)
 
 
 __all__ = ["ZeRO3Strategy"]

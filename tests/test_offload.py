@@ -224,7 +224,8 @@ def _fit(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     options = {"max_epochs": 1, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
     strategy = ZeRO3Strategy(offload="host", offload_dir=directory)
     trainer(strategy, world_size, **options).fit(model, loader(world_size))
-    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "seen": seen}
+    after_fit = strategy.run.engine.offload.device_bytes()  # the device copies of the shards
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "seen": seen, "after_fit": after_fit}
 
 
 def test_trainer_fit_with_host_and_disk_offload_matches_one_process(tmp_path) -> None:
@@ -236,6 +237,7 @@ def test_trainer_fit_with_host_and_disk_offload_matches_one_process(tmp_path) ->
         assert max_difference(result["state"], model.state_dict()) < TOL
         [(uploads, on_disk)] = result["seen"]  # the strategy passed the options on
         assert uploads > 0 and on_disk and all(on_disk)
+        assert result["after_fit"] == 0, "teardown must free the device copies of the shards"
     assert os.listdir(tmp_path) == []
 
 

@@ -113,3 +113,24 @@ def test_trainer_accumulate_unsharded_matches_single_process_with_one_reduction_
         assert result["shown"] == result["shown_formula"], result
         assert result["sync_state"] == "SYNCED"
         assert max_difference(result["state"], reference.state_dict()) < TOL
+
+
+def _fabric_saves_while_owed(rank: int, world_size: int, directory: str) -> list[str]:
+    f = fabric(rank, world_size)
+    torch.manual_seed(0)
+    model = models.MLP()
+    model, optimizer = f.setup(model, adamw(model))
+    x, y = models.mlp_batch(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f.save(f"{directory}/synced", {"model": model, "optimizer": optimizer})  # nothing owed: no warning
+        with f.no_backward_sync(model):
+            f.backward(F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)))
+        f.save(f"{directory}/owed", {"model": model, "optimizer": optimizer})
+    return [str(w.message) for w in caught if "owed" in str(w.message)]
+
+
+def test_a_save_between_unsynced_micro_batches_warns_that_their_sums_are_not_saved(tmp_path) -> None:
+    for messages in run_ranks(_fabric_saves_while_owed, 2, str(tmp_path)):
+        assert len(messages) == 1 and "/owed while gradients summed" in messages[0], messages
+        assert "a resume repeats those micro-batches" in messages[0]

@@ -15,14 +15,19 @@ from tests.ranks import run_ranks
 TIMEOUT_S = 40  # the process group's: a hang fails the test with another message
 
 
-def _fit_with_batches(rank: int, world_size: int, batches: list[int], max_steps: int = -1) -> tuple[str, float]:
+def _fit_with_batches(
+    rank: int, world_size: int, batches: list[int], max_steps: int = -1, accumulate: int = 1
+) -> tuple[str, float]:
     become_lightning_rank(rank, world_size)
     from lightning_zero3 import ZeRO3Strategy
 
     x, y = dataset().tensors
     n = 6 * batches[rank]
     data = DataLoader(TensorDataset(x[:n], y[:n]), batch_size=6)
-    t = trainer(ZeRO3Strategy(), world_size, max_epochs=2, max_steps=max_steps, use_distributed_sampler=False)
+    t = trainer(
+        ZeRO3Strategy(), world_size, max_epochs=2, max_steps=max_steps, use_distributed_sampler=False,
+        accumulate_grad_batches=accumulate,
+    )  # fmt: skip
     start = time.monotonic()
     try:
         t.fit(LitMLP(), data)
@@ -41,3 +46,11 @@ def test_uneven_batch_counts_fail_fast_on_every_rank_naming_the_cause(batches: l
 def test_uneven_loaders_train_when_max_steps_ends_the_run_on_every_rank_first() -> None:
     results = run_ranks(_fit_with_batches, 2, [3, 2], 2, timeout_s=TIMEOUT_S)
     assert [message for message, _ in results] == ["finished"] * 2
+
+
+def test_uneven_batch_counts_with_accumulation_fail_fast_when_a_short_epoch_flush_ends_the_run() -> None:
+    """3 and 4 batches, 2 per optimizer step, max_steps=2: rank 0's second step flushes its short
+    epoch at its 3rd batch, rank 1's comes at its 4th. That step is not one every rank reaches alike."""
+    for message, seconds in run_ranks(_fit_with_batches, 2, [3, 4], 2, 2, timeout_s=TIMEOUT_S):
+        assert "Uneven batch counts" in message, message
+        assert seconds < TIMEOUT_S / 2

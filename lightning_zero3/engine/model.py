@@ -353,6 +353,8 @@ class ShardedModel:
         remove_synced_generate(self._synced_generate)
         if self.disk is not None:
             self.disk.close()
+        if self.offload is not None:
+            self.offload.close()  # the device copies of the shards
 
     def restore_module(self, *, device: torch.device | str = "cpu") -> None:
         """Make `module` an ordinary module again, on `device`: whole parameters (gathered one

@@ -64,6 +64,13 @@ class HostOffload:
         return sum(c.numel() * c.element_size() for c in self._copies.values())
 
     # ---- parameters: host -> device ----------------------------------------------------------
+    def close(self) -> None:
+        """Free the device copies and the gradients in transit (the run ended: `remove_hooks`)."""
+        self._copies.clear()
+        self._uploaded.clear()
+        self._arrived.clear()
+        self._sources.clear()
+
     def begin_pass(self) -> None:
         """A pass begins: every device copy is refreshed at its unit's next gather."""
         self._uploaded.clear()
