@@ -16,7 +16,7 @@ TIMEOUT_S = 40  # the process group's: a hang fails the test with another messag
 
 
 def _fit_with_batches(
-    rank: int, world_size: int, batches: list[int], max_steps: int = -1, accumulate: int = 1
+    rank: int, world_size: int, batches: list[int], max_steps: int = -1, accumulate: int = 1, unsharded: bool = False
 ) -> tuple[str, float]:
     become_lightning_rank(rank, world_size)
     from lightning_zero3 import ZeRO3Strategy
@@ -25,8 +25,8 @@ def _fit_with_batches(
     n = 6 * batches[rank]
     data = DataLoader(TensorDataset(x[:n], y[:n]), batch_size=6)
     t = trainer(
-        ZeRO3Strategy(), world_size, max_epochs=2, max_steps=max_steps, use_distributed_sampler=False,
-        accumulate_grad_batches=accumulate,
+        ZeRO3Strategy(accumulate_unsharded=unsharded), world_size, max_epochs=2, max_steps=max_steps,
+        use_distributed_sampler=False, accumulate_grad_batches=accumulate,
     )  # fmt: skip
     start = time.monotonic()
     try:
@@ -52,5 +52,13 @@ def test_uneven_batch_counts_with_accumulation_fail_fast_when_a_short_epoch_flus
     """3 and 4 batches, 2 per optimizer step, max_steps=2: rank 0's second step flushes its short
     epoch at its 3rd batch, rank 1's comes at its 4th. That step is not one every rank reaches alike."""
     for message, seconds in run_ranks(_fit_with_batches, 2, [3, 4], 2, 2, timeout_s=TIMEOUT_S):
+        assert "Uneven batch counts" in message, message
+        assert seconds < TIMEOUT_S / 2
+
+
+def test_uneven_batch_counts_with_unsynced_accumulation_fail_fast() -> None:
+    """3 and 4 batches, 2 per optimizer step, `accumulate_unsharded=True`: rank 0's 3rd batch
+    flushes (syncs), rank 1's begins an unsynced step; the unsynced backward reads the tags first."""
+    for message, seconds in run_ranks(_fit_with_batches, 2, [3, 4], -1, 2, True, timeout_s=TIMEOUT_S):
         assert "Uneven batch counts" in message, message
         assert seconds < TIMEOUT_S / 2

@@ -115,13 +115,14 @@ class GradientSync:
         self.state = state
 
     # ---- the driver's calls -----------------------------------------------------------------
-    def begin_backward(self) -> None:
-        """A backward starts: refused while INCOMPLETE or after zero_grad while OWED."""
+    def begin_backward(self) -> bool:
+        """A backward starts: refused while INCOMPLETE or after zero_grad while OWED. Returns
+        whether it runs with sync off (its ranks may disagree: checks.py, Note: uneven batches)."""
         if self.state is _S.INCOMPLETE:
             raise RuntimeError(INCOMPLETE)
         self._began_unsynced = not self.requires_sync
         if self.state is not _S.OWED:
-            return
+            return self._began_unsynced
         changed = [p.name for p, grad, version, _ in self._watched.values()
                    if p.param.grad is not grad or grad._version != version]  # fmt: skip
         if changed:
@@ -135,6 +136,7 @@ class GradientSync:
             )
         if self.requires_sync:
             self._unwatch()  # the reductions assign or add into `.grad` from here
+        return self._began_unsynced
 
     def reduce_or_add(self, unit: Unit, grads: list[torch.Tensor | None]) -> None:
         """`GatherParams.backward` has `unit`'s full gradients: reduce them, or add them up."""

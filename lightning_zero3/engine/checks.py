@@ -43,6 +43,10 @@ same step; with uneven counts the tags of the step where the shortest epoch ends
 bit only, and every rank raises, at that step's check, an error naming uneven batch counts,
 before any rank takes an extra step. Only checked steps compare tags (Note: rank check modes):
 under "first_step" or K, an epoch whose last step is not checked is not caught this way.
+With accumulation that skips gradient sync (`accumulate_unsharded`), the short rank's last
+micro-batch syncs while the long rank's does not, and their backward collectives would pair
+wrongly before the end-of-backward check: so a backward with sync off checks the forward's tags
+when it begins (hooks.py), one more host read per unsynced micro-batch on checked steps.
 """
 
 from __future__ import annotations

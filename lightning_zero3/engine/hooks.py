@@ -323,7 +323,8 @@ class HookDriver:
         self.held.refuse_backward(self.state)
         if self.state is P.BACKWARD:
             return
-        self.grads.begin_backward()  # refused while accumulated gradients are incomplete
+        if self.grads.begin_backward():  # sync off: the forward's tags first (checks.py, Note: uneven batches)
+            self.checks.check()
         self._enter(P.BACKWARD)
         self.schedule.begin_backward()
         Variable._execution_engine.queue_callback(self._end_backward)
