@@ -17,6 +17,10 @@ collectives run on the side streams; a counter at `torch.distributed` proves the
     single-GPU Fabric loop over 20 steps; an fp16 overflow skips the step and halves the scale.
 (e) Lightning: fit, full and sharded save, resume, standalone validate and predict against a
     plain Trainer; step time and GPU idle fraction from a profiler trace next to the plain model.
+(f) the issue-21 settings on the device: `offload="host"` (pinned host shards, the download
+    stream), `reshard_after_forward=False` and unsynced accumulation bitwise equal to the plain
+    sharded run; syncs per steady step with offload; device memory with offload below the run
+    without by at least the shards' gradients and AdamW state.
 `--dry-run` runs every check on CPU: what CPU can show is a PASS or FAIL there (collectives at
 world size 1, losses, checkpoints); what only a GPU shows (syncs, device memory, races,
 fp16 loss scaling) prints `RAN` with no verdict.
@@ -32,7 +36,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -491,10 +495,56 @@ def check_e(dry: bool) -> None:
     report("INFO", "e", f"step {zero3_s * 1e3:.1f} ms vs plain {plain_s * 1e3:.1f} ms{idle}")
 
 
+# ---- (f) offload, reshard, unsynced accumulation ----------------------------------------------
+def _settings_run(dev: torch.device, steps: int, no_sync: bool = False, **options: Any) -> dict[str, Any]:
+    model = fresh(256, 4, "cpu" if options.get("offload") else dev)
+    sharded = ShardedModel(model, device=dev, **options)
+    shortcut_off(sharded)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, peak, counted = [], 0, -1
+    for step in range(steps):
+        x, y = batch(step, dev, 64)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        with syncs_counted(dev.type == "cuda" and step == steps - 1) as syncs:
+            for micro in range(2 if no_sync else 1):
+                with sharded.no_sync() if no_sync and micro == 0 else nullcontext():
+                    loss = F.mse_loss(model(x[micro::2] if no_sync else x), y[micro::2] if no_sync else y)
+                    (loss / (2 if no_sync else 1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.detach())
+        counted = syncs[0]
+        peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
+    psi = sum(p.numel() for p in fresh(256, 4).parameters())
+    return {"losses": torch.stack(losses).tolist(), "syncs": counted, "peak": peak, "psi": psi}
+
+
+def check_f(dry: bool) -> None:
+    dev = torch.device("cpu" if dry else "cuda:0")
+    ensure_group(dev)
+    steps = 4 if FAST else 10
+    plain = _settings_run(dev, steps)
+    for name, options in (("offload host", {"offload": "host"}), ("reshard False", {"reshard_after_forward": False})):
+        run = _settings_run(dev, steps, **options)
+        report(verdict(run["losses"] == plain["losses"]), "f", f"{name}: losses bitwise equal to the plain run")
+        if name == "offload host" and not dry:
+            # Expected 2: the tag check, and the wait for the gradients' arrival on the host.
+            report(verdict(run["syncs"] <= 2), "f", f"offload host: {run['syncs']} syncs in a steady step")
+            saved, state = plain["peak"] - run["peak"], 8 * run["psi"]  # AdamW's fp32 state: 8 bytes per element
+            peaks = f"peak {run['peak'] / 2**20:.1f} vs {plain['peak'] / 2**20:.1f} MiB"
+            report(verdict(saved >= state), "f", f"offload host: {peaks}, {saved / 2**20:.1f} saved "
+                   f"(at least AdamW's state, {state / 2**20:.1f})")  # fmt: skip
+    halves = [_settings_run(dev, steps, no_sync=True, **o) for o in ({}, {"offload": "host"})]
+    same = halves[0]["losses"] == halves[1]["losses"]
+    report(verdict(same), "f", "unsynced accumulation: offload host bitwise equal to the device run")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="run the same code on CPU/gloo")
-    parser.add_argument("--only", default="abcde", help="which checks, e.g. 'ae'")
+    parser.add_argument("--only", default="abcdef", help="which checks, e.g. 'ae'")
     parser.add_argument("--fast", action="store_true", help="one variant per check (the test suite's run)")
     args = parser.parse_args(argv)
     global FAST
@@ -506,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     start = time.perf_counter()
-    checks = {"a": check_a, "b": check_b, "c": check_c, "d": check_d, "e": check_e}
+    checks = {"a": check_a, "b": check_b, "c": check_c, "d": check_d, "e": check_e, "f": check_f}
     for key in args.only:
         try:
             checks[key](args.dry_run)
