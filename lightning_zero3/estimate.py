@@ -160,7 +160,8 @@ def estimate_units(
         for r, end in zip(rows, ends)
     ]  # fmt: skip
     synced = 1 if no_sync else micro_batches
-    sent = step_bytes(units, reshard, micro_batches=micro_batches, synced=synced)
+    whole = sum(persistent) * reduce if trainable and world_size > 1 else 0  # parameters kept whole: All-Reduced
+    sent = step_bytes(units, reshard, persistent=whole, micro_batches=micro_batches, synced=synced)
     in_flight = 2 if config.reductions_in_flight is None else config.reductions_in_flight  # as on CUDA
     largest = max(full, default=0)
     live = live_peak([f * gather for f in full], reshard, prefetch=config.prefetch, ends_forward=ends)
@@ -176,7 +177,7 @@ def estimate_units(
         live_units=live,
         all_gather=sent["shard"]["all_gather"] if world_size > 1 else 0,
         reduce_scatter=sent["shard"]["reduce_scatter"] if g > 1 else 0,
-        all_reduce=synced * sum(persistent) * reduce if trainable and world_size > 1 else 0,
+        all_reduce=sent["shard"].get("all_reduce", 0),
         all_reduce_across_groups=sent["across"]["all_reduce"] if g < world_size else 0,
         all_gather_in_groups=sent["slices"]["all_gather"],
         slice_group=reshard if type(reshard) is int else 1,

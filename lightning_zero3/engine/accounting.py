@@ -173,15 +173,14 @@ def expected_step_bytes(
     hybrid = units[0].replicate is not None
     persistent_bytes = sum((p.numel() + 1) * p.element_size() for p in persistent if p.requires_grad)
     sized = _sizes(units, orders)
-    by_group = step_bytes(
-        [sized[u.uid] for u in units if u.params], reshard, micro_batches=micro_batches, synced=synced
-    )
+    by_group = step_bytes([sized[u.uid] for u in units if u.params], reshard, persistent=persistent_bytes,
+                          micro_batches=micro_batches, synced=synced)  # fmt: skip
     if slices:
         return by_group["slices"] if units[0].slice_comm is not None else {}
-    persistent_all_reduce = (micro_batches if synced is None else synced) * persistent_bytes
+    expected = by_group["shard"]
+    persistent_all_reduce = expected.pop("all_reduce", 0)
     if across_groups:
         return {"all_reduce": by_group["across"]["all_reduce"] + persistent_all_reduce} if hybrid else {}
-    expected = by_group["shard"]
-    if persistent_bytes and n > 1 and not hybrid:  # with shard groups: counted across them
+    if persistent_all_reduce and n > 1 and not hybrid:  # with shard groups: counted across them
         expected["all_reduce"] = persistent_all_reduce
     return expected

@@ -28,7 +28,7 @@ upload refuses shards found off the host.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -110,7 +110,7 @@ class HostOffload:
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for sharded, grad in zip(unit.params, grads):
                 if grad is None:
                     continue
@@ -152,11 +152,6 @@ class OffloadHooks(HookDriver):
         assert isinstance(offload, HostOffload)
         offload.begin_pass()
         super()._begin_pass(state)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @contextmanager

@@ -50,7 +50,9 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     powers summed over ranks are the p-th power of the whole gradient's norm. A parameter kept
     whole has the same gradient on every rank: its share is divided by N, so the sum over ranks
     counts it once. For p = inf the share is the largest absolute value (the max over ranks is
-    the whole gradient's); an empty shard (more ranks than elements) or no gradient shares 0."""
+    the whole gradient's); an empty shard (more ranks than elements) or no gradient shares 0.
+    `torch._foreach_norm` / `_foreach_mul_` are private: torch's own `clip_grad_norm_` and the
+    optimizers' foreach paths use them (tried on torch 2.13); no fallback is kept."""
     device = model.device  # where the collective runs; offloaded shards' gradients are on the host
     n = model.comm.world_size
     if not parameters:
@@ -59,7 +61,7 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     present = [i for i, p in enumerate(parameters) if p.grad is not None and p.grad.numel() > 0]
     grads = [parameters[i].grad.detach() for i in present]  # type: ignore[union-attr]
     wide = None if order == math.inf else torch.float64
-    norms = list(torch._foreach_norm(grads, order, dtype=wide)) if grads else []  # private: Note below
+    norms = list(torch._foreach_norm(grads, order, dtype=wide)) if grads else []  # private: see above
     whole = [k for k, i in enumerate(present) if model.sharded_param(parameters[i]) is None]
     if whole and order != math.inf:  # counted once over the ranks: share / N = (norm / N^(1/p))^p
         torch._foreach_mul_([norms[k] for k in whole], n ** (-1.0 / order))
@@ -68,8 +70,6 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     shares = [found[i].to(device, torch.float64) if i in found else zero for i in range(len(parameters))]
     stacked = torch.stack(cast(list[torch.Tensor], shares))
     return stacked if order == math.inf else stacked.pow_(order)
-# `torch._foreach_norm` and `torch._foreach_mul_` are private; torch.nn.utils.clip_grad_norm_ and
-# the optimizers' foreach paths use them (tried on torch 2.13). Fallback: none kept.
 
 
 def clip_grad_norm_(
