@@ -102,7 +102,8 @@ def collect_results(procs: list[Any], queue: Any, timeout_s: float) -> list[Any]
     `queue`; return the results in rank order, or raise `RankFailure` with every failed rank's
     traceback under a `--- rank k ---` header. A rank that dies without reporting (e.g. gloo
     aborting the process) fails the run at once, with its exit code, not at the deadline. The
-    processes are joined (killed if still running) before returning."""
+    processes are joined (killed if still running) before returning; a rank that reported and
+    then exited with a code other than 0 fails the run too."""
     world_size = len(procs)
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout_s
@@ -132,7 +133,14 @@ def collect_results(procs: list[Any], queue: Any, timeout_s: float) -> list[Any]
             if p.is_alive():
                 p.kill()
     failures = [f"--- rank {r} ---\n{value}" for r, (ok, value) in sorted(results.items()) if not ok]
+    # A rank that reported and then died at exit (issue 22.9: gloo's worker thread aborting the
+    # process while Python finalizes; a rank still alive 10 s after reporting was killed above).
+    failures += [
+        f"--- rank {r} ---\nreported, then exited with code {p.exitcode} (0 expected: a collective or process "
+        "group still alive at exit?)"
+        for r, p in enumerate(procs)
+        if results.get(r, (False, None))[0] and p.exitcode != 0
+    ]
     if failures:
         raise RankFailure("\n".join(failures))
     return [pickle.loads(results[r][1]) for r in range(world_size)]
-
