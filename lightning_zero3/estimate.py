@@ -11,30 +11,18 @@ collective carries per step, from the same unit plan the engine builds (engine/p
   dtype (G: the shard group, `shard_size` or the world), its gradient, and `optimizer_states`
   tensors like it (AdamW: 2); parameters kept whole (`persistence_threshold`) in full. This is
   16Ψ/G bytes for fp32 AdamW, the figure the parity tests measure.
-- Live units, the peak during forward and backward (`accounting.live_peak`): the root unit and
-  the last unit of forward (kept from forward into backward), the unit computing and `prefetch`
-  more, in the gather dtype, the largest units taken (every unit with
-  `reshard_after_forward=False`, and each other unit's 1/G slice with an int G); plus in backward
-  one unit's full gradients and `reductions_in_flight` + 1 Reduce-Scatter inputs in the reduce
-  dtype.
-- Payload per training step, by the engine's own rules (`accounting.step_bytes`): every unit
-  All-Gathered for forward and again for backward, except the root and the last unit (once;
-  every unit once with False; with an int G the backward's inside groups of G); one
-  Reduce-Scatter of every trainable unit; one All-Reduce of the whole parameters' gradients;
-  with shard groups, one All-Reduce of each rank's reduced shard across groups. A ring sends
-  (G-1)/G of an All-Gather's or Reduce-Scatter's payload from each rank and 2(R-1)/R of an
-  All-Reduce's over R ranks.
-- Accumulation over K micro-batches (`--accumulate K`): the gathers repeat per micro-batch;
-  with `--no-sync` (`set_requires_gradient_sync(False)`, Fabric's `no_backward_sync`, the
-  Trainer's `accumulate_unsharded=True`) the reductions run once per optimizer step, and every
-  trainable unit's full gradients are summed in fp32 (or the reduce dtype if wider) on every
-  rank until then: `unsynced sums`.
-- Offload (`--offload host`): the shards, their gradients and the optimizer state in host
-  memory, the device keeps one copy of the shards in the gather dtype; `--offload disk` also
-  moves the optimizer state of the shards to files (`offload_dir`). Parameters kept whole stay
-  on the device. The payload is the same.
-The engine's own row padding (16-byte alignment, one tag element) is left out: under 1% for
-units of more than a few thousand elements.
+- Live units and payload per step: the engine's own rules on unit sizes (`accounting.live_peak`,
+  `accounting.step_bytes`, docs/accounting.md), plus in backward one unit's full gradients and
+  `reductions_in_flight` + 1 Reduce-Scatter inputs in the reduce dtype. A ring sends (G-1)/G of
+  an All-Gather's or Reduce-Scatter's payload from each rank, 2(R-1)/R of an All-Reduce's.
+- `--accumulate K`: the gathers repeat per micro-batch; with `--no-sync` the reductions run once
+  per optimizer step, and every trainable unit's full gradients are summed in fp32 (or the
+  reduce dtype if wider) on every rank until then: `unsynced sums`.
+- `--offload host`: the shards, their gradients and the optimizer state in host memory, one copy
+  of the shards in the gather dtype on the device; `--offload disk` also the optimizer state of
+  the shards in files. Parameters kept whole stay on the device. The payload is the same.
+The engine's row padding (16-byte alignment, one tag element) is left out: under 1% for units
+of more than a few thousand elements.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from typing_extensions import override
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.core import ShardedRun
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
+from lightning_zero3.grads import sharded_grad_norm
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 
 if TYPE_CHECKING:
@@ -62,12 +63,9 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         **options: Any,
     ) -> None:
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-        )
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision=precision,
+        )  # fmt: skip
         self.config, self.lightning_options = split_options(type(self).__name__, options)
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -113,7 +111,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard `module` in place (its parameters become this rank's 1-D shards) and return it."""
-        if id(module) in self._runs or any(run.engine.module is module for run in self._runs.values()):
+        if id(module) in self._runs:
             raise ValueError(f"{type(self).__name__}: this module was set up already; set up each module once.")
         before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
         sharded = build_engine(
@@ -236,8 +234,6 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     def grad_norm(self, module: nn.Module, norm_type: float | int | str = 2.0) -> dict[str, Tensor]:
         """Lightning's `grad_norm(module, norm_type)` for a sharded model: per parameter and total
         norms of the whole gradient, the same on every rank (one All-Reduce)."""
-        from lightning_zero3.grads import sharded_grad_norm
-
         sharded = self.sharded_model(module)
         return sharded_grad_norm(sharded, sharded.module, norm_type)
 

@@ -46,22 +46,17 @@ STATE_DICT_TYPES = ("sharded", "full")
 
 @dataclass(frozen=True)
 class LightningOptions:
-    """The options only the Lightning strategies have (the engine's are `ShardingConfig`).
+    """The options only the Lightning strategies have (the engine's are `ShardingConfig`); the
+    README's table says what each does.
 
     Args:
-        state_dict_type: "sharded" (a directory, each rank its shards) or "full" (one file
-            written by rank 0) checkpoints.
-        trust_checkpoint: unpickle checkpoint files without restriction, which can run code
-            from the file (checkpoint/trust.py). Default False.
+        state_dict_type: "sharded" (a directory, each rank its shards) or "full" (one file from rank 0).
+        trust_checkpoint: unpickle checkpoint files without restriction (checkpoint/trust.py).
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank) or a multiprocessing start method.
-        async_save: sharded saves (`trainer.save_checkpoint`, `ModelCheckpoint`, `fabric.save`)
-            return once each rank has a host copy of its shards and write in a background
-            thread (docs/checkpoints.md). Default False.
-        accumulate_unsharded: with `accumulate_grad_batches=k` (Trainer), the micro-batches
-            before the last sum their unsharded gradients locally and the last Reduce-Scatters
-            once: k-fold fewer Reduce-Scatter bytes, for 4 bytes per parameter held on every
-            rank meanwhile (engine/accumulate.py). Default False: each micro-batch reduces.
+        async_save: sharded saves write in a background thread (docs/checkpoints.md).
+        accumulate_unsharded: micro-batches of `accumulate_grad_batches` Reduce-Scatter once
+            (engine/accumulate.py).
     """
 
     state_dict_type: Literal["sharded", "full"] = "sharded"
