@@ -31,7 +31,7 @@ import argparse
 import importlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -107,11 +107,11 @@ class Estimate:
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.2f} GiB"
 
 
 def estimate_units(
@@ -192,19 +192,12 @@ def estimate(
         module, config.wrap_policy, config.persistence_threshold, shard_group_size=config.shard_size or world_size
     )
     units = [[entry.param.numel() for entry in unit.params] for unit in plan.units]
-    trainable = any(p.requires_grad for p in module.parameters())
     dtypes = {p.dtype for p in module.parameters()}
     return estimate_units(
-        units,
-        world_size=world_size,
-        persistent=[entry.param.numel() for entry in plan.persistent],
-        config=config,
-        master_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
-        optimizer_states=optimizer_states,
-        trainable=trainable,
-        micro_batches=micro_batches,
-        no_sync=no_sync,
-    )
+        units, world_size=world_size, persistent=[entry.param.numel() for entry in plan.persistent], config=config,
+        master_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32, optimizer_states=optimizer_states,
+        trainable=any(p.requires_grad for p in module.parameters()), micro_batches=micro_batches, no_sync=no_sync,
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,15 +235,12 @@ def parse_reshard(text: str) -> bool | int:
 def run(args: argparse.Namespace) -> str:
     """The table for the parsed command line; `ValueError` for a bad combination."""
     config = ShardingConfig(
-        prefetch=args.prefetch,
-        shard_size=args.shard_size,
+        prefetch=args.prefetch, shard_size=args.shard_size, reshard_after_forward=args.reshard_after_forward,
         param_dtype=parse_dtype(args.param_dtype, "--param-dtype"),
         reduce_dtype=parse_dtype(args.reduce_dtype, "--reduce-dtype"),
-        reshard_after_forward=args.reshard_after_forward,
         offload=None if args.offload == "none" else "host",
-    )
-    if args.offload == "disk":  # the directory is the run's; any existing one stands in for it here
-        config = replace(config, offload_dir=".")
+        offload_dir="." if args.offload == "disk" else None,  # the run's own; any existing directory stands in
+    )  # fmt: skip
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
     if args.accumulate < 1:

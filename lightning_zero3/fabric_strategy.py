@@ -13,8 +13,8 @@ already stepped (state of full shapes) is refused: build it after `setup_module`
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -211,13 +211,9 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
+        self, module: nn.Module, optimizer: Optimizer, max_norm: float | int, norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         """Clip by the norm of the whole gradient: one All-Reduce over the shards' norms.
         `error_if_nonfinite=True` (Fabric's default) reads the norm on the host to raise here, as
         torch's `clip_grad_norm_` does, a sync per step on a GPU; False clips without any read."""
@@ -237,24 +233,19 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         sharded = self.sharded_model(module)
         return sharded_grad_norm(sharded, sharded.module, norm_type)
 
-    @contextmanager
     def gathered_parameters(
         self, module: nn.Module | None = None, *, modifier_rank: int | None = None
-    ) -> Generator[None, None, None]:
+    ) -> AbstractContextManager:
         """Make the parameters of `module` (a model set up with Fabric, or a submodule of one)
         whole on every rank inside the block; with `modifier_rank=r`, rank r's writes are kept."""
         owner = self._run_of(module, within=True).engine
         target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
-        with owner.gathered_parameters(target, modifier_rank=modifier_rank):
-            yield
+        return owner.gathered_parameters(target, modifier_rank=modifier_rank)
 
-    @contextmanager
-    def gathered_for_inference(self, module: nn.Module | None = None) -> Generator[None, None, None]:
+    def gathered_for_inference(self, module: nn.Module | None = None) -> AbstractContextManager:
         """Keep every unit of `module` (a model set up with Fabric; default: the only one)
-        gathered inside the block, for `generate()` and evaluation at DDP's speed; see
-        `ShardedModel.gathered_for_inference`."""
-        with self._run_of(module, within=True).engine.gathered_for_inference():
-            yield
+        gathered inside the block (`ShardedModel.gathered_for_inference`)."""
+        return self._run_of(module, within=True).engine.gathered_for_inference()
 
     # ---- collectives Fabric uses -----------------------------------------------------------
     @override
@@ -266,12 +257,9 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------
     @override
     def save_checkpoint(
-        self,
-        path: str | Path,
-        state: dict[str, nn.Module | Optimizer | Any],
-        storage_options: Any | None = None,
+        self, path: str | Path, state: dict[str, nn.Module | Optimizer | Any], storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """`fabric.save`: "sharded" writes a directory (each rank its shards, nothing gathered),
         "full" one ordinary file from rank 0 with whole tensors. Both load at any world size."""
         if storage_options is not None:
@@ -280,12 +268,9 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def load_checkpoint(
-        self,
-        path: str | Path,
-        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
+        self, path: str | Path, state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True, weights_only: bool | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """`fabric.load`: a sharded directory or a full file, saved at any world size."""
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only)[1]
         file = self.broadcast(str(path))  # a path or a URL (Note: remote checkpoints)

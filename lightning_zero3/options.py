@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
@@ -173,30 +173,6 @@ def optimizer_state_to_params(optimizers: list[torch.optim.Optimizer]) -> None:
                     state[key] = value.to(param.device)
 
 
-class _LightningParallel(Protocol):
-    """What `RanksAndDevices` reads from the Lightning strategy it is mixed into."""
-
-    cluster_environment: ClusterEnvironment | None
-    _num_nodes: int  # set in the strategy's __init__
-    _process_group_backend: str | None  # the user's choice, else resolved on joining
-
-    @property
-    def parallel_devices(self) -> list[torch.device] | None: ...
-    @property
-    def local_rank(self) -> int: ...
-    @property
-    def global_rank(self) -> int: ...
-    @property
-    def node_rank(self) -> int: ...
-    @property
-    def root_device(self) -> torch.device: ...
-    @property
-    def num_nodes(self) -> int: ...
-    @property
-    def num_processes(self) -> int: ...
-    def set_world_ranks(self) -> None: ...
-
-
 class RanksAndDevices:
     """Lightning's rank and device properties and control collectives, the same for the Trainer's
     `ZeRO3Strategy` and Fabric's `ZeRO3FabricStrategy`: mixed in before Lightning's
@@ -204,33 +180,39 @@ class RanksAndDevices:
 
     _num_nodes: int  # set in the strategy's __init__
     _process_group_backend: str | None  # the user's choice, else resolved on joining
+    if TYPE_CHECKING:  # what the strategy's Lightning base provides
+        cluster_environment: ClusterEnvironment | None
+        parallel_devices: list[torch.device] | None
+        local_rank: int
+        global_rank: int
+        node_rank: int
 
     @property
-    def root_device(self: _LightningParallel) -> torch.device:
+    def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
     @property
-    def num_nodes(self: _LightningParallel) -> int:
+    def num_nodes(self) -> int:
         return self._num_nodes
 
     @num_nodes.setter
-    def num_nodes(self: _LightningParallel, num_nodes: int) -> None:
+    def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
     @property
-    def num_processes(self: _LightningParallel) -> int:
+    def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def distributed_sampler_kwargs(self: _LightningParallel) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
-    def process_group_backend(self: _LightningParallel) -> str | None:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
-    def set_world_ranks(self: _LightningParallel) -> None:
+    def set_world_ranks(self) -> None:
         """Tell the cluster environment this rank's global rank and the world size, and
         Lightning's rank-zero utilities who rank zero is. The Trainer calls it by this name,
         Fabric as `_set_world_ranks`."""
@@ -242,7 +224,7 @@ class RanksAndDevices:
 
     _set_world_ranks = set_world_ranks
 
-    def join_world(self: _LightningParallel, timeout: timedelta) -> None:
+    def join_world(self, timeout: timedelta) -> None:
         """`setup_environment` after Lightning's own: seed, ranks, backend, then join (or reuse) the
         default process group; a rank that never arrives fails the others after `timeout` with an
         error naming the address and the likely causes."""
@@ -277,7 +259,7 @@ class RanksAndDevices:
         atexit.register(_leave_process_group)
         rank_zero_info(f"{owner}: {env.world_size()} processes joined the {backend} process group.")
 
-    def barrier(self: _LightningParallel, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
         if _distributed():  # NCCL needs the device to wait on
             nccl = torch.distributed.get_backend() == "nccl"
             torch.distributed.barrier(device_ids=[self.root_device.index] if nccl else None)
