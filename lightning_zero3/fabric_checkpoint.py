@@ -59,13 +59,9 @@ def _split(
 
 
 def save(
-    run_of: Callable[[nn.Module], ShardedRun],
-    path: str | os.PathLike,
-    state: dict[str, Any],
-    checkpoint_io: CheckpointIO,
-    *,
-    filter: dict[str, Callable[[str, Any], bool]] | None = None,
-) -> None:
+    run_of: Callable[[nn.Module], ShardedRun], path: str | os.PathLike, state: dict[str, Any],
+    checkpoint_io: CheckpointIO, *, filter: dict[str, Callable[[str, Any], bool]] | None = None,
+) -> None:  # fmt: skip
     module_key, run, optimizers, rest = _split(run_of, state, "save")
     if run.sharded_checkpoints:
         if filter:
@@ -95,14 +91,10 @@ def save(
 
 
 def load(
-    run_of: Callable[[nn.Module], ShardedRun],
-    filepath: str | os.PathLike,
-    state: nn.Module | Optimizer | dict[str, Any] | None,
-    read_file: ReadFile | None,
-    *,
-    strict: bool,
+    run_of: Callable[[nn.Module], ShardedRun], filepath: str | os.PathLike,
+    state: nn.Module | Optimizer | dict[str, Any] | None, read_file: ReadFile | None, *, strict: bool,
     weights_only: bool | None,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     file = as_path(filepath)
     context = f"Cannot load the checkpoint {file}"
     if isinstance(state, Optimizer):
@@ -160,11 +152,9 @@ def load(
             if key in optimizer_states:
                 load_full_optimizer_state(run.engine, optimizer, optimizer_states[key])
     for key, obj in rest.items():
-        if key not in metadata:
-            continue
-        if _stateful(obj):
+        if key in metadata and _stateful(obj):
             obj.load_state_dict(metadata.pop(key))
-        else:
+        elif key in metadata:
             state[key] = metadata.pop(key)
     return metadata
 

@@ -78,9 +78,7 @@ def sharded_precision(plugin: Precision, sharded: ShardedModel, *, device: torch
     kind = type(plugin)
     if kind in (MixedPrecision, ZeRO3MixedPrecision):
         assert isinstance(plugin, MixedPrecision)
-        scaler = plugin.scaler
-        if scaler is not None:
-            scaler = AgreeingGradScaler.like(scaler, sharded, device=device.type)
+        scaler = None if plugin.scaler is None else AgreeingGradScaler.like(plugin.scaler, sharded, device=device.type)
         flag: Literal["bf16-mixed", "16-mixed"] = "bf16-mixed" if plugin.precision == "bf16-mixed" else "16-mixed"
         new = ZeRO3MixedPrecision(flag, plugin.device, scaler)
     elif kind in (HalfPrecision, ZeRO3HalfPrecision):
