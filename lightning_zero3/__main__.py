@@ -51,24 +51,18 @@ def _parser() -> argparse.ArgumentParser:
         "'sharded')) as one Lightning checkpoint file DST, loadable with torch.load and "
         "LightningModule.load_from_checkpoint at any world size. Streams one tensor at a time.",
     )
-    consolidate.add_argument("src", help="sharded checkpoint directory")
-    consolidate.add_argument("dst", help="file to write")
-    consolidate.add_argument(
-        "--weights-only", action="store_true", help="leave out optimizer states, LR schedulers and callback states"
-    )
-    consolidate.add_argument(
-        "--dtype", choices=sorted(DTYPE_NAMES), help="cast the floating-point tensors of the state dict"
-    )
-    consolidate.add_argument(
-        "--safetensors", action="store_true", help="write a safetensors file of the state dict instead"
-    )
-    consolidate.add_argument("--no-verify", action="store_true", help="skip the CRC-32 check of the shard files")
-    consolidate.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
+    flag = consolidate.add_argument
+    flag("src", help="sharded checkpoint directory")
+    flag("dst", help="file to write")
+    flag("--weights-only", action="store_true", help="leave out optimizer states, LR schedulers and callback states")
+    flag("--dtype", choices=sorted(DTYPE_NAMES), help="cast the floating-point tensors of the state dict")
+    flag("--safetensors", action="store_true", help="write a safetensors file of the state dict instead")
+    flag("--no-verify", action="store_true", help="skip the CRC-32 check of the shard files")
+    flag(
+        "--trust-checkpoint", action="store_true",
         help="unpickle the checkpoint's pickles (DCP's .metadata, trainer_state.pt) without restriction: they "
         "can run code, so only for checkpoints from a trusted source (see docs/checkpoints.md)",
-    )
+    )  # fmt: skip
     estimate.add_arguments(
         commands.add_parser(
             "estimate",
@@ -81,10 +75,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _return_freed_tensors_to_the_os() -> None:
     """A fixed 1 MiB mmap threshold (glibc's `mallopt`) gives each freed tensor back to the OS at
-    once (glibc otherwise raises the threshold as large blocks are freed): consolidating 12
-    tensors of 16 MiB added 27 MiB to the peak with it, 51 without (docs/checkpoints.md). It
-    changes the whole process's allocator, so only the command itself does it, never `main()` or
-    `consolidate_checkpoint()` called from a user's program. No-op without glibc."""
+    once: consolidating 12 tensors of 16 MiB added 27 MiB to the peak with it, 51 without
+    (docs/checkpoints.md). The command's own process only, never a user's. No-op without glibc."""
     try:
         import ctypes
 
@@ -105,17 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     progress = ProgressLine(sys.stderr)
     try:
         summary = consolidate_checkpoint(
-            args.src,
-            args.dst,
-            weights_only=args.weights_only,
-            dtype=args.dtype,
-            safetensors=args.safetensors,
-            verify=not args.no_verify,
-            progress=progress,
-            trusted=args.trust_checkpoint,
-        )
+            args.src, args.dst, weights_only=args.weights_only, dtype=args.dtype, safetensors=args.safetensors,
+            verify=not args.no_verify, progress=progress, trusted=args.trust_checkpoint,
+        )  # fmt: skip
     except (CheckpointError, OSError) as err:
-        progress.close()
+        progress.close()  # ends the progress line before the error
         print(f"error: {err}", file=sys.stderr)
         return 1
     progress.close()

@@ -5,26 +5,20 @@ for `ZeRO3Strategy`, with the same arguments, schedule and results, in 1/N of th
     trainer = Trainer(strategy="zero3", callbacks=[ShardedEMAWeightAveraging(decay=0.999)])
 
 [Note: averages in the optimizer state]
-Lightning's callbacks `deepcopy` the whole LightningModule before sharding and average it with
-the live parameters, which under ZeRO-3 are this rank's 1-D shards (refused: callbacks.py). An
-average is elementwise, so it is kept on the shards: each parameter's running average is the
-entry "averaged" of its optimizer state, shard-shaped, as schedule-free optimizers keep their
-averaged iterate. So it is saved, sharded or full, and resharded on resume at another world size
-by the code that saves the optimizer state, with nothing added to the checkpoint format; buffers
-(whole on every rank) and the update counts are the callback's own state. The differences from
-Lightning's callbacks: a parameter no optimizer holds is not averaged (it does not change in
-training, so its average is itself), and a checkpoint's "state_dict" holds the current weights
-(Lightning's puts the average there and the current ones under "current_model_state"): load a
-mid-training checkpoint into the callback's run to continue, or take the average from the
-optimizer state. At the end of `fit` the average is copied into the model, as Lightning does.
-Buffers (BatchNorm statistics) are each rank's own under this strategy, where DDP broadcasts rank
-0's at every forward: averaged buffers then differ by rank as the buffers do (use SyncBatchNorm,
-or `use_buffers=False`, for DDP's numbers).
+An average is elementwise, so it is kept on the shards: each parameter's running average is the
+entry "averaged" of its optimizer state, as schedule-free optimizers keep their averaged iterate.
+So it is saved (sharded or full) and resharded on resume by the optimizer state's code, with
+nothing added to the checkpoint format; buffers (whole on every rank) and the update counts are
+the callback's own state. Unlike Lightning's callbacks: a parameter no optimizer holds is not
+averaged (it does not change), and a checkpoint's "state_dict" holds the current weights, not
+the average. At the end of `fit` the average is copied into the model, as Lightning does.
+Buffers are each rank's own (DDP broadcasts rank 0's): averaged buffers differ by rank as the
+buffers do (use SyncBatchNorm, or `use_buffers=False`, for DDP's numbers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,13 +65,10 @@ class ShardedWeightAveraging(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.state.fn == "fit" and self.num_averaged:
+        if trainer.state.fn == "fit" and self.num_averaged:  # the average swapped in, then back out
             self._swap(trainer, pl_module)
 
-    @override
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.state.fn == "fit" and self.num_averaged:
-            self._swap(trainer, pl_module)
+    on_validation_epoch_end = on_validation_epoch_start
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -91,36 +82,25 @@ class ShardedWeightAveraging(Callback):
     @torch.no_grad()
     def update(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """One averaging step of every parameter the optimizers hold (and of the buffers)."""
-        first = self.num_averaged == 0
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    state = optimizer.state[param]
-                    if first or AVERAGED not in state:
-                        state[AVERAGED] = param.detach().clone()
-                    else:
-                        state[AVERAGED].copy_(self.avg_fn(state[AVERAGED], param.detach(), self.num_averaged))
-        if self.use_buffers:
-            for name, buffer in pl_module.named_buffers():
-                average = self.buffer_averages.get(name)
-                if first or average is None:
-                    self.buffer_averages[name] = buffer.detach().clone()
-                else:
-                    average.copy_(self.avg_fn(average, buffer.detach(), self.num_averaged))
+        for table, key, current in self._averaged(trainer, pl_module):
+            if self.num_averaged == 0 or key not in table:
+                table[key] = current.clone()
+            else:
+                table[key].copy_(self.avg_fn(table[key], current, self.num_averaged))
         self.num_averaged += 1
 
-    def _pairs(self, trainer: Trainer, pl_module: LightningModule) -> Iterator[tuple[Tensor, Tensor]]:
-        """(current, its average) for every averaged tensor."""
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if AVERAGED in optimizer.state[param]:
-                        yield param.detach(), optimizer.state[param][AVERAGED]
+    def _averaged(self, trainer: Trainer, pl_module: LightningModule) -> list[tuple[dict[str, Any], str, Tensor]]:
+        """(the table holding its average, the key there, the current tensor) for every tensor
+        averaged: the optimizers' parameters, then the buffers."""
+        optimizers = trainer.optimizers
+        found = [(o.state[p], AVERAGED, p.detach()) for o in optimizers for g in o.param_groups for p in g["params"]]
         if self.use_buffers:
-            buffers = dict(pl_module.named_buffers())
-            for name, average in self.buffer_averages.items():
-                if name in buffers:
-                    yield buffers[name], average
+            found += [(self.buffer_averages, name, buffer.detach()) for name, buffer in pl_module.named_buffers()]
+        return found
+
+    def _pairs(self, trainer: Trainer, pl_module: LightningModule) -> list[tuple[Tensor, Tensor]]:
+        """(current, its average) for every tensor with an average."""
+        return [(current, table[key]) for table, key, current in self._averaged(trainer, pl_module) if key in table]
 
     @torch.no_grad()
     def _swap(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,15 +1,6 @@
-"""Lightning callbacks that cannot work on shards, refused before they run (as Lightning refuses
-`StochasticWeightAveraging` under its FSDP and DeepSpeed strategies), with what to do instead.
-
-Each of them keeps or edits whole-shaped copies of the weights outside forward, while under
-ZeRO-3 the module's parameters are this rank's 1-D shards between steps:
-- `StochasticWeightAveraging` and `WeightAveraging` (`EMAWeightAveraging`) `deepcopy` the
-  LightningModule before sharding and average it with the live parameters: the shapes differ
-  (a shape error deep inside torch), the copy holds the whole model on every rank, and the
-  checkpoint hooks would store one rank's shards as the averaged model.
-- `ModelPruning` reparametrises weights with `torch.nn.utils.prune` (`weight` becomes
-  `weight_orig * weight_mask`), replacing the very parameters the engine has sharded.
-"""
+"""Lightning callbacks that keep or edit whole-shaped weights outside forward, where the
+parameters are this rank's 1-D shards: refused before they run (as Lightning refuses
+`StochasticWeightAveraging` under FSDP and DeepSpeed), with what to do instead."""
 
 from __future__ import annotations
 

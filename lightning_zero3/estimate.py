@@ -11,30 +11,18 @@ collective carries per step, from the same unit plan the engine builds (engine/p
   dtype (G: the shard group, `shard_size` or the world), its gradient, and `optimizer_states`
   tensors like it (AdamW: 2); parameters kept whole (`persistence_threshold`) in full. This is
   16Ψ/G bytes for fp32 AdamW, the figure the parity tests measure.
-- Live units, the peak during forward and backward (`accounting.live_peak`): the root unit and
-  the last unit of forward (kept from forward into backward), the unit computing and `prefetch`
-  more, in the gather dtype, the largest units taken (every unit with
-  `reshard_after_forward=False`, and each other unit's 1/G slice with an int G); plus in backward
-  one unit's full gradients and `reductions_in_flight` + 1 Reduce-Scatter inputs in the reduce
-  dtype.
-- Payload per training step, by the engine's own rules (`accounting.step_bytes`): every unit
-  All-Gathered for forward and again for backward, except the root and the last unit (once;
-  every unit once with False; with an int G the backward's inside groups of G); one
-  Reduce-Scatter of every trainable unit; one All-Reduce of the whole parameters' gradients;
-  with shard groups, one All-Reduce of each rank's reduced shard across groups. A ring sends
-  (G-1)/G of an All-Gather's or Reduce-Scatter's payload from each rank and 2(R-1)/R of an
-  All-Reduce's over R ranks.
-- Accumulation over K micro-batches (`--accumulate K`): the gathers repeat per micro-batch;
-  with `--no-sync` (`set_requires_gradient_sync(False)`, Fabric's `no_backward_sync`, the
-  Trainer's `accumulate_unsharded=True`) the reductions run once per optimizer step, and every
-  trainable unit's full gradients are summed in fp32 (or the reduce dtype if wider) on every
-  rank until then: `unsynced sums`.
-- Offload (`--offload host`): the shards, their gradients and the optimizer state in host
-  memory, the device keeps one copy of the shards in the gather dtype; `--offload disk` also
-  moves the optimizer state of the shards to files (`offload_dir`). Parameters kept whole stay
-  on the device. The payload is the same.
-The engine's own row padding (16-byte alignment, one tag element) is left out: under 1% for
-units of more than a few thousand elements.
+- Live units and payload per step: the engine's own rules on unit sizes (`accounting.live_peak`,
+  `accounting.step_bytes`, docs/accounting.md), plus in backward one unit's full gradients and
+  `reductions_in_flight` + 1 Reduce-Scatter inputs in the reduce dtype. A ring sends (G-1)/G of
+  an All-Gather's or Reduce-Scatter's payload from each rank, 2(R-1)/R of an All-Reduce's.
+- `--accumulate K`: the gathers repeat per micro-batch; with `--no-sync` the reductions run once
+  per optimizer step, and every trainable unit's full gradients are summed in fp32 (or the
+  reduce dtype if wider) on every rank until then: `unsynced sums`.
+- `--offload host`: the shards, their gradients and the optimizer state in host memory, one copy
+  of the shards in the gather dtype on the device; `--offload disk` also the optimizer state of
+  the shards in files. Parameters kept whole stay on the device. The payload is the same.
+The engine's row padding (16-byte alignment, one tag element) is left out: under 1% for units
+of more than a few thousand elements.
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ import argparse
 import importlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -119,11 +107,11 @@ class Estimate:
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.2f} GiB"
 
 
 def estimate_units(
@@ -204,19 +192,12 @@ def estimate(
         module, config.wrap_policy, config.persistence_threshold, shard_group_size=config.shard_size or world_size
     )
     units = [[entry.param.numel() for entry in unit.params] for unit in plan.units]
-    trainable = any(p.requires_grad for p in module.parameters())
     dtypes = {p.dtype for p in module.parameters()}
     return estimate_units(
-        units,
-        world_size=world_size,
-        persistent=[entry.param.numel() for entry in plan.persistent],
-        config=config,
-        master_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
-        optimizer_states=optimizer_states,
-        trainable=trainable,
-        micro_batches=micro_batches,
-        no_sync=no_sync,
-    )
+        units, world_size=world_size, persistent=[entry.param.numel() for entry in plan.persistent], config=config,
+        master_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32, optimizer_states=optimizer_states,
+        trainable=any(p.requires_grad for p in module.parameters()), micro_batches=micro_batches, no_sync=no_sync,
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -254,15 +235,12 @@ def parse_reshard(text: str) -> bool | int:
 def run(args: argparse.Namespace) -> str:
     """The table for the parsed command line; `ValueError` for a bad combination."""
     config = ShardingConfig(
-        prefetch=args.prefetch,
-        shard_size=args.shard_size,
+        prefetch=args.prefetch, shard_size=args.shard_size, reshard_after_forward=args.reshard_after_forward,
         param_dtype=parse_dtype(args.param_dtype, "--param-dtype"),
         reduce_dtype=parse_dtype(args.reduce_dtype, "--reduce-dtype"),
-        reshard_after_forward=args.reshard_after_forward,
         offload=None if args.offload == "none" else "host",
-    )
-    if args.offload == "disk":  # the directory is the run's; any existing one stands in for it here
-        config = replace(config, offload_dir=".")
+        offload_dir="." if args.offload == "disk" else None,  # the run's own; any existing directory stands in
+    )  # fmt: skip
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
     if args.accumulate < 1:

@@ -1,18 +1,9 @@
-"""`fabric.save` and `fabric.load` under `ZeRO3FabricStrategy`, on top of lightning_zero3/checkpoint/.
-
-A Fabric state is a dict of the user's choosing: {"model": model, "optimizer": optimizer,
-"step": 3, ...}. One model (with any number of its optimizers) per checkpoint, as Lightning's
-FSDP strategy for Fabric requires.
-
-- "sharded": the package's sharded directory (docs/checkpoints.md). The model's state dict and the
-  optimizers' states are stored as a Trainer checkpoint stores them ("state_dict",
-  "optimizer_states"); the entry "fabric" records which keys of the user's state they were and
-  holds the rest of it. So `python -m lightning_zero3 consolidate` works on it too, and a
-  Trainer's sharded checkpoint loads into a Fabric model.
-- "full": one ordinary `torch.save` file from rank 0, the user's keys with whole tensors: the
-  file a DDP run of the same script writes, and reads.
-Both load at any world size; every rank agrees that a checkpoint is readable and fits the model
-before any collective that loads it (checkpoint/errors.py, Note: no hang on a bad checkpoint).
+"""`fabric.save` and `fabric.load` under `ZeRO3FabricStrategy`, on top of the run (core.py).
+One model (with any number of its optimizers) per checkpoint, as Lightning's FSDP requires.
+- "sharded": stored as a Trainer's sharded checkpoint ("state_dict", "optimizer_states"; docs/
+  checkpoints.md), plus the entry "fabric": the user's keys for them and the rest of the state.
+  So `python -m lightning_zero3 consolidate` reads it, and a Trainer's loads into Fabric.
+- "full": one `torch.save` file from rank 0, the user's keys with whole tensors, as under DDP.
 """
 
 from __future__ import annotations
@@ -67,20 +58,10 @@ def _split(
     return module_key, run, optimizers, rest
 
 
-def _filtered(key: str, value: Any, filter: dict[str, Callable[[str, Any], bool]]) -> Any:
-    if key in filter and isinstance(value, dict):
-        return {k: v for k, v in value.items() if filter[key](k, v)}
-    return value
-
-
 def save(
-    run_of: Callable[[nn.Module], ShardedRun],
-    path: str | os.PathLike,
-    state: dict[str, Any],
-    checkpoint_io: CheckpointIO,
-    *,
-    filter: dict[str, Callable[[str, Any], bool]] | None = None,
-) -> None:
+    run_of: Callable[[nn.Module], ShardedRun], path: str | os.PathLike, state: dict[str, Any],
+    checkpoint_io: CheckpointIO, *, filter: dict[str, Callable[[str, Any], bool]] | None = None,
+) -> None:  # fmt: skip
     module_key, run, optimizers, rest = _split(run_of, state, "save")
     if run.sharded_checkpoints:
         if filter:
@@ -95,7 +76,7 @@ def save(
             FABRIC_KEY: {"module": module_key, "optimizers": [key for key, _ in optimizers], "metadata": metadata},
         }
     else:
-        checkpoint = {}
+        checkpoint, filter = {}, filter or {}
         for key, obj in state.items():
             if key == module_key:
                 value: Any = run.model_state_dict()
@@ -103,19 +84,17 @@ def save(
                 value = run.optimizer_state(obj)
             else:
                 value = obj.state_dict() if _stateful(obj) else obj
-            checkpoint[key] = _filtered(key, value, filter or {})
+            if key in filter and isinstance(value, dict):
+                value = {k: v for k, v in value.items() if filter[key](k, v)}
+            checkpoint[key] = value
     run.save(as_path(path), checkpoint, checkpoint_io_files(checkpoint_io)[0], background=run.options().async_save)
 
 
 def load(
-    run_of: Callable[[nn.Module], ShardedRun],
-    filepath: str | os.PathLike,
-    state: nn.Module | Optimizer | dict[str, Any] | None,
-    read_file: ReadFile | None,
-    *,
-    strict: bool,
+    run_of: Callable[[nn.Module], ShardedRun], filepath: str | os.PathLike,
+    state: nn.Module | Optimizer | dict[str, Any] | None, read_file: ReadFile | None, *, strict: bool,
     weights_only: bool | None,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     file = as_path(filepath)
     context = f"Cannot load the checkpoint {file}"
     if isinstance(state, Optimizer):
@@ -125,7 +104,7 @@ def load(
         )
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         run = run_of(state)
-        run.wait_for_save()  # it may be writing this very path
+        run.wait_for_save()  # it may be writing this very path: before `is_dir`
         trusted = run.trusted(weights_only)
         if file.is_dir():
             load_sharded_model(run.open_sharded(file, strict=strict, trusted=trusted, context=context), run.engine)
@@ -173,11 +152,9 @@ def load(
             if key in optimizer_states:
                 load_full_optimizer_state(run.engine, optimizer, optimizer_states[key])
     for key, obj in rest.items():
-        if key not in metadata:
-            continue
-        if _stateful(obj):
+        if key in metadata and _stateful(obj):
             obj.load_state_dict(metadata.pop(key))
-        else:
+        elif key in metadata:
             state[key] = metadata.pop(key)
     return metadata
 

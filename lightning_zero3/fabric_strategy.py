@@ -1,14 +1,6 @@
 """`ZeRO3FabricStrategy`: ZeRO-3 for Lightning Fabric, the same engine as the Trainer's
-`ZeRO3Strategy` behind Fabric's strategy interface.
-
-    import lightning_zero3  # registers "zero3" with Fabric too
-    fabric = Fabric(strategy="zero3", devices=2)          # or strategy=ZeRO3FabricStrategy(prefetch=2)
-    fabric.launch()
-    model, optimizer = fabric.setup(model, optimizer)    # model's parameters are now 1/N shards
-
-Lightning keeps Trainer and Fabric strategies apart (two `FSDPStrategy` classes, two
-registries), and so does this package: `Fabric(strategy=ZeRO3Strategy())`, the Trainer's
-class, is refused by Fabric; the name "zero3" works in both.
+`ZeRO3Strategy` behind Fabric's strategy interface. As in Lightning (two `FSDPStrategy`
+classes), Fabric refuses the Trainer's class; the name "zero3" works in both.
 
 [Note: optimizers created before setup]
 Sharding replaces each parameter by a new 1-D `nn.Parameter` (its shard), so an optimizer built
@@ -21,8 +13,8 @@ already stepped (state of full shapes) is refused: build it after `setup_module`
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +34,7 @@ from typing_extensions import override
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.core import ShardedRun
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
+from lightning_zero3.grads import sharded_grad_norm
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 
 if TYPE_CHECKING:
@@ -70,21 +63,15 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         **options: Any,
     ) -> None:
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-        )
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision=precision,
+        )  # fmt: skip
         self.config, self.lightning_options = split_options(type(self).__name__, options)
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
-        # One engine per module set up (a GAN has two), by the module's id.
-        self._runs: dict[int, ShardedRun] = {}
-        # id(whole parameter replaced by a shard) -> (a weak reference to it, its shard), so that
-        # an optimizer built before setup can be pointed at the shards (Note: optimizers created
-        # before setup). The weak reference tells a reused id apart and lets the whole tensor be
-        # freed once no optimizer holds it.
+        self._runs: dict[int, ShardedRun] = {}  # one per module set up (a GAN has two), by id
+        # id(whole parameter replaced by a shard) -> (a weak reference to it, its shard) (Note:
+        # optimizers created before setup); the weak reference tells a reused id apart.
         self._replaced: dict[int, tuple[weakref.ref[Tensor], nn.Parameter]] = {}
         self._backward_sync_control = _NoBackwardSync(self.sharded_model)  # fabric.no_backward_sync
 
@@ -94,10 +81,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         assert self.cluster_environment is not None
         if self.lightning_options.start_method != "popen":
             self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
-        else:
-            # Also where the ranks were started outside (torchrun, SLURM, our own children): the
-            # launcher then only sets each rank's torch threads to its share of the cores. Without
-            # it the re-run ranks kept every core each: 1-3 s per step instead of 0.2-0.7 on 2 cores.
+        else:  # also for ranks started outside: it sets each rank's torch threads to its share of cores
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
@@ -108,9 +92,8 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     # ---- building and sharding the model ----------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        # empty_init: build on the meta device; setup_module materialises, initialises and shards
-        # one module at a time (engine/materialize.py), so no rank ever holds the whole model.
-        # Otherwise in host memory, as under Lightning's FSDP (never whole on the device).
+        # empty_init: on the meta device, materialised one module at a time by setup_module
+        # (engine/materialize.py); otherwise in host memory, as under Lightning's FSDP.
         stack = ExitStack()
         if empty_init:
             stack.enter_context(torch.device("meta"))
@@ -119,10 +102,8 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
-        # Nothing before `setup_module` (Fabric calls this first): sharding puts the shards,
-        # persistent parameters and buffers on the device one module at a time, so a whole model
-        # in host memory never goes there whole (engine/materialize.py, Note: sharding from host
-        # memory). A module set up already is there.
+        # Nothing before `setup_module` (Fabric calls this first), which places each module's
+        # shards on the device one at a time (engine/materialize.py, Note: sharding from host memory).
         for run in self._runs.values():
             if run.engine.module is module:
                 run.engine.move_module(self.root_device)  # offloaded shards stay on the host
@@ -130,7 +111,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard `module` in place (its parameters become this rank's 1-D shards) and return it."""
-        if id(module) in self._runs or any(run.engine.module is module for run in self._runs.values()):
+        if id(module) in self._runs:
             raise ValueError(f"{type(self).__name__}: this module was set up already; set up each module once.")
         before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
         sharded = build_engine(
@@ -144,8 +125,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             if after[name] is not old:  # parameters kept whole (persistence_threshold) stay as they are
                 self._replaced[id(old)] = (weakref.ref(old), after[name])
         plugin = self.precision
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            # Every rank skips the same steps.
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:  # every rank skips the same steps
             plugin.scaler = AgreeingGradScaler.like(plugin.scaler, sharded, device=self.root_device.type)
         return module
 
@@ -199,13 +179,15 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         the wrapper `fabric.setup` returned); with one model set up, `module` may be omitted."""
         return self._run_of(module).engine
 
-    def _run_of(self, module: nn.Module | None = None) -> ShardedRun:
+    def _run_of(self, module: nn.Module | None = None, *, within: bool = False) -> ShardedRun:
+        """`sharded_model`'s run; `within`: `module` may also be a submodule of a model set up."""
         if module is None and len(self._runs) == 1:
             return next(iter(self._runs.values()))
         inner = getattr(module, "_forward_module", module)  # Fabric's wrapper around what setup returned
-        for candidate in (module, inner):
-            if candidate is not None and id(candidate) in self._runs:
-                return self._runs[id(candidate)]
+        for run in self._runs.values():
+            held = run.engine.module
+            if held is module or held is inner or (within and any(m is inner for m in held.modules())):
+                return run
         raise ValueError(
             f"{type(self).__name__}: {type(module).__name__ if module is not None else 'no module'} was not set up "
             f"with this strategy ({len(self._runs)} set up). Pass the model returned by `fabric.setup(...)`."
@@ -229,14 +211,12 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
+        self, module: nn.Module, optimizer: Optimizer, max_norm: float | int, norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        """Clip by the norm of the whole gradient: one All-Reduce over the shards' norms."""
+    ) -> Tensor:  # fmt: skip
+        """Clip by the norm of the whole gradient: one All-Reduce over the shards' norms.
+        `error_if_nonfinite=True` (Fabric's default) reads the norm on the host to raise here, as
+        torch's `clip_grad_norm_` does, a sync per step on a GPU; False clips without any read."""
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         total = clip_grad_norm_(self.sharded_model(module), params, float(max_norm), float(norm_type))
@@ -250,38 +230,22 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     def grad_norm(self, module: nn.Module, norm_type: float | int | str = 2.0) -> dict[str, Tensor]:
         """Lightning's `grad_norm(module, norm_type)` for a sharded model: per parameter and total
         norms of the whole gradient, the same on every rank (one All-Reduce)."""
-        from lightning_zero3.grads import sharded_grad_norm
-
         sharded = self.sharded_model(module)
         return sharded_grad_norm(sharded, sharded.module, norm_type)
 
-    @contextmanager
     def gathered_parameters(
         self, module: nn.Module | None = None, *, modifier_rank: int | None = None
-    ) -> Generator[None, None, None]:
+    ) -> AbstractContextManager:
         """Make the parameters of `module` (a model set up with Fabric, or a submodule of one)
         whole on every rank inside the block; with `modifier_rank=r`, rank r's writes are kept."""
-        owner = self._owner_of(module)
+        owner = self._run_of(module, within=True).engine
         target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
-        with owner.gathered_parameters(target, modifier_rank=modifier_rank):
-            yield
+        return owner.gathered_parameters(target, modifier_rank=modifier_rank)
 
-    @contextmanager
-    def gathered_for_inference(self, module: nn.Module | None = None) -> Generator[None, None, None]:
+    def gathered_for_inference(self, module: nn.Module | None = None) -> AbstractContextManager:
         """Keep every unit of `module` (a model set up with Fabric; default: the only one)
-        gathered inside the block, for `generate()` and evaluation at DDP's speed; see
-        `ShardedModel.gathered_for_inference`."""
-        with self._owner_of(module).gathered_for_inference():
-            yield
-
-    def _owner_of(self, module: nn.Module | None) -> ShardedModel:
-        if module is None:
-            return self.sharded_model()
-        inner = getattr(module, "_forward_module", module)
-        for run in self._runs.values():
-            if any(m is inner for m in run.engine.module.modules()):
-                return run.engine
-        return self.sharded_model(module)
+        gathered inside the block (`ShardedModel.gathered_for_inference`)."""
+        return self._run_of(module, within=True).engine.gathered_for_inference()
 
     # ---- collectives Fabric uses -----------------------------------------------------------
     @override
@@ -293,12 +257,9 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------
     @override
     def save_checkpoint(
-        self,
-        path: str | Path,
-        state: dict[str, nn.Module | Optimizer | Any],
-        storage_options: Any | None = None,
+        self, path: str | Path, state: dict[str, nn.Module | Optimizer | Any], storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """`fabric.save`: "sharded" writes a directory (each rank its shards, nothing gathered),
         "full" one ordinary file from rank 0 with whole tensors. Both load at any world size."""
         if storage_options is not None:
@@ -307,12 +268,9 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def load_checkpoint(
-        self,
-        path: str | Path,
-        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
+        self, path: str | Path, state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True, weights_only: bool | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """`fabric.load`: a sharded directory or a full file, saved at any world size."""
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only)[1]
         file = self.broadcast(str(path))  # a path or a URL (Note: remote checkpoints)
@@ -321,10 +279,8 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     # ---- teardown ---------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        # Fabric tells a strategy nothing of failures, so teardown makes no collective: each module
-        # is left sharded, its forward refused, until a new setup makes it whole (core.py, Note:
-        # run lifecycle). `gathered_parameters` or a full save gives whole weights before this.
-        # The last background save: waited for here, its error raised on this rank (no agreement).
+        # Fabric tells a strategy nothing of failures, so no collective: each module is left
+        # sharded (core.py, Note: run lifecycle), the last background save's error raised here.
         errors = [run.wait_for_save(agree=False) for run in self._runs.values()]
         for run in self._runs.values():
             run.end(failed=True)

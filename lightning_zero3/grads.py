@@ -1,12 +1,6 @@
-"""True gradient norms under ZeRO-3, where `lightning.pytorch.utilities.grad_norm` would see only
-this rank's shards (rank 0 reporting 2.53 where the whole gradient's norm is 5.13).
-
-    def on_before_optimizer_step(self, optimizer):
-        self.log_dict(lightning_zero3.grad_norm(self, norm_type=2))   # Trainer
-    norms = fabric.strategy.grad_norm(model, norm_type=2)              # Fabric
-
-Same keys and meaning as Lightning's utility; every rank gets the same values from one
-All-Reduce. Every rank must call it (it is a collective)."""
+"""Gradient norms of the whole gradients under ZeRO-3 (`lightning.pytorch.utilities.grad_norm`
+would see this rank's shards): the same keys as Lightning's utility, the same values on every
+rank from one All-Reduce, so every rank must call it. Fabric: `fabric.strategy.grad_norm`."""
 
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ def sharded_grad_norm(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    # A parameter's gradient exists on every rank or on none (the engine sets all shards' grads
-    # together), so every rank passes the same list to the collective.
+    # The engine sets every rank's shard gradients together: each rank passes the same list.
     named = [(name, p) for name, p in module.named_parameters() if p.grad is not None]
     if not named:
         return {}

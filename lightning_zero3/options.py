@@ -5,22 +5,16 @@ device properties Lightning asks of both (`RanksAndDevices`).
 
 [Note: Lightning's private names]
 A strategy outside Lightning cannot avoid a few of Lightning's underscored names; each use is
-listed here. Tried: Lightning 2.6.6 (the installed release of the supported range
-`lightning>=2.5,<2.7`). Fallback: none is possible for the launchers (Lightning has no public
-launcher a strategy could use instead); the version pin in pyproject.toml is the guard, and a
-rename fails at import, naming the missing name, not mid-training.
+listed here. Tried: Lightning 2.6.6 (the supported range is `lightning>=2.5,<2.7`). No fallback
+is possible for the launchers (Lightning has no public launcher a strategy could use instead);
+the version pin in pyproject.toml is the guard, and a rename fails at import, naming the missing
+name, not mid-training.
 - `_SubprocessScriptLauncher`, `_MultiProcessingLauncher` (both strategies): the launchers
   Lightning's own DDP/FSDP strategies set in `_configure_launcher`.
 - Fabric's `_FabricModule._forward_module` (fabric_strategy.py): the module `fabric.setup`
   wrapped, to find the engine that holds it.
 - Fabric's `_BackwardSyncControl` and `Strategy._backward_sync_control` (fabric_strategy.py):
   what `fabric.no_backward_sync` calls; without it Fabric only warns.
-- Not needed any more: `_sync_ddp_if_available`, `_get_default_process_group_backend_for_device`
-  and `_optimizers_to_device` (`all_reduce`, `default_backend`, `optimizer_state_to_params` below),
-  `_StrategyRegistry` and `_PATH` (public types), `LightningOptimizer._optimizer` (its public
-  `.optimizer`).
-Replaced by public code: `_init_dist_connection` and `_distributed_is_initialized`
-(`join_process_group` and `_distributed` below call torch.distributed directly).
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
@@ -52,22 +46,17 @@ STATE_DICT_TYPES = ("sharded", "full")
 
 @dataclass(frozen=True)
 class LightningOptions:
-    """The options only the Lightning strategies have (the engine's are `ShardingConfig`).
+    """The options only the Lightning strategies have (the engine's are `ShardingConfig`); the
+    README's table says what each does.
 
     Args:
-        state_dict_type: "sharded" (a directory, each rank its shards) or "full" (one file
-            written by rank 0) checkpoints.
-        trust_checkpoint: unpickle checkpoint files without restriction, which can run code
-            from the file (checkpoint/trust.py). Default False.
+        state_dict_type: "sharded" (a directory, each rank its shards) or "full" (one file from rank 0).
+        trust_checkpoint: unpickle checkpoint files without restriction (checkpoint/trust.py).
         timeout: process-group timeout: a rank that never arrives fails the others after it.
         start_method: "popen" (re-run the script per rank) or a multiprocessing start method.
-        async_save: sharded saves (`trainer.save_checkpoint`, `ModelCheckpoint`, `fabric.save`)
-            return once each rank has a host copy of its shards and write in a background
-            thread (docs/checkpoints.md). Default False.
-        accumulate_unsharded: with `accumulate_grad_batches=k` (Trainer), the micro-batches
-            before the last sum their unsharded gradients locally and the last Reduce-Scatters
-            once: k-fold fewer Reduce-Scatter bytes, for 4 bytes per parameter held on every
-            rank meanwhile (engine/accumulate.py). Default False: each micro-batch reduces.
+        async_save: sharded saves write in a background thread (docs/checkpoints.md).
+        accumulate_unsharded: micro-batches of `accumulate_grad_batches` Reduce-Scatter once
+            (engine/accumulate.py).
     """
 
     state_dict_type: Literal["sharded", "full"] = "sharded"
@@ -78,21 +67,16 @@ class LightningOptions:
     accumulate_unsharded: bool = False
 
     def __post_init__(self) -> None:
-        def bad(option: str, expected: str) -> ValueError:
-            return ValueError(f"LightningOptions({option}=...) must be {expected}; got {getattr(self, option)!r}.")
-
-        if self.state_dict_type not in STATE_DICT_TYPES:
-            raise bad("state_dict_type", f"one of {STATE_DICT_TYPES}")
-        if not isinstance(self.trust_checkpoint, bool):
-            raise bad("trust_checkpoint", "a bool")
-        if not isinstance(self.timeout, timedelta):
-            raise bad("timeout", "a datetime.timedelta")
-        if not isinstance(self.async_save, bool):
-            raise bad("async_save", "a bool")
-        if not isinstance(self.accumulate_unsharded, bool):
-            raise bad("accumulate_unsharded", "a bool")
-        if self.start_method not in START_METHODS:
-            raise bad("start_method", f"one of {START_METHODS}")
+        for option, valid, expected in (
+            ("state_dict_type", self.state_dict_type in STATE_DICT_TYPES, f"one of {STATE_DICT_TYPES}"),
+            ("trust_checkpoint", isinstance(self.trust_checkpoint, bool), "a bool"),
+            ("timeout", isinstance(self.timeout, timedelta), "a datetime.timedelta"),
+            ("async_save", isinstance(self.async_save, bool), "a bool"),
+            ("accumulate_unsharded", isinstance(self.accumulate_unsharded, bool), "a bool"),
+            ("start_method", self.start_method in START_METHODS, f"one of {START_METHODS}"),
+        ):
+            if not valid:
+                raise ValueError(f"LightningOptions({option}=...) must be {expected}; got {getattr(self, option)!r}.")
 
 
 def split_options(owner: str, options: dict[str, Any]) -> tuple[ShardingConfig, LightningOptions]:
@@ -114,11 +98,6 @@ def split_options(owner: str, options: dict[str, Any]) -> tuple[ShardingConfig, 
     return config, lightning
 
 
-def mixed_precision_dtype(precision: str) -> torch.dtype | None:
-    """The gather dtype a precision flag implies: 16-bit for the "-mixed" flags."""
-    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-
-
 def build_engine(
     owner: str, module: nn.Module, config: ShardingConfig, *, precision: object, world_size: int, device: torch.device
 ) -> ShardedModel:
@@ -134,7 +113,7 @@ def build_engine(
         )
     config = replace(
         config,
-        param_dtype=config.param_dtype or mixed_precision_dtype(flag),
+        param_dtype=config.param_dtype or {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(flag),
         shard_size=config.shard_size if config.shard_size != world_size else None,
     )
     return ShardedModel(module, config, device=device)
@@ -149,37 +128,6 @@ def checkpoint_io_files(
     if type(checkpoint_io) is TorchCheckpointIO:
         return None, None
     return checkpoint_io.save_checkpoint, lambda path: checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-
-
-def join_process_group(
-    owner: str, env: ClusterEnvironment, backend: str, *, timeout: timedelta, device: torch.device
-) -> None:
-    """Join (or reuse) the default process group; a rank that never arrives fails the others after
-    `timeout` with an error naming the address and the likely causes."""
-    if not torch.distributed.is_available():
-        raise RuntimeError(f"{owner} needs torch.distributed, which this torch build does not have.")
-    if torch.distributed.is_initialized():
-        return  # e.g. torchrun's script set it up, or a test harness
-    kwargs: dict[str, Any] = {"timeout": timeout}
-    if device.type != "cpu":
-        kwargs["device_id"] = device
-    # What Lightning's own strategies do (through a private helper): the store address from
-    # the cluster environment, then the process group.
-    os.environ["MASTER_ADDR"] = env.main_address
-    os.environ["MASTER_PORT"] = str(env.main_port)
-    try:
-        torch.distributed.init_process_group(backend, rank=env.global_rank(), world_size=env.world_size(), **kwargs)
-    except RuntimeError as err:  # torch's DistStoreError/DistNetworkError when a rank never arrives
-        raise RuntimeError(
-            f"{owner}: the {env.world_size()} ranks did not all join the process group at "
-            f"{env.main_address}:{env.main_port} within timeout={timeout.total_seconds():g} s (this is "
-            f"global rank {env.global_rank()}). Check that every node runs the same command with the same "
-            f"num_nodes and devices, and that the main address and port are reachable. Cause: {err}"
-        ) from err
-    # Destroyed at exit, for every backend: NCCL warns about a group never destroyed, and gloo's
-    # worker threads abort the process as Python finalizes (engine/comm.py, `new_group`).
-    atexit.register(_leave_process_group)
-    rank_zero_info(f"{owner}: {env.world_size()} processes joined the {backend} process group.")
 
 
 def _leave_process_group() -> None:
@@ -225,54 +173,6 @@ def optimizer_state_to_params(optimizers: list[torch.optim.Optimizer]) -> None:
                     state[key] = value.to(param.device)
 
 
-def default_backend(device: torch.device) -> str:
-    """The process-group backend for `device`: "nccl" for CUDA, "gloo" for CPU."""
-    return torch.distributed.get_default_backend_for_device(device)
-
-
-def barrier(device: torch.device) -> None:
-    """Wait for every rank (NCCL needs the device to wait on)."""
-    if not _distributed():
-        return
-    if torch.distributed.get_backend() == "nccl":
-        torch.distributed.barrier(device_ids=[device.index])
-    else:
-        torch.distributed.barrier()
-
-
-def broadcast_object(obj: T, src: int) -> T:
-    """`obj` from rank `src` on every rank (pickled: small control values only)."""
-    if not _distributed():
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-    return box[0]
-
-
-class _LightningParallel(Protocol):
-    """What `RanksAndDevices` reads from the Lightning strategy it is mixed into."""
-
-    cluster_environment: ClusterEnvironment | None
-    _num_nodes: int  # set in the strategy's __init__
-    _process_group_backend: str | None  # the user's choice, else resolved on joining
-
-    @property
-    def parallel_devices(self) -> list[torch.device] | None: ...
-    @property
-    def local_rank(self) -> int: ...
-    @property
-    def global_rank(self) -> int: ...
-    @property
-    def node_rank(self) -> int: ...
-    @property
-    def root_device(self) -> torch.device: ...
-    @property
-    def num_nodes(self) -> int: ...
-    @property
-    def num_processes(self) -> int: ...
-    def set_world_ranks(self) -> None: ...
-
-
 class RanksAndDevices:
     """Lightning's rank and device properties and control collectives, the same for the Trainer's
     `ZeRO3Strategy` and Fabric's `ZeRO3FabricStrategy`: mixed in before Lightning's
@@ -280,33 +180,39 @@ class RanksAndDevices:
 
     _num_nodes: int  # set in the strategy's __init__
     _process_group_backend: str | None  # the user's choice, else resolved on joining
+    if TYPE_CHECKING:  # what the strategy's Lightning base provides
+        cluster_environment: ClusterEnvironment | None
+        parallel_devices: list[torch.device] | None
+        local_rank: int
+        global_rank: int
+        node_rank: int
 
     @property
-    def root_device(self: _LightningParallel) -> torch.device:
+    def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
     @property
-    def num_nodes(self: _LightningParallel) -> int:
+    def num_nodes(self) -> int:
         return self._num_nodes
 
     @num_nodes.setter
-    def num_nodes(self: _LightningParallel, num_nodes: int) -> None:
+    def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
     @property
-    def num_processes(self: _LightningParallel) -> int:
+    def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def distributed_sampler_kwargs(self: _LightningParallel) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
-    def process_group_backend(self: _LightningParallel) -> str | None:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
-    def set_world_ranks(self: _LightningParallel) -> None:
+    def set_world_ranks(self) -> None:
         """Tell the cluster environment this rank's global rank and the world size, and
         Lightning's rank-zero utilities who rank zero is. The Trainer calls it by this name,
         Fabric as `_set_world_ranks`."""
@@ -318,18 +224,50 @@ class RanksAndDevices:
 
     _set_world_ranks = set_world_ranks
 
-    def join_world(self: _LightningParallel, timeout: timedelta) -> None:
-        """`setup_environment` after Lightning's own: seed, ranks, backend, the process group."""
+    def join_world(self, timeout: timedelta) -> None:
+        """`setup_environment` after Lightning's own: seed, ranks, backend, then join (or reuse) the
+        default process group; a rank that never arrives fails the others after `timeout` with an
+        error naming the address and the likely causes."""
         reset_seed()
         self.set_world_ranks()
-        device = self.root_device
-        backend = self._process_group_backend or default_backend(device)
+        owner, env, device = type(self).__name__, self.cluster_environment, self.root_device
+        assert env is not None
+        backend = self._process_group_backend or torch.distributed.get_default_backend_for_device(device)
         self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        join_process_group(type(self).__name__, self.cluster_environment, backend, timeout=timeout, device=device)
+        if not torch.distributed.is_available():
+            raise RuntimeError(f"{owner} needs torch.distributed, which this torch build does not have.")
+        if torch.distributed.is_initialized():
+            return  # e.g. torchrun's script set it up, or a test harness
+        # What Lightning's own strategies do (through a private helper): the store address from
+        # the cluster environment, then the process group.
+        os.environ["MASTER_ADDR"] = env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)
+        try:
+            torch.distributed.init_process_group(
+                backend, rank=env.global_rank(), world_size=env.world_size(), timeout=timeout,
+                device_id=device if device.type != "cpu" else None,
+            )  # fmt: skip
+        except RuntimeError as err:  # torch's DistStoreError/DistNetworkError when a rank never arrives
+            raise RuntimeError(
+                f"{owner}: the {env.world_size()} ranks did not all join the process group at "
+                f"{env.main_address}:{env.main_port} within timeout={timeout.total_seconds():g} s (this is "
+                f"global rank {env.global_rank()}). Check that every node runs the same command with the same "
+                f"num_nodes and devices, and that the main address and port are reachable. Cause: {err}"
+            ) from err
+        # Destroyed at exit, for every backend: NCCL warns about a group never destroyed, and gloo's
+        # worker threads abort the process as Python finalizes (engine/comm.py, `new_group`).
+        atexit.register(_leave_process_group)
+        rank_zero_info(f"{owner}: {env.world_size()} processes joined the {backend} process group.")
 
-    def barrier(self: _LightningParallel, *args: Any, **kwargs: Any) -> None:
-        barrier(self.root_device)
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed():  # NCCL needs the device to wait on
+            nccl = torch.distributed.get_backend() == "nccl"
+            torch.distributed.barrier(device_ids=[self.root_device.index] if nccl else None)
 
     def broadcast(self, obj: T, src: int = 0) -> T:
-        return broadcast_object(obj, src)
+        """`obj` from rank `src` on every rank (pickled: small control values only)."""
+        if not _distributed():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]

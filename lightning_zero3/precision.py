@@ -1,19 +1,14 @@
-"""Lightning precision plugins for sharded training.
-
-Two things differ from Lightning's own plugins when parameters are shards:
-- gradient clipping by norm must take the norm of the whole gradient, over every rank's shards
-  (one All-Reduce of a scalar), not the norm of this rank's shards;
-- fp16 loss scaling must skip a step on every rank or on none (`AgreeingGradScaler`).
+"""Lightning precision plugins for sharded training: clipping by the norm of the whole gradient
+(one All-Reduce over every rank's shards), and fp16 loss scaling that skips a step on every rank
+or on none (`AgreeingGradScaler`).
 
 [Note: explicit precision plugins]
-Lightning builds its plugin from the Trainer's `precision` flag before the strategy sees the
-model, and clipping goes `LightningModule.clip_gradients` -> `trainer.precision_plugin
-.clip_gradients` -> `clip_grad_by_norm`, with no strategy in between. So at setup the strategy
-replaces the plugin with one of the classes below: each is Lightning's class for that flag plus
-`clip_grad_by_norm` over shards, rebuilt through its public constructor with the same settings.
-They are ordinary module-level classes (picklable: `torch.save(trainer)` works); their names
-are the checkpoint key of the plugin's state (the fp16 scaler), "ZeRO3MixedPrecision" etc., as
-before. Other plugin types are refused with a message: their clipping would be per shard.
+Lightning builds its plugin from the Trainer's `precision` flag, and clipping goes
+`LightningModule.clip_gradients` -> `trainer.precision_plugin.clip_gradients` ->
+`clip_grad_by_norm`, with no strategy in between. So at setup the strategy replaces the plugin
+with Lightning's class for that flag plus clipping over shards, rebuilt through its public
+constructor with the same settings. Module-level classes (picklable); their names are the
+checkpoint key of the plugin's state (the fp16 scaler). Other plugin types are refused.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_n
 class _GlobalNormClipping(Precision):
     """Clipping by norm over every rank's gradient shards."""
 
-    # The engine whose shards the optimizers step on; set by `sharded_precision`.
     sharded_model: ShardedModel | None = None
 
     @override
@@ -43,8 +37,7 @@ class _GlobalNormClipping(Precision):
         clip_grad_norm_(self.sharded_model, params, float(clip_val))
 
     def __getstate__(self) -> dict[str, object]:
-        # The engine holds this process's process groups: a pickled plugin (`torch.save(trainer)`)
-        # leaves it behind, as the strategy does.
+        # The engine holds this process's process groups: `torch.save(trainer)` leaves it behind.
         return {**self.__dict__, "sharded_model": None}
 
 
@@ -53,15 +46,10 @@ class ZeRO3Precision(_GlobalNormClipping, Precision):
 
 
 class ZeRO3MixedPrecision(_GlobalNormClipping, MixedPrecision):
-    """`precision="16-mixed"` / `"bf16-mixed"` with shards: autocast, and for fp16 a GradScaler
-    whose skip decision every rank shares.
-
-    Clipping with an optimizer that unscales inside its own step (fused AdamW) works here, where
-    Lightning's plugin raises: the gradients are unscaled first, which torch's GradScaler supports
-    (its `step` then passes no scale to the optimizer, having seen `unscale_`). The flag read is
-    torch's `Optimizer._step_supports_amp_scaling`, private, the one Lightning's own check reads
-    (torch 2.13-2.14 tried); an optimizer without it is treated as unscaling nothing itself.
-    """
+    """`precision="16-mixed"` / `"bf16-mixed"` with shards. Clipping with an optimizer that
+    unscales inside its step (fused AdamW), which Lightning's plugin refuses, unscales first (torch's
+    GradScaler then passes no scale to the step). The flag is torch's private
+    `Optimizer._step_supports_amp_scaling`, the one Lightning reads (torch 2.13-2.14 tried)."""
 
     @override
     def clip_gradients(
@@ -90,9 +78,7 @@ def sharded_precision(plugin: Precision, sharded: ShardedModel, *, device: torch
     kind = type(plugin)
     if kind in (MixedPrecision, ZeRO3MixedPrecision):
         assert isinstance(plugin, MixedPrecision)
-        scaler = plugin.scaler
-        if scaler is not None:
-            scaler = AgreeingGradScaler.like(scaler, sharded, device=device.type)
+        scaler = None if plugin.scaler is None else AgreeingGradScaler.like(plugin.scaler, sharded, device=device.type)
         flag: Literal["bf16-mixed", "16-mixed"] = "bf16-mixed" if plugin.precision == "bf16-mixed" else "16-mixed"
         new = ZeRO3MixedPrecision(flag, plugin.device, scaler)
     elif kind in (HalfPrecision, ZeRO3HalfPrecision):

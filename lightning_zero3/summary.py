@@ -3,15 +3,12 @@ parameters, not of this rank's shards, and the figures behind `ZeRO3Strategy.sta
 
 [Note: ModelSummary._summary]
 Lightning's `ModelSummary` callback (and `RichModelSummary`) builds its table in the private
-method `_summary(trainer, pl_module)`, which picks a `DeepSpeedSummary` for DeepSpeed ZeRO-3
-and counts `p.numel()` otherwise: with shards, 1/N of every layer. There is no public hook for a
-strategy to supply the counts, so the strategy sets `_summary` on each such callback instance to
-a `FullSizeSummaryBuilder` (a picklable module-level class). Private names used: the callback's
-`_summary` (replaced) and `_max_depth` (read); in `FullSizeSummary`, the summary's `_model` and
-`_max_depth` and `LayerSummary._module`, which Lightning's own subclasses read the same way.
-Tried: Lightning 2.6.6 (the only release in the supported range installed here). Fallback: if
-a Lightning release drops `_summary` or `_max_depth`, nothing is set and a warning says the
-summary shows shard sizes (tests/test_strategy_lightning.py).
+method `_summary(trainer, pl_module)`, which counts `p.numel()`: with shards, 1/N of every layer.
+No public hook lets a strategy supply the counts, so the strategy replaces `_summary` on each
+such callback (with a picklable partial). Private names used: the callback's `_summary` and
+`_max_depth`; the summary's `_model` and `_max_depth` and `LayerSummary._module`, read as
+Lightning's own subclasses do. Tried: Lightning 2.6.6. Fallback: without `_summary` or
+`_max_depth` nothing is set and a warning says the table shows shard sizes.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelSummary
@@ -43,18 +41,11 @@ def count_full_parameters(callbacks: Iterable[Any], numel: Callable[[Tensor], in
                 stacklevel=2,
             )
             continue
-        callback._summary = FullSizeSummaryBuilder(callback._max_depth, numel)  # type: ignore[method-assign]
+        callback._summary = partial(_summary, callback._max_depth, numel)  # type: ignore[method-assign]
 
 
-class FullSizeSummaryBuilder:
-    """Stands in for `ModelSummary._summary` (Note: ModelSummary._summary)."""
-
-    def __init__(self, max_depth: int, numel: Callable[[Tensor], int]) -> None:
-        self.max_depth = max_depth
-        self.numel = numel
-
-    def __call__(self, trainer: Any, pl_module: Any) -> Summary:
-        return FullSizeSummary(pl_module, max_depth=self.max_depth, numel=self.numel)
+def _summary(max_depth: int, numel: Callable[[Tensor], int], trainer: Any, pl_module: Any) -> Summary:
+    return FullSizeSummary(pl_module, max_depth=max_depth, numel=numel)
 
 
 class FullSizeSummary(Summary):
@@ -99,7 +90,10 @@ def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[st
     def measured(stats: CommStats | None) -> dict[str, dict[str, float]]:
         return {kind: vars(b).copy() for kind, b in stats.last_step.items()} if stats is not None else {}
 
-    alive, expected = sharded.unit_stats, sharded.last_step_expected_bytes
+    def expected(**group: bool) -> dict[str, int]:  # the last step's formula, else the next one's
+        return sharded.last_step_expected_bytes(**group) or sharded.expected_step_bytes(**group)
+
+    alive = sharded.unit_stats
     return {
         "world_size": sharded.world_comm.world_size,
         "shard_size": sharded.comm.world_size,
@@ -108,14 +102,12 @@ def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[st
         "full_parameters": sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent),
         "units": len([u for u in sharded.units if u.params]),
         "last_step": measured(sharded.stats),
-        "expected_step_bytes": expected() or sharded.expected_step_bytes(),
+        "expected_step_bytes": expected(),
         "last_step_across_groups": measured(sharded.replicate_stats),
-        "expected_step_bytes_across_groups": (
-            expected(across_groups=True) or sharded.expected_step_bytes(across_groups=True)
-        ),
+        "expected_step_bytes_across_groups": expected(across_groups=True),
         # reshard_after_forward=G: the backward's All-Gathers inside the groups of G.
         "last_step_in_slice_groups": measured(sharded.slice_stats),
-        "expected_step_bytes_in_slice_groups": expected(slices=True) or sharded.expected_step_bytes(slices=True),
+        "expected_step_bytes_in_slice_groups": expected(slices=True),
         # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
         "last_step_control": measured(sharded.world_comm.stats),
         "gather_wait_s": sharded.stats.last_step_gather_wait_s,
@@ -126,4 +118,4 @@ def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[st
     }
 
 
-__all__ = ["FullSizeSummary", "FullSizeSummaryBuilder", "count_full_parameters", "sharded_stats"]
+__all__ = ["FullSizeSummary", "count_full_parameters", "sharded_stats"]

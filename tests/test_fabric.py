@@ -248,6 +248,34 @@ def test_bf16_mixed_gathers_in_bf16_and_clipping_by_value_acts_on_shards() -> No
         assert max_difference(result["state"], model.state_dict()) < 1e-3
 
 
+def _host_reads_of_clipping(rank: int, world_size: int) -> dict[str, Any]:
+    from tests.test_engine_syncs import _counting_host_reads
+
+    f = fabric(rank, world_size)
+    torch.manual_seed(0)
+    model = models.MLP()
+    model, optimizer = f.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = models.mlp_batch(0)
+    f.backward(torch.nn.functional.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)))
+    reads = {}
+    for check in (False, True):
+        with _counting_host_reads() as counter:
+            f.clip_gradients(model, optimizer, max_norm=1e6, error_if_nonfinite=check)
+        reads[check] = counter.count
+    next(model.parameters()).grad.fill_(float("inf"))
+    with pytest.raises(RuntimeError) as raised:
+        f.clip_gradients(model, optimizer, max_norm=1.0)
+    return {"reads": reads, "error": str(raised.value)}
+
+
+def test_fabric_clipping_reads_the_norm_on_the_host_only_to_check_it_is_finite() -> None:
+    """`error_if_nonfinite=True` (Fabric's default) must read the norm to raise at the call, as
+    torch's `clip_grad_norm_` does; False clips without stopping a GPU's queue."""
+    for result in run_ranks(_host_reads_of_clipping, 2):
+        assert result["reads"] == {False: 0, True: 1}, result
+        assert "is non-finite" in result["error"] and "error_if_nonfinite=False" in result["error"], result
+
+
 def _gathered(rank: int, world_size: int) -> dict[str, Any]:
     f = fabric(rank, world_size)
     torch.manual_seed(0)
