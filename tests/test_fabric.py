@@ -262,10 +262,13 @@ def _host_reads_of_clipping(rank: int, world_size: int) -> dict[str, Any]:
         with _counting_host_reads() as counter:
             f.clip_gradients(model, optimizer, max_norm=1e6, error_if_nonfinite=check)
         reads[check] = counter.count
-    next(model.parameters()).grad.fill_(float("inf"))
+    first, *others = model.parameters()
+    first.grad.fill_(float("inf"))
+    before = [p.grad.clone() for p in others]
     with pytest.raises(RuntimeError) as raised:
         f.clip_gradients(model, optimizer, max_norm=1.0)
-    return {"reads": reads, "error": str(raised.value)}
+    untouched = all(torch.equal(p.grad, g) for p, g in zip(others, before))
+    return {"reads": reads, "error": str(raised.value), "untouched": untouched}
 
 
 def test_fabric_clipping_reads_the_norm_on_the_host_only_to_check_it_is_finite() -> None:
@@ -274,6 +277,7 @@ def test_fabric_clipping_reads_the_norm_on_the_host_only_to_check_it_is_finite()
     for result in run_ranks(_host_reads_of_clipping, 2):
         assert result["reads"] == {False: 0, True: 1}, result
         assert "is non-finite" in result["error"] and "error_if_nonfinite=False" in result["error"], result
+        assert result["untouched"], "the gradients were scaled before the error (torch raises first)"
 
 
 def _gathered(rank: int, world_size: int) -> dict[str, Any]:
