@@ -1,33 +1,23 @@
 """The only module that calls torch.distributed. It takes the process group explicitly and
-counts what every collective moves, so the accounting in `CommStats` is measured, not modelled.
-
-Bytes are counted two ways per collective:
-- payload: the size of the full tensor the collective produces or consumes (All-Gather: the
-  gathered output; Reduce-Scatter: the unreduced input; All-Reduce: the tensor);
-- wire: what one rank sends with the ring algorithm, (N-1)/N of the payload for All-Gather and
-  Reduce-Scatter and 2(N-1)/N for All-Reduce. It is zero on one rank.
-How the rows of an All-Gather or a Reduce-Scatter move is the transport's, chosen once per
-process group and device (transport.py).
+counts what every collective moves: payload (the full tensor a collective produces or consumes)
+and wire (what one rank sends with the ring algorithm: (N-1)/N of the payload, 2(N-1)/N for
+All-Reduce, zero on one rank). How rows move is the transport's (transport.py).
 
 [Note: streams]
-On CUDA the engine's communication runs beside the compute, as PyTorch FSDP2 does: a gather's
-copy-in (shards -> send row) runs on a copy-in stream that first waits for the compute stream
-(the optimizer may just have written the shards); the All-Gather is issued from a gather stream
-that waits for the copy-in's event; a Reduce-Scatter's copy-in and issue run on a reduce
-stream that waits for the compute stream (the gradients are written there). Consumers wait for
-an event recorded after the issue, then for the collective's work (on NCCL both are waits of
-the current stream, not of the host). `Streams` owns the streams and events, one per device
-and process group; on CPU every method is a no-op and everything runs in program order.
-Buffers move between streams through the `BufferPool`, one stream per role (buffers.py, Note:
-buffer roles and streams).
+On CUDA communication runs beside the compute, as in FSDP2: a gather's copy-in (shards -> send
+row) runs on a copy-in stream that first waits for the compute stream (the optimizer may just
+have written the shards); the All-Gather is issued from a gather stream that waits for the
+copy-in's event; a Reduce-Scatter's issue runs on a reduce stream that waits for the compute
+stream. Consumers wait for an event recorded after the issue, then for the work (on NCCL both
+are stream waits, not host waits). `Streams` owns them per device and group; on CPU it does
+nothing. Buffers cross streams through the pool (buffers.py, Note: buffer roles and streams).
 
 [Note: collective device]
-A `Comm` built with `device` takes tensors of that device type only, on every backend: NCCL
-has no path for CPU tensors ("No backend type associated with device type cpu", or a crash),
-and gloo, which takes both, would hide such a call in every CPU test. So every collective
-checks its tensors first and raises `CollectiveError` naming them; callers holding state
-elsewhere (optimizer state Lightning's teardown moved to the host) copy it to `device`
-one tensor at a time (state.py).
+A `Comm` built with `device` takes tensors of that device type only, on every backend: NCCL has
+no path for CPU tensors ("No backend type associated with device type cpu", or a crash), and
+gloo, which takes both, would hide such a call in every CPU test. So every collective checks its
+tensors and raises `CollectiveError` naming them; callers holding state elsewhere (optimizer state
+Lightning's teardown moved to the host) copy it to `device` one tensor at a time (state.py).
 """
 
 from __future__ import annotations
@@ -74,9 +64,8 @@ class CommStats:
 
     current: dict[str, CollectiveBytes] = field(default_factory=lambda: defaultdict(CollectiveBytes))
     last_step: dict[str, CollectiveBytes] = field(default_factory=dict)
-    # Seconds spent blocked waiting for All-Gathers: what prefetch failed to hide. On CPU the
-    # host blocks in `wait()`; on CUDA the compute stream does, timed by events read only when
-    # `last_step_gather_wait_s` is (a sync then, never during the step).
+    # Seconds blocked waiting for All-Gathers (what prefetch failed to hide): the host's on CPU; on
+    # CUDA the compute stream's, timed by events read only by `last_step_gather_wait_s` (a sync).
     gather_wait_s: float = 0.0
     _last_host_s: float = 0.0
     waits: list[tuple[Any, Any]] = field(default_factory=list)  # (start, end) CUDA events
@@ -90,7 +79,6 @@ class CommStats:
 
     @property
     def last_step_gather_wait_s(self) -> float:
-        """Seconds the last step waited for All-Gathers (host on CPU, compute stream on CUDA)."""
         stalled = 0.0
         for start, end in self._last_waits:
             end.synchronize()
@@ -113,7 +101,7 @@ COLLECTIVE_HINT = (
 
 
 class Streams:
-    """The streams and events of one device's collectives (Note: streams)."""
+    """Note: streams."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -126,9 +114,8 @@ class Streams:
 
     @contextmanager
     def on(self, name: str | None, *, after: Any = None, wait_current: bool | None = None) -> Iterator[None]:
-        """Run the block on stream `name` ("copy_in", "gather", "reduce", "replicate"; None: the
-        current one). "copy_in" and "reduce" first wait for the current stream unless `wait_current`
-        says otherwise; `after`: an event to wait for too."""
+        """Run the block on stream `name` (None: the current one), which first waits for the
+        current stream (by default all but "gather") and for `after`."""
         if not self.enabled or name is None:
             yield
             return
@@ -140,19 +127,16 @@ class Streams:
         with torch.cuda.stream(stream):
             yield
 
-    def event(self) -> Any:
-        """An event after the work queued so far on the current stream (None on CPU)."""
+    def event(self) -> Any:  # None on CPU
         return current_event(self.device) if self.enabled else None
 
-    def wait_for(self, event: Any) -> None:
-        """Make the current stream wait for `event` (no host wait)."""
+    def wait_for(self, event: Any) -> None:  # the current stream waits, not the host
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
 
 class Comm:
-    """Collectives over one process group. With no process group (one process, no
-    torch.distributed) every collective is a local copy, so the engine runs unchanged."""
+    """Collectives over one process group; without torch.distributed, local copies."""
 
     def __init__(
         self, group: dist.ProcessGroup | None = None, *, pool: BufferPool | None = None,
@@ -162,23 +146,16 @@ class Comm:
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
-        # Shared by the Comms whose traffic is counted together (model.py).
-        self.stats = stats if stats is not None else CommStats()
-        # Receive buffers of a transport that needs them (gloo.py).
-        self.pool = pool or BufferPool()
-        # The device the group's collectives take (Note: collective device); None: any.
-        self.device = device
+        self.stats = stats if stats is not None else CommStats()  # shared by Comms counted together
+        self.pool = pool or BufferPool()  # gloo's receive rows
+        self.device = device  # Note: collective device; None: any
         self._device_type = device.type if device is not None else "cpu"
-        # One rank: collectives are local copies. benchmarks/gpu_check.py turns it off to run
-        # real NCCL collectives at world size 1.
+        # One rank: local copies; benchmarks/gpu_check.py turns it off to run NCCL at world size 1.
         self._one_rank_shortcut = True
-        # How All-Gathers and Reduce-Scatters move, chosen once (transport.py).
         self.transport = self._choose()
-        # Streams per device (Note: streams).
         self._streams: dict[torch.device, Streams] = {}
-        # The last collectives this rank issued, named, for the message of a failed one.
+        # For the message of a failed collective: the last ones issued, and the recorded order.
         self.recent: deque[str] = deque(maxlen=6)
-        # What the engine knows about the step in progress (the recorded order), for messages.
         self.describe_step: Callable[[], str] | None = None
 
     def _choose(self) -> Transport:
@@ -202,8 +179,7 @@ class Comm:
         return streams
 
     def failed(self, collective: str, what: str, err: BaseException) -> CollectiveError:
-        """The error to raise when `collective` of `what` failed on this rank: it names the
-        last collectives this rank issued and the recorded order, the usual suspects."""
+        """The error for a failed collective, naming the usual suspects."""
         recent = ", ".join(self.recent) or "none"
         step = f" {self.describe_step()}." if self.describe_step is not None else ""
         return CollectiveError(
@@ -212,7 +188,6 @@ class Comm:
         )
 
     def _check_device(self, collective: str, what: str, *tensors: torch.Tensor) -> None:
-        """Raise unless every tensor is on this group's device type (Note: collective device)."""
         if self.device is None:
             return
         for tensor in tensors:
@@ -230,8 +205,7 @@ class Comm:
         self.stats.current[kind.value].add(payload_bytes, wire)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
-        """Gather `shard` (same numel on every rank) into `output` (world_size x shard), rank-major.
-        `shard` may be this rank's row of `output` itself (in place: nothing is copied)."""
+        """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row."""
         self._check_device("All-Gather", what, output)
         self._count(Collective.ALL_GATHER, output.numel() * output.element_size(), 1.0)
         self.recent.append(f"All-Gather of {what}")
@@ -241,8 +215,8 @@ class Comm:
         return self._run("All-Gather", what, lambda: self.transport.all_gather(rows), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False) -> Any:
-        """Sum `full` (world_size x chunk, rank-major) over ranks; this rank keeps its chunk in
-        `output`. `full` must not change until the returned work is waited for."""
+        """Sum `full` (world_size x chunk) over ranks into this rank's `output`; `full` must not
+        change until the work is waited for."""
         self._check_device("Reduce-Scatter", what, output, full)
         self._count(Collective.REDUCE_SCATTER, full.numel() * full.element_size(), 1.0)
         self.recent.append(f"Reduce-Scatter of {what}")
@@ -260,8 +234,7 @@ class Comm:
             raise self.failed(collective, what, err) from err
 
     def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum", async_op: bool = False) -> Any:
-        """Reduce `tensor` over ranks in place (`op`: "sum" or "max"); with `async_op`, return
-        the work to wait for."""
+        """Reduce `tensor` over ranks in place (`op`: "sum" or "max")."""
         self._check_device("All-Reduce", what, tensor)
         self._count(Collective.ALL_REDUCE, tensor.numel() * tensor.element_size(), 2.0)
         self.recent.append(f"All-Reduce of {what}")
@@ -274,7 +247,6 @@ class Comm:
             raise self.failed("All-Reduce", what, err) from err
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, what: str) -> None:
-        """Copy `tensor` from group rank `src` to every rank, in place."""
         self._check_device("Broadcast", what, tensor)
         self._count(Collective.BROADCAST, tensor.numel() * tensor.element_size(), 1.0)
         if not self.distributed:
@@ -286,7 +258,7 @@ class Comm:
             raise self.failed("Broadcast", what, err) from err
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order. For rare control messages only."""
+        """Every rank's `obj`; for rare control messages only."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
@@ -296,12 +268,10 @@ class Comm:
 
     @staticmethod
     def completed(work: Any) -> bool:
-        """Whether an async collective has completed (or failed); never waits."""
         return work is None or bool(work.is_completed())
 
     def wait(self, work: Any, device: torch.device | None = None) -> None:
-        """Wait on an async All-Gather, charging the time blocked to `gather_wait_s`: on CUDA
-        (`device`) `work.wait()` only makes the current stream wait, so events time the stall."""
+        """Wait on an All-Gather, charging the time blocked to `gather_wait_s` (events on CUDA)."""
         if work is None:
             return
         if device is not None and device.type == "cuda":
@@ -317,8 +287,7 @@ class Comm:
 
 
 def consecutive_group(size: int) -> dist.ProcessGroup | None:
-    """Split the world into groups of `size` consecutive ranks; this rank's (`size` divides the
-    world). Every rank must call it (creating a group is a collective)."""
+    """This rank's group of `size` consecutive ranks (collective)."""
     rank, mine = dist.get_rank(), None
     for start in range(0, dist.get_world_size(), size):
         group = new_group(list(range(start, start + size)))
@@ -328,11 +297,9 @@ def consecutive_group(size: int) -> dist.ProcessGroup | None:
 
 
 def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """Split the world into groups of `shard_size` consecutive ranks that shard the model (one
-    group per node, when `shard_size` is the processes per node) and groups of the ranks at
-    the same position in each of them, which hold the same shards and average gradients.
-    Returns (shard group, replicate group); (None, None) means the whole world shards.
-    Every rank must call it (creating a group is a collective)."""
+    """(shard group, replicate group): groups of `shard_size` consecutive ranks shard the model,
+    the ranks at one position in each replicate it; (None, None): the whole world shards.
+    Collective."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1 or world % shard_size:
         raise ValueError(
@@ -351,9 +318,8 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.Proce
 
 
 def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> dist.ProcessGroup:
-    """`dist.new_group` (collective), destroyed at interpreter exit if still alive: a gloo group
-    never destroyed leaves worker threads that abort the process as Python finalizes
-    ("terminate called without an active exception"); NCCL warns."""
+    """`dist.new_group`, destroyed at exit: a gloo group never destroyed aborts the process as
+    Python finalizes ("terminate called without an active exception"); NCCL warns."""
     group = dist.new_group(ranks=ranks, backend=backend)
     if group is not dist.GroupMember.NON_GROUP_MEMBER:
         atexit.register(destroy_group, group)
@@ -361,8 +327,7 @@ def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> 
 
 
 def destroy_group(group: dist.ProcessGroup | None) -> None:
-    """Destroy `group` if it still exists (no collective); `destroy_process_group()` may have
-    destroyed every group already."""
+    """Destroy `group` if it still exists (no collective)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return
     try:

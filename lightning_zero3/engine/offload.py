@@ -85,7 +85,7 @@ class HostOffload:
         out.copy_(self._current_copy(unit))
 
     def _current_copy(self, unit: Unit) -> torch.Tensor:
-        versions = tuple(p.param._version for p in unit.params)
+        versions = unit.versions()
         copy = self._copies.get(unit.uid)
         if copy is not None and self._uploaded.get(unit.uid) == versions:
             return copy
