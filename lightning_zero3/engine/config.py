@@ -1,8 +1,5 @@
-"""`ShardingConfig`: every option of the engine, defined once and validated once.
-
-Both Lightning strategies take these as keyword arguments and hand them here unchanged
-(options.py); `ShardedModel(module, config)` takes the object whole. A field is added here
-and nowhere else: the strategies pass on whatever this dataclass declares.
+"""`ShardingConfig`: every option of the engine, defined and validated once. The strategies
+pass on whatever this dataclass declares (options.py): a field is added here and nowhere else.
 """
 
 from __future__ import annotations
@@ -24,36 +21,27 @@ class ShardingConfig:
     """What the user chose for the engine, validated and normalised (dtype names to dtypes).
 
     Args:
-        wrap_policy: which modules form units (gathered together). None: each repeated child
-            of an ``nn.ModuleList``/``nn.Sequential`` that holds parameters; or a set of module
-            classes; or ``callable(module) -> bool``.
-        prefetch: units All-Gathered ahead of the one computing (0 turns prefetch off).
-        persistence_threshold: parameters with at most this many elements stay whole on every
-            rank; their gradients are All-Reduced.
-        shard_size: hierarchical sharding: shard within groups of this many consecutive ranks
-            (e.g. the processes of one node) and replicate across groups. None: the whole world.
-        param_dtype: dtype parameters are gathered and computed in (e.g. "bf16"). None: what the
-            precision implies (the strategies), else the model's dtype.
-        reduce_dtype: dtype gradients are Reduce-Scattered in. None: fp32 (exact).
-        param_init_fn: initialises one module's own parameters when the model was built on the
-            meta device. None: the module's ``reset_parameters()``.
-        reductions_in_flight: Reduce-Scatters left running while backward continues (each holds
-            one unit's gradient buffer). None: 2 on CUDA, 0 elsewhere (no gain measured on gloo).
-        rank_checks: on which steps every collective carries its unit's tag and the tags are
-            checked, so that ranks running different units raise `OrderMismatchError` naming
-            them instead of hanging or mixing parameters (checks.py, Note: rank check modes):
-            "every_step", "first_step" (until the first backward ends), or an int K (the steps
-            whose count of finished backwards is a multiple of K; 1 is "every_step").
-        reshard_after_forward: what a unit keeps from its forward to its backward (reshard.py,
-            Note: reshard after forward). True: nothing but its shards (the root and the last
-            unit excepted); False: its full parameters (no backward All-Gather); an int G >= 2
-            dividing the shard group: its 1/G slice, so backward gathers inside groups of G
-            consecutive ranks (G equal to the shard group is True).
-        offload: None (everything on the compute device) or "host": parameter shards, their
-            gradients and the optimizer state in host memory, the optimizer step on the CPU
-            (offload.py, Note: host offload).
-        offload_dir: a directory for the optimizer state in files, one set per rank and run,
-            removed at teardown (disk.py, Note: optimizer state on disk); needs offload="host".
+        wrap_policy: which modules form units. None: each repeated child of an
+            ``nn.ModuleList``/``nn.Sequential`` holding parameters; a set of module classes; or
+            ``callable(module) -> bool``.
+        prefetch: units All-Gathered ahead of the one computing (0: off).
+        persistence_threshold: parameters of at most this many elements stay whole on every rank.
+        shard_size: shard within groups of this many consecutive ranks (e.g. one node) and
+            replicate across them. None: the whole world.
+        param_dtype: dtype of gathers and compute (e.g. "bf16"). None: the precision's (the
+            strategies), else the model's.
+        reduce_dtype: dtype of the Reduce-Scatters. None: fp32.
+        param_init_fn: initialises one module's own tensors built on the meta device. None:
+            ``reset_parameters()``.
+        reductions_in_flight: reductions left running while backward continues (reduce.py).
+            None: 2 on CUDA, 0 elsewhere.
+        rank_checks: steps on which ranks running different units raise `OrderMismatchError`
+            (checks.py, Note: rank check modes): "every_step", "first_step", or an int K.
+        reshard_after_forward: what a unit keeps from forward to backward (reshard.py): True its
+            shards, False its full parameters, an int G its 1/G slice.
+        offload: None, or "host": shards, gradients and optimizer state in host memory, the step
+            on the CPU (offload.py).
+        offload_dir: a directory for the optimizer state in files (disk.py); needs offload="host".
     """
 
     wrap_policy: WrapPolicy = None
@@ -108,21 +96,20 @@ class ShardingConfig:
                 raise bad("offload_dir", "the path (str) of an existing directory, e.g. on a local NVMe disk")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise bad("param_init_fn", "callable")
-        # Normalised in place: the dataclass is frozen to its users, not to its own constructor.
+        # Frozen to its users, not to its own constructor.
         object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
 
     @property
     def check_every(self) -> int | None:
-        """`rank_checks` as the step interval `RankChecks` takes: None for the first step only."""
+        """`rank_checks` as `RankChecks(every=...)` takes it."""
         if self.rank_checks == "every_step":
             return 1
         return None if self.rank_checks == "first_step" else int(self.rank_checks)
 
 
 def config_field_names(config_type: type[Any]) -> frozenset[str]:
-    """The option names a config dataclass declares."""
     return frozenset(f.name for f in fields(config_type))
 
 
