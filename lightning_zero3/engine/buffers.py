@@ -1,21 +1,16 @@
-"""`BufferPool`: reuse of the large transient buffers of gathers and reductions (receive rows,
-Reduce-Scatter inputs, full-parameter blocks). Allocated anew each time they fragment the C heap
-and memory grows step after step; units mostly share sizes, so a pool keyed by (role, size,
-dtype, device) keeps as many of each as were in use at once (1 + prefetch + reductions in flight).
+"""`BufferPool`: reuse of the large transient buffers of gathers and reductions. Allocated anew
+each time they fragment the C heap and memory grows step after step; units mostly share sizes,
+so a pool keyed by (role, size, dtype, device) keeps as many of each as were in use at once.
 
 [Note: buffer roles and streams]
-A buffer serves one role for life, and each role one stream that takes and gives it (comm.py,
-Note: streams), so a buffer never moves to a stream its role does not use, whatever sizes
-coincide:
-- "gather" (All-Gather receive buffer): taken on the copy-in stream, written by the collective
-  on the gather stream, read by the copy-out and given back on the compute stream.
-- "block" (full parameters): taken, emptied (`release`) and refilled on the compute stream.
-- "reduce" (Reduce-Scatter input): taken and filled on the compute stream (reduce.py, Note:
-  gradient copy-in), read by the collective on the reduce stream, given back on the compute
-  stream after waiting for it.
-- "slice" (the 1/G slice a unit keeps after forward, reshard.py): taken, filled, copied into
-  the send row and given back on the copy-in stream.
-- "received" (gloo's Reduce-Scatter receive rows, gloo.py): CPU only, program order.
+A buffer serves one role for life, each role one stream (comm.py, Note: streams), so a buffer
+never moves to a stream its role does not use, whatever sizes coincide:
+- "gather" (All-Gather receive rows): taken on copy-in, written on the gather stream, read and
+  given back on the compute stream.
+- "block" (full parameters): compute stream.
+- "reduce" (Reduce-Scatter input): filled on the compute stream, read on the reduce stream,
+  given back on the compute stream after waiting for it.
+- "slice" (reshard.py): copy-in stream. "received" (gloo.py): CPU only.
 `give` records an event once the giving stream has waited for every use; `take` makes the
 taker's stream wait for it. On CPU program order suffices.
 """

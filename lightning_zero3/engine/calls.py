@@ -1,5 +1,5 @@
-"""One unit call: its state, the autograd Function whose backward reduces it, and the state of
-the pass the driver (hooks.py, Note: one unit call) is in.
+"""One unit call: its state, the autograd Function whose backward reduces it, and the pass state
+(hooks.py, Note: one unit call).
 
 [Note: call states]
 A `UnitCall` changes state only in `CallTable.move`, which asserts the move is in `LEGAL` and
@@ -13,44 +13,35 @@ does what it means (frees the storage, counts the unit alive, takes the tensors 
     KEPT --a new pass began, the forward ended without an output needing a gradient, hooks removed--> RESHARDED
     DONE --pre-backward of a second backward (retain_graph)--> BACKWARD
 
-A unit's forward hooks nest (a unit called inside itself, the owners of root parameters inside
-the root's forward): its `Slot` counts the open ones and only the outermost gathers. Post-forward
-hooks use `always_call=True`, so a forward that raises closes its unit (hooks.py, Note: exceptions).
+A unit's forward hooks nest (a unit called inside itself, root-parameter owners inside the root):
+its `Slot` counts the open ones and only the outermost gathers.
 
 [Note: call lifetime]
-The driver holds a `UnitCall` while its pass may need it (`Slot.call`, `_pending`), the hooks on
-the unit's outputs for as long as autograd's graph lives. The autograd Function and the hook on a
-frozen unit's inputs hold it weakly: the call owns the full tensors, whose grad_fn owns the ctx,
-and a strong reference back would close a cycle through C++ that Python's GC cannot break.
+The hooks on a call's outputs hold it as long as autograd's graph lives; `GatherParams` and the
+frozen-input hook hold it weakly: the call owns the full tensors, whose grad_fn owns the ctx, and
+a strong reference back would be a cycle through C++ that Python's GC cannot break.
 
 [Note: root parameters outside the root's forward]
-The modules that own root parameters carry the root unit's forward hooks too: inside the root's
-forward they only nest (re-gathering if an optimizer step made the tensors stale); called directly
-(`model.net(x)`, `model.generate(...)`) they gather the root for a forward and backward of their
-own. A root without parameters is hooked too: it gathers nothing but frames the pass, so the
-units inside run in one recorded order and prefetch.
+The modules owning root parameters carry the root's forward hooks: inside the root's forward
+they only nest; called directly (`model.net(x)`) they gather the root for a forward and backward
+of their own. A root without parameters gathers nothing but frames the pass (one recorded order).
 
 [Note: recomputation]
-Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the output
-hook has re-gathered the unit (BACKWARD), so the recomputation reuses those tensors. Reentrant:
-the first forward ran under no_grad, so the recomputation is an ordinary forward with its own
-`GatherParams`, reduced by the inner backward.
+Activation checkpointing reruns a unit's forward inside backward. Non-reentrant: the output hook
+has re-gathered the unit (BACKWARD) and the rerun reuses it. Reentrant: the first forward ran
+under no_grad, so the rerun is an ordinary forward, reduced by the inner backward.
 
 [Note: inference mode]
 A tensor allocated under `torch.inference_mode()` can never be updated in place outside it, so a
-pooled buffer first allocated there would break every later training step. The engine's own work
-(gathers, releases, pool allocations) runs under `engine_mode()`: inference mode and gradients
-off. The module's compute on the full tensors stays under the caller's mode.
+pooled buffer first allocated there would break every later training step: the engine's own
+work runs under `engine_mode()`, the module's compute under the caller's mode.
 
 [Note: torch.compile]
-The hooks run collectives, storage moves and per-call Python state that dynamo cannot trace and
-would guard on (traced, they cut a compiled GPT into 39 graphs and recompiled `start_gather` to
-the limit, issue 15). Every entry point the engine gives torch (forward hooks, output and input
-hooks, `post_backward`, backward callbacks) is `eager` (`torch.compiler.disable`): dynamo ends
-the graph at the hook and resumes after it, reading the full tensors as graph inputs. A block
-compiled by itself (`block.compile()`, as FSDP2 advises) runs its hooks around its graph, shared
-by blocks of one class; a model compiled whole is cut at every hooked module. Measured in
-docs/performance.md, "torch.compile"; tested in tests/test_engine_compile.py.
+The hooks' collectives, storage moves and Python state cannot be traced (traced, they cut a GPT
+into 39 graphs and recompiled to the limit), so every entry point the engine gives torch is
+`eager` (`torch.compiler.disable`): dynamo ends the graph at the hook and resumes after it. A
+model compiled whole is cut at every hooked module; compile blocks instead, as FSDP2 advises
+(docs/performance.md, "torch.compile").
 """
 
 from __future__ import annotations

@@ -1,43 +1,37 @@
 """`RankChecks`: detecting ranks that disagree on which unit they run, as one layer around the
-collectives: unit.py and reduce.py hand it a row's check slot to stamp before a collective and
-to read after; the driver asks it to check when a pass begins and a backward ends; departure
-notices (departure.py) and the first step's order comparison go through it.
+collectives: unit.py and reduce.py stamp a row's check slot before a collective and read it
+after; the driver checks when a pass begins and a backward ends; departure.py goes through it.
 
 [Note: check slot]
-Every All-Gather row holds, after the shards, `tag_numel(dtype)` elements for the unit's tag (its
-id + 1 as the 32 bits of an int32: exact in every dtype). Every Reduce-Scatter row holds one
-column where each rank writes its unit's code into the next rank's row and zeros elsewhere, so
-each rank receives its neighbour's code exactly. Codes are `uid % (exact // G) + 1`, exact =
-2**significand bits (bf16 256, fp32 2**24), G the shard groups whose All-Reduce adds G of them.
-The slots are in every row on every step (one layout); a step not checked leaves them alone.
+Every All-Gather row holds, after the shards, `tag_numel(dtype)` elements for the unit's tag (id
++ 1 as an int32's bits: exact in every dtype). Every Reduce-Scatter row holds one column where
+each rank writes its unit's code into the next rank's row, zeros elsewhere, so each receives its
+neighbour's code exactly: `uid % (exact // G) + 1`, exact = 2**significand bits, G the shard
+groups whose All-Reduce adds G codes. The slots are always in the rows; unchecked steps skip them.
 
 [Note: deferred tag checks]
-Reading tags after each collective would sync about three times per unit and defeat prefetch.
-Each collective leaves its received tags on the device, and `check()` reads them all with one
-copy at the end of backward (before the optimizer step) and when the next pass begins. While no
-order is recorded, or after this rank departed from it, each record is checked at once
-(`closely`): the collectives after a first mismatch pair up wrongly. A rank whose collective
-fails raises a mismatch already recorded rather than the echo, after recording the tags of the
-gathers in flight that have completed (`in_flight`, never waited for). A rank about to leave the
-record alone announces it first (departure.py), so no rank meets a collective of an unexpected
-size (which gloo answers by aborting the process).
+Reading tags after each collective would sync about three times per unit. So each collective
+leaves its received tags on the device and `check()` reads them all in one copy at the end of
+backward (before the optimizer step) and when the next pass begins. With no order recorded, or
+after this rank departed from it, each record is checked at once (`closely`): collectives after
+a mismatch pair up wrongly. A rank whose collective fails raises a mismatch already recorded
+rather than the echo, after settling the completed gathers in flight (never waiting). A rank
+about to leave the record alone announces it first (departure.py), so no rank meets a collective
+of an unexpected size (which gloo answers by aborting the process).
 
 [Note: rank check modes]
-"every_step" (default) stamps and checks every collective of every step; "first_step" until the
-first backward ends; an int K the steps whose count of finished backwards is a multiple of K.
-Other steps stamp, read and announce nothing: a disagreement then surfaces as a failed or
-hanging collective (or, for units of one size, mixed parameters), as under DDP or FSDP. Every
-rank counts the same backwards, so every rank checks the same steps.
+"every_step" (default) checks every step; "first_step" until the first backward ends; an int K
+the steps whose count of finished backwards is a multiple of K (alike on every rank). Other steps
+stamp, read and announce nothing: a disagreement then fails or hangs in a collective (or, for
+units of one size, mixes parameters), as under DDP or FSDP.
 
 [Note: uneven batches]
-A rank given more batches than its peers runs a step they never run, whose collectives meet
-whatever they do next (a hang or an abort). So a strategy that knows a step runs the last batch
-of this rank's epoch sets `final_batch`, and every gather tag of that step carries the `FINAL`
-bit: with uneven counts the tags differ in that bit only, and every rank raises at that step's
-check, before any rank takes an extra step (checked steps only). With sync off
-(`accumulate_unsharded`) the short rank's last micro-batch syncs and the long rank's does not,
-so their backward collectives would pair wrongly before the end-of-backward check: a backward
-with sync off checks the forward's tags when it begins (one host read more per micro-batch).
+A rank given more batches than its peers runs a step they never run (a hang or an abort). So the
+strategy sets `final_batch` on the last step of this rank's epoch and its gather tags carry the
+`FINAL` bit: with uneven counts the tags differ in that bit only, and every rank raises at that
+step's check (checked steps only). With sync off the short rank's last micro-batch syncs and the
+long rank's does not, so their backward collectives would pair wrongly before the end-of-backward
+check: a backward with sync off checks the forward's tags when it begins.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
@@ -36,14 +35,6 @@ import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event
 from lightning_zero3.engine.transport import Transport, choose_transport
-
-
-class Collective(str, Enum):
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_REDUCE = "all_reduce"
-    BROADCAST = "broadcast"
-    OBJECT = "object"  # pickled control messages (order checks); never on the per-step path
 
 
 @dataclass
@@ -187,27 +178,24 @@ class Comm:
             f"oldest first: {recent}.{step}{COLLECTIVE_HINT}"
         )
 
-    def _check_device(self, collective: str, what: str, *tensors: torch.Tensor) -> None:
-        if self.device is None:
-            return
-        for tensor in tensors:
-            if tensor.device.type != self.device.type:
+    def _count(self, collective: str, what: str, payload: torch.Tensor, ring: float, *others: torch.Tensor) -> None:
+        """Check the tensors' device (Note: collective device) and count the bytes under
+        "all_gather", "reduce_scatter", ..."""
+        for tensor in (payload, *others):
+            if self.device is not None and tensor.device.type != self.device.type:
                 raise CollectiveError(
                     f"{collective} of {what}: a tensor on {tensor.device}, but this process group's collectives "
                     f"take {self.device.type} tensors ({self.device}). NCCL takes CUDA tensors only and fails "
                     f"or crashes on others. This is a lightning_zero3 bug: the caller must copy the tensor to "
                     f"{self.device} first; please report it."
                 )
-
-    def _count(self, kind: Collective, payload_bytes: int, ring_factor: float) -> None:
-        n = self.world_size
-        wire = int(round(ring_factor * (n - 1) / n * payload_bytes))
-        self.stats.current[kind.value].add(payload_bytes, wire)
+        n, nbytes = self.world_size, payload.numel() * payload.element_size()
+        key = collective.lower().replace("-", "_")
+        self.stats.current[key].add(nbytes, int(round(ring * (n - 1) / n * nbytes)))
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
         """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row."""
-        self._check_device("All-Gather", what, output)
-        self._count(Collective.ALL_GATHER, output.numel() * output.element_size(), 1.0)
+        self._count("All-Gather", what, output, 1.0)
         self.recent.append(f"All-Gather of {what}")
         rows = output.view(self.world_size, -1)
         if shard.data_ptr() != rows[self.rank].data_ptr():
@@ -217,8 +205,7 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False) -> Any:
         """Sum `full` (world_size x chunk) over ranks into this rank's `output`; `full` must not
         change until the work is waited for."""
-        self._check_device("Reduce-Scatter", what, output, full)
-        self._count(Collective.REDUCE_SCATTER, full.numel() * full.element_size(), 1.0)
+        self._count("Reduce-Scatter", what, full, 1.0, output)
         self.recent.append(f"Reduce-Scatter of {what}")
         rows = full.view(self.world_size, -1)
         return self._run("Reduce-Scatter", what, lambda: self.transport.reduce_scatter(output, rows), async_op)
@@ -235,27 +222,20 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum", async_op: bool = False) -> Any:
         """Reduce `tensor` over ranks in place (`op`: "sum" or "max")."""
-        self._check_device("All-Reduce", what, tensor)
-        self._count(Collective.ALL_REDUCE, tensor.numel() * tensor.element_size(), 2.0)
+        self._count("All-Reduce", what, tensor, 2.0)
         self.recent.append(f"All-Reduce of {what}")
         if not self.distributed:
             return None
-        try:
-            reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-            return dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
-        except RuntimeError as err:
-            raise self.failed("All-Reduce", what, err) from err
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        issue = lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
+        return self._run("All-Reduce", what, issue, async_op)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, what: str) -> None:
-        self._check_device("Broadcast", what, tensor)
-        self._count(Collective.BROADCAST, tensor.numel() * tensor.element_size(), 1.0)
-        if not self.distributed:
-            return
-        assert self.group is not None
-        try:
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
-        except RuntimeError as err:
-            raise self.failed("Broadcast", what, err) from err
+        self._count("Broadcast", what, tensor, 1.0)
+        if self.distributed:
+            assert self.group is not None
+            source = dist.get_global_rank(self.group, src)
+            self._run("Broadcast", what, lambda: dist.broadcast(tensor, src=source, group=self.group), False)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`; for rare control messages only."""
@@ -263,7 +243,7 @@ class Comm:
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
-        self.stats.current[Collective.OBJECT.value].add(0, 0)
+        self.stats.current["object"].add(0, 0)  # control messages, never on the per-step path
         return out
 
     @staticmethod

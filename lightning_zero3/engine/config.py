@@ -61,41 +61,34 @@ class ShardingConfig:
         def bad(option: str, expected: str) -> ValueError:
             return ValueError(f"ShardingConfig({option}=...) must be {expected}; got {getattr(self, option)!r}.")
 
-        if type(self.prefetch) is not int or self.prefetch < 0:
-            raise bad("prefetch", "an int >= 0 (units gathered ahead)")
-        if type(self.persistence_threshold) is not int or self.persistence_threshold < 0:
-            raise bad("persistence_threshold", "an int >= 0 (elements)")
-        if self.reductions_in_flight is not None and (
-            type(self.reductions_in_flight) is not int or self.reductions_in_flight < 0
-        ):
-            raise bad(
-                "reductions_in_flight",
-                "None (2 on CUDA, 0 elsewhere) or an int >= 0 (Reduce-Scatters left running while backward continues)",
-            )
-        if self.shard_size is not None and (type(self.shard_size) is not int or self.shard_size < 1):
-            raise bad(
-                "shard_size",
-                "None (whole world) or a positive int that divides the number of ranks, e.g. the devices per node",
-            )
-        checks = self.rank_checks
-        if checks not in ("every_step", "first_step") and (type(checks) is not int or checks < 1):
-            raise bad("rank_checks", '"every_step", "first_step" or an int K >= 1 (check every K-th step)')
-        keep = self.reshard_after_forward
-        if type(keep) is not bool and (type(keep) is not int or keep < 2):
-            raise bad(
-                "reshard_after_forward",
-                "True (reshard every unit), False (keep units whole until backward) or an int G >= 2 "
-                "that divides the shard group (keep a 1/G slice; for 1 write False)",
-            )
-        if self.offload not in (None, "host"):
-            raise bad("offload", 'None (all on the compute device) or "host" (shards, gradients, optimizer state)')
-        if self.offload_dir is not None:
-            if self.offload != "host":
-                raise bad("offload_dir", 'None unless offload="host" (the optimizer steps on the CPU): add it')
-            if not isinstance(self.offload_dir, str) or not os.path.isdir(self.offload_dir):
-                raise bad("offload_dir", "the path (str) of an existing directory, e.g. on a local NVMe disk")
-        if self.param_init_fn is not None and not callable(self.param_init_fn):
-            raise bad("param_init_fn", "callable")
+        def at_least(value: object, least: int) -> bool:
+            return type(value) is int and value >= least
+
+        rif, checks, keep = self.reductions_in_flight, self.rank_checks, self.reshard_after_forward
+        where = self.offload_dir
+        rules = [  # (option, valid, what it must be), checked in this order
+            ("prefetch", at_least(self.prefetch, 0), "an int >= 0 (units gathered ahead)"),
+            ("persistence_threshold", at_least(self.persistence_threshold, 0), "an int >= 0 (elements)"),
+            ("reductions_in_flight", rif is None or at_least(rif, 0), "None (2 on CUDA, 0 elsewhere) or an int >= 0 "
+             "(Reduce-Scatters left running while backward continues)"),
+            ("shard_size", self.shard_size is None or at_least(self.shard_size, 1), "None (whole world) or a "
+             "positive int that divides the number of ranks, e.g. the devices per node"),
+            ("rank_checks", checks in ("every_step", "first_step") or at_least(checks, 1),
+             '"every_step", "first_step" or an int K >= 1 (check every K-th step)'),
+            ("reshard_after_forward", type(keep) is bool or at_least(keep, 2), "True (reshard every unit), False "
+             "(keep units whole until backward) or an int G >= 2 that divides the shard group (keep a 1/G slice; "
+             "for 1 write False)"),
+            ("offload", self.offload in (None, "host"),
+             'None (all on the compute device) or "host" (shards, gradients, optimizer state)'),
+            ("offload_dir", where is None or self.offload == "host",
+             'None unless offload="host" (the optimizer steps on the CPU): add it'),
+            ("offload_dir", where is None or isinstance(where, str) and os.path.isdir(where),
+             "the path (str) of an existing directory, e.g. on a local NVMe disk"),
+            ("param_init_fn", self.param_init_fn is None or callable(self.param_init_fn), "callable"),
+        ]  # fmt: skip
+        for option, valid, expected in rules:
+            if not valid:
+                raise bad(option, expected)
         # Frozen to its users, not to its own constructor.
         object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))

@@ -1,45 +1,37 @@
-"""Forward and backward hooks that drive units; calls.py holds the call and pass states and the
-autograd Function, held.py the units held for inference, reduce.py the reductions in flight.
-The driver is given what it needs and never reaches back into the `ShardedModel`.
+"""Forward and backward hooks that drive units (calls.py: call and pass states, `GatherParams`;
+held.py: inference; reduce.py: reductions in flight). The driver never reaches back into the model.
 
 [Note: one unit call]
-Each forward of a unit gathers its shards into full tensors (one All-Gather); with a trainable
-parameter and gradients enabled, `GatherParams` does it and becomes their autograd parent. The
-full tensors shadow the registered shards as instance attributes (`module.__dict__[name]`), so
-the module's forward reads them unchanged, and leave after forward; their storage is freed but
-autograd keeps the tensor objects. A hook on the unit's outputs fires before the unit's
-backward and gathers again into the same storage; `GatherParams.backward` Reduce-Scatters the
-full gradients and adds each rank's piece into `shard.grad` (reduce.py). One call, one
-reduction, added up: accumulation, tied weights and reused modules are exact.
+Each forward of a unit gathers its shards (one All-Gather; through `GatherParams` when it has a
+trainable parameter and gradients are on). The full tensors shadow the shards as instance
+attributes (`module.__dict__[name]`), so the module's forward reads them unchanged, and leave
+after forward: their storage is freed, autograd keeps the objects. A hook on the outputs gathers
+again into that storage before the unit's backward; `GatherParams.backward` Reduce-Scatters the
+full gradients and adds each rank's piece into `shard.grad`. One call, one reduction, added up:
+accumulation, tied weights and reused modules are exact.
 
 [Note: kept for backward]
-Backward begins with the units that ended the forward: the root, and the last unit of the
-recorded order once the forward ran all of it (`Schedule.forward_complete`). Releasing them only
-to gather them again costs an All-Gather each and frees nothing that matters, so a post-forward
-of such a call moves it to KEPT (the root only when it closes the pass: called inside another
-unit's forward, more of that forward follows); with `reshard_after_forward=False`, every call
-(reshard.py). KEPT leaves the modules but keeps its storage; the pre-backward puts it back
-without a collective (as FSDP2 keeps its root, torchtitan its last block). Every rank decides
-alike. A kept call whose backward does not come is released when a new pass begins, when the
-forward ends with no output needing a gradient, when the hooks go, or when a backward ends
-without reaching it.
+Backward begins with the units that ended the forward: the root (when it closes the pass) and,
+once the forward ran the whole record, its last unit. Releasing them only to gather them again
+frees nothing that matters, so their post-forward moves the call to KEPT (with
+`reshard_after_forward=False` every call, reshard.py): off the modules, storage kept, put back by
+the pre-backward without a collective (as FSDP2 keeps its root). Every rank decides alike. A
+kept call whose backward does not come is released when a new pass begins, when the forward
+ends with no output needing a gradient, when the hooks go, or when a backward ends.
 
 [Note: frozen units]
-A unit without a trainable parameter still runs backward when its input needs a gradient (LoRA,
-partial fine-tuning), and autograd saves its full weights for it, with no `GatherParams.backward`
-to say when that is over. A hook on those inputs (`register_multi_grad_hook`, fired after every
-node that reads the weights) releases them; no Reduce-Scatter. The inputs are hooked, not
-wrapped (a module may modify an identity Function's outputs in place). A frozen unit whose
-inputs need no gradient is released when backward ends.
+A unit without a trainable parameter still runs backward when its input needs a gradient (LoRA),
+with its full weights saved by autograd and no `GatherParams.backward` to say when that is over.
+A hook on those inputs (`register_multi_grad_hook`, hooked rather than wrapped: a module may
+modify an identity Function's outputs in place) releases them; an unhooked one is released when
+backward ends.
 
 [Note: exceptions]
-A forward that raises still runs the post-forward hooks of every unit it was inside (their calls
-go DONE). A pre-forward hook that raises opens nothing. A backward that raises never runs the
-callback that ends it; the next forward outside autograd's engine closes it
-(`_abandon_backward`): the Reduce-Scatters in flight complete and are dropped, what was
-re-gathered is freed, and `.grad` holds what the finished units added: zero it. Whether
-autograd's engine runs comes from the private `torch._C._current_graph_task_id()` (torch's
-checkpoint and FSDP2 use it; tried on torch 2.13); without it a backward that raised stays open.
+A forward that raises still runs its units' post-forward hooks (`always_call`); a pre-forward
+that raises opens nothing. A backward that raises never runs its end callback: the next forward
+outside autograd's engine closes it (`_abandon_backward`: reductions dropped, re-gathered memory
+freed; `.grad` holds what finished units added: zero it). Autograd's state comes from the
+private `torch._C._current_graph_task_id()` (torch's checkpoint and FSDP2 use it; tried on 2.13).
 """
 
 from __future__ import annotations

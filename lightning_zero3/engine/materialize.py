@@ -1,28 +1,23 @@
-"""Turn a module's parameters into shards one module at a time, so that no rank ever holds the
-whole model: not when it was built whole (each module's tensors are broadcast from rank 0 and
-sliced), nor on the meta device (each module is materialised, initialised, broadcast, sliced and
-freed before the next). And back: `restore_whole`, one unit at a time.
+"""Shard a module's parameters one module at a time, so no rank ever holds the whole model (built
+whole or on the meta device), and back (`restore_whole`, one unit at a time).
 
 [Note: one consistent full tensor]
-Every rank's shard must be a slice of the same full tensor, and ranks may have initialised their
-copies differently (no common seed), so rank 0's values are broadcast before slicing, one
-module's own tensors at a time: DDP's rule, with a peak of one module's parameters. On the meta
-device each module is materialised with `param_init_fn(module)` (default `reset_parameters()`)
-on every rank, then rank 0's result is broadcast.
+Every rank's shard must be a slice of one full tensor, and ranks may have initialised their
+copies differently, so rank 0's values are broadcast before slicing, one module's own tensors at
+a time (DDP's rule, with a peak of one module). Meta modules are materialised and initialised by
+`param_init_fn` (default `reset_parameters()`) on every rank, then rank 0's result is broadcast.
 
 [Note: shards before full tensors]
-On the host, glibc serves the shards and the transient full tensors from one heap. Made in turn,
-each long-lived shard lands between freed full tensors, and the heap cannot give those holes back:
-setup grew by ~2.6x the shards (508 MiB for 192 MiB, 24 x 16 MiB layers on 2 ranks). So every
-shard is allocated first, at the bottom, and one module's full tensors at a time come and go above
-them (RSS measured in tests/test_setup_memory.py and examples/measure_setup_memory.py).
+On the host, glibc serves shards and transient full tensors from one heap; made in turn, each
+long-lived shard lands between freed full tensors, holes the heap cannot return (setup grew by
+~2.6x the shards, 24 x 16 MiB layers on 2 ranks). So every shard is allocated first and one
+module's full tensors come and go above them (tests/test_setup_memory.py).
 
 [Note: sharding from host memory]
-A model whole in host memory (built so, or made whole by a teardown, as between `fit` and
-`validate`) is sharded from there: shards are allocated on the target device, and each module's
-own parameters visit the device only to be broadcast and cut, so it never holds more than the
-shards and one module. Persistent parameters and buffers move for good. So the strategy does not
-move the module before sharding (strategy.py, `model_to_device`).
+A model whole in host memory is sharded from there: each module's own parameters visit the
+target device only to be broadcast and cut, so it never holds more than the shards and one
+module; persistent parameters and buffers move for good. So the strategy does not move the
+module before sharding (strategy.py, `model_to_device`).
 """
 
 from __future__ import annotations
@@ -87,25 +82,14 @@ def _is_meta(module: nn.Module) -> bool:
 
 
 def shard_parameters(
-    root: nn.Module,
-    plan: Plan,
-    *,
-    comm: Comm,
-    world_comm: Comm,
-    device: torch.device,
-    param_init_fn: ParamInitFn | None = None,
-    sync_module_states: bool = True,
-    on_host: bool = False,
-) -> dict[int, ShardedParam]:
+    root: nn.Module, plan: Plan, *, comm: Comm, world_comm: Comm, device: torch.device,
+    param_init_fn: ParamInitFn | None = None, sync_module_states: bool = True, on_host: bool = False,
+) -> dict[int, ShardedParam]:  # fmt: skip
     """Replace every planned parameter of `root` by this rank's shard, module by module; the
     shards by `id(entry)`. With `on_host` in host memory, pinned for a GPU (offload.py)."""
     _raise_if_meta_state(root)  # before any collective: every rank has the same model
     init = param_init_fn or reset_parameters
-    entry_of: dict[tuple[int, str], ParamEntry] = {}
-    for unit in plan.units:
-        for entry in unit.params:
-            for module, attr in entry.owners:
-                entry_of[(id(module), attr)] = entry
+    entry_of = {(id(m), a): entry for unit in plan.units for entry in unit.params for m, a in entry.owners}
     persistent_entry_of = {(id(m), a): entry for entry in plan.persistent for m, a in entry.owners}
     persistent = set(persistent_entry_of)
     # Note: shards before full tensors

@@ -84,19 +84,15 @@ def clip_grad_norm_(
 # Element-wise optimizers (SGD, Adam, ...) step on it exactly as on the whole parameter; these
 # do not (their update depends on the shape or the whole parameter) and would silently compute
 # something else. Matched by class name anywhere in the class hierarchy: most live outside torch.
+_PRECONDITIONS = "preconditions each weight matrix by its row and column statistics"
+_TRUST_RATIO = "scales each update by the norm of the whole parameter (a per-layer trust ratio)"
 SHAPE_AWARE_OPTIMIZERS = {
     "Adafactor": "factors its second moment into row and column statistics of each weight matrix",
     "Muon": "orthogonalises each weight matrix (it needs 2-D parameters)",
-    "Shampoo": "preconditions each weight matrix by its row and column statistics",
-    "DistributedShampoo": "preconditions each weight matrix by its row and column statistics",
-    "SOAP": "preconditions each weight matrix by its row and column statistics",
-    "Lamb": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
-    "LAMB": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
-    "FusedLAMB": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
-    "LARS": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
-    "Lars": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
+    "Shampoo": _PRECONDITIONS, "DistributedShampoo": _PRECONDITIONS, "SOAP": _PRECONDITIONS,
+    "Lamb": _TRUST_RATIO, "LAMB": _TRUST_RATIO, "FusedLAMB": _TRUST_RATIO, "LARS": _TRUST_RATIO, "Lars": _TRUST_RATIO,
     "LBFGS": "takes dot products over all parameters, which would cover only this rank's pieces",
-}
+}  # fmt: skip
 
 
 def check_optimizer_fits_shards(optimizer: torch.optim.Optimizer, owner: str, *, warn: bool = True) -> None:

@@ -123,7 +123,6 @@ class Reductions:
                 sharded.param.grad.add_(grad)
 
     def _start(self, unit: Unit, grads: list[torch.Tensor | None] | Summed) -> PendingReduce:
-
         device = unit.device
         n, width, s = unit.world_size, unit.reduce_row_numel, unit.shard_numel
         self._advance()  # older reductions' All-Reduces go out first, in order

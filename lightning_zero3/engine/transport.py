@@ -32,14 +32,9 @@ class Local:
 
 
 def choose_transport(
-    group: dist.ProcessGroup | None,
-    *,
-    world_size: int,
-    rank: int,
-    pool: BufferPool,
-    device_type: str = "cpu",
+    group: dist.ProcessGroup | None, *, world_size: int, rank: int, pool: BufferPool, device_type: str = "cpu",
     one_rank_shortcut: bool = True,
-) -> Transport:
+) -> Transport:  # fmt: skip
     if group is None or (world_size == 1 and one_rank_shortcut):
         return Local()
     if device_type == "cpu" and world_size > 1 and "gloo" in str(dist.get_backend(group)):

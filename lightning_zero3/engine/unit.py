@@ -1,34 +1,27 @@
-"""`Unit`: the parameters gathered by one collective: gather (All-Gather shards -> full
-tensors), release, and its pending gather. Reducing its gradients is reduce.py's.
+"""`Unit`: the parameters gathered by one collective: gather, release, its pending gather.
+Reducing its gradients is reduce.py's.
 
 [Note: flat layout]
-Each rank sends one flat row: its shards of the unit's parameters back to back (shard i at
-offset o_i, S elements in all), the check slot (checks.py, Note: check slot), then zeros up to
-a multiple of 16 bytes (`row_numel`: NCCL is fastest with 16-byte aligned chunks). The gathered
-buffer is (world_size, row), rank-major; parameter i's full data is column block
-[o_i, o_i + shard_numel_i) read row by row, cut to `numel_i`. The Reduce-Scatter input is
-(world_size, reduce row) with the same columns and one check column at S, so each rank receives
-the summed gradient of its own shards. This rank's row of the receive buffer is its send buffer
-(the collective runs in place). A slice kept after forward (reshard.py) is the same with N/G
-shards per parameter: member j of a group of G holds ranks jN/G .. (j+1)N/G - 1's shards back to
-back at (N/G) o_i, and the group's (G, row) gather puts them in place by the same rule.
+Each rank sends one row: its shards of the unit's parameters back to back (shard i at offset o_i,
+S elements in all), the check slot (checks.py), zeros up to a multiple of 16 bytes (NCCL is
+fastest with aligned chunks). The gathered (N, row) buffer holds parameter i's full data in
+column block [o_i, o_i + shard_numel_i), row by row. The Reduce-Scatter input is (N, reduce row)
+with the same columns and one check column at S. This rank's row of the receive buffer is its
+send buffer. A slice kept after forward (reshard.py) is the same with N/G shards per parameter:
+member j of a group of G holds ranks jN/G .. (j+1)N/G - 1's shards back to back at (N/G) o_i.
 
 [Note: dtypes]
-Shards (the optimizer's master copy) keep the model's dtype. Gathers, full parameters and the
-compute are in `param_dtype`; gradients are reduced in `reduce_dtype` (default fp32, or the
-shard dtype when wider), then cast to the shard dtype.
+Shards (the optimizer's master copy) keep the model's dtype; gathers and compute use
+`param_dtype`; reductions `reduce_dtype` (default fp32, or the shard dtype when wider).
 
 [Note: full-parameter blocks]
-The full parameters of one gather are views of one pooled block of `world_size * S` elements,
-parameter i at `world_size * o_i`, so one `split_with_sizes_copy` fills them from the gathered
-rows. Autograd keeps those tensors from forward to backward, so `release` empties their storage
-by moving the block's memory into the pool, and the backward's re-gather moves a pooled block
-back in (`UntypedStorage._swap_data_ptr_`: private, not in torch's stubs; tried on torch 2.13).
-Against FSDP2's public `untyped_storage().resize_(0)` / `resize_(n)` (`python
-benchmarks/storage_paths.py --size 20m --rounds 3`, docs/performance.md): resize_ costs 1.3-4.2%
-more CPU time and 6x the page faults. On CUDA a pooled block carries an event of the stream that
-last used it (buffers.py), where a freed storage would return to the caching allocator unordered
-with the side streams. The moves run inside the hooks, never in a compiled graph.
+One gather's full parameters are views of one pooled block of N * S elements, parameter i at
+N * o_i, filled by one `split_with_sizes_copy`. Autograd keeps them from forward to backward, so
+`release` moves the block's memory out of their storage into the pool, and the re-gather moves a
+pooled block back in (`UntypedStorage._swap_data_ptr_`, private; tried on torch 2.13). FSDP2's
+public `resize_(0)` / `resize_(n)` cost 1.3-4.2% more CPU time and 6x the page faults
+(`python benchmarks/storage_paths.py --size 20m --rounds 3`), and on CUDA a pooled block carries
+its last stream's event (buffers.py) where a freed storage would return to the allocator unordered.
 """
 
 from __future__ import annotations
