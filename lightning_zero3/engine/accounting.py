@@ -114,20 +114,14 @@ def expected_gathers(
     return {uid: k for uid, k in counts.items() if k} if slices else counts
 
 
-def _ends_forward(units: list[Unit], forward_order: list[int] | None) -> set[int]:
-    """The root, and the last unit of the order with every unit that encloses it."""
-    ends = {units[0].uid}
-    if forward_order:
-        last = units[forward_order[-1]].module
-        ends.update(u.uid for u in units if any(m is last for m in u.module.modules()))
-    return ends
-
-
 def _sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:
     """The engine's units as `UnitSizes`, from their exact rows (unit.py, Note: flat layout). A
     frozen unit runs backward if the recorded backward order has it (assumed before any)."""
     forward_order, backward_order = orders
-    ends = _ends_forward(units, forward_order)
+    ends = {units[0].uid}  # the root, and the last unit of the order with every unit enclosing it
+    if forward_order:
+        last = units[forward_order[-1]].module
+        ends.update(u.uid for u in units if any(m is last for m in u.module.modules()))
     sizes = {}
     for u in units:
         trainable = any(p.requires_grad for p in u.params)

@@ -1,23 +1,20 @@
-"""The only module that calls torch.distributed. It takes the process group explicitly and
-counts what every collective moves: payload (the full tensor a collective produces or consumes)
-and wire (what one rank sends with the ring algorithm: (N-1)/N of the payload, 2(N-1)/N for
-All-Reduce, zero on one rank). How rows move is the transport's (transport.py).
+"""The only module that calls torch.distributed: collectives over an explicit process group,
+counting payload (the full tensor a collective produces or consumes) and wire bytes (what one
+rank sends with the ring algorithm: (N-1)/N of the payload, 2(N-1)/N for All-Reduce).
 
 [Note: streams]
-On CUDA communication runs beside the compute, as in FSDP2: a gather's copy-in (shards -> send
-row) runs on a copy-in stream that first waits for the compute stream (the optimizer may just
-have written the shards); the All-Gather is issued from a gather stream that waits for the
-copy-in's event; a Reduce-Scatter's issue runs on a reduce stream that waits for the compute
-stream. Consumers wait for an event recorded after the issue, then for the work (on NCCL both
-are stream waits, not host waits). `Streams` owns them per device and group; on CPU it does
+On CUDA communication runs beside the compute, as in FSDP2: a gather's copy-in runs on a copy-in
+stream that first waits for the compute stream (the optimizer may just have written the shards);
+the All-Gather is issued from a gather stream after the copy-in's event; a Reduce-Scatter is
+issued on a reduce stream that waits for the compute stream. Consumers wait for an event recorded
+after the issue, then for the work (stream waits on NCCL, not host waits). On CPU `Streams` does
 nothing. Buffers cross streams through the pool (buffers.py, Note: buffer roles and streams).
 
 [Note: collective device]
 A `Comm` built with `device` takes tensors of that device type only, on every backend: NCCL has
-no path for CPU tensors ("No backend type associated with device type cpu", or a crash), and
-gloo, which takes both, would hide such a call in every CPU test. So every collective checks its
-tensors and raises `CollectiveError` naming them; callers holding state elsewhere (optimizer state
-Lightning's teardown moved to the host) copy it to `device` one tensor at a time (state.py).
+no path for CPU tensors (an error or a crash), and gloo, which takes both, would hide such a call
+in every CPU test. Callers holding state elsewhere (optimizer state Lightning's teardown moved to
+the host) copy it to `device` first (state.py).
 """
 
 from __future__ import annotations
@@ -97,11 +94,9 @@ class Streams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.enabled = device.type == "cuda"
-        self._streams: dict[str, Any] = {}
-        if self.enabled:
-            # High priority, as FSDP2's: communication is what the compute waits for.
-            names = ("copy_in", "gather", "reduce", "replicate")
-            self._streams = {name: torch.cuda.Stream(device, priority=-1) for name in names}
+        # High priority, as FSDP2's: communication is what the compute waits for.
+        names = ("copy_in", "gather", "reduce", "replicate") if self.enabled else ()
+        self._streams: dict[str, Any] = {name: torch.cuda.Stream(device, priority=-1) for name in names}
 
     @contextmanager
     def on(self, name: str | None, *, after: Any = None, wait_current: bool | None = None) -> Iterator[None]:
@@ -277,11 +272,11 @@ def consecutive_group(size: int) -> dist.ProcessGroup | None:
 
 
 def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """(shard group, replicate group): groups of `shard_size` consecutive ranks shard the model,
-    the ranks at one position in each replicate it; (None, None): the whole world shards.
-    Collective."""
+    """(shard group, replicate group): groups of `shard_size` (an int >= 1: config.py) consecutive
+    ranks shard the model, the ranks at one position in each replicate it; (None, None): the
+    whole world shards. Collective."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1 or world % shard_size:
+    if world % shard_size:
         raise ValueError(
             f"shard_size must be a positive int that divides the world size {world} (e.g. the processes "
             f"per node); got {shard_size!r}."

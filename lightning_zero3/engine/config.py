@@ -21,26 +21,21 @@ class ShardingConfig:
     """What the user chose for the engine, validated and normalised (dtype names to dtypes).
 
     Args:
-        wrap_policy: which modules form units. None: each repeated child of an
-            ``nn.ModuleList``/``nn.Sequential`` holding parameters; a set of module classes; or
-            ``callable(module) -> bool``.
+        wrap_policy: which modules form units (plan.py). None: repeated children of module lists;
+            a set of module classes; or ``callable(module) -> bool``.
         prefetch: units All-Gathered ahead of the one computing (0: off).
         persistence_threshold: parameters of at most this many elements stay whole on every rank.
-        shard_size: shard within groups of this many consecutive ranks (e.g. one node) and
-            replicate across them. None: the whole world.
+        shard_size: shard within groups of this many consecutive ranks (e.g. one node), replicate across.
         param_dtype: dtype of gathers and compute (e.g. "bf16"). None: the precision's (the
             strategies), else the model's.
         reduce_dtype: dtype of the Reduce-Scatters. None: fp32.
-        param_init_fn: initialises one module's own tensors built on the meta device. None:
-            ``reset_parameters()``.
-        reductions_in_flight: reductions left running while backward continues (reduce.py).
-            None: 2 on CUDA, 0 elsewhere.
+        param_init_fn: initialises a meta module's own tensors. None: ``reset_parameters()``.
+        reductions_in_flight: reductions left running in backward. None: 2 on CUDA, 0 elsewhere.
         rank_checks: steps on which ranks running different units raise `OrderMismatchError`
             (checks.py, Note: rank check modes): "every_step", "first_step", or an int K.
         reshard_after_forward: what a unit keeps from forward to backward (reshard.py): True its
             shards, False its full parameters, an int G its 1/G slice.
-        offload: None, or "host": shards, gradients and optimizer state in host memory, the step
-            on the CPU (offload.py).
+        offload: None, or "host": shards, gradients and optimizer state in host memory (offload.py).
         offload_dir: a directory for the optimizer state in files (disk.py); needs offload="host".
     """
 

@@ -13,10 +13,8 @@ def announce_departure(
     unit: Unit, units: list[Unit], schedule: Schedule, checks: RankChecks, *, backward: bool,
     kept: Callable[[Unit], bool],
 ) -> None:  # fmt: skip
-    """Called before `unit` is gathered. If running it leaves the recorded order, watch closely
-    from now on and join the All-Gather the ranks on the record issue next, with a tag naming
-    this rank's unit. If every rank departed alike, carry on (a changed order is legal when all
-    agree); otherwise raise, while the others find the marked tag at their next check."""
+    """Before `unit` is gathered: if it leaves the record, join the All-Gather the ranks on the
+    record issue next with a tag naming `unit`; raise unless every rank departed alike."""
     position = schedule.departure(unit.uid, backward=backward)
     if position is None or not checks.active:
         return

@@ -2,16 +2,14 @@
 
 [Note: optimizer state on disk]
 After every optimizer step on this model's shards, each shard-shaped state tensor (Adam's
-moments; not "step", not persistent parameters' state) still in anonymous memory moves into a
-file-backed shared map (`torch.from_file(..., shared=True)`) that replaces the state entry. The
+moments; not "step", not persistent parameters') still in anonymous memory moves into a
+file-backed shared map (`torch.from_file(..., shared=True)`) that replaces the state entry; the
 optimizer then updates it in place through the page cache, which the kernel writes back and can
-drop: the state needs disk, not RAM (RssFile, not RssAnon). Reading and writing files around the
-step would hold the whole state in memory during each step; a map keeps only the pages in use.
-State replaced later (a checkpoint load) moves at the end of the next step. Files: one per move,
-named by `tempfile.mkstemp` in the user's directory, mapped then unlinked at once, so the kernel
-frees them when the last tensor on the map dies, even if the process is killed. Costs: the first
-step holds the state in anonymous memory once before the move; the directory must be on a real
-disk (on tmpfs the "file" is RAM again).
+drop (RssFile, not RssAnon). Files around the step would hold the whole state in memory during
+it; a map keeps the pages in use. Files are made by `tempfile.mkstemp` in the user's directory
+and unlinked at once: the kernel frees them with the last tensor on the map, even if the
+process is killed. Costs: the first step holds the state in anonymous memory once; the directory
+must be on a real disk (on tmpfs the "file" is RAM again).
 """
 
 from __future__ import annotations

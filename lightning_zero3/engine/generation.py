@@ -1,15 +1,12 @@
 """Hugging Face `generate()` on a sharded model: keep the ranks in step by default.
 
 [Note: synced generation by default]
-Outside `gathered_for_inference()` every forward gathers every unit, so every rank must call the
-model equally often. HF's `generate()` stops calling it on a rank whose sequences all ended,
-unless `synced_gpus=True`, which HF sets by itself only for DeepSpeed ZeRO-3 and FSDP. Code
-written for DDP would leave the other ranks waiting in a gather until the collective timeout.
-So each HF model under the engine (a module with `generate` and `generation_config`) gets an
-instance `generate` that fills in `synced_gpus=True` when the caller left it unset, outside the
-context, with more than one rank (HF then All-Reduces one flag per token). What the caller passes
-wins. HF's flag travels on the default group, so only when the engine's ranks are the whole
-world. `restore_module` and `leave_sharded` remove it.
+Outside `gathered_for_inference()` every rank must call the model equally often, but HF's
+`generate()` stops on a rank whose sequences ended unless `synced_gpus=True` (which HF sets
+itself only for DeepSpeed and FSDP): the others would wait in a gather until the timeout. So each
+HF model under the engine gets an instance `generate` that fills in `synced_gpus=True` when the
+caller left it unset, outside the context, with more than one rank and the engine's ranks the
+whole default group (HF's flag travels there). `restore_module` and `leave_sharded` remove it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""`GlooInPlace`: All-Gather and Reduce-Scatter of CPU tensors under gloo, from operations that
-work in place (transport.py).
+"""`GlooInPlace`: All-Gather and Reduce-Scatter of CPU tensors under gloo (transport.py).
 
 [Note: gloo]
 gloo's All-Gather receives into a temporary buffer and copies it out; its Reduce-Scatter clones
-the input, All-Reduces it (twice the bytes) and copies a chunk out. Here the All-Gather is one
-broadcast per rank from its own row; the Reduce-Scatter sends each rank its row and sums what
-arrives in rank order. Each rank sends (N-1)/N of the payload, as the ring would, and the step
-time drops (docs/performance.md).
+the input and All-Reduces it (twice the bytes). Here the All-Gather is one in-place broadcast per
+rank, the Reduce-Scatter send/recv of rows summed in rank order: each rank sends (N-1)/N of the
+payload, as the ring would, and the step time drops (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -2,15 +2,13 @@
 driver (`HookDriver.hold`, `release`) enters and leaves `PassState.HELD` and moves the calls.
 
 [Note: held for inference]
-Entry gathers every unit once, on every rank in unit order, into a call that stays in FORWARD on
-its modules until exit. Inside, forward hooks only count their depth: no collective at all, so
-`generate()` runs at DDP's speed and a rank that stops early leaves nothing to wait for. Entered
-inside a forward without gradients (Lightning's predict_step), the open units keep their own
-calls. Gradients are refused (held tensors have no autograd parent): entering inside a forward
-with gradients, a grad-enabled forward or a backward inside raise, as does a forward after the
-shards changed. Exit moves every call it gathered to DONE, whatever happened inside. Outside,
-with an explicit `synced_gpus=False` (generation.py), a rank that stopped early leaves the others
-waiting in a gather, whose error in a pass without gradients says so (`UNSYNCED_HINT`).
+Entry gathers every unit once (every rank, unit order) into a call that stays in FORWARD until
+exit; inside, forward hooks only count their depth, so no collective runs and `generate()` runs
+at DDP's speed. Entered in a forward without gradients (Lightning's predict_step) the open units
+keep their calls. Held tensors have no autograd parent, so gradients are refused (entering in a
+forward with gradients, a grad-enabled forward or a backward inside), as is a forward after the
+shards changed. Exit moves every call it gathered to DONE. Outside, a gather that fails in a pass
+without gradients names `synced_gpus` (`UNSYNCED_HINT`, generation.py).
 """
 
 from __future__ import annotations
@@ -52,10 +50,6 @@ class HeldUnits:
                 "steps, callbacks, or around the model's call under torch.no_grad()); during training, "
                 "call generate(..., synced_gpus=True) without it."
             )
-
-    def take_calls(self) -> list[UnitCall]:
-        calls, self.calls = self.calls, []
-        return calls
 
     def check_forward(self, unit: Unit, slot: Slot, versions: tuple[int, ...]) -> None:
         if torch.is_grad_enabled():

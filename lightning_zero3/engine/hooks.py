@@ -87,7 +87,6 @@ class HookDriver:
         self.schedule = schedule
         self.checks = checks
         self.grads = grads
-        self.persistent = persistent
         self.record = record
         self.world_comm = world_comm  # the first step's order comparison runs on it
         self.reshard = reshard  # resolved (reshard.py)
@@ -245,7 +244,7 @@ class HookDriver:
         self.prefetch.drop_stale()
         self.calls.drop_leftovers()
         self._pending = []
-        self.schedule.begin_forward()
+        self.schedule.forward.begin()
         self.record.current.orders = (self.schedule.forward_order, self.schedule.backward_order)
         self._enter(state)
 
@@ -274,7 +273,8 @@ class HookDriver:
 
     def release(self) -> None:
         """Every call `hold` gathered goes to DONE (an enclosing forward's stay for its hooks)."""
-        for call in self.held.take_calls():
+        calls, self.held.calls = self.held.calls, []
+        for call in calls:
             if call.state is S.FORWARD:
                 self.calls.move(call, S.DONE)
         for slot, depth in zip(self.calls.slots, self.held.depths):
@@ -289,7 +289,7 @@ class HookDriver:
         if self.grads.begin_backward():  # sync off: the forward's tags first (checks.py, Note: uneven batches)
             self.checks.check()
         self._enter(P.BACKWARD)
-        self.schedule.begin_backward()
+        self.schedule.backward.begin()
         Variable._execution_engine.queue_callback(self._end_backward)
 
     @eager

@@ -1,13 +1,11 @@
-"""Modules left holding an engine's shards, and making one whole again before it is sharded anew.
+"""Modules left holding an engine's shards, made whole again before they are sharded anew.
 
 [Note: a module left sharded]
-`restore_module` is a collective, so after a failed run (other ranks may be gone) the strategies
-call `leave_sharded`: hooks removed, shards kept. Users then fit the same module again (resuming
-from a checkpoint saved on the exception), and a new engine would shard the shards. So the
-module is remembered, and a new engine for it first asks every rank (one all_gather_object, safe
-while every rank builds the engine): left sharded everywhere, the previous engine makes it whole
-and sharding proceeds; on some ranks only, every rank raises the same error. A forward pre-hook
-keeps the engine alive and refuses a forward on the shards; the registry holds both weakly.
+`restore_module` is a collective, so after a failed run the strategies call `leave_sharded`
+(hooks removed, shards kept). Fitting the same module again would shard the shards, so a new
+engine first asks every rank (one all_gather_object): left sharded everywhere, the old engine
+makes it whole; on some ranks only, every rank raises. A forward pre-hook keeps the old engine
+alive and refuses a forward on the shards; the registry holds both weakly.
 """
 
 from __future__ import annotations

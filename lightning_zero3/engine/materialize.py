@@ -51,16 +51,13 @@ def reset_parameters(module: nn.Module) -> None:
 
 @contextmanager
 def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
-    """Build modules inside this block with their parameters on the meta device (sharding
-    materialises them one module at a time) and every other tensor on `device`.
+    """Build modules with their parameters on the meta device and every other tensor on `device`.
 
     [Note: only parameters on meta]
-    Under a plain `torch.device("meta")` the values of tensors that are not parameters are lost:
-    buffers computed in `__init__` (rotary frequencies, masks) and plain tensor attributes such as
-    torchmetrics' states, which nothing re-creates. Here tensors are made on `device`, and a
-    parameter moves to meta the moment a module registers it (torch's global registration hook),
-    its empty storage freed at once: only parameters, the bulk, are deferred. A parameter
-    registered twice (tied weights) stays one."""
+    Under a plain `torch.device("meta")` tensors that are not parameters lose their values
+    (buffers computed in `__init__`, torchmetrics' states), and nothing re-creates them. Here a
+    parameter moves to meta when a module registers it (torch's global registration hook); the
+    rest keep their values. A parameter registered twice (tied weights) stays one."""
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         if param is None or param.is_meta or type(param) is not nn.Parameter:
@@ -74,11 +71,6 @@ def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
             yield
     finally:
         handle.remove()
-
-
-def _is_meta(module: nn.Module) -> bool:
-    tensors = [*module._parameters.values(), *module._buffers.values()]
-    return any(t is not None and t.is_meta for t in tensors)
 
 
 def shard_parameters(
@@ -119,7 +111,7 @@ def shard_parameters(
             shards[id(planned)] = _shard(full, param, planned, comm, into=storage.pop(id(planned)))
 
     for module in root.modules():
-        if _is_meta(module):
+        if any(t is not None and t.is_meta for t in [*module._parameters.values(), *module._buffers.values()]):
             tied = [a for a, p in module._parameters.items() if p is not None and not p.is_meta]
             if tied:
                 raise ValueError(
@@ -261,12 +253,9 @@ def restore_whole(units: list[Unit], *, device: torch.device) -> None:
     """Register whole parameters, built on `device`, in place of the shards. Collective.
 
     [Note: restoring unit by unit]
-    One unit at a time is gathered on the shards' device, so that device holds one unit beyond
-    what it held (at the end of `fit` on a GPU the whole model goes to host memory, not next to
-    the optimizer's shards). As in sharding (Note: shards before full tensors) every output is
-    allocated first, and each unit is gathered into one pooled block reused by every unit of its
-    size and copied out (`Unit.gather_into`): a per-unit block freed on glibc's heap gets small
-    allocations carved out of it (24 x 16 MiB layers kept +16 MiB per unit resident)."""
+    Units are gathered one at a time on the shards' device (which so holds one unit more) into
+    one pooled block and copied out, every output allocated first (Note: shards before full
+    tensors): per-unit blocks freed on glibc's heap kept +16 MiB per 16 MiB unit resident."""
     outputs = {
         id(sharded): torch.empty(sharded.full_shape, dtype=unit.shard_dtype, device=device)
         for unit in units

@@ -40,16 +40,6 @@ from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
 
 
-def _device_of(module: nn.Module, device: torch.device | str | None) -> torch.device:
-    """`device`, else where the module's real tensors are."""
-    if device is not None:
-        return torch.device(device)
-    for t in [*module.parameters(), *module.buffers()]:
-        if not t.is_meta:
-            return t.device
-    return torch.device("cpu")
-
-
 class ShardedModel:
     """Shards `module`'s parameters 1/N over `group` and drives gather/reduce with hooks."""
 
@@ -69,7 +59,8 @@ class ShardedModel:
             if group is not None:
                 raise ValueError("Pass either group or shard_size to ShardedModel, not both.")
             group, replicate_group = hybrid_groups(config.shard_size)
-        target = _device_of(module, device)
+        real = (t.device for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
+        target = torch.device(device) if device is not None else next(real, torch.device("cpu"))
         # Parameter data moves in the shard group; with `shard_size` gradients are also averaged
         # across `replicate_comm`, and with reshard_after_forward=G slices move in `slice_comm`.
         self.pool = BufferPool()
@@ -173,11 +164,9 @@ class ShardedModel:
 
     def end_step(self) -> None:
         """Close the step: `stats.last_step` and `last_step_record` become this step's."""
-        self.comm.stats.end_step()
-        for comm in (self.replicate_comm, self.slice_comm):
+        for comm in (self.comm, self.replicate_comm, self.slice_comm, self.world_comm):
             if comm is not None:
                 comm.stats.end_step()
-        self.world_comm.stats.end_step()
         self.record.end_step()
 
     @property
@@ -263,10 +252,7 @@ class ShardedModel:
         self.checks.check()  # outside any pass: check these gathers now
         if not keep:
             return {}
-        by_name = {}
-        for sharded in self.sharded_params:
-            for name in sharded.names:
-                by_name[name] = full_by_id[id(sharded.param)]
+        by_name = {name: full_by_id[id(s.param)] for s in self.sharded_params for name in s.names}
         return {key: by_name.get(key, value) for key, value in state.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
@@ -282,7 +268,7 @@ class ShardedModel:
             sharded.load_full(source)
         result = self.module.load_state_dict(rest, strict=False)
         if strict:
-            unexpected = [k for k in result.unexpected_keys]
+            unexpected = list(result.unexpected_keys)
             absent = missing + [k for k in result.missing_keys if k not in shard_keys]
             if unexpected or absent:
                 raise KeyError(

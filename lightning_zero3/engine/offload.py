@@ -1,21 +1,16 @@
-"""Host offload (`ShardingConfig(offload="host")`): the shards, their gradients and the optimizer
-state in host memory, the optimizer step on the CPU; the compute device keeps what gathers need.
+"""Host offload (`ShardingConfig(offload="host")`).
 
 [Note: host offload]
-- Host: the registered parameters ARE the shards (pinned when the compute device is a GPU), so
-  `model.parameters()`, the optimizer built from it, `state_dict()` and checkpoints see host
-  tensors; the optimizer keeps its state next to them and steps on the CPU. `.grad`s are host
-  tensors too. Nothing rewrites param groups.
-- Compute device: per unit one flat copy of its shards in `param_dtype` (Ψ/N in all), uploaded at
-  the unit's first gather of each pass and again when a host shard's version changed; gathers
-  copy it into their send row. A gather asking for a dtype (full state dicts,
-  `gathered_parameters`, the restore at teardown) reads the host shards: exact, never stale.
-  Persistent parameters and buffers stay on the compute device, whole.
-- Gradients: each unit's reduced shard gradients are copied to fresh host tensors (pinned, on a
-  stream of this object's) and go into `.grad` once the backward's reductions are done
-  (`settle`): the one host wait of a backward, none on the per-unit path.
-`move_module` hides the host shards from `nn.Module._apply` while the strategies place the rest;
-the upload refuses shards found off the host.
+- Host: the registered parameters ARE the shards (pinned for a GPU), so `model.parameters()`, the
+  optimizer built from it, `state_dict()` and checkpoints see host tensors; the optimizer keeps
+  its state beside them and steps on the CPU; `.grad`s are host tensors too.
+- Compute device: per unit one flat copy of its shards in `param_dtype` (Ψ/N in all), uploaded
+  at the unit's first gather of a pass and when a host shard's version changed. A gather asking
+  for a dtype (full state dicts, `gathered_parameters`, teardown) reads the host shards: exact.
+  Persistent parameters and buffers stay on the compute device.
+- Gradients: reduced shard gradients are copied to fresh host tensors on this object's stream and
+  go into `.grad` when the backward's reductions are done (`settle`): one host wait per backward.
+`move_module` keeps the host shards out of `.to()`; the upload refuses shards found elsewhere.
 """
 
 from __future__ import annotations

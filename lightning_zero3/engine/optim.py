@@ -45,11 +45,10 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     """This rank's share of each parameter's gradient norm, in float64.
 
     [Note: norms from shards]
-    Shard gradients are disjoint pieces of the full gradient (padding is zero), so their p-th
-    powers summed over ranks are the whole norm's p-th power. A parameter kept whole has the same
-    gradient on every rank: its share is divided by N. For p = inf the share is the largest
-    absolute value; an empty shard or no gradient shares 0. `torch._foreach_norm` /
-    `_foreach_mul_` are private: torch's `clip_grad_norm_` uses them (tried on 2.13), no fallback."""
+    Shard gradients are disjoint pieces of the full gradient (padding is zero): their p-th powers
+    summed over ranks are the whole norm's. A whole parameter's share is divided by N; for p = inf
+    the share is the largest absolute value. `torch._foreach_norm` / `_foreach_mul_` are private:
+    torch's `clip_grad_norm_` uses them (tried on 2.13)."""
     device = model.device  # where the collective runs; offloaded shards' gradients are on the host
     n = model.comm.world_size
     if not parameters:
@@ -118,20 +117,17 @@ def check_optimizer_fits_shards(optimizer: torch.optim.Optimizer, owner: str, *,
 
 
 class AgreeingGradScaler(torch.amp.GradScaler):
-    """A GradScaler whose skip decision is the same on every rank: after unscaling, the inf/NaN
-    flag is All-Reduced (max). Otherwise a rank whose shards overflowed skips the step while the
-    others take it, and the shards drift apart.
+    """A GradScaler whose inf/NaN flag is All-Reduced (max) after unscaling, so every rank skips
+    the same steps (else the shards drift apart).
 
     [Note: every path unscales]
-    For optimizers that unscale inside their kernel (fused Adam/AdamW/SGD), `GradScaler.step`
-    (and Lightning's MixedPrecision plugin) skips `unscale_` and checks the gradients rank by
-    rank. So `step` here always unscales first: the flag is agreed on before every step, and the
-    fused kernel gets the agreed flag and no scale. Cost: one unscale pass over the shards.
+    For fused optimizers `GradScaler.step` (and Lightning's plugin) skips `unscale_` and checks
+    rank by rank, so `step` here always unscales first: one unscale pass over the shards.
 
     [Note: private GradScaler state]
     The flag is `_per_optimizer_states[id(optimizer)]["found_inf_per_device"]`, which torch's own
-    `step` and `update` read (no public accessor; tried on torch 2.13.0). If a release changes
-    that layout, construction raises on every rank alike, telling to use bf16.
+    `step` reads (no public accessor; tried on 2.13.0). If its layout changes, construction raises
+    on every rank alike.
     """
 
     def __init__(self, model: ShardedModel, **kwargs: object) -> None:

@@ -1,16 +1,13 @@
-"""`PersistentGrads`: the gradients of parameters kept whole on every rank (`persistence_threshold`,
-and every parameter of at most one element per rank), averaged over all ranks after each backward.
+"""`PersistentGrads`: the gradients of parameters kept whole on every rank, averaged after each backward.
 
 [Note: persistent gradients in one buffer]
-They are All-Reduced as one flat buffer per dtype and device, followed by one element per
-parameter counting the ranks that produced its gradient: one no rank used keeps `grad=None`, as
-in one process (a zero gradient would still move it under weight decay). Afterwards each `.grad`
-is a view of the buffer, so autograd's next accumulation and `zero_grad(set_to_none=False)` work
-in place and the next backward reduces the buffer where it lies: no copy, no allocation.
+One flat buffer per dtype and device is All-Reduced, followed by one element per parameter
+counting the ranks that produced its gradient: one no rank used keeps `grad=None`, as in one
+process. Afterwards each `.grad` is a view of the buffer, so autograd's accumulation and
+`zero_grad(set_to_none=False)` work in place and the next backward reduces it where it lies.
 Anything else (`set_to_none=True`, an assigned `.grad`, `create_graph=True`, a missing gradient)
-takes the copy path: one new buffer, one `cat`. The buffer is held weakly and dies with its views.
-Only a rank missing a gradient reads the counts on the host. With shard groups the All-Reduce
-spans all N ranks at once (one collective, not two; the sum's order differs by rounding).
+takes the copy path: one new buffer, one `cat`. The buffer is held weakly. With shard groups
+the All-Reduce spans all ranks at once (one collective, not two).
 """
 
 from __future__ import annotations

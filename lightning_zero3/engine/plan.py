@@ -1,17 +1,13 @@
-"""Pick units from a module tree and assign every parameter to exactly one unit.
-
-A unit is a module whose parameters are gathered together. The root is always one (it owns what
-no other unit claims). A parameter reached from several units (tied weights, a shared module)
-belongs to their lowest common ancestor, so it is gathered once and whole wherever it is used.
+"""Pick units from a module tree and assign every parameter to exactly one unit. The root is
+always one; a parameter reached from several units (tied weights, a shared module) belongs to
+their lowest common ancestor, so it is gathered once and whole wherever it is used.
 
 [Note: nn.Module's registries]
 The engine reads modules' own `_parameters`, `_buffers` and `_modules` and writes `_parameters`
-directly: private by name, but how `nn.Module` stores what it registers, and FSDP2 does the same.
-The public views do not do: `named_parameters()` yields a parameter registered under two names
-once (the plan needs every name to keep ties), and `register_parameter` runs the global
-registration hooks (materialize.py's meta hook). Likewise `Tensor._version`, autograd's in-place
-counter, has no public accessor. Tried on torch 2.13.0; no fallback: a change would fail the
-first setup loudly.
+directly, as FSDP2 does: `named_parameters()` yields a parameter registered under two names once
+(the plan needs every name to keep ties), and `register_parameter` runs the global registration
+hooks (materialize.py's meta hook). Likewise `Tensor._version`, autograd's in-place counter.
+Private, tried on torch 2.13.0; no fallback: a change would fail the first setup loudly.
 """
 
 from __future__ import annotations

@@ -1,20 +1,18 @@
 """Reducing gradients: a unit's full gradients -> this rank's averaged shard gradients
-(Reduce-Scatter, then with shard groups an All-Reduce across groups), and `Reductions`, those in
-flight. Layout: unit.py, Note: flat layout; the check column: checks.py, Note: check slot.
+(Reduce-Scatter, with shard groups then an All-Reduce across them); `Reductions` in flight.
 
 [Note: asynchronous reduction]
-`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient to autograd;
-the next unit's backward computes while it is in flight. Its shard gradients are added into
-`shard.grad` when it is waited for: once more than `reductions_in_flight` are pending (None: 2
-on CUDA, 0 elsewhere, where no gain was measured), and all in the callback that ends backward, so
-`.grad` is complete when `backward()` returns. Adding keeps accumulation, tied weights and
-modules called twice exact. With shard groups, the All-Reduces across groups are issued in the
-order the reductions started, alike on every rank (`Reductions._advance`).
+`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient; the next
+unit's backward computes meanwhile. The shard gradients are added into `shard.grad` when waited
+for: once more than `reductions_in_flight` are pending, and all in the callback that ends
+backward, so `.grad` is complete when `backward()` returns. Adding keeps accumulation, tied
+weights and reused modules exact. The All-Reduces across groups go out in the order the
+reductions started, alike on every rank (`_advance`).
 
 [Note: gradient copy-in]
-The full gradients are copied (cast, padded) into the Reduce-Scatter input on the compute stream,
-as FSDP2 does, and the reduce stream waits for that copy: autograd frees a unit's full gradients
-as soon as its `GatherParams.backward` returns, and only the inputs (`full`) stay in flight.
+The full gradients are copied into the Reduce-Scatter input on the compute stream (as FSDP2 does)
+and the reduce stream waits for the copy: autograd frees them as soon as `GatherParams.backward`
+returns; only the inputs stay in flight.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """What a unit keeps from its forward to its backward: `reshard_after_forward`, FSDP2's option
-with FSDP2's meaning. The driver asks `after_forward` at each post-forward of a call that owes a
-backward; `resolve` and `slice_group` set it up once.
+with FSDP2's meaning; the driver asks `after_forward` at each post-forward owing a backward.
 
 [Note: reshard after forward]
 - True (default): the call is RESHARDED and its backward gathers again, except the units
   backward begins with (hooks.py, Note: kept for backward). All-Gather payload ~2Ψ per step.
-- False: every such call is KEPT, whole until its backward, which gathers nothing (payload Ψ;
-  every unit alive at the end of forward, as with DDP). A unit called again in one forward keeps
-  its latest call only; the earlier one's backward gathers again.
-- An int G (1 < G < shard group, dividing it): before RESHARDED the unit keeps this rank's 1/G
-  slice (`Unit.keep_slice`, in `param_dtype`), and its backward All-Gathers the slices inside
-  its group of G consecutive ranks (DeepSpeed's hpZ): the payload of True, its backward half
-  inside the group. The slice goes when a gather uses it, when the backward ends without reaching
-  it, or when the next pass begins; one cut before an optimizer step is stale and dropped (the
-  gather then runs over the shard group). G = shard group is True; G = 1 is refused (False). A
-  rank that leaves the recorded order in backward announces it inside its group only: that group
-  raises `OrderMismatchError`, the others fail at their next collective over the shard group.
-Passes without a backward keep nothing past their end.
+- False: every such call is KEPT until its backward, which gathers nothing (payload Ψ; every unit
+  alive at the end of forward, as with DDP). A unit called twice keeps its latest call only.
+- An int G (dividing the shard group): the unit keeps this rank's 1/G slice (`Unit.keep_slice`)
+  and its backward All-Gathers the slices inside its group of G consecutive ranks (DeepSpeed's
+  hpZ): the payload of True, the backward half inside the group. The slice goes when a gather
+  uses it, when a backward ends without it, or when a pass begins; one cut before an optimizer
+  step is stale (the gather then runs over the shard group). A rank leaving the recorded order in
+  backward announces it inside its group only; the other groups fail at their next collective.
 """
 
 from __future__ import annotations

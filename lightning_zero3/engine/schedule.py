@@ -1,11 +1,8 @@
-"""Execution-order recording and prefetch decisions.
-
-The first pass records the order in which units run forward (a pass without backward too, while
-nothing is recorded), the first backward the order in which their backwards start. From then on,
-when a unit starts, the next `prefetch` units of the record are gathered ahead so the All-Gather
-overlaps its compute. A pass that departs from the record prefetches no more (the prefetches it
-issued are dropped) and becomes the new record: as correct, slower for one step. Ranks compare
-records once, after the first backward (checks.py).
+"""Execution-order recording and prefetch decisions. The first pass records the order in which
+units run forward (a pass without backward too, while nothing is recorded), the first backward
+the order their backwards start; then each unit that starts has the next `prefetch` units of the
+record gathered ahead. A pass that departs from the record stops prefetching (dropping what it
+issued) and becomes the new record. Ranks compare records once, after the first backward.
 """
 
 from __future__ import annotations
@@ -64,12 +61,6 @@ class Schedule:
         """Whether the forward in progress has run the whole record (and no more)."""
         order = self.forward.order
         return self.forward.on_track and order is not None and len(self.forward.seen) == len(order)
-
-    def begin_forward(self) -> None:
-        self.forward.begin()
-
-    def begin_backward(self) -> None:
-        self.backward.begin()
 
     def departure(self, uid: int, *, backward: bool) -> int | None:
         """The position at which running unit `uid` next would leave the record, or None if it

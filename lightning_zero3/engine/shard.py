@@ -1,16 +1,14 @@
 """`ShardedParam`: one parameter's sharded bookkeeping.
 
 [Note: shard layout]
-A parameter is flattened and cut into `world_size` pieces of `shard_numel = ceil(numel / N)`,
-the last padded with zeros; rank r keeps piece r as a 1-D `nn.Parameter` registered under the
-original name, so optimizers and `state_dict()` see shards. The padding stays zero: its gradient
-is zero, and a zero with a zero gradient stays zero under every element-wise optimizer.
+A parameter is flattened and cut into N pieces of `shard_numel = ceil(numel / N)`, the last
+padded with zeros; rank r keeps piece r as a 1-D `nn.Parameter` under the original name. The
+padding stays zero: a zero with a zero gradient stays zero under element-wise optimizers.
 
 [Note: shards in one buffer]
-The shards of one unit live back to back in one buffer, in gather-row order (unit.py, Note: flat
-layout), allocated before any full tensor (materialize.py). Each is still a tensor of its own on
-the storage (`set_`, not a slice): its own version counter, so writing one shard does not make
-the others look changed.
+One unit's shards live back to back in one buffer, in gather-row order, allocated before any
+full tensor (materialize.py). Each is a tensor of its own on it (`set_`, not a slice), with its
+own version counter, so writing one shard does not make the others look changed.
 """
 
 from __future__ import annotations
