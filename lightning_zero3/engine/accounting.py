@@ -27,21 +27,13 @@ def model_state_bytes(
     """Bytes of `params`, their gradients and their optimizer state."""
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    optim_bytes = 0
     mine = {id(p) for p in params}
-    for optimizer in optimizers or []:
-        for param, state in optimizer.state.items():
-            if id(param) not in mine:
-                continue
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    optim_bytes += value.numel() * value.element_size()
-    return {
-        "param": param_bytes,
-        "grad": grad_bytes,
-        "optimizer": optim_bytes,
-        "total": param_bytes + grad_bytes + optim_bytes,
-    }
+    optim_bytes = sum(
+        v.numel() * v.element_size() for optimizer in optimizers or [] for param, state in optimizer.state.items()
+        if id(param) in mine for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    )  # fmt: skip
+    total = param_bytes + grad_bytes + optim_bytes
+    return {"param": param_bytes, "grad": grad_bytes, "optimizer": optim_bytes, "total": total}
 
 
 @dataclass(frozen=True)
