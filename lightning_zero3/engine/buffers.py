@@ -5,12 +5,10 @@ so a pool keyed by (role, size, dtype, device) keeps as many of each as were in 
 [Note: buffer roles and streams]
 A buffer serves one role for life, each role one stream (comm.py, Note: streams), so a buffer
 never moves to a stream its role does not use, whatever sizes coincide:
-- "gather" (All-Gather receive rows): taken on copy-in, written on the gather stream, read and
-  given back on the compute stream.
-- "block" (full parameters): compute stream.
-- "reduce" (Reduce-Scatter input): filled on the compute stream, read on the reduce stream,
-  given back on the compute stream after waiting for it.
-- "slice" (reshard.py): copy-in stream. "received" (gloo.py): CPU only.
+"gather" (receive rows) is taken on copy-in and given back on the compute stream after the
+gather stream wrote it; "block" (full parameters) lives on the compute stream; "reduce" is filled
+and given back there, read by the reduce stream; "slice" (reshard.py) lives on copy-in;
+"received" (gloo.py) is CPU only.
 `give` records an event once the giving stream has waited for every use; `take` makes the
 taker's stream wait for it. On CPU program order suffices.
 """

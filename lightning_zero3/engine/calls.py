@@ -13,9 +13,6 @@ does what it means (frees the storage, counts the unit alive, takes the tensors 
     KEPT --a new pass began, the forward ended without an output needing a gradient, hooks removed--> RESHARDED
     DONE --pre-backward of a second backward (retain_graph)--> BACKWARD
 
-A unit's forward hooks nest (a unit called inside itself, root-parameter owners inside the root):
-its `Slot` counts the open ones and only the outermost gathers.
-
 [Note: call lifetime]
 The hooks on a call's outputs hold it as long as autograd's graph lives; `GatherParams` and the
 frozen-input hook hold it weakly: the call owns the full tensors, whose grad_fn owns the ctx, and
@@ -170,7 +167,8 @@ def autograd_running() -> bool:
 
 
 class Slot:
-    """Per unit: the call on the modules, the call KEPT for backward, the open forward hooks."""
+    """Per unit: the call on the modules, the call KEPT for backward, and the open forward hooks
+    (they nest: a unit called inside itself; only the outermost gathers)."""
 
     __slots__ = ("call", "kept", "depth")
 

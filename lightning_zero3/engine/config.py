@@ -31,10 +31,8 @@ class ShardingConfig:
         reduce_dtype: dtype of the Reduce-Scatters. None: fp32.
         param_init_fn: initialises a meta module's own tensors. None: ``reset_parameters()``.
         reductions_in_flight: reductions left running in backward. None: 2 on CUDA, 0 elsewhere.
-        rank_checks: steps on which ranks running different units raise `OrderMismatchError`
-            (checks.py, Note: rank check modes): "every_step", "first_step", or an int K.
-        reshard_after_forward: what a unit keeps from forward to backward (reshard.py): True its
-            shards, False its full parameters, an int G its 1/G slice.
+        rank_checks: steps that check the ranks run alike: "every_step", "first_step" or K (checks.py).
+        reshard_after_forward: kept from forward to backward: True shards, False all, G a 1/G slice (reshard.py).
         offload: None, or "host": shards, gradients and optimizer state in host memory (offload.py).
         offload_dir: a directory for the optimizer state in files (disk.py); needs offload="host".
     """

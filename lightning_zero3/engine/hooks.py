@@ -2,13 +2,11 @@
 held.py: inference; reduce.py: reductions in flight). The driver never reaches back into the model.
 
 [Note: one unit call]
-Each forward of a unit gathers its shards (one All-Gather; through `GatherParams` when it has a
-trainable parameter and gradients are on). The full tensors shadow the shards as instance
-attributes (`module.__dict__[name]`), so the module's forward reads them unchanged, and leave
-after forward: their storage is freed, autograd keeps the objects. A hook on the outputs gathers
-again into that storage before the unit's backward; `GatherParams.backward` Reduce-Scatters the
-full gradients and adds each rank's piece into `shard.grad`. One call, one reduction, added up:
-accumulation, tied weights and reused modules are exact.
+Each forward of a unit gathers its shards (through `GatherParams` when gradients will flow). The
+full tensors shadow the shards as instance attributes (`module.__dict__[name]`) during forward;
+then their storage is freed while autograd keeps the objects, and a hook on the outputs gathers
+again into it before the unit's backward. `GatherParams.backward` reduces the full gradients and
+adds each rank's piece into `shard.grad`: accumulation, tied weights and reused modules are exact.
 
 [Note: kept for backward]
 Backward begins with the units that ended the forward: the root (when it closes the pass) and,
