@@ -1,10 +1,8 @@
-"""What a `ShardedModel` (model.py) should hold and send, predicted from its layout: the bytes
-of model state a rank holds between steps, and the oracle for a step's traffic: which units the
-design gathers once or twice, keeps whole or keeps a slice of, and the payload bytes that follow
-(docs/accounting.md). The engine does not evaluate the formula to run; it records what it did
-(record.py), and tests and the summary compare that record and the measured bytes (comm.py) with
-this formula. The rules take unit sizes (`UnitSizes`): the engine's exact rows here, and
-estimate.py's sizes for a model that is not built, so both predict by the same rules.
+"""What a `ShardedModel` should hold and send, predicted from its layout: model state bytes, and
+the oracle for a step's traffic (which units are gathered once or twice, kept whole or as a
+slice, and the payload bytes: docs/accounting.md). The engine records what it did (record.py);
+tests and the summary check that and the measured bytes against this formula. The rules take
+`UnitSizes`: the engine's exact rows here, estimate.py's for a model not built.
 """
 
 from __future__ import annotations
@@ -26,31 +24,21 @@ __all__ = [
 def model_state_bytes(
     params: Sequence[torch.Tensor], optimizers: list[torch.optim.Optimizer] | None = None
 ) -> dict[str, int]:
-    """Bytes of model state this rank holds between steps for `params` (its shards and the
-    persistent parameters): parameters, gradients, and optimizer state for them."""
+    """Bytes of `params`, their gradients and their optimizer state."""
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    optim_bytes = 0
     mine = {id(p) for p in params}
-    for optimizer in optimizers or []:
-        for param, state in optimizer.state.items():
-            if id(param) not in mine:
-                continue
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    optim_bytes += value.numel() * value.element_size()
-    return {
-        "param": param_bytes,
-        "grad": grad_bytes,
-        "optimizer": optim_bytes,
-        "total": param_bytes + grad_bytes + optim_bytes,
-    }
+    optim_bytes = sum(
+        v.numel() * v.element_size() for optimizer in optimizers or [] for param, state in optimizer.state.items()
+        if id(param) in mine for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    )  # fmt: skip
+    total = param_bytes + grad_bytes + optim_bytes
+    return {"param": param_bytes, "grad": grad_bytes, "optimizer": optim_bytes, "total": total}
 
 
 @dataclass(frozen=True)
 class UnitSizes:
-    """One unit as the rules see it: the payload bytes of each collective on it (the full tensor
-    each produces or consumes), and its place in the step."""
+    """One unit as the rules see it: payload bytes per collective, and its place in the step."""
 
     gather: int  # one All-Gather over the shard group
     reduce: int  # one Reduce-Scatter of its gradients (0: frozen)
@@ -61,15 +49,13 @@ class UnitSizes:
 
 
 def keeps_whole(unit: UnitSizes, reshard: bool | int) -> bool:
-    """Whether the unit stays gathered from its forward into its backward (hooks.py, Note: kept
-    for backward; reshard.py, Note: reshard after forward)."""
+    """hooks.py, Note: kept for backward; reshard.py, Note: reshard after forward."""
     return unit.ends_forward or (reshard is False and unit.backward)
 
 
 def gathers(unit: UnitSizes, reshard: bool | int) -> tuple[int, int]:
-    """All-Gathers per training step over the shard group and inside the group of G: one for
-    forward, and one for backward unless the unit is kept whole or has no backward; with an
-    int `reshard` that one gathers the slices."""
+    """All-Gathers per step over the shard group and inside the group of G: forward's, and
+    backward's unless kept whole or without backward (with an int `reshard`, of the slices)."""
     if not unit.backward or keeps_whole(unit, reshard):
         return 1, 0
     return (2, 0) if reshard is True else (1, 1)
@@ -79,12 +65,9 @@ def step_bytes(
     units: Sequence[UnitSizes], reshard: bool | int, *, persistent: int = 0, micro_batches: int = 1,
     synced: int | None = None,
 ) -> dict[str, dict[str, int]]:  # fmt: skip
-    """Payload bytes per optimizer step by group: "shard" (the All-Gathers and Reduce-Scatters of
-    the shard group, the persistent parameters' All-Reduce), "across" (between shard groups: each
-    rank's reduced rows) and "slices" (inside the groups of G), each {collective: bytes}. A step
-    of `micro_batches` forward and backward passes, of which `synced` (default: all) reduce: the
-    gathers repeat per pass, the reductions per synced pass (accumulate.py, Note: unsynced
-    accumulation: k-fold fewer)."""
+    """Payload bytes per optimizer step by group, {collective: bytes} each: "shard" (with the
+    persistent All-Reduce), "across" (shard groups) and "slices" (groups of G). Gathers repeat
+    per pass of `micro_batches`, reductions per `synced` pass (default: all)."""
     reduced = micro_batches if synced is None else synced
     counts = [gathers(u, reshard) for u in units]
     shard = {
@@ -98,9 +81,8 @@ def step_bytes(
 
 
 def live_peak(full: Sequence[int], reshard: bool | int, *, prefetch: int, ends_forward: Sequence[bool]) -> int:
-    """Bytes of full units alive at once at the end of forward, `full` each unit's full bytes:
-    the units kept whole, the computing one and `prefetch` more (the largest of the others);
-    with False every unit; with an int G, each other unit's 1/G slice as well."""
+    """Bytes of full units alive at the end of forward: the kept ones, the computing one and
+    `prefetch` more (the largest); with False all; with an int G, the others' 1/G slices too."""
     if reshard is False:
         return sum(full)
     kept = [f for f, e in zip(full, ends_forward) if e]
@@ -110,10 +92,7 @@ def live_peak(full: Sequence[int], reshard: bool | int, *, prefetch: int, ends_f
 
 
 def expected_kept(units: list[Unit], orders: Orders, reshard: bool | int = True) -> set[int]:
-    """Units kept whole from forward into backward (hooks.py, Note: kept for backward): the
-    root, and once an order is recorded the last unit to start forward with every unit whose
-    module encloses it (their forward ends after it); with `reshard=False` every unit that runs
-    backward too."""
+    """Ids of the units kept whole from forward into backward (hooks.py, Note: kept for backward)."""
     sizes = _sizes(units, orders)
     return {u.uid for u in units if u.params and keeps_whole(sizes[u.uid], reshard)}
 
@@ -121,28 +100,20 @@ def expected_kept(units: list[Unit], orders: Orders, reshard: bool | int = True)
 def expected_gathers(
     units: list[Unit], orders: Orders, reshard: bool | int = True, *, slices: bool = False
 ) -> dict[int, int]:
-    """All-Gathers per training step by unit id, over the shard group (or with `slices` inside
-    the groups of G): `gathers`. A frozen unit runs backward only when its input needs a
-    gradient: that is read from the recorded backward order (before the first step, it is
-    assumed to)."""
+    """`gathers` by unit id, over the shard group (or with `slices` inside the groups of G)."""
     sizes = _sizes(units, orders)
     counts = {u.uid: gathers(sizes[u.uid], reshard)[int(slices)] for u in units if u.params}
     return {uid: k for uid, k in counts.items() if k} if slices else counts
 
 
-def _ends_forward(units: list[Unit], forward_order: list[int] | None) -> set[int]:
-    ends = {units[0].uid}
+def _sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:
+    """The engine's units as `UnitSizes`, from their exact rows (unit.py, Note: flat layout). A
+    frozen unit runs backward if the recorded backward order has it (assumed before any)."""
+    forward_order, backward_order = orders
+    ends = {units[0].uid}  # the root, and the last unit of the order with every unit enclosing it
     if forward_order:
         last = units[forward_order[-1]].module
         ends.update(u.uid for u in units if any(m is last for m in u.module.modules()))
-    return ends
-
-
-def _sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:
-    """The engine's units as `UnitSizes`: each rank's exact rows (padded shards, the check slot,
-    16-byte alignment: unit.py, Note: flat layout), times the ranks of each collective."""
-    forward_order, backward_order = orders
-    ends = _ends_forward(units, forward_order)
     sizes = {}
     for u in units:
         trainable = any(p.requires_grad for p in u.params)
@@ -160,15 +131,9 @@ def expected_step_bytes(
     units: list[Unit], persistent: Sequence[torch.Tensor], *, orders: Orders, reshard: bool | int = True,
     across_groups: bool = False, slices: bool = False, micro_batches: int = 1, synced: int | None = None,
 ) -> dict[str, int]:  # fmt: skip
-    """Payload bytes per optimizer step that the design predicts (`step_bytes` on the engine's
-    rows): the All-Gathers of `expected_gathers` and one Reduce-Scatter per trainable unit, per
-    pass of `micro_batches`, of which `synced` reduce. Trainable persistent parameters add one
-    All-Reduce of their gradients and one element each (the count of ranks that produced it, so
-    that an unused one keeps grad None). With `across_groups` (hierarchical sharding): what
-    crosses between shard groups, one All-Reduce of each rank's reduced shard gradients (1/G of
-    the gradient), and the persistent parameters' All-Reduce, which runs over all ranks
-    (persistent.py). With `slices` (`reshard_after_forward=G`): the backward's All-Gathers
-    inside the groups of G."""
+    """`step_bytes` on the engine's rows, the persistent All-Reduce with one count element per
+    parameter (persistent.py). With `across_groups`: what crosses between shard groups (the
+    persistent All-Reduce too, which spans all ranks); with `slices`: inside the groups of G."""
     n = units[0].world_size
     hybrid = units[0].replicate is not None
     persistent_bytes = sum((p.numel() + 1) * p.element_size() for p in persistent if p.requires_grad)

@@ -1,10 +1,9 @@
-"""What one unit call is: its state, and the autograd Function whose backward Reduce-Scatters
-it; and the state of the pass the driver is in. `hooks.py` drives both (Note: one unit call there).
+"""One unit call: its state, the autograd Function whose backward reduces it, and the pass state
+(hooks.py, Note: one unit call).
 
 [Note: call states]
-Every `UnitCall` is in one `CallState` and changes state only in `CallTable.move` (below), which
-asserts that the transition is legal and does what the move means (free the storage, count the
-unit alive or not, take the tensors off the modules):
+A `UnitCall` changes state only in `CallTable.move`, which asserts the move is in `LEGAL` and
+does what it means (frees the storage, counts the unit alive, takes the tensors off the modules):
 
     SHARDED --gather--> FORWARD --post-forward--> RESHARDED --pre-backward--> BACKWARD --post-backward--> DONE
     FORWARD --post-forward, no backward owed (no_grad, outputs without grad)----------------> DONE
@@ -14,57 +13,32 @@ unit alive or not, take the tensors off the modules):
     KEPT --a new pass began, the forward ended without an output needing a gradient, hooks removed--> RESHARDED
     DONE --pre-backward of a second backward (retain_graph)--> BACKWARD
 
-Per unit the driver keeps a `Slot`: the call whose tensors are on the modules, the call kept
-gathered for backward (hooks.py, Note: kept for backward), and how many forward hooks of the
-unit are open (a unit called inside itself, or the owner modules of root
-parameters inside the root's forward, gather once). A pass begins when a unit starts forward
-while no unit is open and no backward runs; `_begin_pass` drops what an earlier pass left.
-Post-forward hooks are registered with `always_call=True`, so a forward that raises closes its
-unit like one that returns (hooks.py, Note: exceptions).
-
 [Note: call lifetime]
-A `UnitCall` is held by the driver while its pass may still need it (`Slot.call`, `_pending`)
-and by the hooks on the unit's outputs for as long as autograd's graph lives (so backward, and
-a second backward with retain_graph, find it). The autograd Functions only keep a weak
-reference (and so does the hook on a frozen unit's inputs, hooks.py, Note: frozen units):
-the call owns the full tensors, whose grad_fn owns the ctx, and a strong reference
-from ctx to the call would close a cycle through C++ that Python's garbage collector cannot
-break.
+The hooks on a call's outputs hold it as long as autograd's graph lives; `GatherParams` and the
+frozen-input hook hold it weakly: the call owns the full tensors, whose grad_fn owns the ctx, and
+a strong reference back would be a cycle through C++ that Python's GC cannot break.
 
 [Note: root parameters outside the root's forward]
-The modules that own root parameters carry the root unit's forward hooks too: inside the
-root's forward they only nest (re-gathering if an optimizer step made the tensors stale), and
-called directly (`model.net(x)`, `model.generate(...)`) they gather the root unit for their own
-forward, with a backward of its own. A root without parameters (`nn.Sequential` of blocks) is
-hooked too: it gathers nothing, but its forward frames the pass, so the units inside run in one
-recorded order and prefetch.
+The modules owning root parameters carry the root's forward hooks: inside the root's forward
+they only nest; called directly (`model.net(x)`) they gather the root for a forward and backward
+of their own. A root without parameters gathers nothing but frames the pass (one recorded order).
 
 [Note: recomputation]
-Activation checkpointing runs a unit's forward again inside backward. Non-reentrant: the
-unit's output hook has already re-gathered it (state BACKWARD), so the recomputed forward reuses
-the shadowed full tensors and frees nothing. Reentrant: the first forward ran under no_grad (no
-backward state), so the recomputation is an ordinary forward with its own `GatherParams`, and
-the inner backward that follows reduces it.
+Activation checkpointing reruns a unit's forward inside backward. Non-reentrant: the output hook
+has re-gathered the unit (BACKWARD) and the rerun reuses it. Reentrant: the first forward ran
+under no_grad, so the rerun is an ordinary forward, reduced by the inner backward.
 
 [Note: inference mode]
-A tensor allocated under `torch.inference_mode()` can never be updated in place outside it, so
-a pooled buffer first allocated there would break every later training step. The engine's own
-work (gathers, releases, pool allocations) runs with inference mode switched off and gradients
-off; the module's compute on the full tensors stays under the caller's mode.
+A tensor allocated under `torch.inference_mode()` can never be updated in place outside it, so a
+pooled buffer first allocated there would break every later training step: the engine's own
+work runs under `engine_mode()`, the module's compute under the caller's mode.
 
 [Note: torch.compile]
-The hooks gather, release and reduce: collectives, storage moves, data pointers and per-call
-Python state (call states, depths, versions). Dynamo can put none of it in a graph, and the
-values it would guard on change every call: traced, the hooks cut a compiled GPT into 39 graphs
-with 23 graph breaks and recompiled `start_gather` up to the recompile limit (issue 15). Every
-entry point the engine gives torch (forward pre/post hooks, the hooks on outputs and inputs,
-`post_backward`, the callbacks of backward) is wrapped in `torch.compiler.disable` (`_eager`):
-dynamo ends the graph at the hook, runs the hook eagerly and resumes after it, and the compiled
-code reads the full tensors the hook put on the modules as ordinary graph inputs. A block
-compiled by itself (`block.compile()`, as FSDP2 advises) runs its hooks before and after its
-graph, and blocks of one class share that graph. A model compiled whole is cut at every hooked
-module: each unit's module and the modules that own root parameters. Measured in
-docs/performance.md, "torch.compile"; tested in tests/test_engine_compile.py.
+The hooks' collectives, storage moves and Python state cannot be traced (traced, they cut a GPT
+into 39 graphs and recompiled to the limit), so every entry point the engine gives torch is
+`eager` (`torch.compiler.disable`): dynamo ends the graph at the hook and resumes after it. A
+model compiled whole is cut at every hooked module; compile blocks instead, as FSDP2 advises
+(docs/performance.md, "torch.compile").
 """
 
 from __future__ import annotations
@@ -84,11 +58,11 @@ _Hook = TypeVar("_Hook", bound=Callable[..., Any])
 
 
 def eager(hook: _Hook) -> _Hook:
-    """`hook` runs eagerly, never traced by dynamo (Note: torch.compile)."""
+    """Note: torch.compile."""
     return torch.compiler.disable(hook, recursive=True, reason="ZeRO-3 hooks run eagerly: collectives, storage moves")
 
 
-# What `GatherParams.backward` hands the full gradients to: the driver's post-backward.
+# The driver's post-backward, which `GatherParams.backward` hands the full gradients.
 PostBackward = Callable[["UnitCall", list[torch.Tensor | None]], list[torch.Tensor | None]]
 
 
@@ -121,14 +95,8 @@ HOLDING = (S.FORWARD, S.KEPT, S.BACKWARD, S.REDUCED_IN_FORWARD)  # states whose 
 
 
 class PassState(Enum):
-    """What the driver is doing between and across unit calls; changed only in
-    `HookDriver._enter` (hooks.py), which asserts the move is in PASS_LEGAL.
-
-    IDLE --a unit starts forward--> FORWARD --its last forward hook closes--> IDLE
-    IDLE or FORWARD (backward inside a forward: manual optimization) --backward begins--> BACKWARD
-    BACKWARD --backward ends or is abandoned--> IDLE, or FORWARD when forward hooks are still open
-    IDLE or FORWARD (a forward without gradients) --gathered_for_inference()--> HELD --exit--> back
-    """
+    """Changed only in `HookDriver._enter`, which asserts the move is in PASS_LEGAL. BACKWARD ends
+    in FORWARD when forward hooks are still open (manual optimization); HELD returns likewise."""
 
     IDLE = "idle"  # no forward hook open, no backward running
     FORWARD = "forward"  # some unit's forward hook is open
@@ -149,15 +117,14 @@ class UnitCall:
 
     def __init__(self, unit: Unit, *, reduces: bool) -> None:
         self.unit = unit
-        self.reduces = reduces  # produced by _GatherParams: its backward Reduce-Scatters
+        self.reduces = reduces  # produced by GatherParams: its backward Reduce-Scatters
         self.fulls: list[torch.Tensor] = []
         self.state = CallState.SHARDED
-        # Shard versions when gathered: an optimizer step in between makes the fulls stale.
         self.versions: tuple[int, ...] = ()
 
 
 def engine_mode() -> AbstractContextManager[object]:
-    """Inference mode off, gradients off, for the engine's own tensors (Note: inference mode)."""
+    """Note: inference mode."""
     if not torch.is_inference_mode_enabled():
         return nullcontext()
     stack = ExitStack()
@@ -194,14 +161,14 @@ class GatherParams(torch.autograd.Function):
 
 
 def autograd_running() -> bool:
-    """Whether autograd's engine is executing a backward on this thread (hooks.py, Note: exceptions)."""
+    """Whether autograd's engine runs a backward on this thread (hooks.py, Note: exceptions)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is None or task_id() != -1
 
 
 class Slot:
-    """Per unit: the call whose full tensors are on the modules, the call kept gathered for
-    backward (state KEPT, off the modules), and the open forward hooks."""
+    """Per unit: the call on the modules, the call KEPT for backward, and the open forward hooks
+    (they nest: a unit called inside itself; only the outermost gathers)."""
 
     __slots__ = ("call", "kept", "depth")
 
@@ -212,16 +179,15 @@ class Slot:
 
 
 class CallTable:
-    """Per unit, its `Slot`; the one place where a call changes state (`move`, Note: call states)
-    and where a slot's count of open forward hooks changes (`set_depth`)."""
+    """Per unit its `Slot`; the one place where a call changes state (Note: call states) and a
+    slot's depth changes."""
 
     def __init__(self, units: list[Unit], *, live: LiveUnits, record: StepRecord) -> None:
         self.units = units
         self.slots = [Slot() for _ in units]
-        # Slots with an open forward hook (depth > 0), kept by `set_depth`: 0 between passes.
-        self.open = 0
-        self.live = live  # units holding full parameters, counted (record.py)
-        self.record = record  # counts the calls kept for backward (record.py)
+        self.open = 0  # slots with depth > 0: 0 between passes
+        self.live = live
+        self.record = record
 
     def move(self, call: UnitCall, state: CallState) -> None:
         old = call.state
@@ -248,8 +214,7 @@ class CallTable:
             with engine_mode():  # autograd keeps the tensor objects; the memory goes to the pool
                 call.unit.release(call.fulls)
         elif state is S.DONE and old is S.FORWARD and not call.reduces:
-            # No backward is owed (evaluation, a held call, outputs without grad): the block goes
-            # back to the pool, so an evaluation step allocates no full parameters.
+            # No backward owed: the block goes back to the pool (evaluation allocates none).
             with engine_mode():
                 call.unit.release(call.fulls)
             call.fulls = []
@@ -262,19 +227,15 @@ class CallTable:
             self.live.change(call.unit.uid, +1 if state in HOLDING else -1, call.unit.gather_in_flight)
 
     def set_depth(self, slot: Slot, depth: int) -> None:
-        """The one place a slot's count of open forward hooks changes, so `_open` stays exact."""
         self.open += (depth > 0) - (slot.depth > 0)
         slot.depth = depth
 
     def is_kept(self, unit: Unit) -> bool:
-        """Whether a call of `unit` is kept gathered for a backward that has not reached it."""
         return self.slots[unit.uid].kept is not None
 
     def drop_leftovers(self) -> None:
-        """Between passes (a new one begins, or the hooks go), in one walk over the units: a
-        kept call gives its memory back (its backward, if it still comes, gathers again), and a
-        call still on its modules, left by a pass that raised (Note: exceptions), is closed;
-        slices kept for a backward go (reshard.py)."""
+        """Between passes: release kept calls and slices (a backward that still comes gathers
+        again); close a call a pass that raised left on its modules (Note: exceptions)."""
         for unit, slot in zip(self.units, self.slots):
             unit.drop_slice()
             if slot.kept is not None:
@@ -283,7 +244,6 @@ class CallTable:
                 self.move(slot.call, S.DONE)
 
     def release_kept(self) -> None:
-        """Kept calls whose backward has not begun give their memory back; it gathers again."""
         for slot in self.slots:
             if slot.kept is not None:
                 self.move(slot.kept, S.RESHARDED)

@@ -1,52 +1,37 @@
 """`RankChecks`: detecting ranks that disagree on which unit they run, as one layer around the
-collectives. The gather and reduce code (unit.py, reduce.py) only hands it a row's check slot
-to stamp before a collective and to read after; the driver (hooks.py) asks it to check when a
-pass begins and a backward ends; departure notices (departure.py) and the first step's order
-comparison go through it. `ShardingConfig(rank_checks=...)` says on which steps it works.
+collectives: unit.py and reduce.py stamp a row's check slot before a collective and read it
+after; the driver checks when a pass begins and a backward ends; departure.py goes through it.
 
 [Note: check slot]
-Every All-Gather row holds, after the unit's shards, `tag_numel(dtype)` elements for the unit's
-tag (its id + 1, the 32 bits of an int32: exact in every dtype). Every Reduce-Scatter row holds
-one column where each rank writes its unit's code into the row of the next rank and zeros
-elsewhere, so each rank receives its neighbour's code exactly, in any dtype and world size.
-Codes are `uid % (exact // G) + 1`, exact = 2**significand bits (bf16 256, fp16 2048, fp32
-2**24), G the shard groups whose All-Reduce adds G of them. The slots are in every row on
-every step (one layout); on a step not checked nothing writes or reads them.
+Every All-Gather row holds, after the shards, `tag_numel(dtype)` elements for the unit's tag (id
++ 1 as an int32's bits: exact in every dtype). Every Reduce-Scatter row holds one column where
+each rank writes its unit's code into the next rank's row, zeros elsewhere, so each receives its
+neighbour's code exactly: `uid % (exact // G) + 1`, exact = 2**significand bits, G the shard
+groups whose All-Reduce adds G codes. The slots are always in the rows; unchecked steps skip them.
 
 [Note: deferred tag checks]
-Reading tags on the host after each collective would sync about three times per unit and
-defeat prefetching. Each collective leaves its received tags on the device with what they
-should be, and `check()` reads all of them with one copy at the end of backward (before the
-optimizer uses the gradients) and when the next pass begins (passes without backward). While
-no order is recorded, or after this rank departed from it, each record is checked at once
-(`closely`): the collectives after a first mismatch pair up wrongly. A rank whose collective
-fails raises a mismatch already recorded rather than the echo, after recording the tags of
-every gather in flight that has completed (`in_flight`; one still running is never waited
-for). A rank about to depart from the record alone announces it first (departure.py), so no
-rank meets a collective of an unexpected size (which gloo answers by aborting the process).
+Reading tags after each collective would sync about three times per unit. So each collective
+leaves its received tags on the device and `check()` reads them all in one copy at the end of
+backward (before the optimizer step) and when the next pass begins. With no order recorded, or
+after this rank departed from it, each record is checked at once (`closely`): collectives after
+a mismatch pair up wrongly. A rank whose collective fails raises a mismatch already recorded
+rather than the echo, after settling the completed gathers in flight (never waiting). A rank
+about to leave the record alone announces it first (departure.py), so no rank meets a collective
+of an unexpected size (which gloo answers by aborting the process).
 
 [Note: rank check modes]
-"every_step" (default) stamps and checks every collective of every step; "first_step" until
-the first backward ends (the record is then compared across ranks once); an int K the steps
-whose count of finished backwards is a multiple of K. Other steps stamp, read and announce
-nothing: a disagreement then surfaces as a failed or hanging collective (or, for units of one
-size, silently mixed parameters), as under DDP or FSDP. Every rank counts the same backwards,
-so every rank checks the same steps.
+"every_step" (default) checks every step; "first_step" until the first backward ends; an int K
+the steps whose count of finished backwards is a multiple of K (alike on every rank). Other steps
+stamp, read and announce nothing: a disagreement then fails or hangs in a collective (or, for
+units of one size, mixes parameters), as under DDP or FSDP.
 
 [Note: uneven batches]
-A rank given more training batches than its peers (a DataLoader without a DistributedSampler)
-runs a step they never run: its collectives meet whatever they do next (a save, teardown),
-which ends in a hang until the process-group timeout or a C++ abort. So a strategy that knows
-a training step runs the last batch of this rank's epoch says so (`final_batch`), and every
-gather tag of that step carries the `FINAL` bit. With equal counts every rank sets it on the
-same step; with uneven counts the tags of the step where the shortest epoch ends differ in that
-bit only, and every rank raises, at that step's check, an error naming uneven batch counts,
-before any rank takes an extra step. Only checked steps compare tags (Note: rank check modes):
-under "first_step" or K, an epoch whose last step is not checked is not caught this way.
-With accumulation that skips gradient sync (`accumulate_unsharded`), the short rank's last
-micro-batch syncs while the long rank's does not, and their backward collectives would pair
-wrongly before the end-of-backward check: so a backward with sync off checks the forward's tags
-when it begins (hooks.py), one more host read per unsynced micro-batch on checked steps.
+A rank given more batches than its peers runs a step they never run (a hang or an abort). So the
+strategy sets `final_batch` on the last step of this rank's epoch and its gather tags carry the
+`FINAL` bit: with uneven counts the tags differ in that bit only, and every rank raises at that
+step's check (checked steps only). With sync off the short rank's last micro-batch syncs and the
+long rank's does not, so their backward collectives would pair wrongly before the end-of-backward
+check: a backward with sync off checks the forward's tags when it begins.
 """
 
 from __future__ import annotations
@@ -65,16 +50,12 @@ class OrderMismatchError(RuntimeError):
     """Ranks ran different units at the same point of a step."""
 
 
-# A gather tag with this bit set says "this rank departed from the recorded order and runs the
-# unit whose tag is in the low bits" (departure.py).
-DEPARTED = 1 << 30
-# A gather tag with this bit set says "this rank runs the last batch of its epoch" (Note: uneven batches).
-FINAL = 1 << 29
+DEPARTED = 1 << 30  # this rank left the recorded order for the unit in the low bits (departure.py)
+FINAL = 1 << 29  # this rank runs the last batch of its epoch (Note: uneven batches)
 
 
 def exact_integers(dtype: torch.dtype) -> int:
-    """Largest n such that every integer in [0, n] is exactly representable in `dtype`:
-    2**(significand bits), e.g. bf16 256, fp16 2048, fp32 2**24, fp64 2**53."""
+    """Largest n such that every integer in [0, n] is exact in `dtype` (fp32: 2**24)."""
     if dtype.is_floating_point:
         significand_bits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # eps = 2**-(stored bits)
         return 2**significand_bits
@@ -82,12 +63,12 @@ def exact_integers(dtype: torch.dtype) -> int:
 
 
 def tag_numel(dtype: torch.dtype) -> int:
-    """Elements of `dtype` that hold a gather tag's 32 bits (Note: check slot)."""
+    """Elements of `dtype` that hold a tag's 32 bits (Note: check slot)."""
     return max(1, 4 // dtype.itemsize)
 
 
 def read_tags(slots: torch.Tensor) -> torch.Tensor:
-    """The gather tags in `slots` ((N, tag_numel) elements of any dtype), as (N,) int64 (a copy)."""
+    """The tags in (N, tag_numel) `slots` of any dtype, as (N,) int64 (a copy)."""
     n = slots.shape[0]
     bits = slots.contiguous().view(torch.uint8)[:, :4].contiguous()
     return bits.view(torch.int32).view(n).to(torch.int64)
@@ -107,31 +88,23 @@ class RankChecks:
     def __init__(self, *, rank: int, names: list[str], every: int | None = 1, groups: int = 1) -> None:
         self.rank = rank
         self.names = names  # unit names by id, for messages
-        # Checked steps: those whose count of finished backwards is a multiple of `every`;
-        # None: the first only (Note: rank check modes).
-        self.every = every
+        self.every = every  # None: the first step only (Note: rank check modes)
         self.groups = groups  # shard groups whose All-Reduce adds the reduce codes
         self.steps = 0  # backwards finished
         self._records: list[_Record] = []
         self._values: list[torch.Tensor] = []  # int64 device tensors, one per record
         self._numel = 0
-        # Check every record at once (first pass, or this rank departed from the record).
-        self.closely = True
-        # Device-to-host reads issued by checks (the engine's only per-step sync), and the
-        # integers read: what the checks cost.
+        self.closely = True  # Note: deferred tag checks
+        # What the checks cost: device-to-host reads (the engine's only per-step sync), integers read.
         self.host_reads = 0
         self.tags_read = 0
-        # Gathers in flight, by unit id: records the gather's tags if its collective has
-        # completed, never waits (Note: deferred tag checks).
-        self.in_flight: dict[int, Callable[[], None]] = {}
+        self.in_flight: dict[int, Callable[[], None]] = {}  # unit id -> settle (Note: deferred tag checks)
         self._stamps: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
-        # This step runs the last batch of this rank's epoch: set by the strategy before the
-        # step, cleared when its backward ends (Note: uneven batches).
-        self.final_batch = False
+        self.final_batch = False  # set by the strategy, cleared when the backward ends (Note: uneven batches)
 
     @property
     def active(self) -> bool:
-        """Whether this step's collectives are stamped and checked (Note: rank check modes)."""
+        """Whether this step stamps and checks (Note: rank check modes)."""
         if self.steps == 0:
             return True
         return self.every is not None and self.steps % self.every == 0
@@ -141,8 +114,7 @@ class RankChecks:
 
     # ---- the interface of the gather and reduce code ------------------------------------------
     def stamp_gather(self, slot: torch.Tensor, tag: int) -> bool:
-        """Write `tag` (`RankChecks.tag`) into this rank's gather `slot`; False, writing nothing,
-        on a step that is not checked."""
+        """Write `tag` into this rank's gather `slot`; False on a step not checked."""
         if not self.active:
             return False
         key = (slot.dtype, slot.device, tag)
@@ -158,7 +130,7 @@ class RankChecks:
         return (DEPARTED if notice else 0) | (FINAL if self.final_batch else 0) | (uid + 1)
 
     def read_gather(self, unit: str, slots: torch.Tensor, tag: int) -> None:
-        """Record the tags a stamped gather brought ((N, tag_numel) slots), which must all be `tag`."""
+        """Record the tags a stamped gather brought, which must all be `tag`."""
         self.expect("All-Gather", unit, read_tags(slots), [tag] * slots.shape[0])
 
     def reduce_code(self, uid: int, dtype: torch.dtype) -> int:
@@ -175,15 +147,14 @@ class RankChecks:
         return True
 
     def read_reduce(self, collective: str, unit: str, received: torch.Tensor, uid: int, dtype: torch.dtype) -> None:
-        """Record the code a stamped reduction in `dtype` brought (`received`: one int64); after
-        the All-Reduce across shard groups it is the sum of G codes."""
+        """Record the code a stamped reduction brought (after the All-Reduce: G codes summed)."""
         code = self.reduce_code(uid, dtype) * (self.groups if collective == "All-Reduce" else 1)
         self.expect(collective, unit, received, [code])
 
     # ---- the ledger -----------------------------------------------------------------------------
     def expect(self, collective: str, unit: str, received: torch.Tensor, expected: list[int]) -> None:
-        """Remember `received` (int64, on the device; a copy nothing else writes) that should
-        equal `expected`; check at once when watching closely."""
+        """Remember `received` (int64 on the device, a copy nothing else writes) that should equal
+        `expected`; check at once when watching closely."""
         self._records.append(_Record(collective, unit, expected, self._numel))
         self._values.append(received)
         self._numel += len(expected)
@@ -192,7 +163,7 @@ class RankChecks:
 
     def check(self) -> None:
         """Read every pending record with one device-to-host copy; raise `OrderMismatchError`
-        for the first that differs. A no-op (no sync) when nothing is pending."""
+        for the first that differs. No sync when nothing is pending."""
         if not self._records:
             return
         records, values = self._records, self._values
@@ -206,7 +177,6 @@ class RankChecks:
                 raise OrderMismatchError(self._message(record, seen))
 
     def step_done(self) -> None:
-        """A backward ended (after its check): count it."""
         self.steps += 1
         self.final_batch = False
 
@@ -240,8 +210,8 @@ class RankChecks:
         return f"{record.collective} mismatch on rank {self.rank}: {detail}. {AGREE}"
 
     def raise_pending_mismatch(self) -> None:
-        """Called when a collective failed: if a tag already showed that ranks disagree, that
-        is the cause, not the failure (the peer that noticed first has left)."""
+        """A collective failed: a mismatch already recorded is the cause (the peer that noticed
+        first has left)."""
         for settle in list(self.in_flight.values()):
             settle()
         try:
@@ -256,16 +226,17 @@ class RankChecks:
         """Raise, on every rank, if the recorded unit orders differ between ranks."""
         every: list[Any] = world_comm.all_gather_object((forward, backward))
         for phase, index in (("forward", 0), ("backward", 1)):
-            diff = first_difference([orders[index] for orders in every])
-            if diff is not None:
-                pos, rank, got = diff
-                ref = every[0][index]
-                expected = self.name(ref[pos]) if pos < len(ref) else "<nothing>"
-                found = self.name(got) if got >= 0 else "<nothing>"
-                raise OrderMismatchError(
-                    f"Ranks ran units in different {phase} orders: at position {pos} rank 0 ran "
-                    f"'{expected}' but rank {rank} ran '{found}'. {AGREE}"
-                )
+            ref = every[0][index]
+            for rank, orders in enumerate(every[1:], start=1):
+                got = orders[index]
+                pos = next((i for i in range(max(len(ref), len(got))) if ref[i : i + 1] != got[i : i + 1]), None)
+                if pos is not None:
+                    expected = self.name(ref[pos]) if pos < len(ref) else "<nothing>"
+                    found = self.name(got[pos]) if pos < len(got) else "<nothing>"
+                    raise OrderMismatchError(
+                        f"Ranks ran units in different {phase} orders: at position {pos} rank 0 ran "
+                        f"'{expected}' but rank {rank} ran '{found}'. {AGREE}"
+                    )
 
 
 AGREE = (
@@ -273,19 +244,6 @@ AGREE = (
     "skipped on some ranks, a unit whose output reaches the loss on some ranks only) is not supported under "
     "ZeRO-3. Make the branch decision identical on all ranks."
 )
-
-
-def first_difference(orders: list[list[int]]) -> tuple[int, int, int] | None:
-    """(position, rank, that rank's unit id or -1) of the first place where some rank's order
-    differs from rank 0's, or None if all are equal."""
-    reference = orders[0]
-    for rank, order in enumerate(orders[1:], start=1):
-        for pos in range(max(len(reference), len(order))):
-            ref = reference[pos] if pos < len(reference) else -1
-            got = order[pos] if pos < len(order) else -1
-            if ref != got:
-                return pos, rank, got
-    return None
 
 
 __all__ = ["DEPARTED", "FINAL", "OrderMismatchError", "RankChecks", "exact_integers", "read_tags", "tag_numel"]

@@ -1,8 +1,5 @@
-"""`ShardingConfig`: every option of the engine, defined once and validated once.
-
-Both Lightning strategies take these as keyword arguments and hand them here unchanged
-(options.py); `ShardedModel(module, config)` takes the object whole. A field is added here
-and nowhere else: the strategies pass on whatever this dataclass declares.
+"""`ShardingConfig`: every option of the engine, defined and validated once. The strategies
+pass on whatever this dataclass declares (options.py): a field is added here and nowhere else.
 """
 
 from __future__ import annotations
@@ -24,36 +21,20 @@ class ShardingConfig:
     """What the user chose for the engine, validated and normalised (dtype names to dtypes).
 
     Args:
-        wrap_policy: which modules form units (gathered together). None: each repeated child
-            of an ``nn.ModuleList``/``nn.Sequential`` that holds parameters; or a set of module
-            classes; or ``callable(module) -> bool``.
-        prefetch: units All-Gathered ahead of the one computing (0 turns prefetch off).
-        persistence_threshold: parameters with at most this many elements stay whole on every
-            rank; their gradients are All-Reduced.
-        shard_size: hierarchical sharding: shard within groups of this many consecutive ranks
-            (e.g. the processes of one node) and replicate across groups. None: the whole world.
-        param_dtype: dtype parameters are gathered and computed in (e.g. "bf16"). None: what the
-            precision implies (the strategies), else the model's dtype.
-        reduce_dtype: dtype gradients are Reduce-Scattered in. None: fp32 (exact).
-        param_init_fn: initialises one module's own parameters when the model was built on the
-            meta device. None: the module's ``reset_parameters()``.
-        reductions_in_flight: Reduce-Scatters left running while backward continues (each holds
-            one unit's gradient buffer). None: 2 on CUDA, 0 elsewhere (no gain measured on gloo).
-        rank_checks: on which steps every collective carries its unit's tag and the tags are
-            checked, so that ranks running different units raise `OrderMismatchError` naming
-            them instead of hanging or mixing parameters (checks.py, Note: rank check modes):
-            "every_step", "first_step" (until the first backward ends), or an int K (the steps
-            whose count of finished backwards is a multiple of K; 1 is "every_step").
-        reshard_after_forward: what a unit keeps from its forward to its backward (reshard.py,
-            Note: reshard after forward). True: nothing but its shards (the root and the last
-            unit excepted); False: its full parameters (no backward All-Gather); an int G >= 2
-            dividing the shard group: its 1/G slice, so backward gathers inside groups of G
-            consecutive ranks (G equal to the shard group is True).
-        offload: None (everything on the compute device) or "host": parameter shards, their
-            gradients and the optimizer state in host memory, the optimizer step on the CPU
-            (offload.py, Note: host offload).
-        offload_dir: a directory for the optimizer state in files, one set per rank and run,
-            removed at teardown (disk.py, Note: optimizer state on disk); needs offload="host".
+        wrap_policy: which modules form units (plan.py). None: repeated children of module lists;
+            a set of module classes; or ``callable(module) -> bool``.
+        prefetch: units All-Gathered ahead of the one computing (0: off).
+        persistence_threshold: parameters of at most this many elements stay whole on every rank.
+        shard_size: shard within groups of this many consecutive ranks (e.g. one node), replicate across.
+        param_dtype: dtype of gathers and compute (e.g. "bf16"). None: the precision's (the
+            strategies), else the model's.
+        reduce_dtype: dtype of the Reduce-Scatters. None: fp32.
+        param_init_fn: initialises a meta module's own tensors. None: ``reset_parameters()``.
+        reductions_in_flight: reductions left running in backward. None: 2 on CUDA, 0 elsewhere.
+        rank_checks: steps that check the ranks run alike: "every_step", "first_step" or K (checks.py).
+        reshard_after_forward: kept from forward to backward: True shards, False all, G a 1/G slice (reshard.py).
+        offload: None, or "host": shards, gradients and optimizer state in host memory (offload.py).
+        offload_dir: a directory for the optimizer state in files (disk.py); needs offload="host".
     """
 
     wrap_policy: WrapPolicy = None
@@ -73,56 +54,48 @@ class ShardingConfig:
         def bad(option: str, expected: str) -> ValueError:
             return ValueError(f"ShardingConfig({option}=...) must be {expected}; got {getattr(self, option)!r}.")
 
-        if type(self.prefetch) is not int or self.prefetch < 0:
-            raise bad("prefetch", "an int >= 0 (units gathered ahead)")
-        if type(self.persistence_threshold) is not int or self.persistence_threshold < 0:
-            raise bad("persistence_threshold", "an int >= 0 (elements)")
-        if self.reductions_in_flight is not None and (
-            type(self.reductions_in_flight) is not int or self.reductions_in_flight < 0
-        ):
-            raise bad(
-                "reductions_in_flight",
-                "None (2 on CUDA, 0 elsewhere) or an int >= 0 (Reduce-Scatters left running while backward continues)",
-            )
-        if self.shard_size is not None and (type(self.shard_size) is not int or self.shard_size < 1):
-            raise bad(
-                "shard_size",
-                "None (whole world) or a positive int that divides the number of ranks, e.g. the devices per node",
-            )
-        checks = self.rank_checks
-        if checks not in ("every_step", "first_step") and (type(checks) is not int or checks < 1):
-            raise bad("rank_checks", '"every_step", "first_step" or an int K >= 1 (check every K-th step)')
-        keep = self.reshard_after_forward
-        if type(keep) is not bool and (type(keep) is not int or keep < 2):
-            raise bad(
-                "reshard_after_forward",
-                "True (reshard every unit), False (keep units whole until backward) or an int G >= 2 "
-                "that divides the shard group (keep a 1/G slice; for 1 write False)",
-            )
-        if self.offload not in (None, "host"):
-            raise bad("offload", 'None (all on the compute device) or "host" (shards, gradients, optimizer state)')
-        if self.offload_dir is not None:
-            if self.offload != "host":
-                raise bad("offload_dir", 'None unless offload="host" (the optimizer steps on the CPU): add it')
-            if not isinstance(self.offload_dir, str) or not os.path.isdir(self.offload_dir):
-                raise bad("offload_dir", "the path (str) of an existing directory, e.g. on a local NVMe disk")
-        if self.param_init_fn is not None and not callable(self.param_init_fn):
-            raise bad("param_init_fn", "callable")
-        # Normalised in place: the dataclass is frozen to its users, not to its own constructor.
+        def at_least(value: object, least: int) -> bool:
+            return type(value) is int and value >= least
+
+        rif, checks, keep = self.reductions_in_flight, self.rank_checks, self.reshard_after_forward
+        where = self.offload_dir
+        rules = [  # (option, valid, what it must be), checked in this order
+            ("prefetch", at_least(self.prefetch, 0), "an int >= 0 (units gathered ahead)"),
+            ("persistence_threshold", at_least(self.persistence_threshold, 0), "an int >= 0 (elements)"),
+            ("reductions_in_flight", rif is None or at_least(rif, 0), "None (2 on CUDA, 0 elsewhere) or an int >= 0 "
+             "(Reduce-Scatters left running while backward continues)"),
+            ("shard_size", self.shard_size is None or at_least(self.shard_size, 1), "None (whole world) or a "
+             "positive int that divides the number of ranks, e.g. the devices per node"),
+            ("rank_checks", checks in ("every_step", "first_step") or at_least(checks, 1),
+             '"every_step", "first_step" or an int K >= 1 (check every K-th step)'),
+            ("reshard_after_forward", type(keep) is bool or at_least(keep, 2), "True (reshard every unit), False "
+             "(keep units whole until backward) or an int G >= 2 that divides the shard group (keep a 1/G slice; "
+             "for 1 write False)"),
+            ("offload", self.offload in (None, "host"),
+             'None (all on the compute device) or "host" (shards, gradients, optimizer state)'),
+            ("offload_dir", where is None or self.offload == "host",
+             'None unless offload="host" (the optimizer steps on the CPU): add it'),
+            ("offload_dir", where is None or isinstance(where, str) and os.path.isdir(where),
+             "the path (str) of an existing directory, e.g. on a local NVMe disk"),
+            ("param_init_fn", self.param_init_fn is None or callable(self.param_init_fn), "callable"),
+        ]  # fmt: skip
+        for option, valid, expected in rules:
+            if not valid:
+                raise bad(option, expected)
+        # Frozen to its users, not to its own constructor.
         object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
 
     @property
     def check_every(self) -> int | None:
-        """`rank_checks` as the step interval `RankChecks` takes: None for the first step only."""
+        """`rank_checks` as `RankChecks(every=...)` takes it."""
         if self.rank_checks == "every_step":
             return 1
         return None if self.rank_checks == "first_step" else int(self.rank_checks)
 
 
 def config_field_names(config_type: type[Any]) -> frozenset[str]:
-    """The option names a config dataclass declares."""
     return frozenset(f.name for f in fields(config_type))
 
 

@@ -1,24 +1,15 @@
 """Optimizer state on disk (`ShardingConfig(offload="host", offload_dir=...)`).
 
 [Note: optimizer state on disk]
-After every optimizer step that steps this model's shards, each state tensor shaped like a
-shard (Adam's moments, SGD's momentum; not the "step" counters, not the state of persistent
-parameters) that is still in anonymous memory is moved into a file-backed shared memory map
-(`torch.from_file(..., shared=True)`, MAP_SHARED), and the optimizer's state entry is replaced by
-the tensor on the map. The optimizer then updates the state in place, through the page cache:
-the kernel writes dirty pages back to the file and can drop them under memory pressure, so the
-state needs disk, not RAM; it is counted in RssFile, not RssAnon. Chosen over reading and
-writing files around the step: the optimizer steps on all its parameters in one call, so
-explicit reads would hold the whole state in memory during every step, where a map lets the
-kernel keep only the pages in use. A state replaced later (`optimizer.load_state_dict`, a
-checkpoint load) is moved at the end of the next step.
-Files: one per move (usually one per rank: the first step creates all state), named uniquely by
-`tempfile.mkstemp` in the user's directory (so runs sharing a directory never meet), mapped and
-then unlinked at once: the directory shows nothing, nothing is written outside it, and the
-kernel frees the blocks when the last tensor on the map dies, at teardown or when the process
-ends, even if it is killed. Costs: torch optimizers create their state inside their first step,
-so that step holds it in anonymous memory once before the move (as on a resume before the first
-step); the directory must be on a real disk (on tmpfs the "file" is RAM again).
+After every optimizer step on this model's shards, each shard-shaped state tensor (Adam's
+moments; not "step", not persistent parameters') still in anonymous memory moves into a
+file-backed shared map (`torch.from_file(..., shared=True)`) that replaces the state entry; the
+optimizer then updates it in place through the page cache, which the kernel writes back and can
+drop (RssFile, not RssAnon). Files around the step would hold the whole state in memory during
+it; a map keeps the pages in use. Files are made by `tempfile.mkstemp` in the user's directory
+and unlinked at once: the kernel frees them with the last tensor on the map, even if the
+process is killed. Costs: the first step holds the state in anonymous memory once; the directory
+must be on a real disk (on tmpfs the "file" is RAM again).
 """
 
 from __future__ import annotations
@@ -41,22 +32,20 @@ _ALIGN = 64
 
 
 class DiskState:
-    """Moves the shard-shaped optimizer state of `shards` into files under `directory` after
-    every step of an optimizer that holds them (Note: optimizer state on disk)."""
+    """Note: optimizer state on disk."""
 
     def __init__(self, directory: str, *, rank: int, lookup: Callable[[torch.Tensor], ShardedParam | None]) -> None:
         self.directory = directory
         self.prefix = f"zero3-optimizer-state-rank{rank}-"
         self._lookup = lookup
-        self.files = 0  # files made, for tests and the benchmark
+        self.files = 0  # files made
         self._handle = register_optimizer_step_post_hook(self._after_step)
 
     def close(self) -> None:
-        """Stop moving state (teardown). The maps live as long as the tensors on them."""
+        """Stop moving state; the maps live as long as the tensors on them."""
         self._handle.remove()
 
     def on_disk(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` lives on a map of one of this object's files."""
         name = tensor.untyped_storage().filename
         return name is not None and os.path.basename(name).startswith(self.prefix)
 
@@ -95,11 +84,9 @@ class DiskState:
 
 
 def _release_freed_heap() -> None:
-    """Give the pages of freed heap blocks back to the kernel (glibc's `malloc_trim`; elsewhere
-    nothing). The state moved out was allocated in the step, in blocks glibc keeps in its heap
-    once freed (below its mmap threshold, which rises to the size of the largest block freed),
-    so without this RssAnon keeps them: measured on the 20m GPT, 2 ranks, the drop against the
-    in-memory run was 43 MiB of 73 (docs/accounting.md, Offload)."""
+    """glibc's `malloc_trim`: glibc keeps the freed blocks of the moved state in its heap (below
+    its rising mmap threshold). Measured on the 20m GPT, 2 ranks: RssAnon 43 MiB lower of 73
+    (docs/accounting.md, Offload)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

@@ -1,5 +1,4 @@
-"""The dtype names a user may write (`ZeRO3Strategy(param_dtype="bf16")`, `consolidate --dtype
-fp16`), in one table for every place that takes one."""
+"""The dtype names a user may write (`param_dtype="bf16"`, `consolidate --dtype fp16`)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 
 def parse_dtype(value: object, where: str) -> torch.dtype | None:
-    """`value` (None, a floating `torch.dtype` or a name of `DTYPE_NAMES`, any case) as a dtype;
-    otherwise `ValueError` naming `where` (e.g. "ZeRO3Strategy(param_dtype=...)")."""
+    """`value` (None, a floating dtype or a name, any case) as a dtype, else `ValueError` naming `where`."""
     if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
         return value
     if isinstance(value, str) and value.lower() in DTYPE_NAMES:

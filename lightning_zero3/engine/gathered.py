@@ -23,13 +23,9 @@ def gathered_parameters(
     scope: nn.Module, units: list[Unit], persistent: list[nn.Parameter], *, checks: RankChecks,
     world_comm: Comm, modifier_rank: int | None = None,
 ) -> Iterator[None]:  # fmt: skip
-    """Make the parameters under `scope` whole on every rank (`units` and `persistent`: all of
-    the model's). The
-    registered parameters themselves hold the full data inside the block, so both
-    `module.weight` and `module.parameters()` see it. With `modifier_rank=r`, rank r's
-    values are broadcast on exit and every rank keeps its slice of them; otherwise changes
-    are discarded. The whole tensors go back to the buffer pool on exit: keep a copy, not a
-    reference, of what you need after the block."""
+    """The parameters under `scope` whole on every rank: the registered parameters hold the full
+    data inside the block. With `modifier_rank=r`, rank r's values are broadcast on exit and kept;
+    otherwise changes are discarded. The tensors go back to the pool on exit: copy what you need."""
     in_scope = {id(p) for p in scope.parameters()}
     chosen = [p for u in units for p in u.params if id(p.param) in in_scope]
     persistent = [p for p in persistent if id(p) in in_scope]
@@ -41,7 +37,6 @@ def gathered_parameters(
     gathered: list[tuple[Unit, list[torch.Tensor]]] = []
 
     def put_shards_back() -> list[tuple[ShardedParam, torch.Tensor]]:
-        """The shards back on the parameters; returns (parameter, its whole data)."""
         wholes = []
         for unit in units:
             for sharded in unit.params:
@@ -52,14 +47,14 @@ def gathered_parameters(
 
     try:
         for unit in units:
-            with engine_mode():  # Note: inference mode (calls.py): the blocks go to the pool
+            with engine_mode():
                 fulls = unit.gather(dtype=unit.shard_dtype)
             gathered.append((unit, fulls))
             for sharded, full in zip(unit.params, fulls):
                 if sharded in chosen:
                     shards[id(sharded)] = sharded.param.data
                     sharded.param.data = full
-        checks.check()  # outside any pass: check the tags of these gathers now
+        checks.check()  # outside any pass: check these gathers now
     except BaseException:  # a failed gather or tag check: shards back, no collective
         put_shards_back()
         with engine_mode():

@@ -1,14 +1,10 @@
-"""`GlooInPlace`: All-Gather and Reduce-Scatter of CPU tensors under gloo, from operations that
-work in place (transport.py).
+"""`GlooInPlace`: All-Gather and Reduce-Scatter of CPU tensors under gloo (transport.py).
 
 [Note: gloo]
-gloo's All-Gather receives into a temporary buffer and copies it out, and its Reduce-Scatter
-clones the whole input, All-Reduces it (twice the bytes on the wire) and copies this rank's
-chunk out: allocations and copies as large as the unit, every time. Here the All-Gather is one
-broadcast per rank, each rank the source of its own row of the output; the Reduce-Scatter
-sends every other rank its row and receives theirs (send/recv), then sums the rows in rank
-order. Each rank sends (N-1)/N of the payload either way, as the ring would, and the measured
-step time drops (docs/performance.md).
+gloo's All-Gather receives into a temporary buffer and copies it out; its Reduce-Scatter clones
+the input and All-Reduces it (twice the bytes). Here the All-Gather is one in-place broadcast per
+rank, the Reduce-Scatter send/recv of rows summed in rank order: each rank sends (N-1)/N of the
+payload, as the ring would, and the step time drops (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -23,8 +19,6 @@ from lightning_zero3.engine.buffers import BufferPool
 
 
 class Works:
-    """Several works waited for as one, then an optional completion step."""
-
     def __init__(self, works: list[Any], then: Callable[[], None] | None = None) -> None:
         self.works = works
         self.then = then
@@ -47,7 +41,6 @@ class GlooInPlace:
         self.rank = rank
         self.world_size = world_size
         self.pool = pool  # the rows received by the Reduce-Scatter
-        # Point-to-point calls and broadcasts name global ranks.
         self.peers = [dist.get_global_rank(group, r) for r in range(world_size)]
 
     def all_gather(self, rows: torch.Tensor) -> Works:
@@ -56,8 +49,7 @@ class GlooInPlace:
         ])  # fmt: skip
 
     def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> Works:
-        """Row j goes to rank j; the other ranks' rows for this rank arrive in a pooled buffer,
-        which the wait sums in rank order (the rounding does not depend on which rank sums)."""
+        """Row j goes to rank j; the wait sums what arrives in rank order (rounding alike on every rank)."""
         n, me, chunk = self.world_size, self.rank, rows.shape[1]
         received = self.pool.take("received", (n - 1) * chunk, rows.dtype, rows.device).view(n - 1, chunk)
         others = [r for r in range(n) if r != me]

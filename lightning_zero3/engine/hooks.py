@@ -1,55 +1,35 @@
-"""Forward and backward hooks that drive units. All autograd plumbing lives here and in
-calls.py (the states of a unit call and of the pass, the autograd Function); held.py holds
-units gathered for inference, reduce.py the Reduce-Scatters in flight (calls.py: Notes root
-parameters outside the root's forward, recomputation, inference mode, torch.compile). The driver is given
-what it needs and never reaches back into the `ShardedModel` that built it.
+"""Forward and backward hooks that drive units (calls.py: call and pass states, `GatherParams`;
+held.py: inference; reduce.py: reductions in flight). The driver never reaches back into the model.
 
 [Note: one unit call]
-Each time a unit's module runs forward, its shards are gathered into full tensors (one
-All-Gather); with a trainable parameter and gradients enabled, `GatherParams` does it and
-becomes their autograd parent. The full tensors are set on the modules as instance attributes
-that shadow the registered shard parameters (`module.__dict__[name]`), so the module's own
-forward code reads them unchanged, and removed after forward; their storage is freed but the
-tensor objects survive inside autograd's saved tensors. A hook on the unit's outputs fires when
-their gradient arrives, before the unit's own backward runs, and gathers again into the same
-storage. When autograd has every full parameter's gradient, `GatherParams.backward`
-Reduce-Scatters them and each rank's shard gradient is added into `shard.grad` (reduce.py).
-One call, one reduction, added up: accumulation, tied weights and reused modules are exact.
+Each forward of a unit gathers its shards (through `GatherParams` when gradients will flow). The
+full tensors shadow the shards as instance attributes (`module.__dict__[name]`) during forward;
+then their storage is freed while autograd keeps the objects, and a hook on the outputs gathers
+again into it before the unit's backward. `GatherParams.backward` reduces the full gradients and
+adds each rank's piece into `shard.grad`: accumulation, tied weights and reused modules are exact.
 
 [Note: kept for backward]
-Backward begins with the units that ended the forward: the root (the LM head, the final norm)
-and the last unit of the recorded forward order. Releasing them at their post-forward only to
-gather them again when backward begins costs one All-Gather each per step and frees nothing
-that matters: the memory is back before anything else is released. So a post-forward that
-closes a call owing a backward moves it to KEPT when its unit is the root and it closes the
-pass (a root layer called inside another unit's forward, outside the root's own, is followed
-by the rest of that forward), or when the forward has run the whole recorded order
-(`Schedule.forward_complete`); with `reshard_after_forward=False`, always (reshard.py). The
-tensors leave the modules but keep their storage, and the pre-backward puts them back without
-a collective (FSDP2 keeps its root so; torchtitan its last block too). Every rank decides
-alike: the root, the nesting of calls and the record are the same on every rank. A kept call
-whose backward does not follow gives its memory back: when a new pass begins (KEPT ->
-RESHARDED), when the forward ends with nothing that needs a gradient, when the hooks are
-removed, or when a backward ends without reaching it (KEPT -> DONE); record.py counts them.
+Backward begins with the units that ended the forward: the root (when it closes the pass) and,
+once the forward ran the whole record, its last unit. Releasing them only to gather them again
+frees nothing that matters, so their post-forward moves the call to KEPT (with
+`reshard_after_forward=False` every call, reshard.py): off the modules, storage kept, put back by
+the pre-backward without a collective (as FSDP2 keeps its root). Every rank decides alike. A
+kept call whose backward does not come is released when a new pass begins, when the forward
+ends with no output needing a gradient, when the hooks go, or when a backward ends.
 
 [Note: frozen units]
-A unit without a trainable parameter still runs backward whenever its input needs a gradient
-(LoRA, partial fine-tuning), and autograd saves its full weights for that; no
-`GatherParams.backward` tells when that backward is over. A hook on its inputs that need a
-gradient does (`register_multi_grad_hook`, fired once autograd has their gradients, i.e. after
-every node that reads the weights) and releases them; no Reduce-Scatter. The inputs are hooked,
-not wrapped (the module may modify an identity Function's outputs in place). A frozen unit
-whose inputs need no gradient (the root fed token ids) is released when backward ends.
+A unit without a trainable parameter still runs backward when its input needs a gradient (LoRA),
+with its full weights saved by autograd and no `GatherParams.backward` to say when that is over.
+A hook on those inputs (`register_multi_grad_hook`, hooked rather than wrapped: a module may
+modify an identity Function's outputs in place) releases them; an unhooked one is released when
+backward ends.
 
 [Note: exceptions]
-A forward that raises still runs the post-forward hooks of every unit it was inside: their
-calls go to DONE and the next pass starts from sharded units. A pre-forward hook that raises
-opens nothing. A backward that raises never runs the callback that ends it; the next forward
-that starts outside autograd's engine closes it (`_abandon_backward`): it waits for the
-Reduce-Scatters in flight without adding them and frees what was re-gathered; `.grad` holds
-what the finished units added: zero it. Whether autograd's engine is running comes from
-`torch._C._current_graph_task_id()` (private; torch's checkpoint and FSDP2 use it; tried on
-torch 2.13); where it is missing, a backward that raised stays open.
+A forward that raises still runs its units' post-forward hooks (`always_call`); a pre-forward
+that raises opens nothing. A backward that raises never runs its end callback: the next forward
+outside autograd's engine closes it (`_abandon_backward`: reductions dropped, re-gathered memory
+freed; `.grad` holds what finished units added: zero it). Autograd's state comes from the
+private `torch._C._current_graph_task_id()` (torch's checkpoint and FSDP2 use it; tried on 2.13).
 """
 
 from __future__ import annotations
@@ -87,15 +67,14 @@ from lightning_zero3.engine.reshard import after_forward
 from lightning_zero3.engine.schedule import Prefetcher, Schedule
 from lightning_zero3.engine.unit import Unit
 
-# `torch.utils._pytree` is private (no public pytree module in torch 2.13): FSDP2 flattens hook
-# arguments with it and transformers registers its ModelOutput there. No fallback.
+# `torch.utils._pytree` is private (torch 2.13 has no public one): FSDP2 flattens hook arguments
+# with it and transformers registers its ModelOutput there. No fallback.
 
 
 class HookDriver:
     """Installs the hooks on the unit modules and runs the unit life cycle."""
 
-    def __deepcopy__(self, memo: dict) -> HookDriver:
-        # Reached through the hooks when a sharded module is deep-copied (an EMA teacher).
+    def __deepcopy__(self, memo: dict) -> HookDriver:  # reached through the hooks (an EMA teacher)
         raise TypeError(DEEPCOPY_REFUSED)
 
     def __init__(
@@ -104,19 +83,16 @@ class HookDriver:
     ) -> None:  # fmt: skip
         self.units = units
         self.schedule = schedule
-        self.checks = checks  # rank-disagreement checks (checks.py)
-        self.grads = grads  # reduces each unit's gradients, or sums them while sync is off (accumulate.py)
-        self.persistent = persistent  # gradients of the parameters kept whole (persistent.py)
-        self.record = record  # what each step gathered, kept and reduced (record.py)
+        self.checks = checks
+        self.grads = grads
+        self.record = record
         self.world_comm = world_comm  # the first step's order comparison runs on it
-        self.reshard = reshard  # reshard_after_forward, resolved (reshard.py)
+        self.reshard = reshard  # resolved (reshard.py)
         self.state = P.IDLE
-        # Per unit the call on its modules, the call kept for backward, the open forward hooks.
         self.calls = CallTable(units, live=live, record=record)
-        # Gathers issued ahead from the record (schedule.py).
         self.prefetch = Prefetcher(units, schedule=schedule, calls=self.calls, live=live)
         self._pending: list[UnitCall] = []  # calls of this pass that may still get a backward
-        self.held = HeldUnits()  # calls `gathered_for_inference()` holds (held.py)
+        self.held = HeldUnits()
         self.handles: list[Any] = []
         root = units[0]
         for unit in units:
@@ -130,16 +106,14 @@ class HookDriver:
                 pre, post = partial(self._pre_forward, unit), partial(self._post_forward, unit)
                 self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 self.handles.append(module.register_forward_hook(post, always_call=True))
-        # When no unit's pre-backward runs (every trainable parameter persistent), a persistent
-        # parameter's gradient starts the backward, or `_end_backward` never reduces their grads.
+        # With every trainable parameter persistent no pre-backward runs: their gradients start it.
         for param in persistent.params:
             if param.requires_grad:
                 self.handles.append(param.register_post_accumulate_grad_hook(self._on_persistent_grad))
 
     def remove(self) -> None:
-        """Remove the hooks, closing first the calls still holding full parameters (a kept call
-        whose backward never came, calls a backward that raised left on the modules: Note:
-        exceptions). No collective: leave_sharded may follow a failure where ranks are gone."""
+        """Close the calls still holding full parameters, then remove the hooks. No collective:
+        leave_sharded may follow a failure where ranks are gone."""
         self.calls.drop_leftovers()
         for handle in self.handles:
             handle.remove()
@@ -151,15 +125,10 @@ class HookDriver:
         self.state = state
 
     def _leave(self) -> None:
-        """Backward ended (or was abandoned), or the context holding units exited."""
         self._enter(P.FORWARD if self.calls.open else P.IDLE)
-
-    def _versions(self, unit: Unit) -> tuple[int, ...]:
-        return tuple(p.param._version for p in unit.params)
 
     # ---- forward ----------------------------------------------------------------------------
     def _gather_call(self, unit: Unit) -> UnitCall:
-        """Gather the unit into a new call (state FORWARD, on the unit's modules)."""
         reduces = torch.is_grad_enabled() and any(p.requires_grad for p in unit.params)
         call = UnitCall(unit, reduces=reduces)
         with torch.profiler.record_function(f"ZeRO3::gather({unit.name})"):
@@ -168,7 +137,7 @@ class HookDriver:
             else:
                 with engine_mode():
                     call.fulls = unit.gather()
-        call.versions = self._versions(unit)
+        call.versions = unit.versions()
         self.calls.move(call, S.FORWARD)
         return call
 
@@ -176,23 +145,21 @@ class HookDriver:
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         slot = self.calls.slots[unit.uid]
         if self.state is P.HELD:
-            self.held.check_forward(unit, slot, self._versions(unit))
+            self.held.check_forward(unit, slot, unit.versions())
             self.calls.set_depth(slot, slot.depth + 1)
             return None
         current = slot.call
         backward = self.state is P.BACKWARD
         if backward and current is not None and current.state is S.BACKWARD:
-            # Non-reentrant recomputation: reuse the re-gathered parameters. Its forward may be
-            # cut short (checkpoint stops once it has what backward needs), so no post-forward
-            # hook is owed: the depth stays 0 and the post-forward hook does nothing.
+            # Non-reentrant recomputation reuses the re-gathered parameters; it may be cut short,
+            # so no post-forward is owed: the depth stays 0 (calls.py, Note: recomputation).
             return None
         if slot.depth:
             self.calls.set_depth(slot, slot.depth + 1)  # re-entered (self(x) inside training_step): already whole
             if current is not None and (
-                current.state is S.REDUCED_IN_FORWARD or current.versions != self._versions(unit)
+                current.state is S.REDUCED_IN_FORWARD or current.versions != unit.versions()
             ):
-                # Stale (an optimizer step inside training_step): its own backward, if still
-                # owed, keeps its tensors through autograd.
+                # Stale (an optimizer step inside training_step); a backward still owed keeps its tensors.
                 self.calls.move(current, S.DONE)
                 self._gather_call(unit)
             return None
@@ -220,8 +187,7 @@ class HookDriver:
         return None
 
     def _hook_inputs(self, call: UnitCall, args: Any, kwargs: Any) -> None:
-        """Release a frozen unit's call once its inputs have their gradients (Note: frozen
-        units). The hook holds the call weakly (calls.py, Note: call lifetime)."""
+        """Note: frozen units. The hook holds the call weakly (calls.py, Note: call lifetime)."""
         tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
         if tensors:
             register_multi_grad_hook(tensors, partial(self._after_input_grads, weakref.ref(call)), mode="all")
@@ -229,8 +195,8 @@ class HookDriver:
     @eager
     def _after_input_grads(self, call_ref: weakref.ref[UnitCall], grads: Any) -> None:
         call = call_ref()
-        if call is not None:
-            self.finish_call(call)
+        if call is not None and call.state is S.BACKWARD:
+            self.calls.move(call, S.DONE)
 
     @eager
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
@@ -246,9 +212,7 @@ class HookDriver:
         if slot.depth:
             return
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if self.state is P.FORWARD and not self.calls.open:
-            # The pass's forward is over (or raised): a prefetch it did not use is stale, and
-            # with no output that needs a gradient, so is what it kept (Note: kept for backward).
+        if self.state is P.FORWARD and not self.calls.open:  # the pass's forward is over (or raised)
             self._enter(P.IDLE)
             self.schedule.end_forward()
             self.prefetch.drop_stale()
@@ -257,9 +221,7 @@ class HookDriver:
         if slot.call is None:
             return
         call = slot.call
-        if call.state is not S.FORWARD or not outputs:
-            # Reduced inside its forward, no_grad, nothing of it needs a gradient, or the
-            # forward raised (output None): no backward owed.
+        if call.state is not S.FORWARD or not outputs:  # no backward owed
             self.calls.move(call, S.DONE)
             return
         after_forward(self.reshard, call, self.calls, ends_forward=self._ends_forward(unit))
@@ -267,8 +229,7 @@ class HookDriver:
         for tensor in outputs:
             tensor.register_hook(partial(self._pre_backward, call))
 
-    def _ends_forward(self, unit: Unit) -> bool:
-        """Whether backward begins with this unit's call, so it is kept (Note: kept for backward)."""
+    def _ends_forward(self, unit: Unit) -> bool:  # Note: kept for backward
         return self.state is not P.BACKWARD and ((unit is self.units[0] and not self.calls.open)
                                                  or self.schedule.forward_complete)  # fmt: skip
 
@@ -276,19 +237,18 @@ class HookDriver:
         """A unit starts forward (or every unit is held) with nothing open, no backward running."""
         self.checks.check()  # tags left by a pass without backward (checks.py)
         self.checks.closely = self.schedule.forward_order is None  # watch closely until a record exists
-        # Prefetches left from the previous pass may predate an optimizer step: drop them. No
-        # forward hook is open, so a call still on its modules is a leftover of a pass that
-        # raised (Note: exceptions).
+        # Prefetches may predate an optimizer step; a call still on its modules is a leftover of a
+        # pass that raised (Note: exceptions).
         self.prefetch.drop_stale()
         self.calls.drop_leftovers()
         self._pending = []
-        self.schedule.begin_forward()
+        self.schedule.forward.begin()
         self.record.current.orders = (self.schedule.forward_order, self.schedule.backward_order)
         self._enter(state)
 
     # ---- held for inference (held.py) -------------------------------------------------------
     def hold(self) -> None:
-        """Gather every unit until `release` (`ShardedModel.gathered_for_inference`). Collective."""
+        """Gather every unit until `release` (held.py). Collective."""
         open_calls = [s.call for s, u in zip(self.calls.slots, self.units) if s.depth and u.params]
         self.held.refuse_entry(self.state, open_calls)
         if self.state is P.BACKWARD:
@@ -297,7 +257,7 @@ class HookDriver:
             self.prefetch.drop_stale()
             self._enter(P.HELD)
         else:
-            self._begin_pass(P.HELD)  # drops prefetches and what an earlier pass left on the modules
+            self._begin_pass(P.HELD)
         self.held.depths = [slot.depth for slot in self.calls.slots]
         try:
             with torch.no_grad():  # reduces=False: the held tensors have no autograd parent
@@ -311,7 +271,8 @@ class HookDriver:
 
     def release(self) -> None:
         """Every call `hold` gathered goes to DONE (an enclosing forward's stay for its hooks)."""
-        for call in self.held.take_calls():
+        calls, self.held.calls = self.held.calls, []
+        for call in calls:
             if call.state is S.FORWARD:
                 self.calls.move(call, S.DONE)
         for slot, depth in zip(self.calls.slots, self.held.depths):
@@ -326,7 +287,7 @@ class HookDriver:
         if self.grads.begin_backward():  # sync off: the forward's tags first (checks.py, Note: uneven batches)
             self.checks.check()
         self._enter(P.BACKWARD)
-        self.schedule.begin_backward()
+        self.schedule.backward.begin()
         Variable._execution_engine.queue_callback(self._end_backward)
 
     @eager
@@ -351,22 +312,15 @@ class HookDriver:
 
     @eager
     def post_backward(self, call: UnitCall, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Called by `GatherParams.backward` once autograd has every full gradient of the call.
-        Starts the Reduce-Scatter and returns no gradient to autograd (reduce.py, Note:
-        asynchronous reduction)."""
+        """`GatherParams.backward`: start the reduction, return no gradient (reduce.py)."""
         self._ensure_backward_started()
         unit = call.unit
         self.grads.reduce_or_add(unit, grads)
         if call.state is S.FORWARD:
             self.calls.move(call, S.REDUCED_IN_FORWARD)  # tensors stay on the modules until forward ends
-        else:
-            self.finish_call(call)
-        return [None] * len(unit.params)
-
-    def finish_call(self, call: UnitCall) -> None:
-        """The call's backward is over: release what its pre-backward gathered, if it did."""
-        if call.state is S.BACKWARD:
+        elif call.state is S.BACKWARD:
             self.calls.move(call, S.DONE)
+        return [None] * len(unit.params)
 
     def _abandon_backward(self) -> None:
         """Close a backward that raised (Note: exceptions)."""
@@ -391,8 +345,8 @@ class HookDriver:
         self.checks.step_done()
 
     def _close_pending(self) -> None:
-        """End of a backward: free what calls whose backward did not finish them hold (outputs
-        that never reached the loss, frozen calls, a backward that raised); drop prefetches."""
+        """End of a backward: close the calls it did not finish (outputs that never reached the
+        loss, frozen calls, a backward that raised); drop prefetches."""
         for call in self._pending:
             if call.state in (S.BACKWARD, S.RESHARDED, S.KEPT):
                 self.calls.move(call, S.DONE)

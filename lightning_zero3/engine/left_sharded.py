@@ -1,18 +1,11 @@
-"""Modules left holding an engine's shards, and making one whole again before it is sharded anew.
+"""Modules left holding an engine's shards, made whole again before they are sharded anew.
 
 [Note: a module left sharded]
-`ShardedModel.restore_module` makes the module whole again, but it is a collective: after a run
-that failed (other ranks may be gone) the Lightning strategies call `leave_sharded` instead, which
-removes the hooks and keeps the shards in the module. DDP users then fit the same module again
-(resuming from a checkpoint saved on the exception); a new engine would shard the shards, and the
-checkpoint would not fit. So `leave_sharded` remembers the module, and a new engine for it first
-asks every rank (one all_gather_object: every rank is building the engine, so a collective is safe
-now): left sharded on every rank, the previous engine gathers it whole and sharding proceeds as for
-any module; on some ranks only, every rank raises the same error.
-
-The module keeps its engine alive through a forward pre-hook (which also refuses a forward on the
-shards with this explanation); the registry holds both weakly, so a module that is dropped frees
-its engine and its shards.
+`restore_module` is a collective, so after a failed run the strategies call `leave_sharded`
+(hooks removed, shards kept). Fitting the same module again would shard the shards, so a new
+engine first asks every rank (one all_gather_object): left sharded everywhere, the old engine
+makes it whole; on some ranks only, every rank raises. A forward pre-hook keeps the old engine
+alive and refuses a forward on the shards; the registry holds both weakly.
 """
 
 from __future__ import annotations
@@ -27,8 +20,6 @@ from lightning_zero3.engine.comm import Comm
 
 
 class ShardedModel(Protocol):
-    """What this module needs of the engine that left a module sharded (model.py)."""
-
     def restore_module(self, *, device: torch.device | str = "cpu") -> None: ...
 
 
@@ -39,8 +30,6 @@ _HOW_TO_USE = (
 
 
 class _RefuseForward:
-    """The forward pre-hook left on a module left sharded; it holds the engine that can restore it."""
-
     def __init__(self, engine: ShardedModel) -> None:
         self.engine = engine
 
@@ -51,7 +40,7 @@ class _RefuseForward:
         )
 
 
-# Module -> (the engine that left it sharded, the forward pre-hook holding that engine).
+# Module -> (the engine that left it sharded, the pre-hook holding it).
 _LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ShardedModel], Any]] = weakref.WeakKeyDictionary()
 
 
@@ -61,15 +50,14 @@ def leave_sharded(module: nn.Module, engine: ShardedModel) -> None:
 
 
 def forget(module: nn.Module) -> None:
-    """`module` is whole again (or sharded by a live engine): no longer left sharded."""
+    """`module` is whole again, or sharded by a live engine."""
     entry = _LEFT.pop(module, None)
     if entry is not None:
         entry[1].remove()
 
 
 def restore_if_left_sharded(module: nn.Module, *, world_comm: Comm, device: torch.device) -> None:
-    """Make `module` whole on `device` if an earlier engine left it sharded on every rank; raise
-    `RuntimeError` on every rank if only some ranks have it sharded. Collective."""
+    """Note: a module left sharded. Collective."""
     entry = _LEFT.get(module)
     previous = entry[0]() if entry is not None else None
     left = world_comm.all_gather_object(previous is not None)

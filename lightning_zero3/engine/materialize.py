@@ -1,33 +1,23 @@
-"""Turn a module's parameters into shards one module at a time, so that no rank ever holds
-the whole model: not when it was built whole (each module's tensors are broadcast from rank 0
-and sliced), and not when it was built on the meta device (each module is materialised,
-initialised, broadcast, sliced and freed before the next one). And back: `restore_whole` puts
-whole parameters on the modules one unit at a time, on a device of the caller's choice.
+"""Shard a module's parameters one module at a time, so no rank ever holds the whole model (built
+whole or on the meta device), and back (`restore_whole`, one unit at a time).
 
 [Note: one consistent full tensor]
-Every rank's shard must be a slice of the same full tensor. Ranks may have built or
-initialised their copies differently (no common seed), so rank 0's values are broadcast before
-slicing, one module's own tensors at a time: DDP's start-from-rank-0 rule, with a peak of one
-module's parameters instead of the whole model. On the meta device, each module is materialised
-with `param_init_fn(module)` (default: the module's `reset_parameters()`), on every rank, then
-rank 0's result is broadcast: the seeds of the ranks need not agree.
+Every rank's shard must be a slice of one full tensor, and ranks may have initialised their
+copies differently, so rank 0's values are broadcast before slicing, one module's own tensors at
+a time (DDP's rule, with a peak of one module). Meta modules are materialised and initialised by
+`param_init_fn` (default `reset_parameters()`) on every rank, then rank 0's result is broadcast.
 
 [Note: shards before full tensors]
-On the host, glibc serves the shards and the transient full tensors from the same heap. Made in
-turn (full tensor, then its shard, then the next full tensor), each long-lived shard lands
-between freed full tensors, and the heap cannot give those holes back to the OS: setup grew by
-~2.6x the shards (508 MiB for 192 MiB of shards, 24 x 16 MiB layers on 2 ranks). So every
-shard's memory is allocated first, before any full tensor exists: the shards sit together at
-the bottom, and the full tensors of one module at a time come and go above them. Measured by
-RSS in tests/test_setup_memory.py and examples/measure_setup_memory.py.
+On the host, glibc serves shards and transient full tensors from one heap; made in turn, each
+long-lived shard lands between freed full tensors, holes the heap cannot return (setup grew by
+~2.6x the shards, 24 x 16 MiB layers on 2 ranks). So every shard is allocated first and one
+module's full tensors come and go above them (tests/test_setup_memory.py).
 
 [Note: sharding from host memory]
-A model built whole in host memory (or made whole again by a teardown, as between `fit` and
-`validate`) is sharded from there: the shards are allocated on the target device, and each
-module's own parameters go to the device only for as long as it takes to broadcast and cut
-them, so the device never holds more than the shards and one module's whole parameters.
-Persistent parameters and buffers move to the device for good. The strategy therefore does
-not move the module to its device before sharding (strategy.py, `model_to_device`).
+A model whole in host memory is sharded from there: each module's own parameters visit the
+target device only to be broadcast and cut, so it never holds more than the shards and one
+module; persistent parameters and buffers move for good. So the strategy does not move the
+module before sharding (strategy.py, `model_to_device`).
 """
 
 from __future__ import annotations
@@ -48,7 +38,6 @@ ParamInitFn = Callable[[nn.Module], None]
 
 
 def reset_parameters(module: nn.Module) -> None:
-    """The default `param_init_fn`: the module's own `reset_parameters()`."""
     reset = getattr(module, "reset_parameters", None)
     if not callable(reset):
         names = [n for n, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
@@ -62,19 +51,13 @@ def reset_parameters(module: nn.Module) -> None:
 
 @contextmanager
 def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
-    """Build modules inside this block with their parameters on the meta device (no memory; the
-    sharding materialises them one module at a time) and every other tensor on `device`.
+    """Build modules with their parameters on the meta device and every other tensor on `device`.
 
     [Note: only parameters on meta]
-    Under a plain `torch.device("meta")`, every tensor made while building is meta, and the
-    values of those that are not parameters are lost: buffers computed in `__init__` (rotary
-    frequencies, masks) and plain tensor attributes such as torchmetrics' metric states and
-    their `_defaults`, which nothing re-creates ("Tensor.item() cannot be called on meta
-    tensors"). Here tensors are made on `device` with their real values, and a parameter is
-    moved to meta the moment a module registers it (torch's global parameter registration
-    hook), so its storage, created empty and never written, is freed at once: only parameters,
-    the bulk of a model, are deferred; they are then initialised by `param_init_fn` (default:
-    `reset_parameters()`) as before. A parameter registered twice (tied weights) stays one."""
+    Under a plain `torch.device("meta")` tensors that are not parameters lose their values
+    (buffers computed in `__init__`, torchmetrics' states), and nothing re-creates them. Here a
+    parameter moves to meta when a module registers it (torch's global registration hook); the
+    rest keep their values. A parameter registered twice (tied weights) stays one."""
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         if param is None or param.is_meta or type(param) is not nn.Parameter:
@@ -90,32 +73,15 @@ def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
         handle.remove()
 
 
-def _is_meta(module: nn.Module) -> bool:
-    tensors = [*module._parameters.values(), *module._buffers.values()]
-    return any(t is not None and t.is_meta for t in tensors)
-
-
 def shard_parameters(
-    root: nn.Module,
-    plan: Plan,
-    *,
-    comm: Comm,
-    world_comm: Comm,
-    device: torch.device,
-    param_init_fn: ParamInitFn | None = None,
-    sync_module_states: bool = True,
-    on_host: bool = False,
-) -> dict[int, ShardedParam]:
-    """Replace every planned parameter of `root` by this rank's shard, module by module.
-    Returns the shards by `id(entry.param)` of the plan entries. With `on_host` the shards are
-    made in host memory, pinned when `device` is a GPU (offload.py, Note: host offload)."""
+    root: nn.Module, plan: Plan, *, comm: Comm, world_comm: Comm, device: torch.device,
+    param_init_fn: ParamInitFn | None = None, sync_module_states: bool = True, on_host: bool = False,
+) -> dict[int, ShardedParam]:  # fmt: skip
+    """Replace every planned parameter of `root` by this rank's shard, module by module; the
+    shards by `id(entry)`. With `on_host` in host memory, pinned for a GPU (offload.py)."""
     _raise_if_meta_state(root)  # before any collective: every rank has the same model
     init = param_init_fn or reset_parameters
-    entry_of: dict[tuple[int, str], ParamEntry] = {}
-    for unit in plan.units:
-        for entry in unit.params:
-            for module, attr in entry.owners:
-                entry_of[(id(module), attr)] = entry
+    entry_of = {(id(m), a): entry for unit in plan.units for entry in unit.params for m, a in entry.owners}
     persistent_entry_of = {(id(m), a): entry for entry in plan.persistent for m, a in entry.owners}
     persistent = set(persistent_entry_of)
     # Note: shards before full tensors
@@ -125,12 +91,12 @@ def shard_parameters(
     shards: dict[int, ShardedParam] = {}
 
     def shard_own_tensors(module: nn.Module) -> None:
-        """This module's own tensors that are still whole (a tied parameter is sharded once), on
-        `device`; its transient copies die on return (Note: sharding from host memory)."""
+        """Broadcast and cut this module's own whole tensors (a tied parameter once)."""
         whole = [
             (attr, p, _on(p, device, keep=(id(module), attr) in persistent))
             for attr, p in module._parameters.items()
-            if p is not None and ((id(module), attr) in persistent or _key(entry_of, module, attr) not in shards)
+            if p is not None
+            and ((id(module), attr) in persistent or id(entry_of.get((id(module), attr))) not in shards)
         ]
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.device != device:
@@ -145,7 +111,7 @@ def shard_parameters(
             shards[id(planned)] = _shard(full, param, planned, comm, into=storage.pop(id(planned)))
 
     for module in root.modules():
-        if _is_meta(module):
+        if any(t is not None and t.is_meta for t in [*module._parameters.values(), *module._buffers.values()]):
             tied = [a for a, p in module._parameters.items() if p is not None and not p.is_meta]
             if tied:
                 raise ValueError(
@@ -176,8 +142,8 @@ def shard_parameters(
 def _shard_storage(
     entries: list[ParamEntry], comm: Comm, device: torch.device, *, pin: bool = False
 ) -> list[tuple[ParamEntry, torch.Tensor]]:
-    """Memory on `device` for one unit's shards: one buffer, the shards back to back (shard.py,
-    Note: shards in one buffer), or one tensor each where the unit mixes dtypes."""
+    """Memory for one unit's shards (shard.py, Note: shards in one buffer); one tensor each
+    where the unit mixes dtypes (which `Unit` refuses)."""
     dtypes = {e.param.dtype for e in entries}
     numels = [shard_numel(e.param.numel(), comm.world_size) for e in entries]
     if len(dtypes) != 1:
@@ -187,9 +153,8 @@ def _shard_storage(
 
 
 def _tie_persistent(module: nn.Module, persistent_entry_of: dict[tuple[int, str], ParamEntry]) -> None:
-    """A persistent parameter `module` just materialised replaces the meta one on every owner
-    (tied weights stay one parameter; a planned one is registered on every owner by `_shard`).
-    Was: a later owner materialised a parameter of its own, which the engine never averaged."""
+    """A persistent parameter `module` just materialised replaces the meta one on every owner,
+    so tied weights stay one parameter (`_shard` does so for planned ones)."""
     for attr, param in module._parameters.items():
         entry = persistent_entry_of.get((id(module), attr))
         if entry is None or param is None:
@@ -206,8 +171,7 @@ def _version(module: nn.Module, buffer: str) -> int:
 
 
 def _raise_if_meta_state(root: nn.Module) -> None:
-    """Meta tensors that are neither parameters nor buffers (torchmetrics' states, plain tensor
-    attributes, in lists or dicts one level deep) have no initialiser: their values are lost."""
+    """Refuse meta tensors that are not parameters or buffers (one level into lists and dicts)."""
     found = []
     for name, module in root.named_modules():
         for attr, value in vars(module).items():
@@ -228,8 +192,8 @@ def _raise_if_meta_state(root: nn.Module) -> None:
 
 
 def _materialize_meta_tensors(module: nn.Module, device: torch.device) -> None:
-    """Give `module`'s own meta parameters and buffers (uninitialised) memory on `device`; its real
-    tensors keep their values (`to_empty` would replace them too)."""
+    """Uninitialised memory on `device` for `module`'s own meta tensors (`to_empty` would
+    replace its real tensors too)."""
     for name, param in list(module._parameters.items()):
         if param is not None and param.is_meta:
             setattr(module, name, nn.Parameter(torch.empty_like(param, device=device), param.requires_grad))
@@ -238,12 +202,7 @@ def _materialize_meta_tensors(module: nn.Module, device: torch.device) -> None:
             setattr(module, name, torch.empty_like(buffer, device=device))
 
 
-def _key(entry_of: dict[tuple[int, str], ParamEntry], module: nn.Module, attr: str) -> int:
-    return id(entry_of.get((id(module), attr)))
-
-
-# Tensors at least this large are broadcast in place, one collective each; smaller ones of a
-# module are packed into one, which costs a copy of them (Note: shards before full tensors).
+# Tensors this large are broadcast in place; smaller ones of a module are packed into one.
 _BROADCAST_IN_PLACE_BYTES = 2**20
 
 
@@ -268,8 +227,7 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
 
 
 def _on(param: nn.Parameter, device: torch.device, *, keep: bool) -> torch.Tensor:
-    """`param`'s whole values on `device`: moved there for good if it is `keep` (persistent),
-    else a transient copy that lives until its shard is cut (Note: sharding from host memory)."""
+    """`param`'s values on `device`: moved for good with `keep` (Note: sharding from host memory)."""
     if param.device == device:
         return param.data
     if keep:
@@ -292,19 +250,12 @@ def _shard(
 
 
 def restore_whole(units: list[Unit], *, device: torch.device) -> None:
-    """Register whole parameters on the modules in place of the shards, built on `device`.
+    """Register whole parameters, built on `device`, in place of the shards. Collective.
 
     [Note: restoring unit by unit]
-    One unit at a time is gathered (on the shards' device, in their dtype), so the shards'
-    device holds one unit's gathered parameters beyond what it held before: at the end of `fit`
-    on a GPU, the whole model goes to host memory rather than next to the optimizer's shards on
-    the GPU. As in sharding (Note: shards before full tensors), every output is allocated before
-    anything is gathered, and nothing is allocated per unit: each unit is gathered into one pooled
-    block on the shards' device, reused by every unit of that size, and copied out
-    (`Unit.gather_into`). A per-unit block freed on glibc's heap gets small allocations carved
-    out of it and is never reused whole: restoring 24 x 16 MiB layers kept +16 MiB per unit
-    resident. Every rank must call it (one All-Gather per unit). The shards themselves stay
-    alive while the optimizer references them."""
+    Units are gathered one at a time on the shards' device (which so holds one unit more) into
+    one pooled block and copied out, every output allocated first (Note: shards before full
+    tensors): per-unit blocks freed on glibc's heap kept +16 MiB per 16 MiB unit resident."""
     outputs = {
         id(sharded): torch.empty(sharded.full_shape, dtype=unit.shard_dtype, device=device)
         for unit in units

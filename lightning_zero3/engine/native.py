@@ -1,5 +1,5 @@
-"""`NativeCollectives`: torch's own All-Gather and Reduce-Scatter (transport.py). What NCCL
-takes; tests run it on gloo too (tests/test_engine_invariants.py)."""
+"""`NativeCollectives`: torch's own All-Gather and Reduce-Scatter (transport.py), for NCCL;
+tests run it on gloo too (tests/test_engine_invariants.py)."""
 
 from __future__ import annotations
 

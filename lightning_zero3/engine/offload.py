@@ -1,34 +1,21 @@
-"""Host offload (`ShardingConfig(offload="host")`): the shards, their gradients and the optimizer
-state in host memory, the optimizer step on the CPU; the compute device keeps what gathers need.
+"""Host offload (`ShardingConfig(offload="host")`).
 
 [Note: host offload]
-What lives where, per rank (Ψ parameters, N ranks, fp32 shards):
-- Host: the registered parameters ARE the fp32 shards (Ψ/N each; pinned memory when the compute
-  device is a GPU), so `model.parameters()`, the optimizer built from it (Lightning's
-  `configure_optimizers`, `fabric.setup`), `state_dict()` and checkpoints see host tensors, and
-  the optimizer allocates its state next to them and steps on the CPU. Nothing rewrites param
-  groups. Their `.grad`s are host tensors too.
-- Compute device: per unit one flat copy of its shards in `param_dtype` (`HostOffload._copies`,
-  Ψ/N in all), uploaded at the unit's first gather of each pass (`begin_pass`) and again when a
-  host shard's version changed since the upload (an optimizer step inside a pass); gathers
-  copy it into their send row. A gather that asks for a dtype (`Unit.gather(dtype=...)`: full
-  state dicts, `gathered_parameters`, the restore at teardown) reads the host shards themselves,
-  so it is exact and never sees a copy older than the last write. Persistent parameters
-  (`persistence_threshold`) and buffers stay on the compute device, whole, as without offload.
-- Gradients: each unit's reduced shard gradients are copied to fresh host tensors (pinned on a
-  GPU, on a stream of this object's that first waits for the compute stream), and become or are
-  added into `.grad` once the backward's reductions are done (`settle`, from
-  `Reductions.finish_all`): the one host wait of a backward, before the optimizer step that
-  needs them. Nothing on the per-unit path waits on the host.
-A module moved with `.to(device)` would move the host shards: `keep_on_host` hides them from
-`nn.Module._apply` while the strategies place the rest (`ShardedModel.move_module`), and the
-upload refuses shards found off the host.
+- Host: the registered parameters ARE the shards (pinned for a GPU), so `model.parameters()`, the
+  optimizer built from it, `state_dict()` and checkpoints see host tensors; the optimizer keeps
+  its state beside them and steps on the CPU; `.grad`s are host tensors too.
+- Compute device: per unit one flat copy of its shards in `param_dtype` (Ψ/N in all), uploaded
+  at the unit's first gather of a pass and when a host shard's version changed. A gather asking
+  for a dtype (full state dicts, `gathered_parameters`, teardown) reads the host shards: exact.
+  Persistent parameters and buffers stay on the compute device.
+- Gradients: reduced shard gradients are copied to fresh host tensors on this object's stream and
+  go into `.grad` when the backward's reductions are done (`settle`): one host wait per backward.
+`move_module` keeps the host shards out of `.to()`; the upload refuses shards found elsewhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -38,17 +25,17 @@ from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
 
-__all__ = ["HostOffload", "OffloadHooks", "keep_on_host", "move_module"]
+__all__ = ["HostOffload", "OffloadHooks", "move_module"]
 
 
 class HostOffload:
-    """The device copies of host shards and the gradients on their way to host memory (Note:
-    host offload). One per `ShardedModel`; every unit's `offload` points to it."""
+    """The device copies of host shards and the gradients on their way to the host; one per
+    `ShardedModel`, every unit's `offload`."""
 
     def __init__(self, units: list[Unit], *, device: torch.device) -> None:
         self.device = device  # the compute device
         self.pinned = device.type == "cuda"  # pinned host memory: asynchronous copies
-        # Per unit id: the flat device copy in `param_dtype`, and the host versions it holds.
+        # Per unit id: the device copy and the host versions it holds.
         self._copies: dict[int, torch.Tensor] = {}
         self._uploaded: dict[int, tuple[int, ...]] = {}
         # Downloads of this backward not yet in `.grad`: (shard, host gradient).
@@ -60,24 +47,21 @@ class HostOffload:
             unit.offload = self
 
     def device_bytes(self) -> int:
-        """Bytes of the device copies alive."""
         return sum(c.numel() * c.element_size() for c in self._copies.values())
 
     # ---- parameters: host -> device ----------------------------------------------------------
     def close(self) -> None:
-        """Free the device copies and the gradients in transit (the run ended: `remove_hooks`)."""
         self._copies.clear()
         self._uploaded.clear()
         self._arrived.clear()
         self._sources.clear()
 
     def begin_pass(self) -> None:
-        """A pass begins: every device copy is refreshed at its unit's next gather."""
         self._uploaded.clear()
 
     def fill(self, unit: Unit, out: torch.Tensor, *, exact: bool) -> None:
-        """Write the unit's shards, cast to `out`'s dtype, into `out` (its send row, on the
-        compute device): from the device copy, or with `exact` from the host shards."""
+        """The unit's shards into its send row `out`: from the device copy, or with `exact` from
+        the host shards."""
         if exact:
             for p, o in zip(unit.params, unit.offsets):
                 out[o : o + p.shard_numel].copy_(p.param.detach())
@@ -85,7 +69,7 @@ class HostOffload:
         out.copy_(self._current_copy(unit))
 
     def _current_copy(self, unit: Unit) -> torch.Tensor:
-        versions = tuple(p.param._version for p in unit.params)
+        versions = unit.versions()
         copy = self._copies.get(unit.uid)
         if copy is not None and self._uploaded.get(unit.uid) == versions:
             return copy
@@ -105,8 +89,7 @@ class HostOffload:
 
     # ---- gradients: device -> host -----------------------------------------------------------
     def download(self, unit: Unit, grads: list[torch.Tensor | None]) -> None:
-        """Start copying the unit's reduced shard gradients (None: no gradient) to host memory;
-        `settle` puts them into `.grad`."""
+        """Start copying the unit's reduced shard gradients to the host."""
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -120,8 +103,7 @@ class HostOffload:
                 self._sources.append(grad)
 
     def settle(self) -> None:
-        """The backward's reductions are done: wait for the downloads (once) and add them into
-        the shards' `.grad` (a gradient becomes `.grad` where there is none)."""
+        """The backward's reductions are done: wait for the downloads, put them into `.grad`."""
         self._wait()
         with torch.no_grad():
             for sharded, host in self._arrived:
@@ -132,8 +114,7 @@ class HostOffload:
                     param.grad.add_(host)
         self._arrived.clear()
 
-    def drop(self) -> None:
-        """A backward that raised: the downloads finish and are dropped."""
+    def drop(self) -> None:  # a backward raised
         self._wait()
         self._arrived.clear()
 
@@ -144,8 +125,7 @@ class HostOffload:
 
 
 class OffloadHooks(HookDriver):
-    """The hook driver with host offload: each pass begins by marking the device copies of
-    the host shards for refresh (Note: host offload)."""
+    """Each pass refreshes the device copies (Note: host offload)."""
 
     def _begin_pass(self, state: PassState = PassState.FORWARD) -> None:
         offload = self.units[0].offload
@@ -154,21 +134,14 @@ class OffloadHooks(HookDriver):
         super()._begin_pass(state)
 
 
-@contextmanager
-def keep_on_host(shards: list[ShardedParam]) -> Iterator[None]:
-    """Inside the block, `shards` are not registered on their modules (each slot holds None,
-    which `nn.Module._apply` skips), so moving the module leaves them in host memory."""
-    slots = [(module, attr, s.param) for s in shards for module, attr in s.owners]
-    for module, attr, _ in slots:
-        module._parameters[attr] = None
-    try:
-        yield
-    finally:
-        for module, attr, param in slots:
-            module._parameters[attr] = param
-
-
 def move_module(module: nn.Module, shards: list[ShardedParam], device: torch.device) -> None:
-    """`module.to(device)` with `shards` left where they are (Note: host offload)."""
-    with keep_on_host(shards):
+    """`module.to(device)` with `shards` left where they are: their slots hold None meanwhile,
+    which `nn.Module._apply` skips."""
+    slots = [(owner, attr, s.param) for s in shards for owner, attr in s.owners]
+    for owner, attr, _ in slots:
+        owner._parameters[attr] = None
+    try:
         module.to(device)
+    finally:
+        for owner, attr, param in slots:
+            owner._parameters[attr] = param

@@ -1,5 +1,5 @@
-"""Optimizers on shards: the gradient norm and clipping (the global norm needs one All-Reduce of a
-scalar), the optimizers that cannot step on 1-D shards, and a GradScaler whose ranks agree."""
+"""Optimizers on shards: gradient norms and clipping, the optimizers that cannot step on 1-D
+shards, and a GradScaler whose ranks agree."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from lightning_zero3.engine.model import ShardedModel
 
 
 def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of the gradient of the whole (unsharded) model, the same on every rank, from one
-    All-Reduce of a scalar (Note: norms from shards)."""
+    """The whole model's gradient norm on every rank, from one All-Reduce of a scalar (Note: norms
+    from shards)."""
     order = float(norm_type)
     shares = _local_shares(model, list(parameters), order)
     if order == math.inf:
@@ -30,9 +30,8 @@ def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type
 def grad_norms(
     model: ShardedModel, parameters: list[torch.Tensor], norm_type: float = 2.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the norm of each parameter's whole gradient, the norm of all of them together), the
-    same on every rank, from one All-Reduce of one value per parameter (Note: norms from
-    shards). Parameters without a gradient count as zero (every rank must pass the same list)."""
+    """(each parameter's whole gradient norm, the total), from one All-Reduce of one value per
+    parameter; no gradient counts as zero (every rank passes the same list)."""
     order = float(norm_type)
     local = _local_shares(model, parameters, order)
     if order == math.inf:
@@ -43,21 +42,17 @@ def grad_norms(
 
 
 def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: float) -> torch.Tensor:
-    """This rank's share of each parameter's gradient norm, in float64, one value per parameter.
+    """This rank's share of each parameter's gradient norm, in float64.
 
     [Note: norms from shards]
-    Shard gradients are disjoint pieces of the full gradient (padding is zero), so their p-th
-    powers summed over ranks are the p-th power of the whole gradient's norm. A parameter kept
-    whole has the same gradient on every rank: its share is divided by N, so the sum over ranks
-    counts it once. For p = inf the share is the largest absolute value (the max over ranks is
-    the whole gradient's); an empty shard (more ranks than elements) or no gradient shares 0.
-    `torch._foreach_norm` / `_foreach_mul_` are private: torch's own `clip_grad_norm_` and the
-    optimizers' foreach paths use them (tried on torch 2.13); no fallback is kept."""
+    Shard gradients are disjoint pieces of the full gradient (padding is zero): their p-th powers
+    summed over ranks are the whole norm's. A whole parameter's share is divided by N; for p = inf
+    the share is the largest absolute value. `torch._foreach_norm` / `_foreach_mul_` are private:
+    torch's `clip_grad_norm_` uses them (tried on 2.13)."""
     device = model.device  # where the collective runs; offloaded shards' gradients are on the host
     n = model.comm.world_size
     if not parameters:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    # One foreach norm over the gradients (a few kernels in all, not ~3 per parameter).
     present = [i for i, p in enumerate(parameters) if p.grad is not None and p.grad.numel() > 0]
     grads = [parameters[i].grad.detach() for i in present]  # type: ignore[union-attr]
     wide = None if order == math.inf else torch.float64
@@ -75,8 +70,7 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
 def clip_grad_norm_(
     model: ShardedModel, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
-    """Scale gradients in place so their global norm is at most `max_norm`; return the norm
-    before clipping (like `torch.nn.utils.clip_grad_norm_`)."""
+    """`torch.nn.utils.clip_grad_norm_` with the global norm."""
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(model, params, norm_type)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # foreach: one multiply per dtype
@@ -85,31 +79,24 @@ def clip_grad_norm_(
 
 # ---- optimizers that cannot step on 1-D shards ------------------------------------------------
 # [Note: optimizers that need shapes]
-# Every sharded parameter is this rank's 1-D piece (shard.py, Note: shard layout; the decision is
-# in docs/design.md, "One-dimensional shards"). Element-wise optimizers (SGD, Adam, AdamW,
-# RMSprop, ...) step on it exactly as on the whole parameter. These do not: their update of an
-# element depends on the parameter's shape or on all of it, so on shards they would silently
-# compute something else (or fail at the first step). Matched by class name, anywhere in the
-# optimizer's class hierarchy, since most of them live outside torch.
+# Every sharded parameter is this rank's 1-D piece (docs/design.md, "One-dimensional shards").
+# Element-wise optimizers (SGD, Adam, ...) step on it exactly as on the whole parameter; these
+# do not (their update depends on the shape or the whole parameter) and would silently compute
+# something else. Matched by class name anywhere in the class hierarchy: most live outside torch.
+_PRECONDITIONS = "preconditions each weight matrix by its row and column statistics"
+_TRUST_RATIO = "scales each update by the norm of the whole parameter (a per-layer trust ratio)"
 SHAPE_AWARE_OPTIMIZERS = {
     "Adafactor": "factors its second moment into row and column statistics of each weight matrix",
     "Muon": "orthogonalises each weight matrix (it needs 2-D parameters)",
-    "Shampoo": "preconditions each weight matrix by its row and column statistics",
-    "DistributedShampoo": "preconditions each weight matrix by its row and column statistics",
-    "SOAP": "preconditions each weight matrix by its row and column statistics",
-    "Lamb": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
-    "LAMB": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
-    "FusedLAMB": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
-    "LARS": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
-    "Lars": "scales each update by the norm of the whole parameter (a per-layer trust ratio)",
+    "Shampoo": _PRECONDITIONS, "DistributedShampoo": _PRECONDITIONS, "SOAP": _PRECONDITIONS,
+    "Lamb": _TRUST_RATIO, "LAMB": _TRUST_RATIO, "FusedLAMB": _TRUST_RATIO, "LARS": _TRUST_RATIO, "Lars": _TRUST_RATIO,
     "LBFGS": "takes dot products over all parameters, which would cover only this rank's pieces",
-}
+}  # fmt: skip
 
 
 def check_optimizer_fits_shards(optimizer: torch.optim.Optimizer, owner: str, *, warn: bool = True) -> None:
-    """Refuse an optimizer of `SHAPE_AWARE_OPTIMIZERS` with a `ValueError` naming `owner` (Note:
-    optimizers that need shapes); with `warn`, warn about a param group without parameters, the
-    usual sign of a `p.dim() >= 2` filter, which selects no 1-D shard."""
+    """Refuse a shape-aware optimizer, naming `owner`; with `warn`, warn about an empty param
+    group (the usual sign of a `p.dim() >= 2` filter)."""
     for cls in type(optimizer).__mro__:
         reason = SHAPE_AWARE_OPTIMIZERS.get(cls.__name__)
         if reason is not None:
@@ -130,25 +117,17 @@ def check_optimizer_fits_shards(optimizer: torch.optim.Optimizer, owner: str, *,
 
 
 class AgreeingGradScaler(torch.amp.GradScaler):
-    """A GradScaler whose skip decision is the same on every rank: after unscaling, whether any
-    rank found an inf/NaN in its gradient shards is All-Reduced (max). Without it, a rank whose
-    shards overflowed skips the step while the others take it, and the shards drift apart.
+    """A GradScaler whose inf/NaN flag is All-Reduced (max) after unscaling, so every rank skips
+    the same steps (else the shards drift apart).
 
     [Note: every path unscales]
-    `GradScaler.step` has two paths. For ordinary optimizers it calls `unscale_` (unless the user
-    did), so the agreement above runs. For optimizers that unscale inside their own kernel
-    (`_step_supports_amp_scaling`: fused Adam/AdamW/SGD), it skips `unscale_` and checks the
-    gradients itself, rank by rank; Lightning's MixedPrecision plugin also skips `unscale_` for
-    them. So `step` here always unscales first (once per optimizer and iteration): the inf flag
-    is agreed on before every step, and torch then hands the fused kernel the agreed flag and no
-    scale (the gradients are already unscaled). Cost: one unscale pass over the gradient shards
-    (1/N of the model), which the fused kernel would otherwise have folded into the step.
+    For fused optimizers `GradScaler.step` (and Lightning's plugin) skips `unscale_` and checks
+    rank by rank, so `step` here always unscales first: one unscale pass over the shards.
 
     [Note: private GradScaler state]
-    The flag is `_per_optimizer_states[id(optimizer)]["found_inf_per_device"]`, the tensors torch's
-    own `step` and `update` read; torch has no public accessor for it. Tried: torch 2.13.0. If a
-    torch release changes that layout, construction raises (on every rank alike, so no rank
-    hangs) telling to use bf16 instead of fp16, rather than letting ranks decide apart.
+    The flag is `_per_optimizer_states[id(optimizer)]["found_inf_per_device"]`, which torch's own
+    `step` reads (no public accessor; tried on 2.13.0). If its layout changes, construction raises
+    on every rank alike.
     """
 
     def __init__(self, model: ShardedModel, **kwargs: object) -> None:
@@ -161,13 +140,11 @@ class AgreeingGradScaler(torch.amp.GradScaler):
                 f"skipping a step. Use precision='bf16-mixed' (no loss scaling), or a tested torch version."
             )
         self.sharded_model = model
-        # Optimizers unscaled (and agreed on) since the last `update()`, by id.
-        self._unscaled: set[int] = set()
+        self._unscaled: set[int] = set()  # ids of optimizers agreed on since the last `update()`
 
     @classmethod
     def like(cls, scaler: torch.amp.GradScaler, model: ShardedModel, *, device: str) -> AgreeingGradScaler:
-        """An agreeing scaler with `scaler`'s settings and current scale (read through its public
-        `state_dict()`), for gradients on `device` ("cuda", "cpu", ...)."""
+        """An agreeing scaler with `scaler`'s settings and scale, for gradients on `device`."""
         agreeing = cls(model, device=device, enabled=scaler.is_enabled())
         if scaler.is_enabled():
             agreeing.load_state_dict(scaler.state_dict())

@@ -1,23 +1,13 @@
-"""`PersistentGrads`: the gradients of parameters kept whole on every rank (`persistence_threshold`,
-and every parameter of at most one element per rank), averaged over all ranks after each backward.
+"""`PersistentGrads`: the gradients of parameters kept whole on every rank, averaged after each backward.
 
 [Note: persistent gradients in one buffer]
-Their gradients are All-Reduced as one flat buffer per dtype, with one element per parameter
-after them that counts the ranks which produced its gradient: a parameter no rank used keeps
-`grad=None`, as in one process (a zero gradient would still move it under weight decay and
-momentum). After the All-Reduce each `.grad` becomes a view of that buffer (no copy), as the
-sharded gradients are views of their unit's reduced buffer (reduce.py). Autograd then adds
-the next micro-batch's gradient into those views in place, and `zero_grad(set_to_none=False)`
-zeroes them in place, so the next backward finds every gradient already in the buffer and
-All-Reduces it where it lies: no copy, no allocation. Anything else (`set_to_none=True`, a
-`.grad` assigned by the user, a gradient autograd made out of place under `create_graph=True`,
-a parameter missing its gradient) takes the copy path: one new buffer, one `cat` into it. The
-engine holds the buffer weakly, so with `set_to_none=True` it dies with the views, as a whole
-gradient would. The counts are read back on the host (a device-to-host copy on GPU) only by a
-rank that is itself missing a gradient.
-With shard groups the All-Reduce runs over all N ranks at once, not inside the group and then
-across groups: one collective instead of two blocking ones; the sum's order differs from the
-two-level sum by float rounding (docs/accounting.md, "Hierarchical sharding").
+One flat buffer per dtype and device is All-Reduced, followed by one element per parameter
+counting the ranks that produced its gradient: one no rank used keeps `grad=None`, as in one
+process. Afterwards each `.grad` is a view of the buffer, so autograd's accumulation and
+`zero_grad(set_to_none=False)` work in place and the next backward reduces it where it lies.
+Anything else (`set_to_none=True`, an assigned `.grad`, `create_graph=True`, a missing gradient)
+takes the copy path: one new buffer, one `cat`. The buffer is held weakly. With shard groups
+the All-Reduce spans all ranks at once (one collective, not two).
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        # The buffer whose views are the `.grad`s after the last reduction (held weakly).
         self.flat: weakref.ref[torch.Tensor] | None = None
 
     def views_in_place(self) -> torch.Tensor | None:
@@ -62,18 +51,16 @@ class _Bucket:
 
 
 class PersistentGrads:
-    """Averages the persistent parameters' gradients over `comm`'s ranks (Note: persistent
-    gradients in one buffer)."""
+    """Note: persistent gradients in one buffer."""
 
     def __init__(self, params: list[nn.Parameter], comm: Comm) -> None:
         self.params = params
         self.comm = comm
         self._buckets: dict[tuple[int, ...], list[_Bucket]] = {}
-        # How many reductions took the copy path (a new buffer): for tests and benchmarks.
-        self.copies = 0
+        self.copies = 0  # reductions that took the copy path
 
     def _buckets_for(self, params: list[nn.Parameter]) -> list[_Bucket]:
-        """One bucket per (dtype, device), kept while the set of trainable parameters holds."""
+        """Kept while the set of trainable parameters holds."""
         key = tuple(id(p) for p in params)
         buckets = self._buckets.get(key)
         if buckets is None:
@@ -85,7 +72,7 @@ class PersistentGrads:
         return buckets
 
     def reduce(self) -> None:
-        """All-Reduce (average) the gradients; collective: every rank calls it after a backward."""
+        """Average the gradients over the ranks; collective."""
         params = [p for p in self.params if p.requires_grad]
         if not params or self.comm.world_size == 1:
             return

@@ -1,23 +1,13 @@
-"""Pick units from a module tree and assign every parameter to exactly one unit.
-
-A unit is a module whose parameters are gathered together. The root module is always a unit
-(it owns what no other unit claims). A parameter reached from several units (tied weights, a
-module shared by two blocks) belongs to their lowest common ancestor unit, so it is gathered
-once and is whole wherever it is used.
+"""Pick units from a module tree and assign every parameter to exactly one unit. The root is
+always one; a parameter reached from several units (tied weights, a shared module) belongs to
+their lowest common ancestor, so it is gathered once and whole wherever it is used.
 
 [Note: nn.Module's registries]
-The engine reads a module's own `_parameters`, `_buffers` and `_modules` dicts (here,
-materialize.py, model.py) and writes `_parameters` (materialize.py) directly. They are private
-by name but are how `nn.Module` stores what it registers; FSDP2's `_fully_shard` uses them the
-same way. The public views do not do: `named_children()` and `named_parameters()` yield a
-module or parameter registered under two names once, and the plan needs every name to keep
-ties; `register_parameter` runs the global registration hooks (materialize.py's meta hook).
-Tried: torch 2.13.0. No fallback: they have not changed since torch 1.0, and if they did the
-first setup would fail loudly (every test shards a model). Likewise `Tensor._version`, the
-in-place version counter autograd keeps, which has no public accessor (read in materialize.py
-and hooks.py to see whether a tensor was written). (`nn.Module._apply` is no longer used: the
-strategies move a module with the public `.to(device)` after sharding, when no tensor is left on
-the meta device; materialize.py, Note: sharding from host memory.)
+The engine reads modules' own `_parameters`, `_buffers` and `_modules` and writes `_parameters`
+directly, as FSDP2 does: `named_parameters()` yields a parameter registered under two names once
+(the plan needs every name to keep ties), and `register_parameter` runs the global registration
+hooks (materialize.py's meta hook). Likewise `Tensor._version`, autograd's in-place counter.
+Private, tried on torch 2.13.0; no fallback: a change would fail the first setup loudly.
 """
 
 from __future__ import annotations
@@ -62,7 +52,6 @@ class Plan:
 
 
 def validate_wrap_policy(policy: object) -> WrapPolicy:
-    """Check a user's `wrap_policy` at construction time."""
     # A module instance is callable too, but calling it runs its forward: not a policy.
     if policy is None or callable(policy) and not isinstance(policy, (type, nn.Module)):
         return policy  # type: ignore[return-value]
@@ -111,22 +100,17 @@ def _common_ancestor(units: list[UnitPlan]) -> UnitPlan:
 def make_plan(
     root: nn.Module, policy: WrapPolicy = None, persistence_threshold: int = 0, shard_group_size: int = 1
 ) -> Plan:
-    """Choose units and assign parameters. Deterministic: every rank builds the same plan.
-
-    A parameter of at most `shard_group_size` elements (every 0-d one among them) stays whole
-    whatever `persistence_threshold` says: its shard would be a single element, and a single
-    element broadcasts against any shape, so code that reads it outside its unit (a forward of
-    another unit using `block.scale`) would compute silently wrong numbers on the ranks whose
-    element is padding, where any larger shard fails on its shape. Kept whole it is exact; it
-    costs at most `shard_group_size` elements of each such parameter.
+    """Choose units and assign parameters; every rank builds the same plan. A parameter of at
+    most `shard_group_size` elements stays whole whatever `persistence_threshold` says: its
+    one-element shard would broadcast against any shape, so code reading it outside its unit
+    would compute silently wrong numbers on the ranks holding padding.
     """
     unit_modules = _unit_modules(root, policy)
     root_unit = UnitPlan(module=root, name="<root>", parent=None)
     units: list[UnitPlan] = [root_unit]
     unit_of_module: dict[int, UnitPlan] = {id(root): root_unit}
 
-    # Walk every path (shared modules appear under each of their parents) recording, for each
-    # module occurrence, the innermost unit that encloses it.
+    # Walk every path (a shared module under each parent), noting each occurrence's innermost unit.
     param_units: dict[int, list[UnitPlan]] = {}
     entries: dict[int, ParamEntry] = {}
 
@@ -157,9 +141,7 @@ def make_plan(
 
     persistent: list[ParamEntry] = []
     for key, entry in entries.items():
-        # The same (module, attr) can be reached through several paths (a module registered
-        # under two parents): keep each owner once, but every name, as `state_dict()` lists
-        # the tensor under each path and `full_state_dict` must give the whole one under all.
+        # Each owner once, but every name: `state_dict()` lists the tensor under each path.
         seen: set[tuple[int, str]] = set()
         owners = []
         for module, attr in entry.owners:

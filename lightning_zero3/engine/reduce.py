@@ -1,26 +1,18 @@
-"""Reducing gradients: a `Unit`'s full gradients -> this rank's averaged shard gradients
-(Reduce-Scatter, then with shard groups an All-Reduce across groups), and `Reductions`, the
-Reduce-Scatters of a backward while they are in flight. Row layout: unit.py, Note: flat layout;
-the check column: checks.py, Note: check slot.
+"""Reducing gradients: a unit's full gradients -> this rank's averaged shard gradients
+(Reduce-Scatter, with shard groups then an All-Reduce across them); `Reductions` in flight.
 
 [Note: asynchronous reduction]
-`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient to autograd;
-the backward of the next unit computes while it is in flight. The reduced shard gradients are
-added into `shard.grad` when the reduction is waited for: once more than `reductions_in_flight`
-are pending (default 0 off CUDA: at once), and for all of them in the callback that ends
-backward, so `.grad` is complete when `backward()` returns. Adding (rather than assigning)
-keeps accumulation, tied weights and modules called twice exact. With shard groups, each
-reduction's All-Reduce across groups is issued in the order the reductions started, so every
-rank issues them alike (`Reductions._advance`).
+`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient; the next
+unit's backward computes meanwhile. The shard gradients are added into `shard.grad` when waited
+for: once more than `reductions_in_flight` are pending, and all in the callback that ends
+backward, so `.grad` is complete when `backward()` returns. Adding keeps accumulation, tied
+weights and reused modules exact. The All-Reduces across groups go out in the order the
+reductions started, alike on every rank (`_advance`).
 
 [Note: gradient copy-in]
-The full gradients are copied (cast, padded) into the Reduce-Scatter input on the compute
-stream, as FSDP2 does, and the reduce stream waits for that copy before the collective. So
-nothing of the engine keeps them: autograd frees a unit's full gradients as soon as its
-`GatherParams.backward` returns, and only the Reduce-Scatter inputs (`full`, one unit's row
-block each) stay in flight. Was: the copy-in ran on the reduce stream, so each reduction in
-flight held its unit's full gradients until its wait (up to 1 + `reductions_in_flight` units'
-worth on CUDA, besides their fp32 inputs).
+The full gradients are copied into the Reduce-Scatter input on the compute stream (as FSDP2 does)
+and the reduce stream waits for the copy: autograd frees them as soon as `GatherParams.backward`
+returns; only the inputs stay in flight.
 """
 
 from __future__ import annotations
@@ -39,15 +31,14 @@ __all__ = ["GradSink", "PendingReduce", "Reductions", "Summed", "grad_blocks"]
 
 @dataclass(eq=False)
 class Summed:
-    """A unit's full gradients summed over backwards with sync off (accumulate.py, Note:
-    unsynced accumulation): `total` is laid out as the Reduce-Scatter input's (N, S) columns."""
+    """A unit's full gradients summed with sync off (accumulate.py), as the input's (N, S) columns."""
 
     total: torch.Tensor
     present: list[bool]  # which parameters had a gradient in any of them
 
 
 def grad_blocks(unit: Unit, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """Each gradient, padded to N x shard, viewed as its (N, shard) column block (None stays None)."""
+    """Each gradient padded and viewed as its (N, shard) column block (None stays None)."""
     n, blocks = unit.world_size, list[torch.Tensor | None]()
     for p, grad in zip(unit.params, grads):
         if grad is None:
@@ -62,8 +53,7 @@ def grad_blocks(unit: Unit, grads: list[torch.Tensor | None]) -> list[torch.Tens
 
 @dataclass(eq=False)
 class PendingReduce:
-    """A Reduce-Scatter (then, with shard groups, an All-Reduce) in flight. `full` is kept until
-    the wait: the collective reads it on its stream. The gradients are not (Note: gradient copy-in)."""
+    """A reduction in flight; `full` is kept until the wait (Note: gradient copy-in)."""
 
     unit: Unit
     work: Any  # None: nothing to wait for (one rank)
@@ -76,7 +66,7 @@ class PendingReduce:
 
 
 class GradSink(Protocol):
-    """Where reduced shard gradients go instead of `.grad` (offload.py's `HostOffload`)."""
+    """Where reduced shard gradients go instead of `.grad` (offload.py)."""
 
     def download(self, unit: Unit, grads: list[torch.Tensor | None]) -> None: ...
     def settle(self) -> None: ...
@@ -88,15 +78,13 @@ class Reductions:
 
     def __init__(self, *, in_flight: int, offload: GradSink | None = None) -> None:
         self.in_flight = in_flight
-        # Host offload: reduced shard gradients go to host memory (offload.py, Note: host offload).
         self.offload = offload
         self._pending: deque[PendingReduce] = deque()
         # Reductions whose All-Reduce across shard groups is not issued yet, oldest first.
         self._awaiting_replication: list[PendingReduce] = []
 
     def start(self, unit: Unit, grads: list[torch.Tensor | None] | Summed) -> None:
-        """Start reducing `unit`'s full gradients (None for frozen parameters), or their sum
-        over backwards with sync off; wait for the oldest ones while more than `in_flight` are pending."""
+        """Start reducing `unit`'s full gradients (None: frozen) or their sum with sync off."""
         with torch.profiler.record_function(f"ZeRO3::reduce_grads({unit.name})"):
             if not isinstance(grads, Summed):
                 grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
@@ -105,22 +93,19 @@ class Reductions:
                 self._finish_oldest()
 
     def finish_all(self) -> None:
-        """The backward is over: every shard gradient goes into `.grad`."""
         while self._pending:
             self._finish_oldest()
         if self.offload is not None:
             self.offload.settle()
 
     def drop_all(self) -> None:
-        """A backward that raised (hooks.py, Note: exceptions): the collectives complete, their
-        gradients are dropped."""
+        """A backward raised (hooks.py, Note: exceptions): complete the collectives, drop their gradients."""
         while self._pending:
             self._finish(self._pending.popleft())
         if self.offload is not None:
             self.offload.drop()
 
     def _finish_oldest(self) -> None:
-        """Wait for the oldest Reduce-Scatter and add its shard gradients into `.grad`."""
         pending = self._pending.popleft()
         with torch.profiler.record_function(f"ZeRO3::wait_reduce({pending.unit.name})"):
             shard_grads = self._finish(pending)
@@ -136,9 +121,6 @@ class Reductions:
                 sharded.param.grad.add_(grad)
 
     def _start(self, unit: Unit, grads: list[torch.Tensor | None] | Summed) -> PendingReduce:
-        """Issue the Reduce-Scatter of `unit`'s full gradients asynchronously (None: no gradient,
-        sent as zeros). With shard groups, the All-Reduce across groups follows without waiting
-        on the host (comm.py, Note: streams)."""
         device = unit.device
         n, width, s = unit.world_size, unit.reduce_row_numel, unit.shard_numel
         self._advance()  # older reductions' All-Reduces go out first, in order
@@ -149,7 +131,7 @@ class Reductions:
             if isinstance(grads, Summed):
                 full[:, :s].copy_(grads.total)  # casts to reduce_dtype
             else:  # one copy: each gradient as its (N, shard) column block
-                zero = full.new_zeros(())  # a parameter without a gradient (frozen): zeros, not allocated per parameter
+                zero = full.new_zeros(())  # no gradient (frozen): zeros, not allocated per parameter
                 blocks = [zero.expand(n, p.shard_numel) if b is None else b
                           for p, b in zip(unit.params, grad_blocks(unit, grads))]  # fmt: skip
                 torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
@@ -166,8 +148,7 @@ class Reductions:
         return pending
 
     def _advance(self, until: PendingReduce | None = None) -> None:
-        """Issue the All-Reduce across shard groups of every reduction still waiting for it
-        (all of them, or those up to `until`), in the order the reductions started."""
+        """Issue the All-Reduces across shard groups still waiting (up to `until`), in order."""
         if until is not None and all(p is not until for p in self._awaiting_replication):
             return
         while self._awaiting_replication:
@@ -177,8 +158,8 @@ class Reductions:
                 return
 
     def _finish(self, pending: PendingReduce) -> list[torch.Tensor | None]:
-        """Wait for the reduction's collectives; this rank's averaged shard gradients in the
-        shard dtype (views of one flat buffer), None where no gradient was given."""
+        """Wait for the reduction; this rank's averaged shard gradients in the shard dtype (views
+        of one buffer), None where no gradient was given."""
         unit = pending.unit
         n = unit.world_size
         if unit.replicate is not None:
@@ -188,7 +169,6 @@ class Reductions:
         else:
             _wait_scatter(pending)
             unit.comm.streams(pending.out.device).wait_for(pending.done)
-        # The current stream has waited for every use of `full`.
         unit.pool.give("reduce", pending.full.view(-1))
         present = pending.present
         out = pending.out[: unit.shard_numel]
@@ -199,8 +179,7 @@ class Reductions:
 
 
 def _wait(pending: PendingReduce, collective: str, stream: str | None) -> None:
-    """Wait for `pending`'s collective in flight (on `stream`, None: the current one) and hand
-    the check column it brought to the rank checks."""
+    """Wait for `pending`'s collective (on `stream`, None: the current one); record its check column."""
     unit = pending.unit
     streams = unit.comm.streams(pending.out.device)
     what = f"gradients of unit '{unit.name}'" + (" across shard groups" if collective == "All-Reduce" else "")
@@ -219,16 +198,15 @@ def _wait(pending: PendingReduce, collective: str, stream: str | None) -> None:
 
 
 def _wait_scatter(pending: PendingReduce) -> None:
-    """Wait for the Reduce-Scatter itself, once. With shard groups on the "replicate" stream, so
-    the reduce stream goes on to the next unit's Reduce-Scatter without waiting for this one."""
+    """Wait for the Reduce-Scatter, once; with shard groups on the "replicate" stream, so the
+    reduce stream goes on to the next unit."""
     if not pending.scattered:
         pending.scattered = True
         _wait(pending, "Reduce-Scatter", "replicate" if pending.unit.replicate is not None else None)
 
 
 def _replicate(pending: PendingReduce) -> None:
-    """With shard groups: once the Reduce-Scatter is done, All-Reduce this rank's piece with
-    the same piece in the other groups, asynchronously."""
+    """With shard groups: All-Reduce this rank's piece with the other groups', after the scatter."""
     unit = pending.unit
     assert unit.replicate is not None
     _wait_scatter(pending)

@@ -1,19 +1,14 @@
 """`ShardedParam`: one parameter's sharded bookkeeping.
 
 [Note: shard layout]
-A parameter of `numel` elements is flattened and cut into `world_size` contiguous pieces of
-`shard_numel = ceil(numel / world_size)` elements; the last pieces are padded with zeros. Rank r
-keeps elements [r * shard_numel, (r + 1) * shard_numel) as a 1-D `nn.Parameter`, registered on
-the module under the original name, so optimizers, param groups and `state_dict()` see shards.
-The padding stays zero: its gradient is zero, and every optimizer we know keeps a zero with
-a zero gradient at zero (weight decay of zero is zero).
+A parameter is flattened and cut into N pieces of `shard_numel = ceil(numel / N)`, the last
+padded with zeros; rank r keeps piece r as a 1-D `nn.Parameter` under the original name. The
+padding stays zero: a zero with a zero gradient stays zero under element-wise optimizers.
 
 [Note: shards in one buffer]
-The shards of one unit live back to back in one buffer, in the order of the unit's gather row
-(unit.py, Note: flat layout), allocated before any full tensor (materialize.py, Note: shards
-before full tensors). Each shard is still a tensor of its own on the shared storage (`set_`,
-not a slice): its own version counter, so writing one shard does not make the others look
-changed, and optimizers, `state_dict()` and checkpoints see separate 1-D Parameters.
+One unit's shards live back to back in one buffer, in gather-row order, allocated before any
+full tensor (materialize.py). Each is a tensor of its own on it (`set_`, not a slice), with its
+own version counter, so writing one shard does not make the others look changed.
 """
 
 from __future__ import annotations
@@ -26,15 +21,13 @@ from torch import nn
 
 
 def shard_numel(numel: int, world_size: int) -> int:
-    """Elements each rank keeps of a parameter of `numel` elements."""
     return math.ceil(numel / world_size)
 
 
 def tensors_in_one_row(
     numels: list[int], row_numel: int, dtype: torch.dtype, device: torch.device, *, pin: bool = False
 ) -> list[torch.Tensor]:
-    """Tensors of `numels` elements, back to back from the start of one new buffer of `row_numel`
-    elements (Note: shards in one buffer), in pinned host memory with `pin`; contents undefined."""
+    """Tensors of `numels` elements back to back in one new buffer (Note: shards in one buffer)."""
     storage = torch.empty(row_numel, dtype=dtype, device=device, pin_memory=pin).untyped_storage()
     tensors, offset = [], 0
     for numel in numels:
@@ -44,7 +37,7 @@ def tensors_in_one_row(
 
 
 def shard_slice(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's padded 1-D piece of `full` (a new tensor; `full` is not kept)."""
+    """This rank's padded 1-D piece of `full` (a new tensor)."""
     flat = full.detach().reshape(-1)
     size = shard_numel(flat.numel(), world_size)
     piece = torch.zeros(size, dtype=flat.dtype, device=flat.device)
@@ -58,13 +51,10 @@ def shard_slice(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 class ShardedParam:
     """One parameter that is kept as a shard and gathered whole for compute."""
 
-    # Every (module, attribute) that holds this parameter: more than one for tied weights.
-    owners: list[tuple[nn.Module, str]]
-    # Fully qualified names under the root module, in the same order as `owners`.
-    names: list[str]
+    owners: list[tuple[nn.Module, str]]  # every (module, attribute) holding it (tied weights)
+    names: list[str]  # qualified names under the root
     full_shape: torch.Size
-    # The registered 1-D shard; what the optimizer steps on.
-    param: nn.Parameter
+    param: nn.Parameter  # the registered 1-D shard
     world_size: int
     rank: int
     numel: int = field(init=False)
@@ -83,17 +73,16 @@ class ShardedParam:
         return self.param.requires_grad
 
     def valid_numel(self, rank: int | None = None) -> int:
-        """Elements of rank `rank`'s shard that are real data rather than padding."""
+        """Elements of rank `rank`'s shard that are not padding."""
         r = self.rank if rank is None else rank
         return max(0, min(self.shard_numel, self.numel - r * self.shard_numel))
 
     def is_shard_shaped(self, value: object) -> bool:
-        """Whether `value` is a tensor laid out like this parameter's shard (1-D, `shard_numel`
-        elements): optimizer state kept per element, as Adam's moments are."""
+        """Whether `value` is laid out like the shard (per-element optimizer state)."""
         return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == self.shard_numel
 
     def load_full(self, full: torch.Tensor) -> None:
-        """Overwrite this rank's shard from a full tensor (same on every rank)."""
+        """Overwrite this rank's shard from a full tensor."""
         if full.numel() != self.numel:
             raise ValueError(
                 f"Parameter '{self.name}' has shape {tuple(self.full_shape)} but the tensor given has "

@@ -12,10 +12,8 @@ from lightning_zero3.engine.shard import ShardedParam, shard_slice
 
 
 def gather_shard_tensor(model: ShardedModel, sharded: ShardedParam, shard: torch.Tensor) -> torch.Tensor:
-    """The whole tensor behind per-rank `shard`s laid out like `sharded` (one All-Gather), on the
-    group's device wherever `shard` is: after `fit`, Lightning's teardown has moved optimizer
-    state to the host, which NCCL cannot send (comm.py, Note: collective device). The shard is
-    copied into its row of the output, one tensor at a time."""
+    """The whole tensor behind per-rank `shard`s laid out like `sharded`, gathered on the group's
+    device wherever `shard` is (comm.py, Note: collective device)."""
     n = model.comm.world_size
     device = model.comm.device or shard.device
     gathered = torch.empty(n * sharded.shard_numel, dtype=shard.dtype, device=device)
@@ -25,17 +23,13 @@ def gather_shard_tensor(model: ShardedModel, sharded: ShardedParam, shard: torch
     return gathered[: sharded.numel].view(sharded.full_shape)
 
 
-def _params_in_state_dict_order(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer, *, to_rank: int | None = 0) -> dict:
-    """`optimizer.state_dict()` with every shard-shaped state tensor gathered to the full
-    parameter shape. Every rank must call it; with `to_rank`, only that rank gets the result."""
+    """`optimizer.state_dict()` with shard-shaped state gathered whole. Collective; with
+    `to_rank`, only that rank gets the result."""
     keep = to_rank is None or model.global_rank == to_rank
     packed = optimizer.state_dict()
     state: dict[int, Any] = {}
-    for index, param in enumerate(_params_in_state_dict_order(optimizer)):
+    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         entry = packed["state"].get(index)
         sharded = model.sharded_param(param)
         if entry is None:
@@ -51,10 +45,9 @@ def full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer, 
 
 
 def load_full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer, full_state: dict) -> None:
-    """Load a state dict written by `full_optimizer_state` (at any world size): each rank keeps
-    its slice of every full-shaped state tensor."""
+    """Load `full_optimizer_state`'s dict (any world size): each rank keeps its slices."""
     state: dict[int, Any] = {}
-    for index, param in enumerate(_params_in_state_dict_order(optimizer)):
+    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         entry = full_state["state"].get(index, full_state["state"].get(str(index)))
         if entry is None:
             continue

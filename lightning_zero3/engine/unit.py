@@ -1,42 +1,26 @@
-"""`Unit`: the parameters gathered by one collective, and what is done to them: gather
-(All-Gather shards -> full tensors), release, and the pending gather it owns. Reducing its
-gradients is reduce.py's.
+"""`Unit`: the parameters gathered by one collective: gather, release, its pending gather.
+Reducing its gradients is reduce.py's.
 
 [Note: flat layout]
-Each rank sends one flat row: its shards of the unit's parameters back to back (shard i at
-offset o_i, `shard_numel_i` long, S in all), then the check slot (checks.py, Note: check slot),
-then zeros up to a multiple of 16 bytes (`row_numel`): NCCL's collectives are fastest when each
-rank's chunk starts 16-byte aligned. The gathered buffer is (world_size, row), rank-major;
-parameter i's full flat data is column block [o_i, o_i + shard_numel_i) read row by row, cut to
-`numel_i`. The Reduce-Scatter input is (world_size, reduce row) with the same column layout and
-one check column at S (then alignment zeros), so each rank receives exactly the summed gradient
-of its own shards. This rank's row of the receive buffer is its send buffer: the shards are
-copied (cast to `param_dtype`) into it, and the collective runs in place. A slice kept after
-forward (reshard.py) is the same with N/G shards per parameter: member j of a group of G holds
-ranks jN/G .. (j+1)N/G - 1's shards of parameter i back to back at (N/G) o_i, and the group's
-(G, row) gather puts them in place by the same rule.
+Each rank sends one row: its shards of the unit's parameters back to back (shard i at offset o_i,
+S elements in all), the check slot (checks.py), zeros up to a multiple of 16 bytes (NCCL is
+fastest with aligned chunks). The gathered (N, row) buffer holds parameter i's full data in
+column block [o_i, o_i + shard_numel_i), row by row. The Reduce-Scatter input is (N, reduce row)
+with the same columns and one check column at S. This rank's row of the receive buffer is its
+send buffer. A slice kept after forward (reshard.py) is the same with N/G shards per parameter:
+member j of a group of G holds ranks jN/G .. (j+1)N/G - 1's shards back to back at (N/G) o_i.
 
 [Note: dtypes]
-Shards (the optimizer's master copy) keep the model's dtype. Gathers run in `param_dtype`
-(e.g. bf16: half the bytes of fp32), so the full parameters and the compute are in it.
-Gradients arrive in `param_dtype` and are reduced in `reduce_dtype` (default: fp32, or the
-shard dtype when wider), then cast to the shard dtype.
+Shards (the optimizer's master copy) keep the model's dtype; gathers and compute use
+`param_dtype`; reductions `reduce_dtype` (default fp32, or the shard dtype when wider).
 
 [Note: full-parameter blocks]
-The full parameters of one gather are views of one block of `world_size * S` elements taken
-from the `BufferPool`, parameter i at offset `world_size * o_i` (its padded full data), so one
-`split_with_sizes_copy` per rank moves that rank's row into place. Autograd keeps those tensors
-(or views of them) from forward to backward, so `release` cannot drop them: it empties their
-storage by moving the block's memory out of it into the pool, and the backward's re-gather moves
-a pooled block back in (`UntypedStorage._swap_data_ptr_`: private, not in torch's stubs; tried on
-torch 2.13). One path on every device. Measured against FSDP2's public alternative,
-`untyped_storage().resize_(0)` / `resize_(n)` (`python benchmarks/storage_paths.py --size 20m
---rounds 3`, 2 ranks, docs/performance.md): resize_ costs 1.3-4.2% more CPU time and 6x the
-page faults (62k vs 10k per step); at 5m no difference. The pool's few blocks are reused step
-after step, and on CUDA a block returns to the pool with an event on the stream that last used
-it, which its next taker waits for (buffers.py), where a freed storage would go back to the
-caching allocator unordered with the side streams. The storage moves run inside the hooks,
-never inside a compiled graph (calls.py, Note: torch.compile).
+One gather's full parameters are views of one pooled block of N * S elements, parameter i at
+N * o_i, filled by one `split_with_sizes_copy`. Autograd keeps them from forward to backward, so
+`release` moves the block's memory out of their storage into the pool, and the re-gather moves a
+pooled block back in (`UntypedStorage._swap_data_ptr_`, private; tried on torch 2.13). FSDP2's
+`resize_(0)` / `resize_(n)` cost 1.3-4.2% more CPU and 6x the page faults (benchmarks/storage_paths.py),
+and a pooled block carries its last stream's event (buffers.py), a freed storage none.
 """
 
 from __future__ import annotations
@@ -55,18 +39,17 @@ from lightning_zero3.engine.shard import ShardedParam
 
 __all__ = ["ALIGN_BYTES", "Unit", "aligned_numel"]
 
-# Each rank's chunk of a collective starts at a multiple of this many bytes (NCCL alignment).
-ALIGN_BYTES = 16
+ALIGN_BYTES = 16  # Note: flat layout
 
 
 def aligned_numel(numel: int, dtype: torch.dtype) -> int:
-    """`numel` rounded up so that `numel` elements of `dtype` fill a multiple of ALIGN_BYTES."""
+    """`numel` rounded up to fill a multiple of ALIGN_BYTES."""
     per = max(1, ALIGN_BYTES // dtype.itemsize)
     return -(-numel // per) * per
 
 
 class ShardSource(Protocol):
-    """Where a unit's gathers read its shards when they live off the compute device (offload.py)."""
+    """Where gathers read shards that live off the compute device (offload.py)."""
 
     device: torch.device
 
@@ -75,8 +58,7 @@ class ShardSource(Protocol):
 
 @dataclass
 class _PendingGather:
-    """An All-Gather in flight, or finished but not read. The buffer goes back to the pool only
-    after the wait: the collective uses it on its own stream after `start_gather` returns."""
+    """An All-Gather in flight, or finished but not read; `recv` goes back to the pool after the wait."""
 
     work: Any
     recv: torch.Tensor
@@ -92,21 +74,10 @@ class Unit:
     """The parameters of one module subtree that are gathered and reduced together."""
 
     def __init__(
-        self,
-        *,
-        uid: int,
-        name: str,
-        module: nn.Module,
-        params: list[ShardedParam],
-        comm: Comm,
-        checks: RankChecks,
-        replicate: Comm | None = None,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        pool: BufferPool | None = None,
-        record: StepRecord | None = None,
-        slice_comm: Comm | None = None,
-    ) -> None:
+        self, *, uid: int, name: str, module: nn.Module, params: list[ShardedParam], comm: Comm, checks: RankChecks,
+        replicate: Comm | None, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, pool: BufferPool,
+        record: StepRecord, slice_comm: Comm | None,
+    ) -> None:  # fmt: skip
         dtypes = {p.param.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(
@@ -119,35 +90,27 @@ class Unit:
         self.module = module
         self.params = params
         self.comm = comm
-        # Stamps and reads the check slots of its collectives (checks.py).
-        self.checks = checks
-        # Send, receive and reduction buffers come from here and go back after each use.
-        self.pool = pool or BufferPool()
-        # Hierarchical sharding: the ranks holding the same shards in the other shard groups.
-        self.replicate = replicate
-        # Counts the All-Gathers it issues (record.py).
-        self.record = record or StepRecord()
+        self.checks = checks  # stamps and reads the check slots (checks.py)
+        self.pool = pool
+        self.replicate = replicate  # hierarchical sharding: the same shards in the other groups
+        self.record = record
         shard_dtype = params[0].param.dtype if params else torch.float32
         self.shard_dtype = shard_dtype
         self.param_dtype = param_dtype or shard_dtype
-        wide = shard_dtype if shard_dtype.itemsize >= 4 else torch.float32
-        self.reduce_dtype = reduce_dtype or wide
+        self.reduce_dtype = reduce_dtype or (shard_dtype if shard_dtype.itemsize >= 4 else torch.float32)
         self.offsets: list[int] = []
         total = 0
         for p in params:
             self.offsets.append(total)
             total += p.shard_numel
-        # Elements each rank contributes, without the check slot.
-        self.shard_numel = total
-        # Elements of each rank's Reduce-Scatter row: shards, check column, alignment.
+        self.shard_numel = total  # S (Note: flat layout)
         self.reduce_row_numel = aligned_numel(total + 1, self.reduce_dtype)
         self._pending: _PendingGather | None = None
-        # reshard_after_forward=G: the group of G ranks and this rank's 1/G slice of the full
-        # parameters kept after forward, with the shard versions it was cut at (reshard.py).
+        # reshard_after_forward=G: the group of G and the slice kept after forward, with the shard
+        # versions it was cut at (reshard.py).
         self.slice_comm = slice_comm
         self._slice: tuple[torch.Tensor, tuple[int, ...]] | None = None
-        # Host offload: the shards live in host memory and gathers read its device copy (offload.py).
-        self.offload: ShardSource | None = None
+        self.offload: ShardSource | None = None  # offload.py
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
@@ -157,8 +120,7 @@ class Unit:
         return self.comm.world_size
 
     @property
-    def device(self) -> torch.device:
-        """Where the unit gathers, computes and reduces (the shards' device unless offloaded)."""
+    def device(self) -> torch.device:  # the compute device
         return self.offload.device if self.offload is not None else self.params[0].param.device
 
     @property
@@ -167,27 +129,25 @@ class Unit:
 
     @property
     def numel(self) -> int:
-        """Full (unpadded) elements of all parameters of the unit."""
         return sum(p.numel for p in self.params)
 
     @property
-    def block_numel(self) -> int:
-        """Elements of a full-parameter block: the padded full parameters (Note: full-parameter blocks)."""
+    def block_numel(self) -> int:  # Note: full-parameter blocks
         return self.world_size * self.shard_numel
 
     def row_numel(self, dtype: torch.dtype | None = None, *, per: int = 1) -> int:
-        """Elements each rank sends in an All-Gather in `dtype` (default `param_dtype`) when it
-        holds `per` shards of each parameter (a slice of a group of G holds N/G)."""
+        """An All-Gather row in `dtype` (default `param_dtype`) holding `per` shards of each
+        parameter (a slice of a group of G holds N/G)."""
         dtype = dtype or self.param_dtype
         return aligned_numel(per * self.shard_numel + tag_numel(dtype), dtype)
 
-    def _versions(self) -> tuple[int, ...]:
+    def versions(self) -> tuple[int, ...]:
         return tuple(p.param._version for p in self.params)
 
     # ---- gather ---------------------------------------------------------------------------
     def start_gather(self, dtype: torch.dtype | None = None, *, tag: int | None = None) -> None:
-        """Issue the All-Gather asynchronously (prefetch), in `dtype` (default `param_dtype`).
-        No-op if one is already pending. `tag` replaces the unit's own (a departure notice)."""
+        """Issue the All-Gather, in `dtype` (default `param_dtype`), unless one is pending. `tag`
+        replaces the unit's own (a departure notice)."""
         if self._pending is not None or not self.params:
             return
         exact = dtype is not None  # a caller's dtype asks for the shards' own values (offload.py)
@@ -195,7 +155,7 @@ class Unit:
         tag = self.checks.tag(self.uid) if tag is None else tag
         device = self.device
         kept = self._slice
-        if kept is not None and (kept[0].dtype != dtype or kept[1] != self._versions()):
+        if kept is not None and (kept[0].dtype != dtype or kept[1] != self.versions()):
             self.drop_slice()  # stale (an optimizer step since) or another dtype asked for
             kept = None
         comm = self.comm if kept is None else self.slice_comm
@@ -224,8 +184,7 @@ class Unit:
             self.checks.in_flight[self.uid] = self._settle_if_arrived
 
     def _settle_if_arrived(self) -> None:
-        """A collective failed elsewhere: if this unit's gather in flight has completed, record
-        the tags it brought; never wait for it (checks.py, Note: deferred tag checks)."""
+        """checks.py, Note: deferred tag checks: record the tags of a completed gather, never wait."""
         if self._pending is None or not self.comm.completed(self._pending.work):
             return
         try:
@@ -237,12 +196,11 @@ class Unit:
         self.pool.give("gather", gathered.view(-1))
 
     def discard_gather(self) -> None:
-        """Drop a prefetch that the step did not use (the collective still completes)."""
+        """Drop an unused prefetch (the collective still completes)."""
         if self._pending is not None:
             self.pool.give("gather", self._wait_gather().view(-1))
 
     def _finish_gather(self) -> tuple[torch.Tensor, _PendingGather]:
-        """Wait for the pending All-Gather; the (N, row) buffer and what was pending."""
         pending = self._pending
         assert pending is not None
         self._pending = None
@@ -257,21 +215,18 @@ class Unit:
         return pending.recv.view(comm.world_size, -1), pending
 
     @staticmethod
-    def _slots(gathered: torch.Tensor, pending: _PendingGather) -> torch.Tensor:
-        """The check slots of a gathered (rows, row) buffer (checks.py, Note: check slot)."""
+    def _slots(gathered: torch.Tensor, pending: _PendingGather) -> torch.Tensor:  # Note: check slot
         return gathered[:, pending.data : pending.data + tag_numel(gathered.dtype)]
 
     def _wait_gather(self) -> torch.Tensor:
-        """Wait for the pending All-Gather and hand its check slots to the rank checks; the
-        (N, row) buffer (give it back to the pool when done with it)."""
+        """The (N, row) buffer of the pending All-Gather (give it back to the pool), its tags recorded."""
         gathered, pending = self._finish_gather()
         if pending.stamped:
             self.checks.read_gather(self.name, self._slots(gathered, pending), pending.tag)
         return gathered
 
     def announce(self, tag: int) -> list[int]:
-        """Join this unit's All-Gather (what the ranks that follow the recorded order issue
-        next) carrying `tag` instead of the unit's; return every rank's tag, read at once."""
+        """Join this unit's All-Gather carrying `tag` (departure.py); every rank's tag, read at once."""
         self.start_gather(tag=tag)
         gathered, pending = self._finish_gather()
         tags = read_tags(self._slots(gathered, pending)).tolist()  # a sync, only when leaving the record
@@ -279,10 +234,9 @@ class Unit:
         return tags
 
     def gather(self, into: list[torch.Tensor] | None = None, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """Full parameters of the unit, in `dtype` (default `param_dtype`; pass `shard_dtype`
-        for the exact master values). With `into` (full tensors that `release` emptied), refill
-        those tensors' storage in place instead of allocating new tensors, without bumping their
-        version (Note: full-parameter blocks)."""
+        """Full parameters in `dtype` (default `param_dtype`; `shard_dtype` for the exact master
+        values). With `into` (tensors `release` emptied), refill their storage without bumping
+        their version (Note: full-parameter blocks)."""
         asked, dtype = dtype, dtype or self.param_dtype
         if self._pending is not None and self._pending.dtype != dtype:
             self.discard_gather()
@@ -296,18 +250,12 @@ class Unit:
             storage = into[0].untyped_storage()
             if storage.size() == 0:
                 refill = self.pool.take("block", self.block_numel, into[0].dtype, storage.device)
-                # the block's memory moves into `storage` (private, not in the stubs: Note: full-parameter blocks)
-                storage._swap_data_ptr_(refill.untyped_storage())  # type: ignore[attr-defined]
-            # A fresh tensor on the same storage: writing through it leaves autograd's version
-            # counters of `into` alone.
-            empty = torch.empty(0, dtype=into[0].dtype, device=into[0].device)
-            block = empty.set_(storage, 0, (self.block_numel,), (1,))
+                storage._swap_data_ptr_(refill.untyped_storage())  # type: ignore[attr-defined]  # private: Note
+            block = self._block(storage, into[0])
             fulls = list(into)
         per = n // gathered.shape[0]  # shards of each parameter per row: 1, or N/G from slices
         sizes = [per * p.shard_numel for p in self.params]
-        with torch.no_grad():
-            # One copy for all rows: column block i of the (rows, per * shard_numel) rows is
-            # parameter i's padded full data, row r's shards at n * o_i + r * size_i.
+        with torch.no_grad():  # one copy: row r's shards of parameter i go to n * o_i + r * size_i
             rows = gathered.shape[0]
             out = [block[n * o : n * o + rows * s].view(rows, s) for o, s in zip(self.offsets, sizes)]
             torch.split_with_sizes_copy(gathered[:, : per * self.shard_numel], sizes, dim=1, out=out)
@@ -315,9 +263,7 @@ class Unit:
         return fulls
 
     def gather_into(self, outputs: list[torch.Tensor], *, dtype: torch.dtype | None = None) -> None:
-        """Gather the unit and copy each parameter's full value into `outputs` (tensors of the
-        full shapes, on any device, e.g. host memory): for callers that keep whole parameters
-        beyond the unit's life. The gathered block goes back to the pool."""
+        """Gather into `outputs` (full shapes, any device); the block goes back to the pool."""
         fulls = self.gather(dtype=dtype)
         with torch.no_grad():
             for out, full in zip(outputs, fulls):
@@ -325,30 +271,30 @@ class Unit:
         self.release(fulls)
 
     def release(self, fulls: list[torch.Tensor]) -> None:
-        """Empty the storage of full parameters from `gather` while keeping the tensor objects,
-        which autograd may have saved; `gather(into=fulls)` refills it. The memory goes back to
-        the pool (Note: full-parameter blocks)."""
+        """Empty the storage of `gather`'s tensors, keeping the objects autograd may have saved;
+        the memory goes to the pool (Note: full-parameter blocks)."""
         if not fulls:
             return
         storage = fulls[0].untyped_storage()  # all full parameters of a gather share it
         if storage.size() == 0:
             return
-        holder = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device)
-        # `storage` is left empty; private API, not in torch's stubs (Note: full-parameter blocks)
-        holder.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]
-        self.pool.give("block", holder.set_(holder.untyped_storage(), 0, (self.block_numel,), (1,)))
+        holder = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device).untyped_storage()
+        holder._swap_data_ptr_(storage)  # type: ignore[attr-defined]  # `storage` is left empty
+        self.pool.give("block", self._block(holder, fulls[0]))
+
+    def _block(self, storage: Any, like: torch.Tensor) -> torch.Tensor:
+        """A new 1-D tensor over `storage`: writes through it leave the version counters of the
+        tensors already on it alone."""
+        return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, 0, (self.block_numel,), (1,))
 
     # ---- the slice kept after forward (reshard.py) ----------------------------------------
     def keep_slice(self, fulls: list[torch.Tensor]) -> None:
-        """Copy this rank's 1/G slice out of the full parameters `fulls` (from `gather`): the
-        shards of ranks j*N/G .. (j+1)*N/G - 1 of each parameter, j this rank's place in its
-        group of G, laid out as the rows of a gather inside that group (reshard.py)."""
+        """Copy this rank's 1/G slice out of `gather`'s `fulls` (Note: flat layout)."""
         comm = self.slice_comm
         assert comm is not None and fulls
         self.drop_slice()
         n, per, j = self.world_size, self.world_size // comm.world_size, comm.rank
-        empty = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device)
-        block = empty.set_(fulls[0].untyped_storage(), 0, (self.block_numel,), (1,))
+        block = self._block(fulls[0].untyped_storage(), fulls[0])
         spans = [(n * o + j * per * p.shard_numel, per * p.shard_numel) for p, o in zip(self.params, self.offsets)]
         streams = comm.streams(block.device)
         with streams.on("copy_in"), torch.no_grad():
@@ -356,11 +302,10 @@ class Unit:
             torch.cat([block[start : start + size] for start, size in spans], out=kept)
             copied = streams.event()
         streams.wait_for(copied)  # the block goes back to the pool next, on the compute stream
-        self._slice = (kept, self._versions())
+        self._slice = (kept, self.versions())
         self.record.add("kept_slice", self.uid)
 
     def drop_slice(self) -> None:
-        """Give the kept slice back to the pool, if any."""
         if self._slice is not None and self.slice_comm is not None:
             with self.slice_comm.streams(self._slice[0].device).on("copy_in"):
                 self.pool.give("slice", self._slice[0])
