@@ -1,4 +1,4 @@
-"""Unit tags (unit.py, Note: flat layout and unit tag; tags.py): exact in every dtype and at any
+"""Unit tags (unit.py, Note: flat layout; checks.py): exact in every dtype and at any
 world size, and a rank that leaves the recorded order alone ends, like every other rank, with an
 `OrderMismatchError` naming the unit, even when the units differ in size."""
 
