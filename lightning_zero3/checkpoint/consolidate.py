@@ -33,9 +33,8 @@ from lightning_zero3.checkpoint.format import (
     ShardedCheckpoint,
     dtype_of,
     in_saved_order,
+    numbered_optimizer_state,
     open_sharded,
-    param_numbers,
-    with_params,
 )
 from lightning_zero3.checkpoint.remote import RemotePath, as_path, staged
 from lightning_zero3.checkpoint.streaming import (
@@ -108,22 +107,6 @@ def _state_dict(
     return out
 
 
-def _optimizer_states(ckpt: ShardedCheckpoint, reader: CheckpointReader, objects: list[dict[str, Any]]) -> list[dict]:
-    """Each optimizer's `state_dict()` as torch writes it: parameters numbered in param_groups
-    order, state tensors whole."""
-    states = []
-    for index, (meta, objs) in enumerate(zip(ckpt.meta["optimizers"], objects)):
-        order = param_numbers(group["params"] for group in objs["param_groups"])
-        state: dict[int, dict[str, Any]] = {}
-        for name in sorted(set(meta["state"]) | set(objs["state"]), key=lambda n: order[n]):
-            entry = state[order[name]] = dict(objs["state"].get(name, {}))
-            for k, info in meta["state"].get(name, {}).items():
-                entry[k] = _deferred(reader, f"optimizer_states/{index}/{name}/{k}", info)
-        numbers = ([order[n] for n in group["params"]] for group in objs["param_groups"])
-        states.append({"state": state, "param_groups": with_params(objs["param_groups"], numbers)})
-    return states
-
-
 def deferred_checkpoint(
     ckpt: ShardedCheckpoint, *, weights_only: bool = False, cast: torch.dtype | None = None
 ) -> dict[str, Any]:
@@ -131,7 +114,7 @@ def deferred_checkpoint(
     tensor a `Deferred` that reads it whole from the shards when materialized (tied weights:
     one `Deferred` under every name). `weights_only` leaves out optimizer states, LR schedulers
     and callback states; `cast` casts the floating-point tensors of the state dict."""
-    trainer_state = ckpt.trainer_state()
+    trainer_state = ckpt.trainer_state
     reader = ckpt.reader()  # its index read once, not once per tensor
     state_dict = _state_dict(ckpt, reader, trainer_state["state_dict"], cast)
     extra = dict(trainer_state["extra"])
@@ -140,7 +123,14 @@ def deferred_checkpoint(
         for key in ("lr_schedulers", "callbacks"):
             extra.pop(key, None)
     elif ckpt.meta["optimizers"] is not None:
-        optimizer_states = _optimizer_states(ckpt, reader, trainer_state["optimizers"])
+        optimizer_states = []
+        for i, (meta, saved) in enumerate(zip(ckpt.meta["optimizers"], trainer_state["optimizers"])):
+
+            def tensor(name: str, k: str, info: dict[str, Any], i: int = i) -> Deferred:
+                return _deferred(reader, f"optimizer_states/{i}/{name}/{k}", info)
+
+            groups = [g["params"] for g in saved["param_groups"]]
+            optimizer_states.append(numbered_optimizer_state(meta, saved, groups, tensor))
     return in_saved_order({**trainer_state, "extra": extra}, state_dict, optimizer_states)
 
 
@@ -173,7 +163,7 @@ def consolidate_checkpoint(
     output = deferred_checkpoint(ckpt, weights_only=weights_only or safetensors, cast=cast)
     if safetensors:
         tensors = {k: v for k, v in output["state_dict"].items() if isinstance(v, Deferred)}
-        extra = ckpt.trainer_state()["extra"]
+        extra = ckpt.trainer_state["extra"]
         meta = {"format": "pt", "source": str(src),
                 **{k: str(extra[k]) for k in ("epoch", "global_step") if k in extra}}  # fmt: skip
         unique = list(tensors.values())

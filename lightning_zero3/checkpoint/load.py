@@ -18,11 +18,10 @@ from lightning_zero3.checkpoint.format import (
     describe_mismatch,
     dtype_of,
     model_tensors,
+    numbered_optimizer_state,
     open_sharded,
     optimizer_param_names,
-    param_numbers,
     sharded_by_name,
-    with_params,
 )
 from lightning_zero3.checkpoint.remote import RemotePath
 from lightning_zero3.engine.model import ShardedModel
@@ -38,7 +37,7 @@ def open_checked(
     trusted: bool,
     verify: bool = True,
 ) -> ShardedCheckpoint:
-    """Open the sharded checkpoint `path` and check it fits `model`; every rank raises if any rank found a problem."""
+    """`open_sharded`, checked to fit `model`; every rank raises if any rank found a problem."""
     ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
     problem, error = error_of(lambda: check_loadable(ckpt, model, strict=strict))
     agree(model.world_comm, error or problem, context=context)
@@ -46,15 +45,13 @@ def open_checked(
 
 
 def check_loadable(ckpt: ShardedCheckpoint, model: ShardedModel, *, strict: bool) -> str | None:
-    """Why `ckpt` cannot load into `model` (names or shapes), or None."""
     return describe_mismatch(ckpt.path, ckpt.tensors(), model_tensors(model), strict=strict)
 
 
 def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
-    """Load the module's state dict from `ckpt` in place, at this run's world size: each rank
-    reads only the chunks that overlap its new shards. Collective: check first (`open_sharded`,
-    `check_loadable`) so that every rank gets here. Tensors of the model that the checkpoint
-    lacks (allowed by strict=False) keep their values."""
+    """Load the module's state dict from `ckpt` in place (collective: after `open_checked`); each
+    rank reads only the chunks that overlap its new shards. Tensors the checkpoint lacks (allowed
+    by strict=False) keep their values."""
     loads = _Loads(model, ckpt)
     sharded = sharded_by_name(model)
     with torch.no_grad():
@@ -68,19 +65,16 @@ def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
         loads.run()
         objects = [e["key"] for e in ckpt.meta["state_dict"] if e["kind"] == "object"]
         if objects:
-            saved = ckpt.trainer_state()["state_dict"]
+            saved = ckpt.trainer_state["state_dict"]
             model.module.load_state_dict({k: saved[k] for k in objects}, strict=False)
 
 
 class _Loads:
-    """The tensors one DCP load fills, and the copies to make after it when a parameter is
-    sharded in this run but was whole in the saved one (or the reverse: a different
-    persistence_threshold)."""
+    """The tensors one DCP load fills, and the copies to make after it when a parameter sharded in
+    this run was whole in the saved one (a different persistence_threshold)."""
 
     def __init__(self, model: ShardedModel, ckpt: ShardedCheckpoint) -> None:
-        self.model = model
-        self.ckpt = ckpt
-        self.pieces = Pieces(model)
+        self.model, self.ckpt, self.pieces = model, ckpt, Pieces(model)
         self.targets: dict[str, torch.Tensor] = {}
         self.after: list[Callable[[], object]] = []
 
@@ -116,7 +110,7 @@ def load_sharded_optimizers(
         saved_meta = ckpt.meta["optimizers"]
         if saved_meta is None:
             raise CheckpointError(f"checkpoint {ckpt.path} was saved with weights only: it has no optimizer state")
-        saved_objects = ckpt.trainer_state()["optimizers"]
+        saved_objects = ckpt.trainer_state["optimizers"]
         if len(saved_meta) != len(optimizers):
             raise CheckpointError(
                 f"checkpoint {ckpt.path} has state for {len(saved_meta)} optimizers but this run configured "
@@ -127,29 +121,22 @@ def load_sharded_optimizers(
         for index, (optimizer, meta, objs) in enumerate(zip(optimizers, saved_meta, saved_objects)):
             groups = optimizer_param_names(model, optimizer)
             _check_groups(ckpt.path, index, [g["params"] for g in objs["param_groups"]], groups)
-            order = param_numbers(groups)
-            state: dict[int, dict[str, Any]] = {}
-            for name in set(meta["state"]) | set(objs["state"]):
-                entry = state.setdefault(order[name], dict(objs["state"].get(name, {})))
-                for k, info in meta["state"].get(name, {}).items():
-                    key, dtype = f"optimizer_states/{index}/{name}/{k}", dtype_of(info["dtype"])
-                    sp = by_name.get(name)
-                    # Shard-shaped in this run: saved sharded, or saved whole with the parameter's shape.
-                    shard_now = sp is not None and (
-                        info["kind"] == "sharded" or tuple(info["shape"]) == tuple(sp.full_shape)
-                    )
-                    if shard_now:
-                        assert sp is not None  # shard_now implies it
-                        entry[k] = torch.zeros(sp.shard_numel, dtype=dtype, device=sp.param.device)
-                        loads.into_shard(key, info["kind"], sp, entry[k])
-                    elif info["kind"] == "sharded":  # a parameter this run keeps whole
-                        entry[k] = torch.empty(whole_params[name].shape, dtype=dtype)
-                        loads.into_whole(key, "sharded", entry[k])
-                    else:
-                        entry[k] = torch.empty(info["shape"], dtype=dtype)
-                        loads.into_whole(key, "tensor", entry[k])
-            numbers = ([order[n] for n in names] for names in groups)
-            packed_all.append({"state": state, "param_groups": with_params(objs["param_groups"], numbers)})
+
+            def tensor(name: str, k: str, info: dict[str, Any], index: int = index) -> torch.Tensor:
+                key, dtype, sp = f"optimizer_states/{index}/{name}/{k}", dtype_of(info["dtype"]), by_name.get(name)
+                # Shard-shaped in this run: saved sharded, or saved whole with the parameter's shape.
+                if sp is not None and (info["kind"] == "sharded" or tuple(info["shape"]) == tuple(sp.full_shape)):
+                    value = torch.zeros(sp.shard_numel, dtype=dtype, device=sp.param.device)
+                    loads.into_shard(key, info["kind"], sp, value)
+                elif info["kind"] == "sharded":  # a parameter this run keeps whole
+                    value = torch.empty(whole_params[name].shape, dtype=dtype)
+                    loads.into_whole(key, "sharded", value)
+                else:
+                    value = torch.empty(info["shape"], dtype=dtype)
+                    loads.into_whole(key, "tensor", value)
+                return value
+
+            packed_all.append(numbered_optimizer_state(meta, objs, groups, tensor))
         return loads, packed_all
 
     planned, error = error_of(plan)
@@ -191,4 +178,4 @@ def load_sharded(
     load_sharded_model(ckpt, model)
     if optimizers:
         load_sharded_optimizers(ckpt, model, list(optimizers))
-    return dict(ckpt.trainer_state()["extra"])
+    return dict(ckpt.trainer_state["extra"])
