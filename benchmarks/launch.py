@@ -21,16 +21,8 @@ _PRELOAD = ["torch", "lightning.pytorch", "lightning_zero3", "benchmarks.backend
 _context: Any = None
 
 
-def _entry(
-    rank: int,
-    world_size: int,
-    store_path: str,
-    backend: str,
-    threads: int,
-    fn: Callable,
-    args: tuple,
-    queue: Any,
-) -> None:
+def _entry(rank: int, world_size: int, store_path: str, backend: str, threads: int, fn: Callable, args: tuple,
+           queue: Any) -> None:  # fmt: skip
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
     def work() -> Any:
@@ -41,12 +33,9 @@ def _entry(
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world_size)
-        kwargs: dict[str, Any] = {}
-        if backend == "nccl":
-            kwargs["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300), **kwargs
-        )
+        kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300),
+                                **kwargs)  # fmt: skip
         return call_in_group(fn, rank, world_size, args)
 
     report(queue, rank, work)
@@ -60,14 +49,8 @@ def _mp_context() -> Any:
     return _context
 
 
-def run_ranks(
-    fn: Callable,
-    world_size: int,
-    *args: Any,
-    backend: str = "gloo",
-    threads: int = 1,
-    timeout_s: float = 1800,
-) -> list[Any]:
+def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", threads: int = 1,
+              timeout_s: float = 1800) -> list[Any]:  # fmt: skip
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results in rank order."""
     ctx = _mp_context()
     queue = ctx.Queue()
