@@ -76,7 +76,6 @@ class ConsolidationSummary:
         )
 
 
-# ---- reading whole tensors from the shards --------------------------------------------------
 def _deferred(reader: CheckpointReader, key: str, info: dict[str, Any], cast: torch.dtype | None = None) -> Deferred:
     """The tensor stored under `key`, read whole (chunk by chunk, flat if it was sharded) when written."""
     shape, dtype = tuple(info["shape"]), dtype_of(info["dtype"])
@@ -91,22 +90,6 @@ def _deferred(reader: CheckpointReader, key: str, info: dict[str, Any], cast: to
     return Deferred(shape, target, read)
 
 
-def _state_dict(
-    ckpt: ShardedCheckpoint, reader: CheckpointReader, objects: dict[str, Any], cast: torch.dtype | None
-) -> dict[str, Any]:
-    """The module's state dict in its own key order, tied weights under every name (one storage)."""
-    out: dict[str, Any] = OrderedDict()
-    for entry in ckpt.meta["state_dict"]:
-        key, kind = entry["key"], entry["kind"]
-        if kind == "alias":
-            out[key] = out[entry["of"]]
-        elif kind == "object":
-            out[key] = objects[key]
-        else:
-            out[key] = _deferred(reader, f"state_dict/{key}", entry, cast)
-    return out
-
-
 def deferred_checkpoint(
     ckpt: ShardedCheckpoint, *, weights_only: bool = False, cast: torch.dtype | None = None
 ) -> dict[str, Any]:
@@ -114,9 +97,15 @@ def deferred_checkpoint(
     tensor a `Deferred` that reads it whole from the shards when materialized (tied weights:
     one `Deferred` under every name). `weights_only` leaves out optimizer states, LR schedulers
     and callback states; `cast` casts the floating-point tensors of the state dict."""
-    trainer_state = ckpt.trainer_state
-    reader = ckpt.reader()  # its index read once, not once per tensor
-    state_dict = _state_dict(ckpt, reader, trainer_state["state_dict"], cast)
+    trainer_state, reader = ckpt.trainer_state(), ckpt.reader()  # the reader reads the index once
+    state_dict: dict[str, Any] = OrderedDict()  # in the module's key order, tied weights under every name
+    for entry in ckpt.meta["state_dict"]:
+        key, kind = entry["key"], entry["kind"]
+        if kind == "alias":
+            state_dict[key] = state_dict[entry["of"]]
+        else:
+            objects = trainer_state["state_dict"]
+            state_dict[key] = objects[key] if kind == "object" else _deferred(reader, f"state_dict/{key}", entry, cast)
     extra = dict(trainer_state["extra"])
     optimizer_states = None
     if weights_only:
@@ -134,7 +123,6 @@ def deferred_checkpoint(
     return in_saved_order({**trainer_state, "extra": extra}, state_dict, optimizer_states)
 
 
-# ---- the entry point ------------------------------------------------------------------------
 def consolidate_checkpoint(
     src: str | os.PathLike | RemotePath,
     dst: str | os.PathLike | RemotePath,
@@ -146,15 +134,13 @@ def consolidate_checkpoint(
     progress: Callable[[Progress], None] | None = None,
     trusted: bool = False,
 ) -> ConsolidationSummary:
-    """Write the sharded checkpoint `src` (a directory) as one ordinary checkpoint file `dst`,
-    loadable with `torch.load` and `LightningModule.load_from_checkpoint` at any world size,
-    streaming one tensor at a time (Note: streaming consolidation). `weights_only`: leave out
-    optimizer states, LR schedulers and callback states; `dtype`: cast the floating-point tensors
-    of the state dict (e.g. "bf16"); `safetensors`: write a safetensors file of the state dict;
-    `verify`: check every file's CRC-32 first; `progress`: called after each tensor; `trusted`:
-    as in `load_checkpoint`. Refused before anything is written: `dst` inside `src` (or `src`
-    itself) and anything that is not a checkpoint file (Note: what a save may replace). A failed
-    write leaves nothing at `dst` but what was there."""
+    """Write the sharded checkpoint `src` as one ordinary checkpoint file `dst` (what
+    `state_dict_type="full"` writes), one tensor at a time (Note: streaming consolidation).
+    `weights_only`: no optimizer states, LR schedulers or callback states; `dtype`: cast the
+    state dict's floating-point tensors; `safetensors`: a safetensors file of the state dict;
+    `verify`: check every CRC-32 first; `progress`: called after each tensor. Refused before
+    anything is read: `dst` inside `src` (or `src`), and what a save may not replace. A failed
+    write leaves at `dst` what was there."""
     start = time.perf_counter()
     src, dst = as_path(src), as_path(dst)
     cast = parse_dtype(dtype, "consolidate_checkpoint(dtype=...)")
@@ -163,7 +149,7 @@ def consolidate_checkpoint(
     output = deferred_checkpoint(ckpt, weights_only=weights_only or safetensors, cast=cast)
     if safetensors:
         tensors = {k: v for k, v in output["state_dict"].items() if isinstance(v, Deferred)}
-        extra = ckpt.trainer_state["extra"]
+        extra = ckpt.trainer_state()["extra"]
         meta = {"format": "pt", "source": str(src),
                 **{k: str(extra[k]) for k in ("epoch", "global_step") if k in extra}}  # fmt: skip
         unique = list(tensors.values())
@@ -183,20 +169,19 @@ def consolidate_checkpoint(
         else:
             stream_torch_save(output, file, on_tensor)
 
-    # Created exclusively (Note: temporary names in files.py); at a URL, a local file uploaded
-    # once written, since the zip writer seeks (Note: remote checkpoints in remote.py).
+    # Under a temporary name (Note: temporary names in files.py); at a URL, a local file uploaded
+    # once written, since the zip writer seeks.
     partial = Partial(dst, directory=False) if isinstance(dst, Path) else None
     try:
-        if isinstance(dst, RemotePath):
-            with staged(dst) as file:
+        if partial is None:
+            with staged(dst) as file:  # type: ignore[arg-type]
                 write(file)
         else:
-            assert partial is not None
             write(partial.file)
-            replace_path(partial.path, dst)
+            replace_path(partial.path, dst)  # type: ignore[arg-type]
+    except CheckpointError:
+        raise
     except Exception as err:
-        if isinstance(err, CheckpointError):
-            raise
         raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
     finally:
         if partial is not None:
@@ -208,8 +193,6 @@ def consolidate_checkpoint(
 
 
 def _check_destination(src: Path | RemotePath, dst: Path | RemotePath) -> None:
-    """Refuse, before anything is read or written, a `dst` that would overwrite the source
-    checkpoint or anything that is not a checkpoint file."""
     real_src, real_dst = src.resolve(), dst.resolve()
     if real_dst == real_src or real_src in real_dst.parents:
         where = "the checkpoint" if real_dst == real_src else "inside the checkpoint"

@@ -187,8 +187,7 @@ class Pieces:
 
 class ShardedCheckpoint:
     """A sharded checkpoint directory whose meta.json, DCP index (`index`) and trainer_state.pt
-    (`trainer_state`: the checkpoint dict's "keys" in order, its "extra" entries, the state dict's
-    non-tensor entries and the optimizers' param_groups and non-tensor state) were read and checked."""
+    were read and checked."""
 
     def __init__(self, path: Path | RemotePath, meta: dict[str, Any], *, index: Any, saved: dict, trusted: bool
                  ) -> None:  # fmt: skip
@@ -196,7 +195,7 @@ class ShardedCheckpoint:
         self.data = data_directory(path, meta)  # where its files are
         self.meta = meta
         self.index = index
-        self.trainer_state = saved
+        self._saved = saved
         self.trusted = trusted
         self._entries: dict[str, dict[str, Any]] = {e["key"]: e for e in meta["state_dict"]}
 
@@ -215,6 +214,11 @@ class ShardedCheckpoint:
         entry = next((self._entries[n] for n in names if n in self._entries), None)
         return None if entry is None else entry["of"] if entry["kind"] == "alias" else entry["key"]
 
+    def trainer_state(self) -> dict[str, Any]:
+        """trainer_state.pt: the checkpoint dict's "keys" in order, its "extra" entries, the state
+        dict's non-tensor entries, the optimizers' param_groups and non-tensor state."""
+        return dict(self._saved)
+
     def reader(self) -> CheckpointReader:
         return CheckpointReader(self.data, trusted=self.trusted, index=self.index)
 
@@ -224,11 +228,11 @@ class ShardedCheckpoint:
         state_dict = ShardedStateDict(self)
         for key, info in self.tensors().items():
             state_dict[key] = torch.empty(info["shape"], dtype=dtype_of(info["dtype"]), device="meta")
-        state_dict.update(self.trainer_state["state_dict"])
+        state_dict.update(self._saved["state_dict"])
         optimizer_states = None
         if self.meta["optimizers"] is not None:
-            optimizer_states = ShardedOptimizerStates(self, self.trainer_state["optimizers"])
-        return in_saved_order(self.trainer_state, state_dict, optimizer_states)
+            optimizer_states = ShardedOptimizerStates(self, self._saved["optimizers"])
+        return in_saved_order(self._saved, state_dict, optimizer_states)
 
 
 def in_saved_order(saved: dict[str, Any], state_dict: Any, optimizer_states: Any | None) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
         loads.run()
         objects = [e["key"] for e in ckpt.meta["state_dict"] if e["kind"] == "object"]
         if objects:
-            saved = ckpt.trainer_state["state_dict"]
+            saved = ckpt.trainer_state()["state_dict"]
             model.module.load_state_dict({k: saved[k] for k in objects}, strict=False)
 
 
@@ -110,7 +110,7 @@ def load_sharded_optimizers(
         saved_meta = ckpt.meta["optimizers"]
         if saved_meta is None:
             raise CheckpointError(f"checkpoint {ckpt.path} was saved with weights only: it has no optimizer state")
-        saved_objects = ckpt.trainer_state["optimizers"]
+        saved_objects = ckpt.trainer_state()["optimizers"]
         if len(saved_meta) != len(optimizers):
             raise CheckpointError(
                 f"checkpoint {ckpt.path} has state for {len(saved_meta)} optimizers but this run configured "
@@ -178,4 +178,4 @@ def load_sharded(
     load_sharded_model(ckpt, model)
     if optimizers:
         load_sharded_optimizers(ckpt, model, list(optimizers))
-    return dict(ckpt.trainer_state["extra"])
+    return dict(ckpt.trainer_state()["extra"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import warnings
 from collections.abc import Mapping
 from copy import deepcopy
@@ -22,9 +23,9 @@ from lightning_zero3.checkpoint.files import (
     check_replaceable,
     checksums,
     fsync_directory,
-    fsynced_torch_save,
     replace_path,
     write_json_atomically,
+    write_synced,
 )
 from lightning_zero3.checkpoint.format import (
     DCP_INDEX_FILE,
@@ -41,7 +42,7 @@ from lightning_zero3.checkpoint.format import (
     tensor_json,
     with_params,
 )
-from lightning_zero3.checkpoint.remote import RemotePath, as_path, new_data_prefix
+from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.trust import read_dcp_index
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
@@ -172,7 +173,7 @@ def write_sharded(path: str | os.PathLike | RemotePath, planned: PlannedSave, co
                 return None
             check_replaceable(path)
             if isinstance(path, RemotePath):
-                prefix = new_data_prefix(path)
+                prefix = path / f"shards.{secrets.token_hex(8)}"
                 return str(prefix)
             mine = Partial(path, directory=True)
             return str(mine.path)
@@ -219,7 +220,7 @@ def _finish(
     missing = sorted({info.relative_path for info in index.storage_data.values()} - set(files))
     if missing:
         raise CheckpointError(f"the DCP index names files no rank reported: {missing}")
-    fsynced_torch_save(planned.trainer_state, partial / TRAINER_STATE_FILE)
+    write_synced(partial / TRAINER_STATE_FILE, lambda f: torch.save(planned.trainer_state, f))
     files.update(checksums(partial, [DCP_INDEX_FILE, TRAINER_STATE_FILE]))
     meta = {**planned.meta, "files": files}
     if isinstance(path, RemotePath):
