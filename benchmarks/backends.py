@@ -1,10 +1,6 @@
-"""The training loops compared, one per backend, run inside each rank process.
-
-Every backend builds the same GPT from the same seed, trains it with the same AdamW on the same
-batches (rank r of step s gets windows[s, r]) and records each step's time between the start of
-the step (after the batch is on the device) and the end of the optimizer step, synchronised with
-the device. Setup, launch and data loading are outside the timed region.
-"""
+"""The training loops compared, one per backend, run inside each rank process: the same GPT from
+the same seed, the same AdamW, the same batches (rank r of step s gets windows[s, r]); a step is
+timed from its start (the batch on the device) to the end of the optimizer step, synchronised."""
 
 from __future__ import annotations
 
@@ -38,9 +34,7 @@ BACKENDS: dict[str, tuple[str, str, int | None]] = {
     "zero3-p1": ('Lightning strategy="zero3", prefetch=1', "Lightning zero3 p=1", 1),
     "zero3-p2": ('Lightning strategy="zero3", prefetch=2', "Lightning zero3 p=2", 2),
     "engine-p1": ("ShardedModel without Lightning, prefetch=1", "ShardedModel p=1", 1),
-    "engine-p1-async": (
-        "ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", "ShardedModel p=1 async RS", 1
-    ),
+    "engine-p1-async": ("ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", "ShardedModel async", 1),
     # reshard_after_forward=False on both sides: units stay whole from forward to backward.
     "fsdp2-no-reshard": ("PyTorch FSDP2, reshard_after_forward=False", "FSDP2 no reshard", None),
     "zero3-p1-no-reshard": ('Lightning strategy="zero3", reshard_after_forward=False', "zero3 no reshard", 1),
@@ -53,8 +47,7 @@ BACKENDS: dict[str, tuple[str, str, int | None]] = {
     "deepspeed-offload": ('DeepSpeed ZeRO-3, offload_optimizer device "cpu"', "DeepSpeed offload", None),
     "deepspeed-strict": ("DeepSpeed ZeRO-3, ~1 block live", "DeepSpeed ZeRO-3 strict", None),
 }
-# DeepSpeed is optional (benchmarks/deepspeed_backend.py) and the reshard pairs settings of
-# their own: not in the default set.
+# Not by default: DeepSpeed (optional) and the reshard pairs (settings of their own).
 DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name and "reshard" not in name]
 
 

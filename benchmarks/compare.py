@@ -1,23 +1,17 @@
-"""Train the same GPT on the same data with PyTorch DDP, PyTorch FSDP2, Lightning DDP,
-Lightning ZeRO-3 (prefetch 0, 1, 2), the ZeRO-3 engine without Lightning and, when installed,
-DeepSpeed ZeRO-3; compare them.
+"""Train the same GPT on the same data with PyTorch DDP, PyTorch FSDP2, Lightning DDP, Lightning
+ZeRO-3 (prefetch 0, 1, 2), the ZeRO-3 engine without Lightning and, when installed, DeepSpeed ZeRO-3.
 
     DS_BUILD_OPS=0 pip install -e ".[bench]"            # matplotlib and deepspeed (pure Python)
-
     python benchmarks/compare.py                        # 2 ranks, CPU/gloo, GPT "20m" (~19M params)
-    python benchmarks/compare.py --size 5m --plot       # ~5M params, with PNG charts
+    python benchmarks/compare.py --backends ddp,fsdp2,deepspeed,lightning-ddp,zero3-p1 --rounds 5 --plot
     python benchmarks/compare.py --mode scaling --plot  # model state and step time for N = 1..4
-    python benchmarks/compare.py --backends ddp,fsdp2,deepspeed,lightning-ddp,zero3-p1 --rounds 5
-    python benchmarks/compare.py --mode scaling --size 124m --batch-size 1 --scaling-steps 2 --plot
-    python benchmarks/compare.py --backends fsdp2,zero3-p1,fsdp2-no-reshard,zero3-p1-no-reshard  # reshard False too
     python benchmarks/compare.py --smoke                # tiny model, 2 rounds, a few steps
     python benchmarks/compare.py --accelerator gpu --devices 2 --size 85m   # NCCL, with MFU
 
-Runs alternate backend by backend within each round (A B C ... A B C ...) so that drift on a
-shared machine hits every backend alike; the figures are medians over steps and rounds, and
-ratios are medians of per-round ratios. Each run is a fresh set of rank processes; only the
-training steps after `--warmup` are timed. Results: a markdown table on stdout and in
-OUT/compare.md, everything in OUT/compare.json, and with --plot OUT/*.png.
+Runs alternate backend by backend within each round (A B C ... A B C ...) so that drift on a shared
+machine hits every backend alike; figures are medians over steps and rounds, ratios medians of
+per-round ratios. Each run is a fresh set of rank processes; only the steps after `--warmup` are
+timed. Results: markdown on stdout and in OUT/compare.md, all in OUT/compare.json, --plot OUT/*.png.
 """
 
 from __future__ import annotations
@@ -70,14 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--steps", type=int, default=4, help="timed steps per run (default 4)")
     add("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
     add("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
-    add("--lr", type=float, default=3e-4)
     add("--accumulate", type=int, default=1, metavar="K", help="K micro-batches per step, gradient sync off but on "
         "the last (DDP no_sync, FSDP2, ShardedModel.no_sync); ddp, fsdp2, engine-* only")
-    add("--seed", type=int, default=0)
-    add("--threads", type=int, default=0, help="torch threads per rank (default: cores // ranks, >= 1)")
     add("--scaling-ranks", default="1,2,3,4", help="N values for --mode scaling (default 1,2,3,4)")
     add("--scaling-backends", default=",".join(SCALING_BACKENDS))
-    add("--scaling-rounds", type=int, default=1)
     add("--scaling-steps", type=int, default=3, help="timed steps per scaling run (default 3)")
     add("--scaling-warmup", type=int, default=1, help="untimed steps before them (default 1)")
     add("--peak-tflops", type=float, help="device peak for MFU, if the GPU is not in the built-in table")
@@ -85,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--smoke", action="store_true", help="tiny model, 2 rounds, 3 steps: a check that it all runs")
     add("--plot", action="store_true", help="write PNG charts (needs matplotlib: pip install -e '.[bench]')")
     add("--out", type=Path, help="output folder (default benchmarks/results, or benchmarks/results/smoke)")
+    p.set_defaults(lr=3e-4, seed=0, scaling_rounds=1)  # fixed: AdamW's lr, the seed of weights and batches
     args = p.parse_args(argv)
     if args.smoke:  # a tiny model and few steps; --rounds still applies when given
         args.size, args.steps, args.warmup, args.batch_size = "smoke", 3, 1, 2
@@ -150,7 +141,7 @@ def run_rounds(
         raise SystemExit(f"--accelerator gpu needs {world_size} GPUs, found {torch.cuda.device_count()}")
     windows, vocab = make_batches(block_size=window_length(args.size), batch_size=args.batch_size,
                                   world_size=world_size, steps=warmup + steps, seed=args.seed)  # fmt: skip
-    threads = args.threads or max(1, _cores() // world_size)
+    threads = max(1, _cores() // world_size)
     dist_backend = "nccl" if args.accelerator == "gpu" else "gloo"
     runs = []
     for k in range(rounds):
@@ -171,8 +162,7 @@ def run_rounds(
 def compare(args: argparse.Namespace, result: dict[str, Any]) -> None:
     n = args.devices
     runs = run_rounds(args, args.backends, n, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
-    psi = runs[0]["psi"]
-    device_name = runs[0]["summary"].get("device_name")
+    psi, device_name = runs[0]["psi"], runs[0]["summary"].get("device_name")
     peak = peak_tflops_for(device_name, args.peak_tflops) if args.accelerator == "gpu" else None
     tokens = n * args.batch_size * window_length(args.size)
     backends = summarize_backends(runs, psi=psi, world_size=n, tokens_per_step=tokens, peak_tflops=peak)
@@ -204,7 +194,7 @@ def scaling(args: argparse.Namespace, result: dict[str, Any], save: Callable[[],
                 "load_average_1min": max(r["load_average"][0] for r in runs if r["backend"] == name),
                 "losses": mine[0]["losses"],
                 "oversubscribed": n > _cores(),
-                "threads_per_rank": args.threads or max(1, _cores() // n),
+                "threads_per_rank": max(1, _cores() // n),
             })  # fmt: skip
         save()
 
@@ -262,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = {k: getattr(args, k) for k in ("size", "accelerator", "rounds", "steps", "warmup", "batch_size", "lr",
                                             "seed", "scaling_rounds", "scaling_steps", "scaling_warmup")}  # fmt: skip
     config.update(SIZES[args.size], window=window_length(args.size), world_size=args.devices,
-                  threads_per_rank=args.threads or max(1, _cores() // args.devices))  # fmt: skip
+                  threads_per_rank=max(1, _cores() // args.devices))  # fmt: skip
     result: dict[str, Any] = {
         "command": f"python benchmarks/compare.py {command}".strip(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -70,14 +70,10 @@ def ds_config(backend: str, model: nn.Module, batch_size: int) -> dict[str, Any]
 
 def _storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
     """Bytes of the storages under `tensors` not counted yet (views of one buffer count once)."""
-    total = 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    new = {ptr: n for ptr, n in storages.items() if ptr not in seen and n}
+    seen.update(new)
+    return sum(new.values())
 
 
 def ds_model_state_bytes(engine: Any) -> dict[str, int]:

@@ -3,25 +3,22 @@
     python benchmarks/gpu_check.py                      # needs a CUDA device and NCCL
     python benchmarks/gpu_check.py --dry-run [--fast]   # the same code on CPU/gloo (CI)
 
-Every check runs at world size 1 with the engine's one-rank shortcut off, so that real collectives
-run on the side streams; a counter at `torch.distributed` proves they did.
-(a) stream races: identical blocks (every unit's buffers share pool keys), fp32 and bf16, bitwise
-    equal with and without `torch.cuda._sleep` around every collective on its stream; 2 steps
-    under the CUDA sanitizer.
-(b) syncs, batches already on the device: 1 per steady training step (32-true, bf16-mixed,
-    16-mixed; fused AdamW; Fabric) and 1 per evaluation pass of an untrained model.
-(c) memory: every step's peak within model state + (root, live, prefetched, in-flight) units +
-    the plain model's step transient, flat over 20 steps; ~0 left after `fit`; nothing built on
-    the GPU by `trainer.init_module()`.
+Every check runs at world size 1 with the engine's one-rank shortcut off (real collectives on the
+side streams; a counter at `torch.distributed` proves it).
+(a) stream races: identical blocks (units share pool keys), fp32 and bf16, bitwise equal with and
+    without `torch.cuda._sleep` around every collective; 2 steps under the CUDA sanitizer.
+(b) syncs, batches on the device: 1 per steady step (32-true, bf16-mixed, 16-mixed; fused AdamW;
+    Fabric) and 1 per evaluation pass of an untrained model.
+(c) memory: each step's peak within model state + (root, live, prefetched, in-flight) units + the
+    plain model's step transient, flat over 20 steps; ~0 left after `fit`; `init_module()` builds ~0.
 (d) bf16-mixed / 16-mixed x foreach / fused AdamW x clipping off / on against a plain Fabric loop
     over 20 steps; an fp16 overflow skips the step and halves the scale.
-(e) Lightning: fit, full and sharded save, resume, standalone validate and predict against a
-    plain Trainer; step time and GPU idle fraction (profiler trace) next to the plain model.
-(f) `offload="host"`, `reshard_after_forward=False` and unsynced accumulation bitwise equal to the
-    plain sharded run; syncs per steady step with offload; offload saves at least AdamW's state.
-`--dry-run` runs every check on CPU: what CPU can show gets a verdict (collectives at world size
-1, losses, checkpoints); what only a GPU shows (syncs, device memory, races, fp16 loss scaling)
-prints `RAN` with no verdict.
+(e) Lightning: fit, full and sharded save, resume, standalone validate and predict against a plain
+    Trainer; step time and GPU idle fraction (profiler trace) next to the plain model.
+(f) `offload="host"`, `reshard_after_forward=False`, unsynced accumulation bitwise equal to the plain
+    sharded run; syncs per steady step with offload; offload saves at least AdamW's state.
+`--dry-run`: what CPU can show gets a verdict (collectives at world size 1, losses, checkpoints);
+what only a GPU shows (syncs, device memory, races, fp16 loss scaling) prints `RAN`.
 """
 
 from __future__ import annotations
@@ -77,8 +74,7 @@ def shortcut_off(sharded: ShardedModel) -> None:
     comm.one_rank_shortcut = False  # type: ignore[union-attr]
 
 
-def collectives(counter: DistCounter) -> int:
-    """Collectives seen at `torch.distributed`: the one-rank shortcut makes none."""
+def collectives(counter: DistCounter) -> int:  # seen at `torch.distributed`: the one-rank shortcut makes none
     return sum(kind["calls"] for kind in counter.counts.values())
 
 
@@ -133,10 +129,9 @@ def batch(step: int, device: Any, size: int = 32) -> tuple[torch.Tensor, torch.T
 
 
 def ensure_group(device: torch.device) -> None:
-    """A world-size-1 process group in this process (Lightning and Fabric reuse it)."""
-    if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="gpu_check_store"), 1)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    """A world-size-1 process group in this process."""
+    store = dist.FileStore(tempfile.mktemp(prefix="gpu_check_store"), 1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
 
 
 # ---- (a) stream races -------------------------------------------------------------------------
@@ -240,7 +235,6 @@ def fabric_run(dev: torch.device, precision: str, *, zero3: bool, fused: bool = 
 # ---- (b) syncs --------------------------------------------------------------------------------
 def check_b(dry: bool) -> None:
     dev = torch.device("cpu" if dry else "cuda:0")
-    ensure_group(dev)
     for precision in ["32-true"] if FAST else ["32-true", "bf16-mixed"] + ([] if dry else ["16-mixed"]):
         run = fabric_run(dev, precision, zero3=True, fused=True, steps=5, sync_window=4)
         report(verdict(run["syncs"] == 1, dry), "b", f"{precision}, fused AdamW: {run['syncs']} syncs in a steady step")
@@ -265,7 +259,6 @@ def check_c(dry: bool) -> None:
         report("RAN", "c", "device memory is a CUDA figure: not measured on CPU")
         return
     dev = torch.device("cuda:0")
-    ensure_group(dev)
     dim, blocks, prefetch, in_flight, mib = 1024, 6, 1, 2, 2**20
     (x, y), plain = batch(0, dev, 256), fresh(dim, blocks, dev)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
@@ -321,7 +314,6 @@ def check_c(dry: bool) -> None:
 # ---- (d) precision x optimizer x clipping ---------------------------------------------------------
 def check_d(dry: bool) -> None:
     dev = torch.device("cpu" if dry else "cuda:0")
-    ensure_group(dev)
     precisions = ["bf16-mixed"] if dry else ["bf16-mixed", "16-mixed"]
     variants = [(False, False)] if FAST else [(fused, clip) for fused in (False, True) for clip in (False, True)]
     for precision in precisions:
@@ -419,7 +411,6 @@ def timed_fit(accelerator: str, strategy: Any, steps: int) -> tuple[float, float
 
 def check_e(dry: bool) -> None:
     accelerator = "cpu" if dry else "gpu"
-    ensure_group(torch.device("cpu" if dry else "cuda:0"))
     counter = DistCounter()
     counter.install()
     try:
@@ -432,12 +423,11 @@ def check_e(dry: bool) -> None:
             resumed: dict[str, list[float]] = {}
             for kind in ("plain", "sharded") if FAST else ("plain", "sharded", "full"):
                 path, again = str(Path(tmp) / kind), Lit()
-                trainer = lit_trainer(accelerator, "auto" if kind == "plain" else ZeRO3Strategy(state_dict_type=kind),
-                                      max_steps=4)  # fmt: skip
+                strategy = lambda kind=kind: "auto" if kind == "plain" else ZeRO3Strategy(state_dict_type=kind)
+                trainer = lit_trainer(accelerator, strategy(), max_steps=4)
                 trainer.fit(Lit(), loader())
                 trainer.save_checkpoint(path)
-                strategy = "auto" if kind == "plain" else ZeRO3Strategy(state_dict_type=kind)
-                lit_trainer(accelerator, strategy, max_steps=8).fit(again, loader(), ckpt_path=path)
+                lit_trainer(accelerator, strategy(), max_steps=8).fit(again, loader(), ckpt_path=path)
                 resumed[kind] = again.losses
             for kind in [k for k in resumed if k != "plain"]:
                 diff = max(abs(a - b) for a, b in zip(resumed[kind], resumed["plain"]))
@@ -488,7 +478,6 @@ def _settings_run(dev: torch.device, steps: int, no_sync: bool = False, **option
 
 def check_f(dry: bool) -> None:
     dev = torch.device("cpu" if dry else "cuda:0")
-    ensure_group(dev)
     steps = 4 if FAST else 10
     plain = _settings_run(dev, steps)
     for name, options in (("offload host", {"offload": "host"}), ("reshard False", {"reshard_after_forward": False})):
@@ -519,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     start = time.perf_counter()
+    ensure_group(torch.device("cpu" if args.dry_run else "cuda:0"))  # world size 1, reused by Lightning and Fabric
     checks = {"a": check_a, "b": check_b, "c": check_c, "d": check_d, "e": check_e, "f": check_f}
     for key in args.only:
         try:

@@ -1,12 +1,10 @@
 """Start N rank processes joined in one process group, run a function in each, return results.
-
-Processes come from a forkserver that has imported torch, Lightning and the benchmark once, so a
-launch costs a fraction of a second after the first and every run starts from a fresh process
-(peak RSS is per run). Launch and process-group setup are outside every timed region.
-"""
+Processes come from a forkserver that imported torch, Lightning and the benchmark once: a launch
+costs a fraction of a second after the first, and every run is a fresh process (peak RSS per run)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -18,7 +16,6 @@ import torch.multiprocessing as mp
 from tests.ranks import call_in_group, collect_results, report
 
 _PRELOAD = ["torch", "lightning.pytorch", "lightning_zero3", "benchmarks.backends"]
-_context: Any = None
 
 
 def _entry(rank: int, world_size: int, store_path: str, backend: str, threads: int, fn: Callable, args: tuple,
@@ -41,12 +38,11 @@ def _entry(rank: int, world_size: int, store_path: str, backend: str, threads: i
     report(queue, rank, work)
 
 
+@functools.cache
 def _mp_context() -> Any:
-    global _context
-    if _context is None:
-        _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
-    return _context
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", threads: int = 1,

@@ -35,11 +35,6 @@ _WATCHED: dict[str, tuple[str, str]] = {
 }
 
 
-def _payload_bytes(value: torch.Tensor | list[torch.Tensor]) -> int:
-    tensors = value if isinstance(value, (list, tuple)) else [value]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class DistCounter:
     """Counts calls and bytes of the collectives called through `torch.distributed.<name>`: FSDP2,
     DeepSpeed and the ZeRO-3 engine, not DDP's C++ reducer (its figures are the formula). The names
@@ -76,10 +71,11 @@ class DistCounter:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self._inside:  # e.g. torch's deprecated reduce_scatter_tensor calls reduce_scatter_single
                 return original(*args, **kwargs)
-            payload = signature.bind(*args, **kwargs).arguments[argument]
+            payload = signature.bind(*args, **kwargs).arguments[argument]  # a tensor or a list of them
             entry = self.counts[kind]
             entry["calls"] += 1
-            entry["payload_bytes"] += _payload_bytes(payload)
+            entry["payload_bytes"] += sum(t.numel() * t.element_size() for t in (
+                payload if isinstance(payload, (list, tuple)) else [payload]))  # fmt: skip
             self._inside = True
             try:
                 return original(*args, **kwargs)
@@ -117,11 +113,9 @@ class DistCounter:
 
 
 def ddp_step_bytes(psi: int, bytes_per_element: int, world_size: int) -> dict[str, dict[str, int]]:
-    """DDP's traffic per step (its reducer is C++, invisible to `DistCounter`): the gradients,
-    Ψ elements, all-reduced once; a ring sends 2(N-1)/N of them."""
-    payload = psi * bytes_per_element
-    wire = int(round(2 * (world_size - 1) / world_size * payload))
-    return {"all_reduce": {"calls": 0, "payload_bytes": payload, "wire_bytes": wire}}
+    """DDP's traffic per step (its C++ reducer is invisible to `DistCounter`): Ψ gradients all-reduced once."""
+    payload, ring = psi * bytes_per_element, 2 * (world_size - 1) / world_size  # a ring sends 2(N-1)/N of it
+    return {"all_reduce": {"calls": 0, "payload_bytes": payload, "wire_bytes": round(ring * payload)}}
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -23,12 +23,11 @@ def _label(name: str, short: bool = False) -> str:
     return BACKENDS[name][int(short)] if name in BACKENDS else name
 
 
-def _ratio(entry: dict[str, Any], other: str, names: list[str]) -> str:
-    return f"{entry['ratio_vs'][other]:.3f}" if other in names and other in entry["ratio_vs"] else "-"
+def _ratio(entry: dict[str, Any], other: str, field: str = "ratio_vs") -> str:
+    return f"{entry[field][other]:.3f}" if other in entry[field] else "-"
 
 
 def time_table(backends: dict[str, dict[str, Any]]) -> str:
-    names = list(backends)
     mfu = any("mfu" in e for e in backends.values())
     head = (
         "backend;step median (s);p10 (s);p90 (s);÷ DDP;÷ FSDP2;÷ Lightning DDP;÷ DeepSpeed;tokens/s;CPU s / "
@@ -36,14 +35,13 @@ def time_table(backends: dict[str, dict[str, Any]]) -> str:
     ).split(";") + (["MFU"] if mfu else [])
     rows = []
     for name, e in backends.items():
-        wait = f"{e['gather_wait_s_median'] * 1e3:.1f}" if "gather_wait_s_median" in e else "-"
         row = [_label(name), *(f"{e[k]:.3f}" for k in ("median_step_s", "p10_step_s", "p90_step_s"))]
-        row += [_ratio(e, other, names) for other in ("ddp", "fsdp2", "lightning-ddp", "deepspeed")]
+        row += [_ratio(e, other) for other in ("ddp", "fsdp2", "lightning-ddp", "deepspeed")]
         row += [
             f"{e['tokens_per_s']:,.0f}",
             f"{e['median_cpu_s']:.3f}",
-            f"{e['cpu_ratio_vs']['lightning-ddp']:.3f}" if "lightning-ddp" in e["cpu_ratio_vs"] else "-",
-            wait,
+            _ratio(e, "lightning-ddp", "cpu_ratio_vs"),
+            f"{e['gather_wait_s_median'] * 1e3:.1f}" if "gather_wait_s_median" in e else "-",
             "-" if not e.get("load_averages") else f"{min(e['load_averages']):.1f}-{max(e['load_averages']):.1f}",
         ]
         if mfu:
@@ -117,9 +115,6 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-# ---- charts ------------------------------------------------------------------------------
-
-
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """PNG charts of what `result` holds; [] with a message when matplotlib is missing."""
     try:
@@ -139,8 +134,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         p90 = [backends[n]["p90_step_s"] - backends[n]["median_step_s"] for n in names]
         ax.barh([_label(n, True) for n in names], medians, xerr=[[0] * len(names), p90], color="tab:blue", capsize=3)
         for i, n in enumerate(names):
-            for value in backends[n]["round_medians_s"]:
-                ax.plot(value, i, "k.", markersize=4)
+            ax.plot(backends[n]["round_medians_s"], [i] * len(backends[n]["round_medians_s"]), "k.", markersize=4)
             ratio = backends[n]["ratio_vs"].get(ref, float("nan"))
             label = f"{medians[i]:.3f} s  ({ratio:.3f}x {_label(ref, True)})"
             ax.text(medians[i] * 0.02, i, label, va="center", color="white", fontsize=8)

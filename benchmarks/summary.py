@@ -56,10 +56,6 @@ def summarize_run(backend: str, ranks: list[dict[str, Any]], *, warmup: int) -> 
     return out
 
 
-def _reference(names: list[str]) -> str | None:
-    return next((b for b in ("ddp", "lightning-ddp") if b in names), None)
-
-
 def summarize_backends(
     runs: list[dict[str, Any]], *, psi: int, world_size: int, tokens_per_step: int, peak_tflops: float | None
 ) -> dict[str, dict[str, Any]]:
@@ -67,7 +63,7 @@ def summarize_backends(
     names = list(dict.fromkeys(r["backend"] for r in runs))
     rounds = sorted({r["round"] for r in runs})
     by = {(r["backend"], r["round"]): r["summary"] for r in runs}
-    ref = _reference(names)
+    ref = next((b for b in ("ddp", "lightning-ddp") if b in names), None)  # the losses compared against
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         mine = [by[(name, k)] for k in rounds if (name, k) in by]
