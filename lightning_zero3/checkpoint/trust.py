@@ -72,50 +72,41 @@ def check_meta(meta: dict[str, Any], meta_file: Path | RemotePath) -> None:
     """Raise `CheckpointError` naming `meta_file` unless every entry this package reads from
     meta.json has the type it must have (a hand-edited file fails here, not in a TypeError)."""
 
-    def bad(where: str, expected: str) -> CheckpointError:
-        return CheckpointError(f"{meta_file} is corrupted: {where} must be {expected}")
-
-    def is_int(v: Any) -> bool:
-        return type(v) is int
+    def require(ok: bool, where: str, expected: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{meta_file} is corrupted: {where} must be {expected}")
 
     def check_tensor(entry: Any, where: str, kinds: tuple[str, ...]) -> None:
-        if not isinstance(entry, dict) or entry.get("kind") not in kinds:
-            raise bad(where, f"an object with a 'kind' in {kinds}")
+        require(isinstance(entry, dict) and entry.get("kind") in kinds, where, f"an object with a 'kind' in {kinds}")
         if entry["kind"] in ("sharded", "tensor"):
             shape = entry.get("shape")
-            if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
-                raise bad(f"{where}['shape']", "a list of sizes")
-            if not isinstance(entry.get("dtype"), str):
-                raise bad(f"{where}['dtype']", "a dtype name")
+            sizes = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+            require(sizes, f"{where}['shape']", "a list of sizes")
+            require(isinstance(entry.get("dtype"), str), f"{where}['dtype']", "a dtype name")
 
-    if not is_int(meta["world_size"]) or meta["world_size"] < 1:
-        raise bad("'world_size'", "a positive integer")
-    if not isinstance(meta["fingerprint"], str) or not isinstance(meta["parameters"], dict):
-        raise bad("'fingerprint' and 'parameters'", "a string and an object")
-    if not isinstance(meta["files"], dict):
-        raise bad("'files'", "an object mapping file names to their size and CRC-32")
+    require(type(meta["world_size"]) is int and meta["world_size"] >= 1, "'world_size'", "a positive integer")
+    require(isinstance(meta["fingerprint"], str) and isinstance(meta["parameters"], dict),
+            "'fingerprint' and 'parameters'", "a string and an object")  # fmt: skip
+    require(isinstance(meta["files"], dict), "'files'", "an object mapping file names to their size and CRC-32")
     for name, info in meta["files"].items():
         check_plain_name(meta_file.parent, name, str(meta_file))
-        if not isinstance(info, dict) or not is_int(info.get("bytes")) or not isinstance(info.get("crc32"), str):
-            raise bad(f"'files'[{name!r}]", "an object with 'bytes' (an integer) and 'crc32' (a string)")
-        if "rank" in info and not is_int(info["rank"]):
-            raise bad(f"'files'[{name!r}]['rank']", "an integer")
+        ok = isinstance(info, dict) and type(info.get("bytes")) is int and isinstance(info.get("crc32"), str)
+        require(ok, f"'files'[{name!r}]", "an object with 'bytes' (an integer) and 'crc32' (a string)")
+        require("rank" not in info or type(info["rank"]) is int, f"'files'[{name!r}]['rank']", "an integer")
     entries = meta["state_dict"]
-    if not isinstance(entries, list):
-        raise bad("'state_dict'", "a list")
+    require(isinstance(entries, list), "'state_dict'", "a list")
     keys = {e.get("key") for e in entries if isinstance(e, dict)}
     for i, entry in enumerate(entries):
         check_tensor(entry, f"'state_dict'[{i}]", ("sharded", "tensor", "alias", "object"))
-        if not isinstance(entry.get("key"), str):
-            raise bad(f"'state_dict'[{i}]['key']", "a string")
-        if entry["kind"] == "alias" and entry.get("of") not in keys:
-            raise bad(f"'state_dict'[{i}]['of']", "the key of another entry")
-    if meta["optimizers"] is not None and not isinstance(meta["optimizers"], list):
-        raise bad("'optimizers'", "a list or null")
+        require(isinstance(entry.get("key"), str), f"'state_dict'[{i}]['key']", "a string")
+        ok = entry["kind"] != "alias" or entry.get("of") in keys
+        require(ok, f"'state_dict'[{i}]['of']", "the key of another entry")
+    require(meta["optimizers"] is None or isinstance(meta["optimizers"], list), "'optimizers'", "a list or null")
     for i, optimizer in enumerate(meta["optimizers"] or []):
         state = optimizer.get("state") if isinstance(optimizer, dict) else None
-        if not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values()):
-            raise bad(f"'optimizers'[{i}]['state']", "an object of objects")
+        ok = isinstance(state, dict) and all(isinstance(v, dict) for v in state.values())
+        require(ok, f"'optimizers'[{i}]['state']", "an object of objects")
+        assert state is not None
         for name, entry in state.items():
             for k, info in entry.items():
                 check_tensor(info, f"'optimizers'[{i}]['state'][{name!r}][{k!r}]", ("sharded", "tensor"))
