@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
+from lightning_zero3.checkpoint.errors import CheckpointError, run_and_agree
 from lightning_zero3.checkpoint.files import FORMAT, META_FILE, crc32, few
 from lightning_zero3.checkpoint.remote import DATA_PREFIX, RemotePath, as_path
 from lightning_zero3.checkpoint.trust import (
@@ -286,9 +286,7 @@ def open_sharded(
         saved = dict(check_trainer_state(load_torch_file(file, trusted=trusted), file))
         return ShardedCheckpoint(path, meta, index=index, saved=saved, trusted=trusted)
 
-    result, error = error_of(check)
-    agree(comm, error, context=f"Cannot load the checkpoint {path}")
-    return result
+    return run_and_agree(comm, check, context=f"Cannot load the checkpoint {path}")
 
 
 def data_directory(path: Path | RemotePath, meta: Mapping[str, Any]) -> Path | RemotePath:

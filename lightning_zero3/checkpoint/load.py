@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of, run_and_agree
 from lightning_zero3.checkpoint.files import few
 from lightning_zero3.checkpoint.format import (
     Pieces,
@@ -139,9 +139,7 @@ def load_sharded_optimizers(
             packed_all.append(numbered_optimizer_state(meta, objs, groups, tensor))
         return loads, packed_all
 
-    planned, error = error_of(plan)
-    agree(model.world_comm, error, context=f"Cannot load the optimizer state of {ckpt.path}")
-    loads, packed_all = planned
+    loads, packed_all = run_and_agree(model.world_comm, plan, context=f"Cannot load the optimizer state of {ckpt.path}")
     loads.run()
     for optimizer, packed in zip(optimizers, packed_all):
         optimizer.load_state_dict(packed)
