@@ -262,10 +262,8 @@ class ShardedOptimizerStates(list):
 def open_sharded(
     path: str | os.PathLike | RemotePath, *, comm: Comm | None = None, verify: bool = True, trusted: bool = False
 ) -> ShardedCheckpoint:
-    """Read and check a sharded checkpoint: meta.json, format version, every file's presence
-    and size, the CRC-32 of the files this rank verifies (rank r checks files r, r + N, ...;
-    all of them without `comm`), and DCP's index (Note: checkpoint trust model). With `comm`,
-    ranks agree before returning (Note: no hang on a bad checkpoint)."""
+    """Read and check a sharded checkpoint: meta.json, every file's presence and size, the CRC-32
+    of files r, r + N, ... on rank r (all without `comm`), DCP's index; ranks agree on the outcome."""
     path = as_path(path)
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
 

@@ -100,9 +100,8 @@ class _Loads:
 def load_sharded_optimizers(
     ckpt: ShardedCheckpoint, model: ShardedModel, optimizers: list[torch.optim.Optimizer]
 ) -> None:
-    """Load optimizer state from `ckpt`, each rank keeping its slice of the sharded state for
-    this run's world size. Parameters are matched by name, so the optimizers must have the
-    same param groups (by name) as the ones saved."""
+    """Load optimizer state from `ckpt`, each rank its slice for this run's world size; parameters
+    are matched by name (the same param groups as saved)."""
     by_name = sharded_by_name(model)
     whole_params = dict(model.module.named_parameters(remove_duplicate=False))
 
@@ -168,9 +167,8 @@ def load_sharded(
     verify: bool = True,
     trusted: bool = False,
 ) -> dict[str, Any]:
-    """Check and load a sharded checkpoint into `model` (and `optimizers`) at this run's world
-    size; return the other entries of the checkpoint dict it was saved from. Every rank calls it.
-    `trusted`: unpickle its pickles without restriction (Note: checkpoint trust model)."""
+    """Check and load a sharded checkpoint into `model` (and `optimizers`) on every rank; the other
+    entries of the checkpoint dict it was saved from. `trusted`: unpickle without restriction."""
     context = f"Cannot load the checkpoint {path}"
     ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted, verify=verify)
     load_sharded_model(ckpt, model)

@@ -214,8 +214,7 @@ def _writer(directory: Path | RemotePath) -> dcp.FileSystemWriter:
 def _finish(
     path: Path | RemotePath, partial: Path | RemotePath, files: dict[str, dict[str, Any]], planned: PlannedSave
 ) -> None:
-    """Rank 0, once every rank's shards are on disk: the pickled remainder, then meta.json,
-    then the atomic swap into `path`."""
+    """Rank 0, every rank's shards on disk: trainer_state.pt, meta.json, then the swap into `path`."""
     index = read_dcp_index(partial / DCP_INDEX_FILE, trusted=False)
     missing = sorted({info.relative_path for info in index.storage_data.values()} - set(files))
     if missing:
@@ -234,8 +233,8 @@ def _finish(
 
 
 def _commit_manifest(path: RemotePath, data: RemotePath, meta: dict[str, Any]) -> None:
-    """At a URL, the swap is one PUT of meta.json naming the new prefix; then what the previous
-    meta.json named is deleted (Note: remote checkpoints in remote.py)."""
+    """At a URL the swap is one PUT of meta.json naming the new prefix, then what the previous one
+    named is deleted (Note: remote checkpoints)."""
     previous = _previous_files(path)
     write_json_atomically({**meta, "data": data.name}, path / META_FILE)
     for name in previous - {data.name, META_FILE}:
