@@ -1,10 +1,6 @@
-"""The training loops compared, one per backend, run inside each rank process.
-
-Every backend builds the same GPT from the same seed, trains it with the same AdamW on the same
-batches (rank r of step s gets windows[s, r]) and records each step's time between the start of
-the step (after the batch is on the device) and the end of the optimizer step, synchronised with
-the device. Setup, launch and data loading are outside the timed region.
-"""
+"""The training loops compared, one per backend, run inside each rank process: the same GPT from
+the same seed, the same AdamW, the same batches (rank r of step s gets windows[s, r]); a step is
+timed from its start (the batch on the device) to the end of the optimizer step, synchronised."""
 
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ from benchmarks.measure import (
     model_state_bytes,
     peak_rss_bytes,
     reset_peak_rss,
-    rss_bytes,
     status_bytes,
 )
 from benchmarks.model import build_model, count_parameters, lm_loss, make_config
@@ -39,9 +34,7 @@ BACKENDS: dict[str, tuple[str, str, int | None]] = {
     "zero3-p1": ('Lightning strategy="zero3", prefetch=1', "Lightning zero3 p=1", 1),
     "zero3-p2": ('Lightning strategy="zero3", prefetch=2', "Lightning zero3 p=2", 2),
     "engine-p1": ("ShardedModel without Lightning, prefetch=1", "ShardedModel p=1", 1),
-    "engine-p1-async": (
-        "ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", "ShardedModel p=1 async RS", 1
-    ),
+    "engine-p1-async": ("ShardedModel without Lightning, prefetch=1, reductions_in_flight=1", "ShardedModel async", 1),
     # reshard_after_forward=False on both sides: units stay whole from forward to backward.
     "fsdp2-no-reshard": ("PyTorch FSDP2, reshard_after_forward=False", "FSDP2 no reshard", None),
     "zero3-p1-no-reshard": ('Lightning strategy="zero3", reshard_after_forward=False', "zero3 no reshard", 1),
@@ -54,8 +47,7 @@ BACKENDS: dict[str, tuple[str, str, int | None]] = {
     "deepspeed-offload": ('DeepSpeed ZeRO-3, offload_optimizer device "cpu"', "DeepSpeed offload", None),
     "deepspeed-strict": ("DeepSpeed ZeRO-3, ~1 block live", "DeepSpeed ZeRO-3 strict", None),
 }
-# DeepSpeed is optional (benchmarks/deepspeed_backend.py) and the reshard pairs settings of
-# their own: not in the default set.
+# Not by default: DeepSpeed (optional) and the reshard pairs (settings of their own).
 DEFAULT_BACKENDS = [name for name in BACKENDS if "deepspeed" not in name and "reshard" not in name]
 
 
@@ -82,8 +74,7 @@ def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
 
 
 def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
-    reset_peak_rss()
-    base_rss = rss_bytes()
+    base_rss = reset_peak_rss()
     device = torch.device("cuda", rank) if spec.accelerator == "gpu" else torch.device("cpu")
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls; MFU is against the TF32 peak
@@ -94,9 +85,8 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
     config = make_config(spec.size, spec.vocab_size)
     model = build_model(config, seed=spec.seed, device=device)
     psi = count_parameters(model)
-    batches = [
-        (w[rank, :, :-1].contiguous().to(device), w[rank, :, 1:].contiguous().to(device)) for w in spec.windows
-    ]  # (B, T) inputs and targets of this rank, per step
+    # (B, T) inputs and targets of this rank, per step
+    batches = [(w[rank, :, :-1].contiguous().to(device), w[rank, :, 1:].contiguous().to(device)) for w in spec.windows]
     try:
         if spec.backend == "lightning-ddp" or spec.backend.startswith("zero3-"):
             extra = _run_lightning(rank, world_size, spec, model, batches, recorder)
@@ -108,30 +98,17 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict[str, Any]:
             extra = _run_raw(spec, model, batches, recorder, device)
     finally:
         counter.uninstall()
-    result = {
-        "rank": rank,
-        "psi": psi,
-        "steps": recorder.steps,
-        "base_rss_bytes": base_rss,
-        "peak_rss_bytes": peak_rss_bytes(),
-        **extra,
-    }
+    result = {"rank": rank, "psi": psi, "steps": recorder.steps, "base_rss_bytes": base_rss,
+              "peak_rss_bytes": peak_rss_bytes(), **extra}  # fmt: skip
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
         result["device_name"] = torch.cuda.get_device_name(device)
     return result
 
 
-# ---- raw PyTorch and the engine without Lightning ------------------------------------------
-
-
-def _run_raw(
-    spec: RunSpec,
-    model: nn.Module,
-    batches: list,
-    recorder: StepRecorder,
-    device: torch.device,
-) -> dict[str, Any]:
+def _run_raw(spec: RunSpec, model: nn.Module, batches: list, recorder: StepRecorder, device: torch.device
+             ) -> dict[str, Any]:  # fmt: skip
+    """Raw PyTorch (DDP, FSDP2) and the engine without Lightning."""
     sharded = None
     if spec.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -168,12 +145,12 @@ def _run_raw(
         if sharded is not None:
             sharded.stats.end_step()
         recorder.stop(loss, wait)
-    extra: dict[str, Any] = {"model_state_bytes": model_state_bytes(model.parameters(), [optimizer])}
-    extra["anon_rss_bytes"] = status_bytes("RssAnon")  # after the last step: what optimizer state on disk saves
+    # RssAnon after the last step: what optimizer state on disk saves.
+    extra: dict[str, Any] = {"model_state_bytes": model_state_bytes(model.parameters(), [optimizer]),
+                             "anon_rss_bytes": status_bytes("RssAnon")}  # fmt: skip
     if sharded is not None:
-        extra["model_state_bytes"] = sharded.model_state_bytes([optimizer])
-        extra["peak_units_alive"] = sharded.unit_stats.peak
-        extra["engine_step_bytes"] = {k: vars(v).copy() for k, v in sharded.stats.last_step.items()}
+        extra.update(model_state_bytes=sharded.model_state_bytes([optimizer]), peak_units_alive=sharded.unit_stats.peak,
+                     engine_step_bytes={k: vars(v).copy() for k, v in sharded.stats.last_step.items()})  # fmt: skip
         from lightning_zero3.engine import accounting
 
         orders = (sharded.schedule.forward_order, sharded.schedule.backward_order)
@@ -193,17 +170,8 @@ def _set_sync(model: nn.Module, sharded: Any, sync: bool) -> None:
         model.require_backward_grad_sync = sync
 
 
-# ---- Lightning -------------------------------------------------------------------------------
-
-
-def _run_lightning(
-    rank: int,
-    world_size: int,
-    spec: RunSpec,
-    model: nn.Module,
-    batches: list,
-    recorder: StepRecorder,
-) -> dict[str, Any]:
+def _run_lightning(rank: int, world_size: int, spec: RunSpec, model: nn.Module, batches: list, recorder: StepRecorder
+                   ) -> dict[str, Any]:  # fmt: skip
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
@@ -231,21 +199,17 @@ def _run_lightning(
             recorder.start()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            strategy = trainer.strategy
-            wait = None
-            if isinstance(strategy, ZeRO3Strategy):
-                wait = lambda: strategy.stats["gather_wait_s"]
-            recorder.stop(outputs["loss"], wait)
-            if batch_idx == len(batches) - 1:  # after the last optimizer step, before teardown
-                if isinstance(strategy, ZeRO3Strategy):
-                    stats = strategy.stats
-                    found["model_state_bytes"] = stats["model_state_bytes"]
-                    found["peak_units_alive"] = stats["peak_units_alive"]
-                    found["engine_step_bytes"] = stats["last_step"]
-                    found["expected_step_bytes"] = stats["expected_step_bytes"]
-                else:
-                    found["model_state_bytes"] = model_state_bytes(module.parameters(), trainer.optimizers)
-                found["anon_rss_bytes"] = status_bytes("RssAnon")
+            zero3 = trainer.strategy if isinstance(trainer.strategy, ZeRO3Strategy) else None
+            recorder.stop(outputs["loss"], (lambda: zero3.stats["gather_wait_s"]) if zero3 is not None else None)
+            if batch_idx < len(batches) - 1:
+                return  # else after the last optimizer step, before teardown
+            found["anon_rss_bytes"] = status_bytes("RssAnon")
+            if zero3 is None:
+                found["model_state_bytes"] = model_state_bytes(module.parameters(), trainer.optimizers)
+                return
+            for key, name in (("model_state_bytes",) * 2, ("peak_units_alive",) * 2, ("engine_step_bytes", "last_step"),
+                              ("expected_step_bytes",) * 2):  # fmt: skip
+                found[key] = zero3.stats[name]
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -257,21 +221,11 @@ def _run_lightning(
         "ddp" if spec.backend == "lightning-ddp"
         else ZeRO3Strategy(prefetch=BACKENDS[spec.backend][2], reshard_after_forward=reshard)
     )  # fmt: skip
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator=spec.accelerator,
-        devices=world_size,
-        max_steps=len(batches),
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
-        use_distributed_sampler=False,  # every rank gets its own slice of the global batch, as in the raw loops
-        callbacks=[StepTimer()],
-    )
+    # use_distributed_sampler=False: every rank gets its own slice of the global batch, as in the raw loops.
+    trainer = pl.Trainer(strategy=strategy, accelerator=spec.accelerator, devices=world_size, max_steps=len(batches),
+                         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+                         use_distributed_sampler=False, callbacks=[StepTimer()])  # fmt: skip
     cpu_batches = [(x.cpu(), y.cpu()) for x, y in batches]  # Lightning moves each batch to the device
     loader = torch.utils.data.DataLoader(cpu_batches, batch_size=None)
     trainer.fit(LitGPT(), loader)

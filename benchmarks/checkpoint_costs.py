@@ -1,16 +1,13 @@
-"""What checkpoints cost (docs/checkpoints.md, "Measured"): for each kind of save at 2 ranks, the
-time training is blocked, the time until written, and the peak host memory added (VmHWM growth
-over the RSS before it); then the sharded load at 2, 1 and 3 ranks (resliced), and reading the
-sharded checkpoint into one process without a process group (`load_checkpoint`,
-`load_from_checkpoint`, `consolidate` as the command and as the library call). The model is
-`tests.models.TinyGPT` (vocab 8192, dim 768, 6 layers: 48.8 M parameters, fp32, AdamW after one
-step: 586 MiB of state) inside a LightningModule. Every figure comes from fresh processes (memory an
-earlier step freed would hide a later one's growth).
+"""What checkpoints cost (docs/checkpoints.md, "Measured"): per kind of save at 2 ranks, the time
+training is blocked, the time until written and the peak host memory added (VmHWM growth over the
+RSS before it); the sharded load at 2, 1 and 3 ranks; reading the sharded checkpoint in one process
+(`load_checkpoint`, `load_from_checkpoint`, `consolidate` as call and command, and torch's
+`dcp_to_torch_save` for comparison). `tests.models.TinyGPT` (48.8 M parameters, fp32, AdamW after
+one step: 586 MiB of state) in a LightningModule; every figure from fresh processes.
 
-    PYTHONPATH=. python benchmarks/checkpoint_costs.py DIR [--parts save,load,plain]
+    PYTHONPATH=. python benchmarks/checkpoint_costs.py DIR [--parts save,load,plain]  # or e.g. sharded,plain
 
-writes under DIR; the remote saves go to moto's S3 server, started here on 127.0.0.1 (needs the
-test extra: s3fs, moto[server]).
+writes under DIR; the remote saves go to moto's S3 server on 127.0.0.1 (the test extra).
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import lightning_zero3
 from benchmarks.measure import peak_rss_bytes, reset_peak_rss
@@ -59,7 +57,7 @@ class LitGPT(pl.LightningModule):
 
 
 def _trained(seed: int) -> tuple[LitGPT, ShardedModel, torch.optim.Optimizer]:
-    """A sharded model and its AdamW after one step (so that the optimizer state exists)."""
+    """A sharded model and its AdamW after one step (the optimizer state exists)."""
     torch.manual_seed(seed)
     model = LitGPT()
     engine = ShardedModel(model)
@@ -81,11 +79,8 @@ def _save(rank: int, world_size: int, directory: str, env: dict[str, str], kind:
     dist.barrier()
     before = reset_peak_rss()
     start = time.perf_counter()
-    checkpoint: dict[str, Any] = {
-        "state_dict": run.model_state_dict(),
-        "optimizer_states": [run.optimizer_state(optimizer)],
-        "pytorch-lightning_version": pl.__version__,
-    }
+    checkpoint: dict[str, Any] = {"state_dict": run.model_state_dict(), "pytorch-lightning_version": pl.__version__,
+                                  "optimizer_states": [run.optimizer_state(optimizer)]}  # fmt: skip
     run.save(as_path(path if "://" in path else os.path.join(directory, path)), checkpoint, None, background=background)
     del checkpoint
     blocked = time.perf_counter() - start
@@ -112,6 +107,7 @@ def _plain(what: str, directory: str) -> tuple[float, float]:
         "load_checkpoint": lambda: lightning_zero3.load_checkpoint(path),
         "load_from_checkpoint": lambda: lightning_zero3.load_from_checkpoint(LitGPT, path, strict=False),
         "consolidate (call)": lambda: lightning_zero3.consolidate_checkpoint(path, out),
+        "dcp_to_torch_save": lambda: dcp_to_torch_save(path, out),  # the whole state in memory, then torch.save
         # As `python -m lightning_zero3 consolidate` runs it (it sets glibc's mmap threshold).
         "consolidate (command)": lambda: (
             setattr(sys, "argv", ["lightning_zero3", "consolidate", path, out]),
@@ -152,18 +148,17 @@ def _s3_server() -> tuple[Any, dict[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory")
-    parser.add_argument("--parts", default="save,load,plain", help="which of save, load, plain to run")
+    parser.add_argument("--parts", default="save,load,plain", help="of save (or one kind of save), load, plain")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    if "save" in parts:
+    saves = [kind for kind in SAVES if "save" in parts or kind in parts]
+    if saves:
         server, env = _s3_server()
         try:
-            for kind in SAVES:
+            for kind in saves:
                 results = run_ranks(_save, 2, args.directory, env, kind, timeout_s=600)
-                cells = [
-                    f"rank {r}: blocked {b:.2f} s, written {w:.2f} s, +{m:.0f} MiB"
-                    for r, (b, w, m) in enumerate(results)
-                ]
+                cells = [f"rank {r}: blocked {b:.2f} s, written {w:.2f} s, +{m:.0f} MiB" for r, (b, w, m) in
+                         enumerate(results)]  # fmt: skip
                 print(f"save {kind:15s} " + "; ".join(cells), flush=True)
         finally:
             server.stop()
@@ -173,7 +168,8 @@ def main() -> None:
             cells = [f"rank {r}: {s:.2f} s, +{m:.0f} MiB" for r, (s, m) in enumerate(results)]
             print(f"sharded load at N = {n}: " + "; ".join(cells), flush=True)
     if "plain" in parts:
-        for what in ("load_checkpoint", "load_from_checkpoint", "consolidate (call)", "consolidate (command)"):
+        for what in ("load_checkpoint", "load_from_checkpoint", "consolidate (call)", "consolidate (command)",
+                     "dcp_to_torch_save"):  # fmt: skip
             seconds, added = _in_fresh_process(_plain, what, args.directory)
             print(f"one process, {what}: {seconds:.2f} s, +{added:.0f} MiB", flush=True)
 

@@ -1,18 +1,12 @@
-"""DeepSpeed ZeRO-3 in the comparison: the raw engine in a plain loop.
+"""DeepSpeed ZeRO-3 in the comparison: the raw engine in a plain loop (install, nothing compiled:
+`DS_BUILD_OPS=0 pip install -e ".[bench]"`; without it these backends are skipped with one line).
 
-Install (pure Python, nothing compiled): `DS_BUILD_OPS=0 pip install deepspeed` or
-`DS_BUILD_OPS=0 pip install -e ".[bench]"`. Without it these backends are skipped with one line.
-
-On CPU, DeepSpeed needs three things, all set up here and nowhere else:
-- `DS_ACCELERATOR=cpu` before the first import (its CPU accelerator uses gloo without oneCCL);
-- its comm backend compiles a shared-memory All-Reduce op with g++ when it starts (minutes, and
-  used only for inference); `build_shm_op` is replaced with a no-op before `init_distributed`;
-- the process group the launcher created is reused (`init_distributed` sees it initialised).
-
-Every DeepSpeed run is fp32 (no fp16/bf16 section), stage 3, the benchmark's own `torch.optim.AdamW`
-(`zero_allow_untested_optimizer`), no clipping, and `stage3_param_persistence_threshold: 0` so that
-every parameter is partitioned, as zero3 and FSDP2 do. Two configurations: DeepSpeed's defaults,
-and a strict one that keeps about one transformer block of full parameters alive.
+On CPU: `DS_ACCELERATOR=cpu` before the first import (gloo without oneCCL); `build_shm_op` (a g++
+build, minutes, for inference only) replaced by a no-op; the launcher's process group reused.
+Every run is fp32, stage 3, the benchmark's own `torch.optim.AdamW`, no clipping, and
+`stage3_param_persistence_threshold: 0` (every parameter partitioned, as zero3 and FSDP2 do):
+DeepSpeed's defaults, a strict one keeping about one block of full parameters alive, and
+ZeRO-Offload of the optimizer to the CPU.
 """
 
 from __future__ import annotations
@@ -31,18 +25,14 @@ INSTALL = 'DS_BUILD_OPS=0 pip install deepspeed  (or DS_BUILD_OPS=0 pip install 
 
 
 def deepspeed_missing() -> str | None:
-    """Why DeepSpeed cannot run here, in one line, or None when it can (checked without importing it,
-    so that the parent process never imports DeepSpeed)."""
+    """Why DeepSpeed cannot run here, or None (the parent process never imports it)."""
     import importlib.util
 
-    if importlib.util.find_spec("deepspeed") is None:
-        return f"deepspeed is not installed; install it with: {INSTALL}"
-    return None
+    missing = importlib.util.find_spec("deepspeed") is None
+    return f"deepspeed is not installed; install it with: {INSTALL}" if missing else None
 
 
 def import_deepspeed() -> Any:
-    """Import DeepSpeed for a CPU rank: CPU accelerator, and no g++ build of the inference-only
-    shared-memory op at `init_distributed`."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # DeepSpeed calls torch's deprecated all_gather_into_tensor / reduce_scatter_tensor every step.
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated.*")
@@ -58,20 +48,11 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-def block_numel(model: nn.Module) -> int:
-    """Elements of the largest transformer block: the unit the strict configuration keeps alive."""
-    return max(sum(p.numel() for p in block.parameters()) for block in model.h)
-
-
 def ds_config(backend: str, model: nn.Module, batch_size: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    if backend == "deepspeed-strict":
-        one_block = block_numel(model)
-        zero.update(
-            stage3_max_live_parameters=one_block,
-            stage3_max_reuse_distance=one_block,
-            stage3_prefetch_bucket_size=one_block,
-        )
+    if backend == "deepspeed-strict":  # the largest transformer block's elements
+        one = max(sum(p.numel() for p in block.parameters()) for block in model.h)
+        zero.update(stage3_max_live_parameters=one, stage3_max_reuse_distance=one, stage3_prefetch_bucket_size=one)
     offload = backend == "deepspeed-offload"
     if offload:  # ZeRO-Offload: master partitions and optimizer state in host memory, step on the CPU
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -89,14 +70,10 @@ def ds_config(backend: str, model: nn.Module, batch_size: int) -> dict[str, Any]
 
 def _storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
     """Bytes of the storages under `tensors` not counted yet (views of one buffer count once)."""
-    total = 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    new = {ptr: n for ptr, n in storages.items() if ptr not in seen and n}
+    seen.update(new)
+    return sum(new.values())
 
 
 def ds_model_state_bytes(engine: Any) -> dict[str, int]:
@@ -113,19 +90,13 @@ def ds_model_state_bytes(engine: Any) -> dict[str, int]:
     grad_bytes = _storage_bytes([zero.grad_partitions_flat_buffer], seen)
     state = [v for s in zero.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
     optim_bytes = _storage_bytes(state, seen)
-    return {
-        "param": param_bytes,
-        "master": master_bytes,
-        "grad": grad_bytes,
-        "optimizer": optim_bytes,
-        "total": param_bytes + master_bytes + grad_bytes + optim_bytes,
-    }
+    total = param_bytes + master_bytes + grad_bytes + optim_bytes
+    return {"param": param_bytes, "master": master_bytes, "grad": grad_bytes, "optimizer": optim_bytes, "total": total}
 
 
-def run_deepspeed(
-    rank: int, world_size: int, spec: Any, model: nn.Module, batches: list, recorder: Any
-) -> dict[str, Any]:
+def run_deepspeed(rank: int, world_size: int, spec: Any, model: nn.Module, batches: list, recorder: Any) -> dict:
     from benchmarks.backends import make_optimizer
+    from benchmarks.measure import status_bytes
     from benchmarks.model import lm_loss
 
     # What torchrun would set; DeepSpeed asserts LOCAL_RANK (the process group exists already).
@@ -141,7 +112,5 @@ def run_deepspeed(
         engine.backward(loss)
         engine.step()
         recorder.stop(loss)
-    from benchmarks.measure import status_bytes
-
     anon = status_bytes("RssAnon")  # after the last step, the engine alive
     return {"model_state_bytes": ds_model_state_bytes(engine), "ds_config": config, "anon_rss_bytes": anon}

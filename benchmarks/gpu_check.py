@@ -1,29 +1,24 @@
-"""The CUDA paths on one GPU (sized for under 10 minutes): one line per check, PASS / FAIL / INFO.
+"""The CUDA paths on one GPU (under 10 minutes): one line per check, PASS / FAIL / INFO.
 
     python benchmarks/gpu_check.py                      # needs a CUDA device and NCCL
     python benchmarks/gpu_check.py --dry-run [--fast]   # the same code on CPU/gloo (CI)
 
-Every check runs at world size 1 with the engine's one-rank shortcut turned off, so that real
-collectives run on the side streams; a counter at `torch.distributed` proves they did.
-(a) stream races: a mid-size model of identical blocks (every unit's buffers share pool keys),
-    fp32 and bf16, bitwise equal with and without `torch.cuda._sleep` before and after every
-    collective on the stream that issues it; 2 steps under the CUDA sanitizer.
-(b) syncs, batches already on the device: exactly 1 per steady training step (32-true,
-    bf16-mixed, 16-mixed; fused AdamW; Fabric) and 1 per evaluation pass of an untrained model.
-(c) memory: the peak of every step within model state + (root, live, prefetched, in-flight)
-    units + the plain model's step transient (activations or AdamW's temporaries), flat over 20
-    steps; ~0 left after `fit`; nothing built on the GPU by `trainer.init_module()`.
-(d) bf16-mixed / 16-mixed x foreach / fused AdamW x clipping off / on against a plain
-    single-GPU Fabric loop over 20 steps; an fp16 overflow skips the step and halves the scale.
-(e) Lightning: fit, full and sharded save, resume, standalone validate and predict against a
-    plain Trainer; step time and GPU idle fraction from a profiler trace next to the plain model.
-(f) the issue-21 settings on the device: `offload="host"` (pinned host shards, the download
-    stream), `reshard_after_forward=False` and unsynced accumulation bitwise equal to the plain
-    sharded run; syncs per steady step with offload; device memory with offload below the run
-    without by at least the shards' gradients and AdamW state.
-`--dry-run` runs every check on CPU: what CPU can show is a PASS or FAIL there (collectives at
-world size 1, losses, checkpoints); what only a GPU shows (syncs, device memory, races,
-fp16 loss scaling) prints `RAN` with no verdict.
+Every check runs at world size 1 with the engine's one-rank shortcut off (real collectives on the
+side streams; a counter at `torch.distributed` proves it).
+(a) stream races: identical blocks (units share pool keys), fp32 and bf16, bitwise equal with and
+    without `torch.cuda._sleep` around every collective; 2 steps under the CUDA sanitizer.
+(b) syncs, batches on the device: 1 per steady step (32-true, bf16-mixed, 16-mixed; fused AdamW;
+    Fabric) and 1 per evaluation pass of an untrained model.
+(c) memory: each step's peak within model state + (root, live, prefetched, in-flight) units + the
+    plain model's step transient, flat over 20 steps; ~0 left after `fit`; `init_module()` builds ~0.
+(d) bf16-mixed / 16-mixed x foreach / fused AdamW x clipping off / on against a plain Fabric loop
+    over 20 steps; an fp16 overflow skips the step and halves the scale.
+(e) Lightning: fit, full and sharded save, resume, standalone validate and predict against a plain
+    Trainer; step time and GPU idle fraction (profiler trace) next to the plain model.
+(f) `offload="host"`, `reshard_after_forward=False`, unsynced accumulation bitwise equal to the plain
+    sharded run; syncs per steady step with offload; offload saves at least AdamW's state.
+`--dry-run`: what CPU can show gets a verdict (collectives at world size 1, losses, checkpoints);
+what only a GPU shows (syncs, device memory, races, fp16 loss scaling) prints `RAN`.
 """
 
 from __future__ import annotations
@@ -40,10 +35,14 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import DeviceType
+from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -63,23 +62,19 @@ def report(verdict: str, check: str, figures: str) -> None:
     print(f"{verdict:<4}  ({check}) {figures}", flush=True)
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
+def verdict(ok: bool, dry: bool = False) -> str:
+    return "RAN" if dry else "PASS" if ok else "FAIL"
 
 
 def shortcut_off(sharded: ShardedModel) -> None:
-    """Run real collectives at world size 1. The engine has no public option for this yet: the
-    check needs one (a `ShardingConfig` field or a documented attribute); until then it sets
-    `comm.one_rank_shortcut` and fails loudly if that attribute is gone."""
+    """Real collectives at world size 1 (no public option yet: fails loudly if the attribute goes)."""
     comm = getattr(sharded, "comm", None)
     if not hasattr(comm, "one_rank_shortcut"):
         raise RuntimeError("the engine has no `comm.one_rank_shortcut` to turn off: give the check a new knob")
     comm.one_rank_shortcut = False  # type: ignore[union-attr]
 
 
-def collectives(counter: DistCounter) -> int:
-    """Collectives seen at `torch.distributed`: the one-rank shortcut makes none. (On gloo at one
-    rank the in-place Reduce-Scatter has no peer to send to, so the All-Gathers are what counts.)"""
+def collectives(counter: DistCounter) -> int:  # seen at `torch.distributed`: the one-rank shortcut makes none
     return sum(kind["calls"] for kind in counter.counts.values())
 
 
@@ -99,7 +94,6 @@ def syncs_counted(on: bool) -> Iterator[list[int]]:
     count.append(sum("synchroniz" in str(w.message) for w in caught))
 
 
-# ---- model and data -------------------------------------------------------------------------
 class Block(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -135,18 +129,17 @@ def batch(step: int, device: Any, size: int = 32) -> tuple[torch.Tensor, torch.T
 
 
 def ensure_group(device: torch.device) -> None:
-    """A world-size-1 process group in this process (Lightning and Fabric reuse it)."""
-    if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="gpu_check_store"), 1)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    """A world-size-1 process group in this process."""
+    store = dist.FileStore(tempfile.mktemp(prefix="gpu_check_store"), 1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
 
 
 # ---- (a) stream races -------------------------------------------------------------------------
 def _delayed(original: Any) -> Any:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        torch.cuda._sleep(SLEEP_CYCLES)  # on the stream that issues the collective: it starts late
+    def call(*args: Any, **kwargs: Any) -> Any:  # on the issuing stream: the collective and what follows start late
+        torch.cuda._sleep(SLEEP_CYCLES)
         work = original(*args, **kwargs)
-        torch.cuda._sleep(SLEEP_CYCLES)  # and what that stream does next (copy-out, free) is late too
+        torch.cuda._sleep(SLEEP_CYCLES)
         return work
 
     return call
@@ -190,7 +183,7 @@ def check_a(dry: bool) -> None:
         count = plain["collectives"]
         report(verdict(count >= 4 * 9), "a", f"{dtype}: {count} collectives in 4 steps of 9 units at world size 1")
         same = all(torch.equal(plain["state"][k], late["state"][k]) for k in plain["state"])
-        report("RAN" if dry else verdict(same), "a", f"{dtype}: bitwise equal with delayed side streams: {same}")
+        report(verdict(same, dry), "a", f"{dtype}: bitwise equal with delayed side streams: {same}")
     if dry:
         report("RAN", "a", "CUDA sanitizer: not applicable on CPU")
         return
@@ -204,8 +197,6 @@ def check_a(dry: bool) -> None:
 # ---- Fabric loops, for (b) and (d) ---------------------------------------------------------------
 def fabric_run(dev: torch.device, precision: str, *, zero3: bool, fused: bool = False, clip: bool = False,
                steps: int = 20, overflow_at: int | None = None, sync_window: int | None = None) -> dict:  # fmt: skip
-    import lightning as L
-
     strategy = ZeRO3FabricStrategy() if zero3 else "auto"
     fabric = L.Fabric(accelerator=dev.type, devices=1, precision=precision, strategy=strategy)  # type: ignore[arg-type]
     fabric.launch()
@@ -216,7 +207,7 @@ def fabric_run(dev: torch.device, precision: str, *, zero3: bool, fused: bool = 
         shortcut_off(fabric.strategy.sharded_model(model))
     data = [batch(step, dev) for step in range(steps)]  # on the device before any timing or sync count
     scaler = getattr(fabric.strategy.precision, "scaler", None)
-    out: dict[str, Any] = {"losses": [], "syncs": None}
+    out: dict[str, Any] = {"losses": [], "syncs": "-"}  # counted on CUDA only
     for step, (x, y) in enumerate(data):
         window = step == sync_window and dev.type == "cuda"
         before = [p.detach().clone() for p in model.parameters()] if step == overflow_at else None
@@ -244,20 +235,13 @@ def fabric_run(dev: torch.device, precision: str, *, zero3: bool, fused: bool = 
 # ---- (b) syncs --------------------------------------------------------------------------------
 def check_b(dry: bool) -> None:
     dev = torch.device("cpu" if dry else "cuda:0")
-    ensure_group(dev)
     for precision in ["32-true"] if FAST else ["32-true", "bf16-mixed"] + ([] if dry else ["16-mixed"]):
         run = fabric_run(dev, precision, zero3=True, fused=True, steps=5, sync_window=4)
-        if dry:
-            report("RAN", "b", f"{precision}, fused AdamW: steady step ran (syncs are a CUDA notion)")
-        else:
-            report(verdict(run["syncs"] == 1), "b", f"{precision}, fused AdamW: {run['syncs']} syncs in a steady step")
+        report(verdict(run["syncs"] == 1, dry), "b", f"{precision}, fused AdamW: {run['syncs']} syncs in a steady step")
     run = fabric_run(dev, "32-true", zero3=True, clip=True, steps=5, sync_window=4)  # foreach norm and clip
     wait = run["gather_wait_s"]
-    ok = wait >= 0 and (dry or run["syncs"] == 1)
-    detail = f"{'-' if dry else run['syncs']} syncs; last step's gather wait {wait * 1e3:.2f} ms"
-    report(("RAN" if dry else "PASS") if ok else "FAIL", "b", f"32-true, clipping: {detail}")
-    import lightning as L
-
+    detail = f"{run['syncs']} syncs; last step's gather wait {wait * 1e3:.2f} ms"
+    report(verdict(wait >= 0 and run["syncs"] == 1, dry and wait >= 0), "b", f"32-true, clipping: {detail}")
     fabric = L.Fabric(accelerator=dev.type, devices=1, strategy=ZeRO3FabricStrategy())
     fabric.launch()
     model = fabric.setup_module(fresh(64, 4, "cpu"))
@@ -265,10 +249,8 @@ def check_b(dry: bool) -> None:
     x, _ = batch(0, dev)
     with syncs_counted(not dry) as syncs, torch.no_grad():
         model(x)
-    if dry:
-        report("RAN", "b", "evaluation pass of an untrained model ran")
-    else:
-        report(verdict(syncs[0] == 1), "b", f"evaluation pass with no prior training: {syncs[0]} syncs")
+    count = "-" if dry else syncs[0]
+    report(verdict(syncs[0] == 1, dry), "b", f"evaluation pass with no prior training: {count} syncs")
 
 
 # ---- (c) memory -------------------------------------------------------------------------------
@@ -277,10 +259,8 @@ def check_c(dry: bool) -> None:
         report("RAN", "c", "device memory is a CUDA figure: not measured on CPU")
         return
     dev = torch.device("cuda:0")
-    ensure_group(dev)
     dim, blocks, prefetch, in_flight, mib = 1024, 6, 1, 2, 2**20
-    x, y = batch(0, dev, 256)
-    plain = fresh(dim, blocks, dev)
+    (x, y), plain = batch(0, dev, 256), fresh(dim, blocks, dev)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     for _ in range(2):  # the second step's peak above its start: activations or AdamW's temporaries, + grads
         torch.cuda.synchronize()
@@ -318,9 +298,7 @@ def check_c(dry: bool) -> None:
     del model, sharded, optimizer
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    trainer = lit_trainer("gpu", ZeRO3Strategy(), max_steps=4)
-    module = lit_module(dim, blocks)
-    trainer.fit(module, loader())
+    lit_trainer("gpu", ZeRO3Strategy(), max_steps=4).fit(Lit(dim, blocks), loader())
     torch.cuda.synchronize()
     left = torch.cuda.memory_allocated() - base
     report(verdict(left <= mib), "c", f"device memory left after fit: {left / mib:.2f} MiB (near 0: <= 1 MiB)")
@@ -328,7 +306,7 @@ def check_c(dry: bool) -> None:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     with trainer.init_module():
-        lit_module(dim, blocks)
+        Lit(dim, blocks)
     built = torch.cuda.max_memory_allocated() - base
     report(verdict(built <= mib), "c", f"trainer.init_module() built {built / mib:.1f} MiB on the GPU (expected ~0)")
 
@@ -336,7 +314,6 @@ def check_c(dry: bool) -> None:
 # ---- (d) precision x optimizer x clipping ---------------------------------------------------------
 def check_d(dry: bool) -> None:
     dev = torch.device("cpu" if dry else "cuda:0")
-    ensure_group(dev)
     precisions = ["bf16-mixed"] if dry else ["bf16-mixed", "16-mixed"]
     variants = [(False, False)] if FAST else [(fused, clip) for fused in (False, True) for clip in (False, True)]
     for precision in precisions:
@@ -357,90 +334,71 @@ def check_d(dry: bool) -> None:
 
 
 # ---- (e) Lightning --------------------------------------------------------------------------------
-def lit_module(dim: int = 64, blocks: int = 4) -> Any:
-    import lightning.pytorch as pl
+class Lit(pl.LightningModule):
+    def __init__(self, dim: int = 64, blocks: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.losses = Net(dim, blocks), []
 
-    class Lit(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = Net(dim, blocks)
-            self.losses: list[float] = []
+    def training_step(self, b: Any, i: int) -> torch.Tensor:
+        loss = F.mse_loss(self.net(b[0]).float(), b[1])
+        self.losses.append(float(loss))
+        return loss
 
-        def training_step(self, b: Any, i: int) -> torch.Tensor:
-            loss = F.mse_loss(self.net(b[0]).float(), b[1])
-            self.losses.append(float(loss))
-            return loss
+    def validation_step(self, b: Any, i: int) -> None:
+        self.log("val_loss", F.mse_loss(self.net(b[0]).float(), b[1]))
 
-        def validation_step(self, b: Any, i: int) -> None:
-            self.log("val_loss", F.mse_loss(self.net(b[0]).float(), b[1]))
+    def predict_step(self, b: Any, i: int) -> torch.Tensor:
+        return self.net(b[0])
 
-        def predict_step(self, b: Any, i: int) -> torch.Tensor:
-            return self.net(b[0])
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.05)  # not AdamW: it would hide a gradient's scale
-
-    return Lit()
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)  # not AdamW: it would hide a gradient's scale
 
 
 def loader(batches: int = 8) -> Any:
-    from torch.utils.data import DataLoader, TensorDataset
-
     xs, ys = zip(*(batch(step, "cpu") for step in range(batches)))
     return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=32)
 
 
-def shortcut_off_callback() -> Any:
-    """A callback: the engine the strategy builds runs real collectives from its first batch."""
-    import lightning.pytorch as pl
+class ShortcutOff(pl.Callback):
+    """The engine the strategy builds runs real collectives from its first batch."""
 
-    class ShortcutOff(pl.Callback):
-        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            shortcut_off(trainer.strategy.sharded_model)
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        shortcut_off(trainer.strategy.sharded_model)
 
-        on_validation_start = on_predict_start = on_fit_start
-
-    return ShortcutOff()
+    on_validation_start = on_predict_start = on_fit_start
 
 
-def lit_trainer(accelerator: str, strategy: Any, **kwargs: Any) -> Any:
-    import lightning.pytorch as pl
-
-    callbacks = [shortcut_off_callback()] if isinstance(strategy, ZeRO3Strategy) else []
+def lit_trainer(accelerator: str, strategy: Any, **kwargs: Any) -> pl.Trainer:
+    callbacks = [ShortcutOff()] if isinstance(strategy, ZeRO3Strategy) else []
     options = dict(accelerator=accelerator, devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, max_epochs=4,
                    use_distributed_sampler=False, callbacks=callbacks + kwargs.pop("callbacks", []))  # fmt: skip
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return pl.Trainer(**{**options, **kwargs})
 
 
 def timed_fit(accelerator: str, strategy: Any, steps: int) -> tuple[float, float | None]:
     """Median step time (s) of a fit, and the GPU's idle fraction over 4 steps in a profiler trace."""
-    import lightning.pytorch as pl
-
-    times: list[float] = []
-    kernels: list[Any] = []
+    gpu, times, kernels = accelerator == "gpu", [], []
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
-            if accelerator == "gpu":
+            if gpu:
                 torch.cuda.synchronize()
-            if trainer.global_step == steps - 4 and accelerator == "gpu":
+            if gpu and trainer.global_step == steps - 4:
                 self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 self.prof.start()
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            if accelerator == "gpu":
+            if gpu:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
-            if trainer.global_step == steps and accelerator == "gpu":
+            if gpu and trainer.global_step == steps:
                 self.prof.stop()
-                cuda = torch.autograd.DeviceType.CUDA
-                kernels.extend(e.time_range for e in self.prof.events() if e.device_type == cuda)
+                kernels.extend(e.time_range for e in self.prof.events() if e.device_type == DeviceType.CUDA)
 
-    lit_trainer(accelerator, strategy, max_steps=steps, callbacks=[Timer()]).fit(lit_module(512, 6), loader(steps))
+    lit_trainer(accelerator, strategy, max_steps=steps, callbacks=[Timer()]).fit(Lit(512, 6), loader(steps))
     if not kernels:
         return statistics.median(times[2:]), None
     kernels.sort(key=lambda r: r.start)
@@ -453,11 +411,10 @@ def timed_fit(accelerator: str, strategy: Any, steps: int) -> tuple[float, float
 
 def check_e(dry: bool) -> None:
     accelerator = "cpu" if dry else "gpu"
-    ensure_group(torch.device("cpu" if dry else "cuda:0"))
     counter = DistCounter()
     counter.install()
     try:
-        plain, zero3 = lit_module(), lit_module()
+        plain, zero3 = Lit(), Lit()
         lit_trainer(accelerator, "auto", max_steps=4).fit(plain, loader())
         lit_trainer(accelerator, ZeRO3Strategy(), max_steps=4).fit(zero3, loader())
         diff = max(abs(a - b) for a, b in zip(plain.losses, zero3.losses))
@@ -465,24 +422,22 @@ def check_e(dry: bool) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             resumed: dict[str, list[float]] = {}
             for kind in ("plain", "sharded") if FAST else ("plain", "sharded", "full"):
-                def strategy(kind: str = kind) -> Any:
-                    return "auto" if kind == "plain" else ZeRO3Strategy(state_dict_type=kind)
-
-                first, again = lit_module(), lit_module()
+                path, again = str(Path(tmp) / kind), Lit()
+                strategy = lambda kind=kind: "auto" if kind == "plain" else ZeRO3Strategy(state_dict_type=kind)
                 trainer = lit_trainer(accelerator, strategy(), max_steps=4)
-                trainer.fit(first, loader())
-                trainer.save_checkpoint(str(Path(tmp) / kind))
-                lit_trainer(accelerator, strategy(), max_steps=8).fit(again, loader(), ckpt_path=str(Path(tmp) / kind))
+                trainer.fit(Lit(), loader())
+                trainer.save_checkpoint(path)
+                lit_trainer(accelerator, strategy(), max_steps=8).fit(again, loader(), ckpt_path=path)
                 resumed[kind] = again.losses
             for kind in [k for k in resumed if k != "plain"]:
                 diff = max(abs(a - b) for a, b in zip(resumed[kind], resumed["plain"]))
                 ok = diff < 1e-5 and len(resumed[kind]) == 4
                 report(verdict(ok), "e", f"{kind} save + resume: max |loss diff| vs plain Trainer {diff:.2e}")
-        expected = lit_trainer(accelerator, "auto").validate(lit_module(), loader(), verbose=False)[0]["val_loss"]
-        got = lit_trainer(accelerator, ZeRO3Strategy()).validate(lit_module(), loader(), verbose=False)[0]["val_loss"]
+        expected = lit_trainer(accelerator, "auto").validate(Lit(), loader(), verbose=False)[0]["val_loss"]
+        got = lit_trainer(accelerator, ZeRO3Strategy()).validate(Lit(), loader(), verbose=False)[0]["val_loss"]
         report(verdict(abs(got - expected) < 1e-5), "e", f"standalone validate: val_loss {got:.6f} vs {expected:.6f}")
-        want = torch.cat(lit_trainer(accelerator, "auto").predict(lit_module(), loader()))
-        have = torch.cat(lit_trainer(accelerator, ZeRO3Strategy()).predict(lit_module(), loader()))
+        want = torch.cat(lit_trainer(accelerator, "auto").predict(Lit(), loader()))
+        have = torch.cat(lit_trainer(accelerator, ZeRO3Strategy()).predict(Lit(), loader()))
         diff = float((want - have).abs().max())
         report(verdict(diff < 1e-5), "e", f"standalone predict: max |output diff| {diff:.2e}")
     finally:
@@ -501,17 +456,17 @@ def _settings_run(dev: torch.device, steps: int, no_sync: bool = False, **option
     sharded = ShardedModel(model, device=dev, **options)
     shortcut_off(sharded)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, peak, counted = [], 0, -1
+    losses, peak, counted, k = [], 0, -1, 2 if no_sync else 1  # k micro-batches per step
     for step in range(steps):
         x, y = batch(step, dev, 64)
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         with syncs_counted(dev.type == "cuda" and step == steps - 1) as syncs:
-            for micro in range(2 if no_sync else 1):
-                with sharded.no_sync() if no_sync and micro == 0 else nullcontext():
-                    loss = F.mse_loss(model(x[micro::2] if no_sync else x), y[micro::2] if no_sync else y)
-                    (loss / (2 if no_sync else 1)).backward()
+            for micro in range(k):
+                with sharded.no_sync() if micro < k - 1 else nullcontext():
+                    loss = F.mse_loss(model(x[micro::k]), y[micro::k])
+                    (loss / k).backward()
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.detach())
@@ -523,7 +478,6 @@ def _settings_run(dev: torch.device, steps: int, no_sync: bool = False, **option
 
 def check_f(dry: bool) -> None:
     dev = torch.device("cpu" if dry else "cuda:0")
-    ensure_group(dev)
     steps = 4 if FAST else 10
     plain = _settings_run(dev, steps)
     for name, options in (("offload host", {"offload": "host"}), ("reshard False", {"reshard_after_forward": False})):
@@ -536,9 +490,8 @@ def check_f(dry: bool) -> None:
             peaks = f"peak {run['peak'] / 2**20:.1f} vs {plain['peak'] / 2**20:.1f} MiB"
             report(verdict(saved >= state), "f", f"offload host: {peaks}, {saved / 2**20:.1f} saved "
                    f"(at least AdamW's state, {state / 2**20:.1f})")  # fmt: skip
-    halves = [_settings_run(dev, steps, no_sync=True, **o) for o in ({}, {"offload": "host"})]
-    same = halves[0]["losses"] == halves[1]["losses"]
-    report(verdict(same), "f", "unsynced accumulation: offload host bitwise equal to the device run")
+    halves = [_settings_run(dev, steps, no_sync=True, **o)["losses"] for o in ({}, {"offload": "host"})]
+    report(verdict(halves[0] == halves[1]), "f", "unsynced accumulation: offload host bitwise equal to the device run")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -553,9 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("No CUDA device: run with --dry-run for the CPU version of these checks.")
         return 2
-    if not args.dry_run:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     start = time.perf_counter()
+    ensure_group(torch.device("cpu" if args.dry_run else "cuda:0"))  # world size 1, reused by Lightning and Fabric
     checks = {"a": check_a, "b": check_b, "c": check_c, "d": check_d, "e": check_e, "f": check_f}
     for key in args.only:
         try:

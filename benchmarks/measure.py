@@ -3,6 +3,7 @@ bytes, peak RSS. Everything here runs inside a rank process and returns plain da
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -34,21 +35,11 @@ _WATCHED: dict[str, tuple[str, str]] = {
 }
 
 
-def _payload_bytes(value: torch.Tensor | list[torch.Tensor]) -> int:
-    tensors = value if isinstance(value, (list, tuple)) else [value]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class DistCounter:
-    """Counts calls and bytes of the collectives called through `torch.distributed.<name>`.
-
-    This sees FSDP2, DeepSpeed and the ZeRO-3 engine (all call the Python API) but not DDP, whose
-    C++ reducer all-reduces its buckets directly: DDP's figures are the formula instead. The
-    wrappers replace the names in both `torch.distributed` and `torch.distributed.distributed_c10d`
-    (where they are defined; DeepSpeed reaches some through the latter), and must be installed
-    before DeepSpeed starts: its comm backend keeps the All-Gather and Reduce-Scatter functions it
-    finds at `init_distributed`. Installed in a benchmark rank process only; nothing in the
-    package is touched."""
+    """Counts calls and bytes of the collectives called through `torch.distributed.<name>`: FSDP2,
+    DeepSpeed and the ZeRO-3 engine, not DDP's C++ reducer (its figures are the formula). The names
+    are replaced in `torch.distributed` and `distributed_c10d` (DeepSpeed reaches some through it),
+    before DeepSpeed's `init_distributed` keeps the functions it finds; in a rank process only."""
 
     def __init__(self) -> None:
         self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0})
@@ -80,10 +71,11 @@ class DistCounter:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self._inside:  # e.g. torch's deprecated reduce_scatter_tensor calls reduce_scatter_single
                 return original(*args, **kwargs)
-            payload = signature.bind(*args, **kwargs).arguments[argument]
+            payload = signature.bind(*args, **kwargs).arguments[argument]  # a tensor or a list of them
             entry = self.counts[kind]
             entry["calls"] += 1
-            entry["payload_bytes"] += _payload_bytes(payload)
+            entry["payload_bytes"] += sum(t.numel() * t.element_size() for t in (
+                payload if isinstance(payload, (list, tuple)) else [payload]))  # fmt: skip
             self._inside = True
             try:
                 return original(*args, **kwargs)
@@ -93,15 +85,10 @@ class DistCounter:
         return counted
 
     def take(self, world_size: int, *, gloo: bool) -> dict[str, dict[str, Any]]:
-        """The counts since the last `take`, with wire bytes; resets them.
-
-        Under gloo, `reduce_scatter_tensor` is an All-Reduce of the whole input (then a copy of
-        this rank's chunk), so its wire bytes are the All-Reduce's. lightning_zero3 on gloo
-        gathers with one broadcast per rank and reduces with sends and receives (its comm.py,
-        Note: gloo): the broadcasts are reported as the All-Gather they make up (calls: one per
-        N broadcasts) and the sends as a Reduce-Scatter whose payload is what a ring
-        Reduce-Scatter of the same rows would consume, N/(N-1) x the bytes sent, and whose wire
-        bytes are exactly the bytes sent."""
+        """The counts since the last `take`, with wire bytes; resets them. Under gloo a Reduce-Scatter
+        is an All-Reduce of the whole input (its wire bytes are the All-Reduce's); lightning_zero3 on
+        gloo gathers by N broadcasts, reported as one All-Gather, and reduces by sends, reported as a
+        Reduce-Scatter whose payload is a ring's (N/(N-1) x the bytes sent) and wire bytes the bytes sent."""
         n = world_size
         counts = {kind: dict(entry) for kind, entry in self.counts.items()}
         self.counts.clear()
@@ -126,19 +113,13 @@ class DistCounter:
 
 
 def ddp_step_bytes(psi: int, bytes_per_element: int, world_size: int) -> dict[str, dict[str, int]]:
-    """DDP's traffic per step (its reducer is C++, invisible to `DistCounter`): the gradients,
-    Ψ elements, all-reduced once; a ring sends 2(N-1)/N of them."""
-    payload = psi * bytes_per_element
-    wire = int(round(2 * (world_size - 1) / world_size * payload))
-    return {"all_reduce": {"calls": 0, "payload_bytes": payload, "wire_bytes": wire}}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor -> this rank's shard
+    """DDP's traffic per step (its C++ reducer is invisible to `DistCounter`): Ψ gradients all-reduced once."""
+    payload, ring = psi * bytes_per_element, 2 * (world_size - 1) / world_size  # a ring sends 2(N-1)/N of it
+    return {"all_reduce": {"calls": 0, "payload_bytes": payload, "wire_bytes": round(ring * payload)}}
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    t = _local(t)
+    t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor -> this rank's shard
     return t.numel() * t.element_size()
 
 
@@ -154,12 +135,8 @@ def model_state_bytes(params: Iterable[torch.Tensor], optimizers: Iterable[torch
         for param, state in optimizer.state.items():
             if id(param) in mine:
                 optim_bytes += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return {
-        "param": param_bytes,
-        "grad": grad_bytes,
-        "optimizer": optim_bytes,
-        "total": param_bytes + grad_bytes + optim_bytes,
-    }
+    return {"param": param_bytes, "grad": grad_bytes, "optimizer": optim_bytes,
+            "total": param_bytes + grad_bytes + optim_bytes}  # fmt: skip
 
 
 def status_bytes(field: str) -> int:
@@ -172,18 +149,10 @@ def status_bytes(field: str) -> int:
 
 
 def reset_peak_rss() -> int:
-    """Restart the kernel's peak-RSS mark (VmHWM) at the current RSS (Linux >= 4.0), so a
-    peak measured from here is this process's own and not, e.g., the forkserver's it was forked
-    from. Returns the current RSS in bytes."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return rss_bytes()
-
-
-def rss_bytes() -> int:
+    """Restart the kernel's peak-RSS mark (VmHWM) at the current RSS (Linux >= 4.0), so that a peak
+    is this process's own, not the forkserver's it was forked from; the current RSS in bytes."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     return status_bytes("VmRSS")
 
 
@@ -195,13 +164,10 @@ class StepRecorder:
     """Times steps (device-synchronised) and collects per-step figures."""
 
     def __init__(self, world_size: int, device: torch.device, counter: DistCounter) -> None:
-        self.world_size = world_size
-        self.device = device
-        self.counter = counter
+        self.world_size, self.device, self.counter = world_size, device, counter
         self._gloo = device.type == "cpu"  # the benchmark runs CPU ranks on gloo, GPUs on NCCL
         self.steps: list[dict[str, Any]] = []
-        self._t0 = 0.0
-        self._cpu0 = 0.0
+        self._t0 = self._cpu0 = 0.0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -216,17 +182,14 @@ class StepRecorder:
     def stop(self, loss: torch.Tensor, gather_wait_s: Callable[[], float] | None = None) -> None:
         value = float(loss.detach().item())
         self._sync()
-        elapsed = time.perf_counter() - self._t0
-        # CPU seconds of this process, all threads (gloo's included): what the step cost the
-        # machine, nearly blind to other processes competing for the cores.
-        cpu = time.process_time() - self._cpu0
         step: dict[str, Any] = {
-            "time_s": elapsed,
-            "cpu_s": cpu,
+            "time_s": time.perf_counter() - self._t0,
+            # CPU seconds of this process, all threads (gloo's too): nearly blind to other processes.
+            "cpu_s": time.process_time() - self._cpu0,
             "loss": value,
             "comm": self.counter.take(self.world_size, gloo=self._gloo),
+            "peak_rss_bytes": peak_rss_bytes(),  # the process's high-water mark so far
         }
-        step["peak_rss_bytes"] = peak_rss_bytes()  # the process's high-water mark so far
         if gather_wait_s is not None:
             step["gather_wait_s"] = gather_wait_s()
         self.steps.append(step)

@@ -1,11 +1,6 @@
-"""The GPT every backend trains and the batches it trains on.
-
-The model is the one of `examples/train_gpt.py` (token + position embedding, pre-LN blocks in an
-`nn.ModuleList`, final LayerNorm, LM head tied to the token embedding), imported from there so the
-benchmark measures the example's model and not a copy. The data are Python's help topics
-(`pydoc_data.topics`), one character per token, cut into fixed windows chosen by the seed: every
-backend sees the same batches in the same order.
-"""
+"""The GPT every backend trains (`examples/train_gpt.py`'s, imported: the example's model, not a
+copy) and its batches: Python's help topics (`pydoc_data.topics`), one character per token, cut
+into windows chosen by the seed, the same for every backend."""
 
 from __future__ import annotations
 

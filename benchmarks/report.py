@@ -19,20 +19,15 @@ def _bytes_from(entry: dict) -> str:
     return "counted" + (f" ({'; '.join(via)})" if via else "")
 
 
-def _label(name: str) -> str:
-    return BACKENDS[name][0] if name in BACKENDS else name
+def _label(name: str, short: bool = False) -> str:
+    return BACKENDS[name][int(short)] if name in BACKENDS else name
 
 
-def _short(name: str) -> str:
-    return BACKENDS[name][1] if name in BACKENDS else name
-
-
-def _ratio(entry: dict[str, Any], other: str, names: list[str]) -> str:
-    return f"{entry['ratio_vs'][other]:.3f}" if other in names and other in entry["ratio_vs"] else "-"
+def _ratio(entry: dict[str, Any], other: str, field: str = "ratio_vs") -> str:
+    return f"{entry[field][other]:.3f}" if other in entry[field] else "-"
 
 
 def time_table(backends: dict[str, dict[str, Any]]) -> str:
-    names = list(backends)
     mfu = any("mfu" in e for e in backends.values())
     head = (
         "backend;step median (s);p10 (s);p90 (s);÷ DDP;÷ FSDP2;÷ Lightning DDP;÷ DeepSpeed;tokens/s;CPU s / "
@@ -40,20 +35,13 @@ def time_table(backends: dict[str, dict[str, Any]]) -> str:
     ).split(";") + (["MFU"] if mfu else [])
     rows = []
     for name, e in backends.items():
-        wait = f"{e['gather_wait_s_median'] * 1e3:.1f}" if "gather_wait_s_median" in e else "-"
-        row = [
-            _label(name),
-            f"{e['median_step_s']:.3f}",
-            f"{e['p10_step_s']:.3f}",
-            f"{e['p90_step_s']:.3f}",
-            _ratio(e, "ddp", names),
-            _ratio(e, "fsdp2", names),
-            _ratio(e, "lightning-ddp", names),
-            _ratio(e, "deepspeed", names),
+        row = [_label(name), *(f"{e[k]:.3f}" for k in ("median_step_s", "p10_step_s", "p90_step_s"))]
+        row += [_ratio(e, other) for other in ("ddp", "fsdp2", "lightning-ddp", "deepspeed")]
+        row += [
             f"{e['tokens_per_s']:,.0f}",
             f"{e['median_cpu_s']:.3f}",
-            f"{e['cpu_ratio_vs']['lightning-ddp']:.3f}" if "lightning-ddp" in e["cpu_ratio_vs"] else "-",
-            wait,
+            _ratio(e, "lightning-ddp", "cpu_ratio_vs"),
+            f"{e['gather_wait_s_median'] * 1e3:.1f}" if "gather_wait_s_median" in e else "-",
             "-" if not e.get("load_averages") else f"{min(e['load_averages']):.1f}-{max(e['load_averages']):.1f}",
         ]
         if mfu:
@@ -82,9 +70,7 @@ def memory_table(backends: dict[str, dict[str, Any]]) -> str:
             f"{e['model_state_vs_16psi_over_n']:.4f}",
             f"{e['peak_rss_bytes'] / MIB:,.0f}",
             f"{e['anon_rss_bytes'] / MIB:,.0f}" if "anon_rss_bytes" in e else "-",
-            payload["all_gather"],
-            payload["reduce_scatter"],
-            payload["all_reduce"],
+            *(payload[kind] for kind in _KINDS),
             f"{wire:.2f}",
             _bytes_from(e),
             str(e.get("peak_units_alive", "-")),
@@ -129,9 +115,6 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-# ---- charts ------------------------------------------------------------------------------
-
-
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """PNG charts of what `result` holds; [] with a message when matplotlib is missing."""
     try:
@@ -142,52 +125,40 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     except ImportError:
         print("--plot: matplotlib is not installed; no charts written. Install it with: pip install -e '.[bench]'")
         return []
-    written = []
-    if result.get("backends"):
-        backends = result["backends"]
+    written, backends = [], result.get("backends")
+    if backends:
         names = list(backends)
         ref = next((r for r in ("lightning-ddp", "ddp") if r in names), names[0])
         fig, ax = plt.subplots(figsize=(9, 0.55 * len(names) + 1.6))
         medians = [backends[n]["median_step_s"] for n in names]
         p90 = [backends[n]["p90_step_s"] - backends[n]["median_step_s"] for n in names]
-        ax.barh([_short(n) for n in names], medians, xerr=[[0] * len(names), p90], color="tab:blue", capsize=3)
+        ax.barh([_label(n, True) for n in names], medians, xerr=[[0] * len(names), p90], color="tab:blue", capsize=3)
         for i, n in enumerate(names):
-            for value in backends[n]["round_medians_s"]:
-                ax.plot(value, i, "k.", markersize=4)
+            ax.plot(backends[n]["round_medians_s"], [i] * len(backends[n]["round_medians_s"]), "k.", markersize=4)
             ratio = backends[n]["ratio_vs"].get(ref, float("nan"))
-            ax.text(
-                medians[i] * 0.02,
-                i,
-                f"{medians[i]:.3f} s  ({ratio:.3f}x {_short(ref)})",
-                va="center",
-                color="white",
-                fontsize=8,
-            )
+            label = f"{medians[i]:.3f} s  ({ratio:.3f}x {_label(ref, True)})"
+            ax.text(medians[i] * 0.02, i, label, va="center", color="white", fontsize=8)
         ax.invert_yaxis()
         cfg = result["config"]
-        ax.set_xlabel(
-            "step time (s): bar median, whisker p90, dots per-round medians; ratio = median of per-round ratios"
-        )
+        ax.set_xlabel("step time (s): bar median, whisker p90, dots per-round medians; ratio: median per-round ratio")
         ax.set_title(f"GPT {cfg['size']} (Ψ = {result['psi']:,}), {cfg['world_size']} ranks, {cfg['accelerator']}")
         written.append(_save(fig, out / "step_time.png"))
     if result.get("scaling"):
-        scaling = result["scaling"]
-        psi = result["psi"]
+        scaling, psi = result["scaling"], result["psi"]
         ns = sorted({s["world_size"] for s in scaling})
         fig, (left, right, times) = plt.subplots(1, 3, figsize=(15, 4.5))
         styles = ["o-", "s--", "^:", "d-.", "v-"]
         for i, name in enumerate(dict.fromkeys(s["backend"] for s in scaling)):
             pts = [s for s in scaling if s["backend"] == name]
             x = [s["world_size"] for s in pts]
-            style = styles[i % len(styles)]
-            left.plot(x, [s["model_state_bytes"] / MB for s in pts], style, label=_label(name), markersize=7 - i)
-            right.plot(x, [s["peak_rss_bytes"] / MIB for s in pts], style, label=_label(name), markersize=7 - i)
-            times.plot(x, [s["median_step_s"] for s in pts], style, label=_label(name), markersize=7 - i)
+            for ax, key, unit in ((left, "model_state_bytes", MB), (right, "peak_rss_bytes", MIB),
+                                  (times, "median_step_s", 1)):  # fmt: skip
+                ax.plot(x, [s[key] / unit for s in pts], styles[i % len(styles)], label=_label(name), markersize=7 - i)
         left.plot(ns, [16 * psi / n / MB for n in ns], "k", alpha=0.3, linewidth=6, label="16Ψ/N", zorder=0)
-        left.set_ylabel("MB per rank")
-        left.set_title("model state: params + grads + AdamW (exact)")
-        right.set_ylabel("MiB per rank")
-        right.set_title("peak RSS of the rank process (whole process)")
+        for ax, unit, title in ((left, "MB per rank", "model state: params + grads + AdamW (exact)"),
+                                (right, "MiB per rank", "peak RSS of the rank process (whole process)")):  # fmt: skip
+            ax.set_ylabel(unit)
+            ax.set_title(title)
         times.set_ylabel("s")
         loads = [s["load_average_1min"] for s in scaling if "load_average_1min" in s]
         load = f", load {min(loads):.1f}-{max(loads):.1f}" if loads else ""

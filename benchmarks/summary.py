@@ -13,6 +13,7 @@ from benchmarks.measure import ddp_step_bytes
 PEAK_TFLOPS = {"H200": (494.7, 989.4), "H100": (494.7, 989.4), "A100": (156.0, 312.0), "L40S": (183.0, 362.0)}
 LOSS_TOL = 1e-5  # |loss - another backend's loss| at any step that still counts as "float rounding"
 ANALYTIC = ("ddp", "lightning-ddp")  # traffic from the formula: DDP's reducer is C++
+_FIRST_RANK = ("engine_step_bytes", "expected_step_bytes", "device_name")  # rank 0's (equal on every rank)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -27,8 +28,7 @@ def percentile(values: list[float], q: float) -> float:
 def summarize_run(backend: str, ranks: list[dict[str, Any]], *, warmup: int) -> dict[str, Any]:
     """One launch of one backend: step times (the slowest rank's, per step), global losses
     (mean of the ranks' equal-sized batch losses), per-rank maxima of memory."""
-    n = len(ranks)
-    steps = len(ranks[0]["steps"])
+    n, steps, first = len(ranks), len(ranks[0]["steps"]), ranks[0]
     times = [max(r["steps"][i]["time_s"] for r in ranks) for i in range(warmup, steps)]
     cpu = [max(r["steps"][i]["cpu_s"] for r in ranks) for i in range(warmup, steps)]
     losses = [sum(r["steps"][i]["loss"] for r in ranks) / n for i in range(steps)]
@@ -44,28 +44,16 @@ def summarize_run(backend: str, ranks: list[dict[str, Any]], *, warmup: int) -> 
         # The high-water mark after each step (all steps): growth here is the allocator keeping freed memory.
         "peak_rss_after_step_bytes": [max(r["steps"][i].get("peak_rss_bytes", 0) for r in ranks) for i in range(steps)],
     }
-    psi = ranks[0]["psi"]
     if backend in ANALYTIC:
-        out["step_bytes"] = ddp_step_bytes(psi, 4, n)
-        out["step_bytes_source"] = "formula (DDP's C++ reducer)"
+        out.update(step_bytes=ddp_step_bytes(first["psi"], 4, n), step_bytes_source="formula (DDP's C++ reducer)")
     else:
-        out["step_bytes"] = ranks[0]["steps"][-1]["comm"]
-        out["step_bytes_source"] = "counted at torch.distributed"
-    if "gather_wait_s" in ranks[0]["steps"][0]:
+        out.update(step_bytes=first["steps"][-1]["comm"], step_bytes_source="counted at torch.distributed")
+    if "gather_wait_s" in first["steps"][0]:
         out["gather_wait_s"] = [sum(r["steps"][i]["gather_wait_s"] for r in ranks) / n for i in range(warmup, steps)]
-    for key in ("peak_units_alive", "anon_rss_bytes"):
-        if key in ranks[0]:
-            out[key] = max(r[key] for r in ranks)
-    for key in ("engine_step_bytes", "expected_step_bytes", "device_name"):
-        if key in ranks[0]:
-            out[key] = ranks[0][key]
-    if "peak_device_bytes" in ranks[0]:
-        out["peak_device_bytes"] = max(r["peak_device_bytes"] for r in ranks)
+    for key in ("peak_units_alive", "anon_rss_bytes", "peak_device_bytes", *_FIRST_RANK):
+        if key in first:
+            out[key] = first[key] if key in _FIRST_RANK else max(r[key] for r in ranks)
     return out
-
-
-def _reference(names: list[str]) -> str | None:
-    return next((b for b in ("ddp", "lightning-ddp") if b in names), None)
 
 
 def summarize_backends(
@@ -75,7 +63,7 @@ def summarize_backends(
     names = list(dict.fromkeys(r["backend"] for r in runs))
     rounds = sorted({r["round"] for r in runs})
     by = {(r["backend"], r["round"]): r["summary"] for r in runs}
-    ref = _reference(names)
+    ref = next((b for b in ("ddp", "lightning-ddp") if b in names), None)  # the losses compared against
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         mine = [by[(name, k)] for k in rounds if (name, k) in by]
@@ -101,8 +89,7 @@ def summarize_backends(
             "step_bytes": first["step_bytes"],
             "step_bytes_source": first["step_bytes_source"],
         }
-        keys = ("peak_units_alive", "engine_step_bytes", "expected_step_bytes", "device_name", "peak_device_bytes")
-        for key in (*keys, "anon_rss_bytes"):
+        for key in ("peak_units_alive", "peak_device_bytes", "anon_rss_bytes", *_FIRST_RANK):
             if key in first:
                 entry[key] = first[key]
         if "gather_wait_s" in first:
@@ -113,34 +100,19 @@ def summarize_backends(
             )
         if peak_tflops:
             entry["mfu"] = 6 * psi * entry["tokens_per_s"] / (peak_tflops * 1e12 * world_size)
-        ratios: dict[str, float] = {}
-        for other in names:
-            per_round = [
-                by[(name, k)]["median_s"] / by[(other, k)]["median_s"]
-                for k in rounds
-                if (name, k) in by and (other, k) in by
-            ]
-            if per_round:
-                ratios[other] = statistics.median(per_round)
-        entry["ratio_vs"] = ratios
-        entry["cpu_ratio_vs"] = {
-            other: statistics.median(
-                by[(name, k)]["median_cpu_s"] / by[(other, k)]["median_cpu_s"]
-                for k in rounds
-                if (name, k) in by and (other, k) in by
-            )
-            for other in ratios
-        }
+        for field, key in (("ratio_vs", "median_s"), ("cpu_ratio_vs", "median_cpu_s")):
+            per_round = {other: [by[(name, k)][key] / by[(other, k)][key] for k in rounds
+                                 if (name, k) in by and (other, k) in by] for other in names}  # fmt: skip
+            entry[field] = {other: statistics.median(r) for other, r in per_round.items() if r}
         out[name] = entry
     return out
 
 
 def check_targets(backends: dict[str, dict[str, Any]], *, psi: int, world_size: int) -> list[dict[str, Any]]:
     """Issue 13's targets for zero3 (prefetch=1), each with the numbers behind the verdict."""
-    z = backends.get("zero3-p1")
+    z, targets = backends.get("zero3-p1"), []
     if z is None:
         return []
-    targets: list[dict[str, Any]] = []
 
     def add(name: str, met: bool, detail: str) -> None:
         targets.append({"target": name, "met": bool(met), "detail": detail})
@@ -172,11 +144,5 @@ def check_targets(backends: dict[str, dict[str, Any]], *, psi: int, world_size: 
 
 
 def peak_tflops_for(device_name: str | None, override: float | None) -> float | None:
-    if override:
-        return override
-    if not device_name:
-        return None
-    for key, (tf32, _bf16) in PEAK_TFLOPS.items():
-        if key in device_name:
-            return tf32
-    return None
+    tf32 = (tf32 for key, (tf32, _bf16) in PEAK_TFLOPS.items() if key in (device_name or ""))
+    return override or next(tf32, None)

@@ -1,18 +1,17 @@
-"""Checkpoints for ZeRO-3: sharded directories saved by every rank without gathering, loaded at
-any world size, replaced on disk atomically, and consolidated offline into one ordinary file.
-Framework-independent (no Lightning import): a Lightning checkpoint is only a dict here.
+"""Checkpoints for ZeRO-3 (no Lightning import: a Lightning checkpoint is only a dict here).
 
     format.py       the on-disk layout [Note: sharded checkpoint layout]; reading and checking it
     save.py         save_sharded: every rank writes its pieces; rank 0 swaps the directory in
     load.py         load_sharded (model and optimizers, at this run's world size)
     full.py         save_full / load_full: the one writer and reader of single-file checkpoints
-    consolidate.py  one ordinary checkpoint file from a sharded directory, one tensor at a time
+    consolidate.py  one file from a sharded directory, a tensor at a time [Note: streaming consolidation]
     streaming.py    the writers consolidation streams through [Note: the torch.save file format]
-    plain.py        either kind read into one process: load_checkpoint (a dict), load_from_checkpoint
-    files.py        checksums, atomic replace and remove, temporary names [Note: temporary names]
-    remote.py       fsspec URLs: a Path-like handle, manifest-last commit [Note: remote checkpoints]
-    trust.py        what loading trusts: restricted unpickling, plain names [Note: checkpoint trust model]
+    plain.py        either kind read into one process [Note: loading into a plain module]
+    files.py        checksums, atomic replace and remove [Note: temporary names]
+    remote.py       fsspec URLs, manifest-last commit [Note: remote checkpoints]
+    trust.py        restricted unpickling, plain names [Note: checkpoint trust model]
     errors.py       CheckpointError; ranks agree before any collective [Note: no hang on a bad checkpoint]
+    background.py   saves written in a thread [Note: background saves]
 """
 
 from lightning_zero3.checkpoint.consolidate import Progress, consolidate_checkpoint

@@ -1,24 +1,15 @@
 """Sharded saves that write in a background thread while training goes on.
 
 [Note: background saves]
-A save is split in two (checkpoint/save.py): `plan_sharded(copy=True)` runs on the caller's
-thread and copies this rank's shards, optimizer state and the pickled remainder into host memory
-(the snapshot); `write_sharded` then runs in a thread: DCP's write, the checksums, rank 0's
-meta.json and atomic swap (or manifest-last commit at a URL), exactly as a synchronous save.
-- Its collectives (the ranks' agreement, DCP's plan and index) run on a process group of their
-  own, created once per run (gloo, whatever the training backend), never on the training group,
-  whose collectives the main thread keeps issuing meanwhile. This is what torch's own
-  `dcp.async_save` does with its `process_group` argument.
-- One save in flight: the next save, a load, the end of `fit` and teardown wait for it first;
-  its outcome is then agreed on the training group (on the caller's thread), so an error in the
-  background is raised on every rank, at that point, as a `CheckpointError`.
-- Host memory: one snapshot, about the bytes of this rank's shards and optimizer state,
-  freed when the write ends.
-- `kill -9` during the write leaves what a killed synchronous save leaves: the previous
-  checkpoint (Note: temporary names in files.py; Note: remote checkpoints in remote.py).
-- Removals asked for while a save is in flight (`ModelCheckpoint` rotating out an older
-  checkpoint, on rank 0) run after that save has put its checkpoint in place, and not at all if
-  it failed: the older checkpoint is never removed before the newer one is whole.
+A save is split in two (save.py): `plan_sharded(copy=True)` copies this rank's shards, optimizer
+state and the pickled remainder into host memory on the caller's thread (the snapshot, freed when
+the write ends); `write_sharded` then runs in a thread, exactly as a synchronous save (so
+`kill -9` during it leaves the previous checkpoint). Its collectives run on a gloo group of their
+own, never on the training group (as torch's `dcp.async_save` does with its `process_group`).
+One save in flight: the next save, a load and teardown wait for it first, and its outcome is
+agreed on the training group there, so an error in the background is raised on every rank.
+Removals asked for meanwhile (`ModelCheckpoint` rotating out an older checkpoint) run after that
+save has put its checkpoint in place, and not at all if it failed.
 """
 
 from __future__ import annotations
@@ -82,7 +73,7 @@ def _run_logged(fn: Callable[[], None]) -> None:
 
 
 def saver_comm(world: Comm) -> Comm:
-    """A gloo process group over the same ranks as `world`, for background saves (collective)."""
+    """A gloo group over `world`'s ranks (collective)."""
     if not world.distributed:
         return world
     ranks = dist.get_process_group_ranks(world.group) if world.group is not None else None

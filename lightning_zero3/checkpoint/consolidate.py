@@ -10,8 +10,9 @@ whatever the size of the output. For a Lightning/torch file this needs the recor
 tensors may be `Deferred`, produced when their record is written. Safetensors is simpler: its
 header lists every tensor's offset, known from the shapes before any byte is read.
 Why not torch's own `format_utils.dcp_to_torch_save`: it loads the whole state before saving.
-Measured (docs/checkpoints.md, a 192 MiB checkpoint of 16 MiB tensors, VmHWM growth after
-imports): 225 MiB for it, 35-66 MiB for `consolidate_checkpoint`.
+`PYTHONPATH=. python benchmarks/checkpoint_costs.py DIR --parts sharded,plain` (peak RSS growth,
+fresh processes, a 563 MiB output of 48.8 M parameters and AdamW state): +576 MiB for it, +52 MiB
+for `consolidate_checkpoint` (+42 MiB as `python -m lightning_zero3 consolidate`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ from lightning_zero3.checkpoint.format import (
     ShardedCheckpoint,
     dtype_of,
     in_saved_order,
+    numbered_optimizer_state,
     open_sharded,
-    param_numbers,
-    with_params,
 )
 from lightning_zero3.checkpoint.remote import RemotePath, as_path, staged
 from lightning_zero3.checkpoint.streaming import (
@@ -77,7 +77,6 @@ class ConsolidationSummary:
         )
 
 
-# ---- reading whole tensors from the shards --------------------------------------------------
 def _deferred(reader: CheckpointReader, key: str, info: dict[str, Any], cast: torch.dtype | None = None) -> Deferred:
     """The tensor stored under `key`, read whole (chunk by chunk, flat if it was sharded) when written."""
     shape, dtype = tuple(info["shape"]), dtype_of(info["dtype"])
@@ -92,38 +91,6 @@ def _deferred(reader: CheckpointReader, key: str, info: dict[str, Any], cast: to
     return Deferred(shape, target, read)
 
 
-def _state_dict(
-    ckpt: ShardedCheckpoint, reader: CheckpointReader, objects: dict[str, Any], cast: torch.dtype | None
-) -> dict[str, Any]:
-    """The module's state dict in its own key order, tied weights under every name (one storage)."""
-    out: dict[str, Any] = OrderedDict()
-    for entry in ckpt.meta["state_dict"]:
-        key, kind = entry["key"], entry["kind"]
-        if kind == "alias":
-            out[key] = out[entry["of"]]
-        elif kind == "object":
-            out[key] = objects[key]
-        else:
-            out[key] = _deferred(reader, f"state_dict/{key}", entry, cast)
-    return out
-
-
-def _optimizer_states(ckpt: ShardedCheckpoint, reader: CheckpointReader, objects: list[dict[str, Any]]) -> list[dict]:
-    """Each optimizer's `state_dict()` as torch writes it: parameters numbered in param_groups
-    order, state tensors whole."""
-    states = []
-    for index, (meta, objs) in enumerate(zip(ckpt.meta["optimizers"], objects)):
-        order = param_numbers(group["params"] for group in objs["param_groups"])
-        state: dict[int, dict[str, Any]] = {}
-        for name in sorted(set(meta["state"]) | set(objs["state"]), key=lambda n: order[n]):
-            entry = state[order[name]] = dict(objs["state"].get(name, {}))
-            for k, info in meta["state"].get(name, {}).items():
-                entry[k] = _deferred(reader, f"optimizer_states/{index}/{name}/{k}", info)
-        numbers = ([order[n] for n in group["params"]] for group in objs["param_groups"])
-        states.append({"state": state, "param_groups": with_params(objs["param_groups"], numbers)})
-    return states
-
-
 def deferred_checkpoint(
     ckpt: ShardedCheckpoint, *, weights_only: bool = False, cast: torch.dtype | None = None
 ) -> dict[str, Any]:
@@ -131,20 +98,32 @@ def deferred_checkpoint(
     tensor a `Deferred` that reads it whole from the shards when materialized (tied weights:
     one `Deferred` under every name). `weights_only` leaves out optimizer states, LR schedulers
     and callback states; `cast` casts the floating-point tensors of the state dict."""
-    trainer_state = ckpt.trainer_state()
-    reader = ckpt.reader()  # its index read once, not once per tensor
-    state_dict = _state_dict(ckpt, reader, trainer_state["state_dict"], cast)
+    trainer_state, reader = ckpt.trainer_state(), ckpt.reader()  # the reader reads the index once
+    state_dict: dict[str, Any] = OrderedDict()  # in the module's key order, tied weights under every name
+    for entry in ckpt.meta["state_dict"]:
+        key, kind = entry["key"], entry["kind"]
+        if kind == "alias":
+            state_dict[key] = state_dict[entry["of"]]
+        else:
+            objects = trainer_state["state_dict"]
+            state_dict[key] = objects[key] if kind == "object" else _deferred(reader, f"state_dict/{key}", entry, cast)
     extra = dict(trainer_state["extra"])
     optimizer_states = None
     if weights_only:
         for key in ("lr_schedulers", "callbacks"):
             extra.pop(key, None)
     elif ckpt.meta["optimizers"] is not None:
-        optimizer_states = _optimizer_states(ckpt, reader, trainer_state["optimizers"])
+        optimizer_states = []
+        for i, (meta, saved) in enumerate(zip(ckpt.meta["optimizers"], trainer_state["optimizers"])):
+
+            def tensor(name: str, k: str, info: dict[str, Any], i: int = i) -> Deferred:
+                return _deferred(reader, f"optimizer_states/{i}/{name}/{k}", info)
+
+            groups = [g["params"] for g in saved["param_groups"]]
+            optimizer_states.append(numbered_optimizer_state(meta, saved, groups, tensor))
     return in_saved_order({**trainer_state, "extra": extra}, state_dict, optimizer_states)
 
 
-# ---- the entry point ------------------------------------------------------------------------
 def consolidate_checkpoint(
     src: str | os.PathLike | RemotePath,
     dst: str | os.PathLike | RemotePath,
@@ -156,15 +135,13 @@ def consolidate_checkpoint(
     progress: Callable[[Progress], None] | None = None,
     trusted: bool = False,
 ) -> ConsolidationSummary:
-    """Write the sharded checkpoint `src` (a directory) as one ordinary checkpoint file `dst`,
-    loadable with `torch.load` and `LightningModule.load_from_checkpoint` at any world size,
-    streaming one tensor at a time (Note: streaming consolidation). `weights_only`: leave out
-    optimizer states, LR schedulers and callback states; `dtype`: cast the floating-point tensors
-    of the state dict (e.g. "bf16"); `safetensors`: write a safetensors file of the state dict;
-    `verify`: check every file's CRC-32 first; `progress`: called after each tensor; `trusted`:
-    as in `load_checkpoint`. Refused before anything is written: `dst` inside `src` (or `src`
-    itself) and anything that is not a checkpoint file (Note: what a save may replace). A failed
-    write leaves nothing at `dst` but what was there."""
+    """Write the sharded checkpoint `src` as one ordinary checkpoint file `dst` (what
+    `state_dict_type="full"` writes), one tensor at a time (Note: streaming consolidation).
+    `weights_only`: no optimizer states, LR schedulers or callback states; `dtype`: cast the
+    state dict's floating-point tensors; `safetensors`: a safetensors file of the state dict;
+    `verify`: check every CRC-32 first; `progress`: called after each tensor. Refused before
+    anything is read: `dst` inside `src` (or `src`), and what a save may not replace. A failed
+    write leaves at `dst` what was there."""
     start = time.perf_counter()
     src, dst = as_path(src), as_path(dst)
     cast = parse_dtype(dtype, "consolidate_checkpoint(dtype=...)")
@@ -193,20 +170,19 @@ def consolidate_checkpoint(
         else:
             stream_torch_save(output, file, on_tensor)
 
-    # Created exclusively (Note: temporary names in files.py); at a URL, a local file uploaded
-    # once written, since the zip writer seeks (Note: remote checkpoints in remote.py).
+    # Under a temporary name (Note: temporary names in files.py); at a URL, a local file uploaded
+    # once written, since the zip writer seeks.
     partial = Partial(dst, directory=False) if isinstance(dst, Path) else None
     try:
-        if isinstance(dst, RemotePath):
-            with staged(dst) as file:
+        if partial is None:
+            with staged(dst) as file:  # type: ignore[arg-type]
                 write(file)
         else:
-            assert partial is not None
             write(partial.file)
-            replace_path(partial.path, dst)
+            replace_path(partial.path, dst)  # type: ignore[arg-type]
+    except CheckpointError:
+        raise
     except Exception as err:
-        if isinstance(err, CheckpointError):
-            raise
         raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
     finally:
         if partial is not None:
@@ -218,8 +194,6 @@ def consolidate_checkpoint(
 
 
 def _check_destination(src: Path | RemotePath, dst: Path | RemotePath) -> None:
-    """Refuse, before anything is read or written, a `dst` that would overwrite the source
-    checkpoint or anything that is not a checkpoint file."""
     real_src, real_dst = src.resolve(), dst.resolve()
     if real_dst == real_src or real_src in real_dst.parents:
         where = "the checkpoint" if real_dst == real_src else "inside the checkpoint"

@@ -23,8 +23,7 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """Nothing exists at the checkpoint path on any rank: a `FileNotFoundError` too, as Lightning's
-    own loading raises for a missing `ckpt_path`, so code that catches that keeps working."""
+    """Nothing at the checkpoint path on any rank: a `FileNotFoundError` too, as Lightning raises."""
 
 
 def require_exists(comm: Comm, path: Any, *, context: str) -> None:
@@ -37,9 +36,9 @@ def require_exists(comm: Comm, path: Any, *, context: str) -> None:
 def agree(
     comm: Comm | None, error: str | None, *, context: str | None, if_lost: str | None = None, share: Any = None
 ) -> list[Any]:
-    """Raise the same `CheckpointError` on every rank if any rank reports an error; otherwise
-    return every rank's `share` (in rank order). Without `comm` (one process) the error is raised
-    as it is; with it, prefixed by `context` (or by `if_lost` when another rank is gone)."""
+    """Raise the same `CheckpointError` on every rank if any rank reports an error, prefixed by
+    `context` (by `if_lost` when another rank is gone; no prefix without `comm`); else return
+    every rank's `share`, in rank order."""
     lost = if_lost or context or "Checkpoint"
     gathered = all_gather_object(comm, (error, share), context=lost) if comm is not None else [(error, share)]
     failed = [(rank, e) for rank, (e, _) in enumerate(gathered) if e is not None]
@@ -55,8 +54,7 @@ def agree(
 
 
 def all_gather_object(comm: Comm, obj: Any, *, context: str) -> list[Any]:
-    """`comm.all_gather_object(obj)`; a failure of the collective (a rank died or timed out) is
-    raised as a `CheckpointError` naming `context` and the cause."""
+    """`comm.all_gather_object(obj)`; a rank that died or timed out is a `CheckpointError`."""
     try:
         return comm.all_gather_object(obj)
     except Exception as err:
@@ -64,7 +62,7 @@ def all_gather_object(comm: Comm, obj: Any, *, context: str) -> list[Any]:
 
 
 def error_of(fn: Callable[[], Any]) -> tuple[Any, str | None]:
-    """Run `fn`; return (result, None) or (None, message) so the error can be agreed on."""
+    """(fn(), None), or (None, its error's message) to agree on."""
     try:
         return fn(), None
     except Exception as err:  # noqa: BLE001 - reported to every rank by `agree`
@@ -80,8 +78,7 @@ def describe_error(err: BaseException) -> str:
 
 
 def run_and_agree(comm: Comm | None, fn: Callable[[], Any], *, context: str) -> Any:
-    """Run `fn` on every rank, then agree (Note: no hang on a bad checkpoint): every rank
-    returns its result, or every rank raises `CheckpointError` naming `context`."""
+    """`fn()` on every rank, then `agree` on its error under `context`."""
     result, error = error_of(fn)
     agree(comm, error, context=context)
     return result

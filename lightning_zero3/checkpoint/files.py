@@ -29,7 +29,7 @@ import stat
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ FORMAT = "lightning_zero3.sharded"  # meta.json's "format"
 META_FILE = "meta.json"
 PARTIAL_SUFFIX = ".zero3-partial"
 _TRASH_SUFFIX = ".zero3-trash"
-_CHUNK = 1 << 20  # bytes read at a time for checksums
 # The files a save writes into its directory (DCP's shards, its index and the index's temporary
 # name; ours and meta.json's temporary name): a leftover directory holding anything else is not ours.
 _SAVE_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|trainer_state\.pt|meta\.json(\.tmp)?")
@@ -51,7 +50,7 @@ _SAVE_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|trainer_state\.pt
 def crc32(file: Path | RemotePath) -> str:
     value = 0
     with file.open("rb") as f:
-        while chunk := f.read(_CHUNK):
+        while chunk := f.read(1 << 20):
             value = zlib.crc32(chunk, value)
     return f"{value:08x}"
 
@@ -60,10 +59,9 @@ def checksums(directory: Path | RemotePath, names: Iterable[str]) -> dict[str, d
     out = {}
     for name in names:
         file = directory / name
-        info: dict[str, Any] = {"bytes": file.stat().st_size, "crc32": crc32(file)}
+        out[name] = {"bytes": file.stat().st_size, "crc32": crc32(file)}
         if name.startswith("__") and name.endswith(".distcp"):
-            info["rank"] = int(name[2:].split("_", 1)[0])
-        out[name] = info
+            out[name]["rank"] = int(name[2:].split("_", 1)[0])
     return out
 
 
@@ -76,21 +74,21 @@ def fsync_directory(path: Path) -> None:
             os.close(fd)
 
 
-def write_json_atomically(obj: dict[str, Any], file: Path | RemotePath) -> None:
-    if isinstance(file, RemotePath):  # one PUT: an object is replaced whole
+def write_synced(file: Path | RemotePath, write: Callable[[Any], object]) -> None:
+    """`write(stream)` into `file`, synced; at a URL one upload (Note: remote checkpoints)."""
+    if isinstance(file, RemotePath):
         with uploading(file) as stream:
-            stream.write(_json_one_entry_per_line(obj).encode())
+            write(stream)
         return
-    tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(_json_one_entry_per_line(obj))
+    with open(file, "wb") as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, file)
 
 
-def _json_one_entry_per_line(obj: dict[str, Any]) -> str:
-    """JSON with each top-level key on a line, and each entry of a top-level table on its own."""
+def write_json_atomically(obj: dict[str, Any], file: Path | RemotePath) -> None:
+    """JSON, each top-level key on a line and each entry of a top-level table on its own; written
+    under a temporary name and renamed (at a URL, one PUT: an object is replaced whole)."""
     lines = []
     for key, value in obj.items():
         if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
@@ -101,18 +99,11 @@ def _json_one_entry_per_line(obj: dict[str, Any]) -> str:
             lines.append(f" {json.dumps(key)}: [\n{inner}\n ]")
         else:
             lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
-    return "{\n" + ",\n".join(lines) + "\n}\n"
-
-
-def fsynced_torch_save(obj: Any, file: Path | RemotePath) -> None:
-    if isinstance(file, RemotePath):
-        with uploading(file) as stream:
-            torch.save(obj, stream)
-        return
-    with open(file, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    text = ("{\n" + ",\n".join(lines) + "\n}\n").encode()
+    tmp = file if isinstance(file, RemotePath) else file.with_name(file.name + ".tmp")
+    write_synced(tmp, lambda f: f.write(text))
+    if isinstance(tmp, Path) and isinstance(file, Path):
+        os.replace(tmp, file)
 
 
 # ---- temporary names (Note: temporary names) ------------------------------------------------
@@ -193,14 +184,12 @@ def remove_stale_partials(path: Path) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike | RemotePath) -> None:
-    """`torch.save(obj, path)` that never leaves a partial file at `path`: written under a
-    temporary name of its own (Note: temporary names), synced, then swapped in (replacing a file
-    or a sharded directory); at a URL, one upload (Note: remote checkpoints in remote.py)."""
+    """`torch.save(obj, path)` under a temporary name of its own, synced, then swapped in
+    (replacing a file or a sharded directory); at a URL, one upload (Note: remote checkpoints)."""
     path = as_path(path)
     check_replaceable(path)
     if isinstance(path, RemotePath):
-        with uploading(path) as stream:
-            torch.save(obj, stream)
+        write_synced(path, lambda f: torch.save(obj, f))
         if path.is_dir():  # a sharded checkpoint there before: the file replaces it
             path.remove_prefix()
         return

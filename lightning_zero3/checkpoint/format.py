@@ -22,14 +22,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
+from lightning_zero3.checkpoint.errors import CheckpointError, run_and_agree
 from lightning_zero3.checkpoint.files import FORMAT, META_FILE, crc32, few
 from lightning_zero3.checkpoint.remote import DATA_PREFIX, RemotePath, as_path
 from lightning_zero3.checkpoint.trust import (
@@ -49,18 +48,9 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 DCP_INDEX_FILE = ".metadata"
 
 
-# ---- the live model, as a checkpoint sees it ------------------------------------------------
-@dataclass(frozen=True)
-class TensorInfo:
-    shape: tuple[int, ...]
-    dtype: str
-
-    def as_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def tensor_json(shape: Iterable[int], dtype: torch.dtype) -> dict[str, Any]:
+    """A tensor's full shape and dtype, as meta.json records them."""
+    return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -74,85 +64,60 @@ def sharded_by_name(model: ShardedModel) -> dict[str, ShardedParam]:
     return {name: sp for sp in model.sharded_params for name in sp.names}
 
 
-def model_tensors(model: ShardedModel) -> dict[str, TensorInfo]:
-    """Full shape and dtype of every tensor in the module's state dict, sharded or not."""
+def model_tensors(model: ShardedModel) -> dict[str, dict[str, Any]]:
+    """`tensor_json` of every tensor in the module's state dict, sharded or not."""
     sharded = sharded_by_name(model)
     out = {}
     for key, value in model.module.state_dict().items():
         if key in sharded:
-            sp = sharded[key]
-            out[key] = TensorInfo(tuple(sp.full_shape), dtype_name(sp.param.dtype))
+            out[key] = tensor_json(sharded[key].full_shape, sharded[key].param.dtype)
         elif isinstance(value, torch.Tensor):
-            out[key] = TensorInfo(tuple(value.shape), dtype_name(value.dtype))
+            out[key] = tensor_json(value.shape, value.dtype)
     return out
 
 
-def model_parameters(model: ShardedModel) -> dict[str, TensorInfo]:
-    """Every parameter name (tied ones under each name) with its full shape and dtype."""
-    out = {
-        name: TensorInfo(tuple(sp.full_shape), dtype_name(sp.param.dtype))
-        for sp in model.sharded_params
-        for name in sp.names
-    }
+def model_parameters(model: ShardedModel) -> dict[str, dict[str, Any]]:
+    """`tensor_json` of every parameter, tied ones under each name."""
+    out = {name: tensor_json(sp.full_shape, sp.param.dtype) for sp in model.sharded_params for name in sp.names}
     for name, param in model.module.named_parameters(remove_duplicate=False):
-        out.setdefault(name, TensorInfo(tuple(param.shape), dtype_name(param.dtype)))
+        out.setdefault(name, tensor_json(param.shape, param.dtype))
     return out
 
 
-def fingerprint(parameters: Mapping[str, TensorInfo]) -> str:
+def fingerprint(parameters: Mapping[str, Mapping[str, Any]]) -> str:
     """A hash of the parameter names and full shapes: equal for checkpoints of the same model."""
-    text = "\n".join(f"{name}:{info.shape}" for name, info in sorted(parameters.items()))
+    text = "\n".join(f"{name}:{tuple(info['shape'])}" for name, info in sorted(parameters.items()))
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def describe_mismatch(
-    path: str | os.PathLike | RemotePath,
-    saved: Mapping[str, TensorInfo],
-    expected: Mapping[str, TensorInfo],
-    *,
-    strict: bool,
+    path: object, saved: Mapping[str, Mapping[str, Any]], expected: Mapping[str, Mapping[str, Any]], *, strict: bool
 ) -> str | None:
-    """Why a checkpoint holding `saved` tensors cannot load into a model holding `expected`:
-    names on one side only (when `strict`) and shapes that differ; None if it can."""
-    problems = []
-    shapes = [k for k in expected if k in saved and tuple(saved[k].shape) != tuple(expected[k].shape)]
-    for key in shapes[:10]:
-        problems.append(
-            f"'{key}' has shape {tuple(saved[key].shape)} in the checkpoint but "
-            f"{tuple(expected[key].shape)} in the model"
-        )
-    if strict:
-        missing = [k for k in expected if k not in saved]
-        unexpected = [k for k in saved if k not in expected]
-        if missing:
-            problems.append(f"{len(missing)} keys of the model are not in the checkpoint: {few(missing)}")
-        if unexpected:
-            problems.append(f"{len(unexpected)} keys of the checkpoint are not in the model: {few(unexpected)}")
+    """Why a checkpoint holding `saved` tensors cannot load into a model holding `expected`
+    (`tensor_json`s): names on one side only (when `strict`) and shapes that differ; None if it can."""
+    shape = {k: tuple(v["shape"]) for k, v in saved.items()}
+    shapes = [k for k in expected if k in shape and shape[k] != tuple(expected[k]["shape"])]
+    problems = [f"'{k}' has shape {shape[k]} in the checkpoint but {tuple(expected[k]['shape'])} in the model"
+                for k in shapes[:10]]  # fmt: skip
+    missing, unexpected = [k for k in expected if k not in saved], [k for k in saved if k not in expected]
+    if strict and missing:
+        problems.append(f"{len(missing)} keys of the model are not in the checkpoint: {few(missing)}")
+    if strict and unexpected:
+        problems.append(f"{len(unexpected)} keys of the checkpoint are not in the model: {few(unexpected)}")
     if len(shapes) > 10:
         problems.append(f"and {len(shapes) - 10} more shape differences")
     if not problems:
         return None
-    return (
-        f"checkpoint {path} holds another model: "
-        + "; ".join(problems)
-        + ". Load a checkpoint of this model"
-        + (", or set strict_loading=False" if strict else "")
-        + "."
-    )
-
-
-# ---- optimizer state keyed by parameter name ------------------------------------------------
-def _param_names(model: ShardedModel) -> dict[int, str]:
-    """id(parameter object) -> its first name: shards (also after teardown, when the optimizer
-    still holds them) and parameters the module registers whole."""
-    names = {id(sp.param): sp.name for sp in model.sharded_params}
-    for name, param in model.module.named_parameters():
-        names.setdefault(id(param), name)
-    return names
+    fix = ", or set strict_loading=False" if strict else ""
+    return f"checkpoint {path} holds another model: {'; '.join(problems)}. Load a checkpoint of this model{fix}."
 
 
 def optimizer_param_names(model: ShardedModel, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = _param_names(model)
+    """The first name of each parameter of each param group: shards (also after teardown, when the
+    optimizer still holds them) and parameters the module registers whole."""
+    names = {id(sp.param): sp.name for sp in model.sharded_params}
+    for name, param in model.module.named_parameters():
+        names.setdefault(id(param), name)
     groups = []
     for group in optimizer.param_groups:
         missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
@@ -166,70 +131,72 @@ def optimizer_param_names(model: ShardedModel, optimizer: torch.optim.Optimizer)
 
 
 def param_numbers(groups: Iterable[Iterable[str]]) -> dict[str, int]:
-    """Parameter name -> its number in `optimizer.state_dict()`, which numbers parameters 0, 1,
-    ... in param_groups order; `groups` are the parameter names of each group."""
+    """Parameter name -> its number in `optimizer.state_dict()` (0, 1, ... in param_groups order),
+    from the parameter names of each group."""
     return {name: i for i, name in enumerate(name for group in groups for name in group)}
 
 
 def with_params(param_groups: Iterable[Mapping[str, Any]], params: Iterable[list[Any]]) -> list[dict[str, Any]]:
-    """`param_groups` with each group's "params" replaced by the matching list of `params`
-    (names for numbers, or numbers for names)."""
+    """`param_groups` with each group's "params" replaced by the matching list of `params`."""
     return [{**group, "params": list(ps)} for group, ps in zip(param_groups, params)]
 
 
-# ---- shards as DCP sees them ------------------------------------------------------------------
+def numbered_optimizer_state(
+    meta: dict[str, Any], saved: dict[str, Any], groups: list[list[str]], tensor: Callable[[str, str, dict], Any]
+) -> dict[str, Any]:
+    """One optimizer's `state_dict()` as torch numbers it (in the order of `groups`, the parameter
+    names of each param group): the non-tensor state `saved` in trainer_state.pt, and
+    `tensor(name, key, info)` for each state tensor `meta` (its meta.json entry) lists."""
+    order = param_numbers(groups)
+    state: dict[int, dict[str, Any]] = {}
+    for name in sorted(set(meta["state"]) | set(saved["state"]), key=order.__getitem__):
+        entry = state[order[name]] = dict(saved["state"].get(name, {}))
+        for k, info in meta["state"].get(name, {}).items():
+            entry[k] = tensor(name, k, info)
+    numbers = ([order[n] for n in names] for names in groups)
+    return {"state": state, "param_groups": with_params(saved["param_groups"], numbers)}
+
+
 class Pieces:
-    """Builds the DCP state dict of one rank: sharded tensors as DTensors over their unpadded
-    local piece (Note: sharded checkpoint layout), the rest as plain tensors. With hierarchical
-    sharding (shard groups replicated across the world) the mesh is 2-D, (replica, shard), and
-    the placements (Replicate(), Shard(0)): DCP writes each chunk once."""
+    """Builds the DCP state dict of one rank: a sharded tensor is a DTensor over its unpadded local
+    piece (Note: sharded checkpoint layout), on a 1-D mesh, or with hierarchical sharding a 2-D
+    (replica, shard) mesh with placements (Replicate(), Shard(0)) so that DCP writes each chunk once."""
 
     def __init__(self, model: ShardedModel) -> None:
         self.model = model
-        self._meshes: dict[str, Any] = {}
+        self._meshes: dict[str, Any] = {}  # device type -> mesh
 
     def sharded(self, piece: torch.Tensor, numel: int) -> torch.Tensor:
         if not self.model.world_comm.distributed:
             return piece  # one process: the piece is the whole flat tensor
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        placements = [Shard(0)] if self.model.replicate_comm is None else [Replicate(), Shard(0)]
-        mesh = self._mesh(piece.device.type)
-        return DTensor.from_local(piece, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
-
-    def _mesh(self, device_type: str) -> Any:
-        if device_type not in self._meshes:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            shard, replicate = self.model.comm, self.model.replicate_comm
-            # Only built when distributed (`sharded`), where every Comm has its group.
-            assert shard.group is not None
-            if replicate is None:
-                mesh = DeviceMesh.from_group(shard.group, device_type)
-            else:
-                assert replicate.group is not None
-                layout = torch.arange(self.model.world_comm.world_size).reshape(replicate.world_size, shard.world_size)
-                groups = [replicate.group, shard.group]
-                mesh = DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("replicate", "shard"))
-            self._meshes[device_type] = mesh
-        return self._meshes[device_type]
+        shard, replicate, kind = self.model.comm, self.model.replicate_comm, piece.device.type
+        assert shard.group is not None  # distributed: every Comm has its group
+        if kind not in self._meshes and replicate is None:
+            self._meshes[kind] = DeviceMesh.from_group(shard.group, kind)
+        elif kind not in self._meshes and replicate is not None and replicate.group is not None:
+            layout = torch.arange(self.model.world_comm.world_size).reshape(replicate.world_size, shard.world_size)
+            groups = [replicate.group, shard.group]
+            self._meshes[kind] = DeviceMesh.from_group(groups, kind, mesh=layout, mesh_dim_names=("replicate", "shard"))
+        placements = [Shard(0)] if replicate is None else [Replicate(), Shard(0)]
+        return DTensor.from_local(piece, self._meshes[kind], placements, run_check=False, shape=torch.Size([numel]),
+                                  stride=(1,))  # fmt: skip
 
 
-# ---- reading and validating a checkpoint directory ------------------------------------------
 class ShardedCheckpoint:
-    """A sharded checkpoint directory whose meta.json and DCP index have been read and checked.
-    Unless `trusted`, nothing read from it runs code (Note: checkpoint trust model)."""
+    """A sharded checkpoint directory whose meta.json, DCP index (`index`) and trainer_state.pt
+    were read and checked."""
 
-    def __init__(
-        self, path: Path | RemotePath, meta: dict[str, Any], *, index: Any, saved: dict, trusted: bool
-    ) -> None:
+    def __init__(self, path: Path | RemotePath, meta: dict[str, Any], *, index: Any, saved: dict, trusted: bool
+                 ) -> None:  # fmt: skip
         self.path = path
         self.data = data_directory(path, meta)  # where its files are
         self.meta = meta
-        self.index = index  # DCP's index (.metadata), read once
-        self._saved = saved  # trainer_state.pt, read once
+        self.index = index
+        self._saved = saved
         self.trusted = trusted
-        # state-dict key -> its meta.json entry, for lookups by name.
         self._entries: dict[str, dict[str, Any]] = {e["key"]: e for e in meta["state_dict"]}
 
     def kind(self, key: str) -> str | None:
@@ -237,51 +204,39 @@ class ShardedCheckpoint:
         entry = self._entries.get(key)
         return entry["kind"] if entry is not None else None
 
-    def tensors(self) -> dict[str, TensorInfo]:
-        """Full shape and dtype of every state-dict tensor, aliases included."""
-        out = {}
-        for key, entry in self._entries.items():
-            source = self._entries[entry["of"]] if entry["kind"] == "alias" else entry
-            if source["kind"] != "object":
-                out[key] = TensorInfo(tuple(source["shape"]), source["dtype"])
-        return out
+    def tensors(self) -> dict[str, dict[str, Any]]:
+        """`tensor_json` of every state-dict tensor, aliases included."""
+        sources = {key: self._entries[e["of"]] if e["kind"] == "alias" else e for key, e in self._entries.items()}
+        return {key: source for key, source in sources.items() if source["kind"] != "object"}
 
     def stored_key(self, names: Iterable[str]) -> str | None:
         """The key under which a parameter known by `names` was stored (its first saved name)."""
-        for name in names:
-            entry = self._entries.get(name)
-            if entry is not None:
-                return entry["of"] if entry["kind"] == "alias" else name
-        return None
-
-    def reader(self) -> CheckpointReader:
-        """A DCP storage reader of this directory that reuses the checked index."""
-        return CheckpointReader(self.data, trusted=self.trusted, index=self.index)
+        entry = next((self._entries[n] for n in names if n in self._entries), None)
+        return None if entry is None else entry["of"] if entry["kind"] == "alias" else entry["key"]
 
     def trainer_state(self) -> dict[str, Any]:
-        """trainer_state.pt (weights_only unless trusted): {"keys": the checkpoint dict's keys in
-        order, "extra": its entries other than the state dict and optimizer states, "state_dict":
-        non-tensor entries of the state dict, "optimizers": param_groups and non-tensor state}."""
+        """trainer_state.pt: the checkpoint dict's "keys" in order, its "extra" entries, the state
+        dict's non-tensor entries, the optimizers' param_groups and non-tensor state."""
         return dict(self._saved)
+
+    def reader(self) -> CheckpointReader:
+        return CheckpointReader(self.data, trusted=self.trusted, index=self.index)
 
     def lightning_dict(self) -> dict[str, Any]:
         """The checkpoint dict Lightning saved, without reading a tensor: "state_dict" is a
-        `ShardedStateDict` of meta tensors (full shapes) and "optimizer_states" a
-        `ShardedOptimizerStates`; `load_sharded_model`/`load_sharded_optimizers` load them."""
-        saved = self.trainer_state()
+        `ShardedStateDict` of meta tensors, "optimizer_states" a `ShardedOptimizerStates`."""
         state_dict = ShardedStateDict(self)
         for key, info in self.tensors().items():
-            state_dict[key] = torch.empty(info.shape, dtype=dtype_of(info.dtype), device="meta")
-        state_dict.update(saved["state_dict"])
+            state_dict[key] = torch.empty(info["shape"], dtype=dtype_of(info["dtype"]), device="meta")
+        state_dict.update(self._saved["state_dict"])
         optimizer_states = None
         if self.meta["optimizers"] is not None:
-            optimizer_states = ShardedOptimizerStates(self, saved["optimizers"])
-        return in_saved_order(saved, state_dict, optimizer_states)
+            optimizer_states = ShardedOptimizerStates(self, self._saved["optimizers"])
+        return in_saved_order(self._saved, state_dict, optimizer_states)
 
 
 def in_saved_order(saved: dict[str, Any], state_dict: Any, optimizer_states: Any | None) -> dict[str, Any]:
-    """The checkpoint dict from trainer_state.pt's entries and the given state dict and optimizer
-    states, its keys in the order they were saved."""
+    """The checkpoint dict from trainer_state.pt's entries and these, its keys in the saved order."""
     parts = {**saved["extra"], "state_dict": state_dict}
     if optimizer_states is not None:
         parts["optimizer_states"] = optimizer_states
@@ -307,10 +262,8 @@ class ShardedOptimizerStates(list):
 def open_sharded(
     path: str | os.PathLike | RemotePath, *, comm: Comm | None = None, verify: bool = True, trusted: bool = False
 ) -> ShardedCheckpoint:
-    """Read and check a sharded checkpoint: meta.json, format version, every file's presence
-    and size, the CRC-32 of the files this rank verifies (rank r checks files r, r + N, ...;
-    all of them without `comm`), and DCP's index (Note: checkpoint trust model). With `comm`,
-    ranks agree before returning (Note: no hang on a bad checkpoint)."""
+    """Read and check a sharded checkpoint: meta.json, every file's presence and size, the CRC-32
+    of files r, r + N, ... on rank r (all without `comm`), DCP's index; ranks agree on the outcome."""
     path = as_path(path)
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
 
@@ -331,9 +284,7 @@ def open_sharded(
         saved = dict(check_trainer_state(load_torch_file(file, trusted=trusted), file))
         return ShardedCheckpoint(path, meta, index=index, saved=saved, trusted=trusted)
 
-    result, error = error_of(check)
-    agree(comm, error, context=f"Cannot load the checkpoint {path}")
-    return result
+    return run_and_agree(comm, check, context=f"Cannot load the checkpoint {path}")
 
 
 def data_directory(path: Path | RemotePath, meta: Mapping[str, Any]) -> Path | RemotePath:

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from lightning_zero3.checkpoint.errors import CheckpointError, describe_error, run_and_agree
+from lightning_zero3.checkpoint.errors import CheckpointError, run_and_agree
 from lightning_zero3.checkpoint.files import atomic_torch_save, few
-from lightning_zero3.checkpoint.format import TensorInfo, describe_mismatch, dtype_name, model_tensors
+from lightning_zero3.checkpoint.format import describe_mismatch, model_tensors, tensor_json
 from lightning_zero3.checkpoint.remote import RemotePath, as_path
-from lightning_zero3.checkpoint.trust import forbidden_global
+from lightning_zero3.checkpoint.trust import load_torch_file
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 
@@ -28,9 +28,8 @@ def save_full(
     write: Callable[..., Any] | None = None,
 ) -> None:
     """Rank 0 writes `checkpoint` (whole tensors, already gathered to it) to the file `path`,
-    atomically (Note: temporary names in files.py), or with `write(checkpoint, path)` (a
-    `CheckpointIO` plugin's own save) if given; every rank returns, or raises the same
-    `CheckpointError`."""
+    atomically, or with `write(checkpoint, path)` (a `CheckpointIO` plugin's own save) if given;
+    every rank returns, or raises the same `CheckpointError`."""
 
     def write_on_rank_0() -> None:
         if comm.rank == 0 and write is not None:
@@ -51,16 +50,14 @@ def load_full(
     trusted: bool,
     read: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
-    """The full checkpoint at `path`, read by every rank (`read_full_file`) and checked to fit
-    `model`: its entry `key` (the whole dict when None) is a state dict whose names (with
-    `strict`) and shapes are the model's. Every rank returns it, or raises the same
-    `CheckpointError` (Note: no hang on a bad checkpoint)."""
+    """`read_full_file` on every rank, checked to fit `model`: its entry `key` (the whole dict when
+    None) has the model's names (with `strict`) and shapes. Every rank returns it, or raises the
+    same `CheckpointError`."""
 
     def read_checked() -> dict[str, Any]:
         checkpoint = read_full_file(path, key=key, trusted=trusted, read=read)
         state_dict = checkpoint if key is None else checkpoint[key]
-        tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-        saved = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
+        saved = {k: tensor_json(v.shape, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
         problem = describe_mismatch(path, saved, model_tensors(model), strict=strict)
         if problem is not None:
             raise CheckpointError(problem)
@@ -77,8 +74,7 @@ def read_full_file(
     read: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """The dict saved in the file `path`, with an entry `key` unless None: read with `read` if
-    given, else memory-mapped (the ranks of one machine share the page cache) and, unless
-    `trusted`, with `torch.load(weights_only=True)` (Note: checkpoint trust model)."""
+    given, else by `load_torch_file` (memory-mapped)."""
     path = as_path(path)
     if read is not None:
         checkpoint = read(path if isinstance(path, Path) else str(path))
@@ -90,7 +86,7 @@ def read_full_file(
             f"every rank) or, in one process, with `lightning_zero3.load_checkpoint` / `load_from_checkpoint`"
         )
     else:
-        checkpoint = _torch_load(path, trusted=trusted)
+        checkpoint = load_torch_file(path, trusted=trusted, mmap=True)
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict")
     if key is None or key in checkpoint:
@@ -101,28 +97,3 @@ def read_full_file(
             f"model before fit (`model.load_state_dict(torch.load(path))`; with Fabric, `fabric.load_raw(path, model)`)"
         )
     raise CheckpointError(f"{path} has no entry '{key}' (it has {few(sorted(map(str, checkpoint)))})")
-
-
-def _torch_load(path: Path | RemotePath, *, trusted: bool) -> Any:
-    try:
-        if isinstance(path, RemotePath):  # no memory map: read as a stream
-            with path.open("rb") as f:
-                return torch.load(f, map_location="cpu", weights_only=not trusted)
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
-        except RuntimeError as err:
-            if "mmap can only be used" not in str(err):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=not trusted)  # a legacy (non-zip) file
-    except Exception as err:
-        forbidden = forbidden_global(path, err)
-        if forbidden is not None:
-            raise CheckpointError(forbidden) from err
-        with path.open("rb") as f:
-            zip_start = f.read(4) == b"PK\x03\x04"  # torch.save's files are zip archives
-        if zip_start:
-            raise CheckpointError(
-                f"{path} is truncated or damaged: it begins as a torch.save archive but torch cannot read it "
-                f"({describe_error(err)}); save it again, or restore it from a copy"
-            ) from err
-        raise CheckpointError(f"{path} is not a checkpoint torch can read: {describe_error(err)}") from err

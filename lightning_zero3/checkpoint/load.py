@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of
+from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of, run_and_agree
 from lightning_zero3.checkpoint.files import few
 from lightning_zero3.checkpoint.format import (
     Pieces,
@@ -18,11 +18,10 @@ from lightning_zero3.checkpoint.format import (
     describe_mismatch,
     dtype_of,
     model_tensors,
+    numbered_optimizer_state,
     open_sharded,
     optimizer_param_names,
-    param_numbers,
     sharded_by_name,
-    with_params,
 )
 from lightning_zero3.checkpoint.remote import RemotePath
 from lightning_zero3.engine.model import ShardedModel
@@ -38,7 +37,7 @@ def open_checked(
     trusted: bool,
     verify: bool = True,
 ) -> ShardedCheckpoint:
-    """Open the sharded checkpoint `path` and check it fits `model`; every rank raises if any rank found a problem."""
+    """`open_sharded`, checked to fit `model`; every rank raises if any rank found a problem."""
     ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
     problem, error = error_of(lambda: check_loadable(ckpt, model, strict=strict))
     agree(model.world_comm, error or problem, context=context)
@@ -46,15 +45,13 @@ def open_checked(
 
 
 def check_loadable(ckpt: ShardedCheckpoint, model: ShardedModel, *, strict: bool) -> str | None:
-    """Why `ckpt` cannot load into `model` (names or shapes), or None."""
     return describe_mismatch(ckpt.path, ckpt.tensors(), model_tensors(model), strict=strict)
 
 
 def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
-    """Load the module's state dict from `ckpt` in place, at this run's world size: each rank
-    reads only the chunks that overlap its new shards. Collective: check first (`open_sharded`,
-    `check_loadable`) so that every rank gets here. Tensors of the model that the checkpoint
-    lacks (allowed by strict=False) keep their values."""
+    """Load the module's state dict from `ckpt` in place (collective: after `open_checked`); each
+    rank reads only the chunks that overlap its new shards. Tensors the checkpoint lacks (allowed
+    by strict=False) keep their values."""
     loads = _Loads(model, ckpt)
     sharded = sharded_by_name(model)
     with torch.no_grad():
@@ -73,14 +70,11 @@ def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
 
 
 class _Loads:
-    """The tensors one DCP load fills, and the copies to make after it when a parameter is
-    sharded in this run but was whole in the saved one (or the reverse: a different
-    persistence_threshold)."""
+    """The tensors one DCP load fills, and the copies to make after it when a parameter sharded in
+    this run was whole in the saved one (a different persistence_threshold)."""
 
     def __init__(self, model: ShardedModel, ckpt: ShardedCheckpoint) -> None:
-        self.model = model
-        self.ckpt = ckpt
-        self.pieces = Pieces(model)
+        self.model, self.ckpt, self.pieces = model, ckpt, Pieces(model)
         self.targets: dict[str, torch.Tensor] = {}
         self.after: list[Callable[[], object]] = []
 
@@ -106,9 +100,8 @@ class _Loads:
 def load_sharded_optimizers(
     ckpt: ShardedCheckpoint, model: ShardedModel, optimizers: list[torch.optim.Optimizer]
 ) -> None:
-    """Load optimizer state from `ckpt`, each rank keeping its slice of the sharded state for
-    this run's world size. Parameters are matched by name, so the optimizers must have the
-    same param groups (by name) as the ones saved."""
+    """Load optimizer state from `ckpt`, each rank its slice for this run's world size; parameters
+    are matched by name (the same param groups as saved)."""
     by_name = sharded_by_name(model)
     whole_params = dict(model.module.named_parameters(remove_duplicate=False))
 
@@ -127,34 +120,25 @@ def load_sharded_optimizers(
         for index, (optimizer, meta, objs) in enumerate(zip(optimizers, saved_meta, saved_objects)):
             groups = optimizer_param_names(model, optimizer)
             _check_groups(ckpt.path, index, [g["params"] for g in objs["param_groups"]], groups)
-            order = param_numbers(groups)
-            state: dict[int, dict[str, Any]] = {}
-            for name in set(meta["state"]) | set(objs["state"]):
-                entry = state.setdefault(order[name], dict(objs["state"].get(name, {})))
-                for k, info in meta["state"].get(name, {}).items():
-                    key, dtype = f"optimizer_states/{index}/{name}/{k}", dtype_of(info["dtype"])
-                    sp = by_name.get(name)
-                    # Shard-shaped in this run: saved sharded, or saved whole with the parameter's shape.
-                    shard_now = sp is not None and (
-                        info["kind"] == "sharded" or tuple(info["shape"]) == tuple(sp.full_shape)
-                    )
-                    if shard_now:
-                        assert sp is not None  # shard_now implies it
-                        entry[k] = torch.zeros(sp.shard_numel, dtype=dtype, device=sp.param.device)
-                        loads.into_shard(key, info["kind"], sp, entry[k])
-                    elif info["kind"] == "sharded":  # a parameter this run keeps whole
-                        entry[k] = torch.empty(whole_params[name].shape, dtype=dtype)
-                        loads.into_whole(key, "sharded", entry[k])
-                    else:
-                        entry[k] = torch.empty(info["shape"], dtype=dtype)
-                        loads.into_whole(key, "tensor", entry[k])
-            numbers = ([order[n] for n in names] for names in groups)
-            packed_all.append({"state": state, "param_groups": with_params(objs["param_groups"], numbers)})
+
+            def tensor(name: str, k: str, info: dict[str, Any], index: int = index) -> torch.Tensor:
+                key, dtype, sp = f"optimizer_states/{index}/{name}/{k}", dtype_of(info["dtype"]), by_name.get(name)
+                # Shard-shaped in this run: saved sharded, or saved whole with the parameter's shape.
+                if sp is not None and (info["kind"] == "sharded" or tuple(info["shape"]) == tuple(sp.full_shape)):
+                    value = torch.zeros(sp.shard_numel, dtype=dtype, device=sp.param.device)
+                    loads.into_shard(key, info["kind"], sp, value)
+                elif info["kind"] == "sharded":  # a parameter this run keeps whole
+                    value = torch.empty(whole_params[name].shape, dtype=dtype)
+                    loads.into_whole(key, "sharded", value)
+                else:
+                    value = torch.empty(info["shape"], dtype=dtype)
+                    loads.into_whole(key, "tensor", value)
+                return value
+
+            packed_all.append(numbered_optimizer_state(meta, objs, groups, tensor))
         return loads, packed_all
 
-    planned, error = error_of(plan)
-    agree(model.world_comm, error, context=f"Cannot load the optimizer state of {ckpt.path}")
-    loads, packed_all = planned
+    loads, packed_all = run_and_agree(model.world_comm, plan, context=f"Cannot load the optimizer state of {ckpt.path}")
     loads.run()
     for optimizer, packed in zip(optimizers, packed_all):
         optimizer.load_state_dict(packed)
@@ -183,9 +167,8 @@ def load_sharded(
     verify: bool = True,
     trusted: bool = False,
 ) -> dict[str, Any]:
-    """Check and load a sharded checkpoint into `model` (and `optimizers`) at this run's world
-    size; return the other entries of the checkpoint dict it was saved from. Every rank calls it.
-    `trusted`: unpickle its pickles without restriction (Note: checkpoint trust model)."""
+    """Check and load a sharded checkpoint into `model` (and `optimizers`) on every rank; the other
+    entries of the checkpoint dict it was saved from. `trusted`: unpickle without restriction."""
     context = f"Cannot load the checkpoint {path}"
     ckpt = open_checked(path, model, strict=strict, context=context, trusted=trusted, verify=verify)
     load_sharded_model(ckpt, model)

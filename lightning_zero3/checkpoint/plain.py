@@ -32,13 +32,11 @@ _LIGHTNING_VERSION_KEY = "pytorch-lightning_version"  # every checkpoint a Train
 def load_checkpoint(
     path: str | os.PathLike, *, weights_only: bool = False, trusted: bool = False, verify: bool = True
 ) -> dict[str, Any]:
-    """The Lightning checkpoint dict saved at `path` (a sharded directory saved at any number of
-    ranks, or a full file), in this process, without a process group, whole tensors on the CPU:
-    "state_dict" (tied weights share one tensor), "optimizer_states" (numbered as
-    `optimizer.state_dict()` numbers them), and the rest of what was saved. `weights_only`:
-    leave out (and never read) optimizer states, LR schedulers and callback states; `trusted`:
-    unpickle without restriction (Note: checkpoint trust model); `verify`: check every file's
-    CRC-32 first. Raises `CheckpointError` naming the path and the problem."""
+    """The Lightning checkpoint dict saved at `path` (a sharded directory or a full file) with whole
+    tensors on the CPU, in this process: "state_dict" (tied weights share one tensor),
+    "optimizer_states" (numbered as `optimizer.state_dict()` numbers them), the rest as saved.
+    `weights_only`: leave out (never read) optimizer states, LR schedulers and callback states;
+    `trusted`: unpickle without restriction; `verify`: check every file's CRC-32 first."""
     if as_path(path).is_dir():  # a directory of another kind: the CheckpointError says what it lacks
         ckpt = open_sharded(path, verify=verify, trusted=trusted)
         return materialized(deferred_checkpoint(ckpt, weights_only=weights_only))

@@ -24,7 +24,6 @@ import contextlib
 import fnmatch
 import os
 import re
-import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -36,18 +35,12 @@ _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # a scheme, at the start
 DATA_PREFIX = re.compile(r"shards\.[0-9a-f]{16}")  # a save's own prefix under the URL
 
 
-def is_url(path: str | os.PathLike) -> bool:
-    """A URL fsspec resolves to a non-local filesystem (`file://` is local)."""
-    text = os.fspath(path)
-    return isinstance(text, str) and _URL.match(text) is not None and not text.startswith(("file://", "local://"))
-
-
 def as_path(path: str | os.PathLike | RemotePath) -> Path | RemotePath:
-    """A local `Path` (for a path or a `file://` URL) or a `RemotePath` (Note: remote checkpoints)."""
+    """A local `Path` (for a path or a `file://` URL) or a `RemotePath` (any other fsspec URL)."""
     if isinstance(path, (Path, RemotePath)):
         return path
     text = os.fspath(path)
-    if is_url(text):
+    if isinstance(text, str) and _URL.match(text) is not None and not text.startswith(("file://", "local://")):
         return RemotePath(text)
     for scheme in ("file://", "local://"):
         text = text.removeprefix(scheme)
@@ -55,7 +48,8 @@ def as_path(path: str | os.PathLike | RemotePath) -> Path | RemotePath:
 
 
 class RemotePath:
-    """A file or prefix at a URL, with the `Path` methods the checkpoint code calls."""
+    """A file or prefix at a URL, with the `Path` methods the checkpoint code calls. Listings are
+    never cached across calls: another rank or job may have written since."""
 
     def __init__(self, url: str, *, fs: Any = None, path: str | None = None) -> None:
         if fs is None:
@@ -71,11 +65,12 @@ class RemotePath:
     def _child(self, path: str) -> RemotePath:
         return RemotePath("", fs=self.fs, path=path)
 
+    def _fresh(self) -> Any:
+        self.fs.invalidate_cache()
+        return self.fs
+
     def __str__(self) -> str:
         return str(self.fs.unstrip_protocol(self.path))
-
-    def __repr__(self) -> str:
-        return f"RemotePath({str(self)!r})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RemotePath) and str(self) == str(other)
@@ -105,21 +100,14 @@ class RemotePath:
     def resolve(self) -> RemotePath:
         return self
 
-    def with_name(self, name: str) -> RemotePath:
-        return self.parent / name
-
-    # Listings are not cached across calls: another rank or job may have written since.
     def exists(self) -> bool:
-        self.fs.invalidate_cache()
-        return bool(self.fs.exists(self.path))
+        return bool(self._fresh().exists(self.path))
 
     def is_dir(self) -> bool:
-        self.fs.invalidate_cache()
-        return bool(self.fs.isdir(self.path))
+        return bool(self._fresh().isdir(self.path))
 
     def is_file(self) -> bool:
-        self.fs.invalidate_cache()
-        return bool(self.fs.isfile(self.path))
+        return bool(self._fresh().isfile(self.path))
 
     def is_symlink(self) -> bool:
         return False
@@ -128,12 +116,11 @@ class RemotePath:
         return SimpleNamespace(st_size=int(self.fs.size(self.path)))
 
     def iterdir(self) -> Iterator[RemotePath]:
-        self.fs.invalidate_cache()
-        return (self._child(p.rstrip("/")) for p in self.fs.ls(self.path, detail=False) if p.rstrip("/") != self.path)
+        listed = (p.rstrip("/") for p in self._fresh().ls(self.path, detail=False))
+        return (self._child(p) for p in listed if p != self.path)
 
     def glob(self, pattern: str) -> list[RemotePath]:
-        self.fs.invalidate_cache()
-        return [self._child(p) for p in self.fs.glob(f"{self.path}/{pattern}")]
+        return [self._child(p) for p in self._fresh().glob(f"{self.path}/{pattern}")]
 
     def open(self, mode: str = "rb") -> IO[Any]:
         return self.fs.open(self.path, mode)  # type: ignore[no-any-return]
@@ -151,15 +138,13 @@ class RemotePath:
         self.remove_prefix()
 
     def remove_object(self) -> None:
-        self.fs.invalidate_cache()
-        if self.fs.isfile(self.path):
+        if self._fresh().isfile(self.path):
             self.fs.rm_file(self.path)
 
     def remove_prefix(self) -> None:
-        """Delete every object under `URL/` (meta.json first, so that a removal cut short never
-        leaves what looks like a complete checkpoint), not the object at the URL itself."""
-        self.fs.invalidate_cache()
-        under = [p for p in self.fs.find(self.path) if p.startswith(f"{self.path}/")]
+        """Delete every object under `URL/`, meta.json first (a removal cut short never leaves what
+        looks like a complete checkpoint), not the object at the URL itself."""
+        under = [p for p in self._fresh().find(self.path) if p.startswith(f"{self.path}/")]
         manifest = f"{self.path}/meta.json"
         if manifest in under:
             self.fs.rm_file(manifest)
@@ -200,8 +185,4 @@ def staged(file: RemotePath) -> Iterator[IO[bytes]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def new_data_prefix(path: RemotePath) -> RemotePath:
-    return path / f"shards.{secrets.token_hex(8)}"
-
-
-__all__ = ["DATA_PREFIX", "RemotePath", "as_path", "is_url", "new_data_prefix", "staged", "uploading"]
+__all__ = ["DATA_PREFIX", "RemotePath", "as_path", "staged", "uploading"]

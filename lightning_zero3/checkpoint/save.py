@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import warnings
 from collections.abc import Mapping
 from copy import deepcopy
@@ -22,9 +23,9 @@ from lightning_zero3.checkpoint.files import (
     check_replaceable,
     checksums,
     fsync_directory,
-    fsynced_torch_save,
     replace_path,
     write_json_atomically,
+    write_synced,
 )
 from lightning_zero3.checkpoint.format import (
     DCP_INDEX_FILE,
@@ -33,22 +34,20 @@ from lightning_zero3.checkpoint.format import (
     META_FILE,
     TRAINER_STATE_FILE,
     Pieces,
-    TensorInfo,
-    dtype_name,
     fingerprint,
     model_parameters,
     optimizer_param_names,
     param_numbers,
     sharded_by_name,
+    tensor_json,
     with_params,
 )
-from lightning_zero3.checkpoint.remote import RemotePath, as_path, new_data_prefix
+from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.trust import read_dcp_index
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.shard import ShardedParam
 
-_TENSOR_KEYS = ("state_dict", "optimizer_states")  # the entries of a checkpoint dict stored by DCP
 _LIGHTNING_KEYS = ("epoch", "global_step", "pytorch-lightning_version")  # copied into meta.json
 
 
@@ -62,85 +61,10 @@ def sharded_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimize
     return {"state": state, "param_groups": with_params(packed["param_groups"], groups)}
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
-
-
-def _local_piece(sp: ShardedParam, value: torch.Tensor, *, whole: bool, key: str) -> torch.Tensor:
-    """This rank's unpadded piece of `value` (a shard, or the whole tensor after teardown)."""
-    start, valid = sp.rank * sp.shard_numel, sp.valid_numel()
-    if whole:
-        if value.numel() != sp.numel:
-            raise CheckpointError(f"'{key}' has {value.numel()} elements but the parameter has {sp.numel}")
-        return value.detach().reshape(-1)[start : start + valid]
-    if value.numel() != sp.shard_numel:
-        raise CheckpointError(f"'{key}' has {value.numel()} elements but this rank's shard has {sp.shard_numel}")
-    return value.detach().reshape(-1)[:valid]
-
-
-def _plan_save(
-    model: ShardedModel,
-    state_dict: Mapping[str, Any],
-    optimizer_states: list[Mapping[str, Any]] | None,
-    *,
-    whole: bool,
-    copy: bool,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """(tensors for DCP, objects for trainer_state.pt, tensor inventory for meta.json); `copy`:
-    the tensors are copies in host memory (a snapshot), not views of the live ones."""
-    snap = _host_copy if copy else torch.Tensor.detach
-    pieces = Pieces(model)
-    sharded = sharded_by_name(model)
-    tensors: dict[str, torch.Tensor] = {}
-    entries: list[dict[str, Any]] = []
-    state_objects: dict[str, Any] = {}
-    for key, value in state_dict.items():
-        sp = sharded.get(key)
-        if not isinstance(value, torch.Tensor):
-            state_objects[key] = value
-            entries.append({"key": key, "kind": "object"})
-        elif sp is not None and key != sp.name:
-            entries.append({"key": key, "kind": "alias", "of": sp.name})
-        elif sp is not None:
-            piece = snap(_local_piece(sp, value, whole=whole, key=key))
-            tensors[f"state_dict/{key}"] = pieces.sharded(piece, sp.numel)
-            info = TensorInfo(tuple(sp.full_shape), dtype_name(value.dtype))
-            entries.append({"key": key, "kind": "sharded", **info.as_json()})
-        else:
-            tensors[f"state_dict/{key}"] = snap(value)
-            info = TensorInfo(tuple(value.shape), dtype_name(value.dtype))
-            entries.append({"key": key, "kind": "tensor", **info.as_json()})
-    optimizers_meta, optimizers_objects = [], []
-    by_first_name = {sp.name: sp for sp in model.sharded_params}
-    for index, optim_state in enumerate(optimizer_states or []):
-        state_meta: dict[str, dict[str, Any]] = {}
-        state_objs: dict[str, dict[str, Any]] = {}
-        for name, entry in optim_state["state"].items():
-            sp = by_first_name.get(name)
-            for k, v in entry.items():
-                if not isinstance(v, torch.Tensor):
-                    state_objs.setdefault(name, {})[k] = v
-                    continue
-                dcp_key = f"optimizer_states/{index}/{name}/{k}"
-                if sp is not None and sp.is_shard_shaped(v):
-                    tensors[dcp_key] = pieces.sharded(snap(v[: sp.valid_numel()]), sp.numel)
-                    info = TensorInfo(tuple(sp.full_shape), dtype_name(v.dtype))
-                    state_meta.setdefault(name, {})[k] = {"kind": "sharded", **info.as_json()}
-                else:
-                    tensors[dcp_key] = snap(v)
-                    info = TensorInfo(tuple(v.shape), dtype_name(v.dtype))
-                    state_meta.setdefault(name, {})[k] = {"kind": "tensor", **info.as_json()}
-        optimizers_meta.append({"state": state_meta})
-        optimizers_objects.append({"param_groups": optim_state["param_groups"], "state": state_objs})
-    meta = {"state_dict": entries, "optimizers": optimizers_meta if optimizer_states is not None else None}
-    objects = {"state_dict": state_objects, "optimizers": optimizers_objects}
-    return tensors, objects, meta
-
-
 @dataclass
 class PlannedSave:
-    """What a sharded save writes, planned on every rank (`plan_sharded`): DCP's tensors, the
-    pickled remainder, and meta.json without its file list."""
+    """What a sharded save writes, planned on every rank: DCP's tensors, the pickled remainder
+    (trainer_state.pt), and meta.json without its file list."""
 
     tensors: dict[str, torch.Tensor]
     trainer_state: dict[str, Any]
@@ -150,15 +74,50 @@ class PlannedSave:
 def plan_sharded(
     path: object, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False, copy: bool = False
 ) -> PlannedSave:
-    """Plan the save of `checkpoint` (see `save_sharded`); with `copy`, a snapshot in host memory
-    that training may go on from (Note: background saves in checkpoint/background.py). Every rank
-    returns, or raises the same `CheckpointError`."""
+    """Plan the save of `checkpoint` (see `save_sharded`); `copy`: tensors and remainder copied to
+    host memory, a snapshot training may go on from (Note: background saves). Every rank returns,
+    or raises the same `CheckpointError`."""
     state_dict, optimizer_states = checkpoint["state_dict"], checkpoint.get("optimizer_states")
-    lightning = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
-    extra = {"keys": list(checkpoint), "extra": lightning}
+    lightning = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    pieces, sharded = Pieces(model), sharded_by_name(model)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def store(dcp_key: str, value: torch.Tensor, sp: ShardedParam | None, piece: torch.Tensor | None) -> dict:
+        """Put `value` (`piece` of the sharded parameter `sp`, or whole) in `tensors`; its meta.json entry."""
+        if sp is not None and piece is not None:
+            tensors[dcp_key] = pieces.sharded(piece.to("cpu", copy=True) if copy else piece, sp.numel)
+            return {"kind": "sharded", **tensor_json(sp.full_shape, value.dtype)}
+        tensors[dcp_key] = value.detach().to("cpu", copy=True) if copy else value.detach()
+        return {"kind": "tensor", **tensor_json(value.shape, value.dtype)}
 
     def plan() -> PlannedSave:
-        tensors, objects, inventory = _plan_save(model, state_dict, optimizer_states, whole=whole, copy=copy)
+        entries: list[dict[str, Any]] = []
+        state_objects: dict[str, Any] = {}
+        for key, value in state_dict.items():
+            sp = sharded.get(key)
+            if not isinstance(value, torch.Tensor):
+                state_objects[key] = value
+                entries.append({"key": key, "kind": "object"})
+            elif sp is not None and key != sp.name:
+                entries.append({"key": key, "kind": "alias", "of": sp.name})
+            else:
+                piece = None if sp is None else _local_piece(sp, value, whole=whole, key=key)
+                entries.append({"key": key, **store(f"state_dict/{key}", value, sp, piece)})
+        optimizers_meta, optimizers_objects = [], []
+        by_first_name = {sp.name: sp for sp in model.sharded_params}
+        for index, optim_state in enumerate(optimizer_states or []):
+            state_meta: dict[str, dict[str, Any]] = {}
+            state_objs: dict[str, dict[str, Any]] = {}
+            for name, entry in optim_state["state"].items():
+                sp = by_first_name.get(name)
+                for k, v in entry.items():
+                    if not isinstance(v, torch.Tensor):
+                        state_objs.setdefault(name, {})[k] = v
+                        continue
+                    piece = v.detach()[: sp.valid_numel()] if sp is not None and sp.is_shard_shaped(v) else None
+                    state_meta.setdefault(name, {})[k] = store(f"optimizer_states/{index}/{name}/{k}", v, sp, piece)
+            optimizers_meta.append({"state": state_meta})
+            optimizers_objects.append({"param_groups": optim_state["param_groups"], "state": state_objs})
         parameters = model_parameters(model)
         meta = {
             "format": FORMAT,
@@ -167,30 +126,36 @@ def plan_sharded(
             "shard_size": model.comm.world_size,
             "torch_version": torch.__version__,
             "fingerprint": fingerprint(parameters),
-            "parameters": {name: info.as_json() for name, info in parameters.items()},
+            "parameters": parameters,
             "lightning": {k: lightning[k] for k in _LIGHTNING_KEYS if k in lightning},
-            **inventory,
+            "state_dict": entries,
+            "optimizers": optimizers_meta if optimizer_states is not None else None,
         }
-        remainder = {**extra, **objects}
+        remainder: dict[str, Any] = {"keys": list(checkpoint), "extra": lightning, "state_dict": state_objects}
+        remainder["optimizers"] = optimizers_objects
         return PlannedSave(tensors, deepcopy(remainder) if copy else remainder, meta)
 
     context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
     return run_and_agree(model.world_comm, plan, context=context)
 
 
+def _local_piece(sp: ShardedParam, value: torch.Tensor, *, whole: bool, key: str) -> torch.Tensor:
+    """This rank's unpadded piece of `value` (a shard, or the whole tensor after teardown)."""
+    start, valid = sp.rank * sp.shard_numel, sp.valid_numel()
+    expected, what = (sp.numel, "the parameter") if whole else (sp.shard_numel, "this rank's shard")
+    if value.numel() != expected:
+        raise CheckpointError(f"'{key}' has {value.numel()} elements but {what} has {expected}")
+    return value.detach().reshape(-1)[start : start + valid] if whole else value.detach().reshape(-1)[:valid]
+
+
 def save_sharded(
     path: str | os.PathLike | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False
 ) -> None:
-    """Write `checkpoint` as a sharded checkpoint directory at `path`; every rank calls it with
-    the same path.
-
-    `checkpoint["state_dict"]` is the module's state dict on this rank (shards, or whole tensors
-    if `whole`), `checkpoint["optimizer_states"]` (optional: a weights-only checkpoint has none)
-    a list of `sharded_optimizer_state`s; every other entry is kept as it is (Lightning's epoch,
-    loops, ...). The directory is written under a temporary name and renamed to `path` only once
-    every rank's part is on disk; on any failure the previous checkpoint at `path` is left as it
-    was and every rank raises `CheckpointError`. A `path` holding anything but a checkpoint is
-    refused before anything is written (Note: what a save may replace)."""
+    """Write `checkpoint` as a sharded checkpoint directory at `path` (every rank, the same path):
+    its "state_dict" is the module's on this rank (shards, or whole tensors if `whole`), its
+    optional "optimizer_states" a list of `sharded_optimizer_state`s, other entries are kept as
+    they are. Atomic (Note: temporary names in files.py); a `path` holding anything but a
+    checkpoint is refused before anything is written (Note: what a save may replace)."""
     write_sharded(path, plan_sharded(path, model, checkpoint, whole=whole), model.world_comm)
 
 
@@ -208,7 +173,7 @@ def write_sharded(path: str | os.PathLike | RemotePath, planned: PlannedSave, co
                 return None
             check_replaceable(path)
             if isinstance(path, RemotePath):
-                prefix = new_data_prefix(path)
+                prefix = path / f"shards.{secrets.token_hex(8)}"
                 return str(prefix)
             mine = Partial(path, directory=True)
             return str(mine.path)
@@ -224,11 +189,8 @@ def write_sharded(path: str | os.PathLike | RemotePath, planned: PlannedSave, co
             raise CheckpointError(f"{context}: writing the shards failed: {describe_error(err)}") from err
         own, error = error_of(lambda: checksums(partial, _rank_files(partial, comm.rank)))
         every = agree(comm, error, context=context, share=own)
-        if comm.rank == 0:
-            files = {name: info for part in every for name, info in part.items()}
-            _, error = error_of(lambda: _finish(path, partial, files, planned))
-        else:
-            error = None
+        files = {name: info for part in every for name, info in part.items()}
+        _, error = error_of(lambda: _finish(path, partial, files, planned)) if comm.rank == 0 else (None, None)
         # Rank 0 may be lost after its swap: the path then holds the old or the new checkpoint.
         lost = f"Saving the checkpoint {path} failed as rank 0 put it in place (it holds the previous or the new one)"
         agree(comm, error, context=context, if_lost=lost)
@@ -252,14 +214,12 @@ def _writer(directory: Path | RemotePath) -> dcp.FileSystemWriter:
 def _finish(
     path: Path | RemotePath, partial: Path | RemotePath, files: dict[str, dict[str, Any]], planned: PlannedSave
 ) -> None:
-    """Rank 0, once every rank's shards are on disk: the pickled remainder, then meta.json,
-    then the atomic swap into `path`."""
+    """Rank 0, every rank's shards on disk: trainer_state.pt, meta.json, then the swap into `path`."""
     index = read_dcp_index(partial / DCP_INDEX_FILE, trusted=False)
-    indexed = {info.relative_path for info in index.storage_data.values()}
-    missing = sorted(indexed - set(files))
+    missing = sorted({info.relative_path for info in index.storage_data.values()} - set(files))
     if missing:
         raise CheckpointError(f"the DCP index names files no rank reported: {missing}")
-    fsynced_torch_save(planned.trainer_state, partial / TRAINER_STATE_FILE)
+    write_synced(partial / TRAINER_STATE_FILE, lambda f: torch.save(planned.trainer_state, f))
     files.update(checksums(partial, [DCP_INDEX_FILE, TRAINER_STATE_FILE]))
     meta = {**planned.meta, "files": files}
     if isinstance(path, RemotePath):
@@ -273,8 +233,8 @@ def _finish(
 
 
 def _commit_manifest(path: RemotePath, data: RemotePath, meta: dict[str, Any]) -> None:
-    """At a URL, the swap is one PUT of meta.json naming the new prefix; then what the previous
-    meta.json named is deleted (Note: remote checkpoints in remote.py)."""
+    """At a URL the swap is one PUT of meta.json naming the new prefix, then what the previous one
+    named is deleted (Note: remote checkpoints)."""
     previous = _previous_files(path)
     write_json_atomically({**meta, "data": data.name}, path / META_FILE)
     for name in previous - {data.name, META_FILE}:

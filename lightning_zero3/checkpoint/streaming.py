@@ -24,35 +24,14 @@ import torch
 from lightning_zero3.checkpoint.errors import CheckpointError
 
 
-# ---- tensors produced on demand -------------------------------------------------------------
 class Deferred:
     """A tensor of known shape and dtype whose data `produce()` returns when it is written."""
 
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        produce: Callable[[], torch.Tensor],
-        *,
-        requires_grad: bool = False,
-    ) -> None:
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        self.produce = produce
-        self.requires_grad = requires_grad
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> Deferred:
-        """A tensor already in memory (e.g. in a callback's state), written like the others."""
-        return cls(tuple(tensor.shape), tensor.dtype, lambda: tensor, requires_grad=tensor.requires_grad)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, produce: Callable[[], torch.Tensor], *,
+                 requires_grad: bool = False) -> None:  # fmt: skip
+        self.shape, self.dtype, self.produce, self.requires_grad = tuple(shape), dtype, produce, requires_grad
+        self.numel = math.prod(self.shape)
+        self.nbytes = self.numel * torch.empty(0, dtype=dtype).element_size()
 
     def materialize(self) -> torch.Tensor:
         tensor = self.produce().detach().to("cpu", self.dtype).reshape(self.shape).contiguous()
@@ -74,8 +53,8 @@ class DeferredStorage:
 
 @functools.cache
 def _storage_classes() -> dict[torch.dtype, type]:
-    """dtype -> the storage class torch.save names for it (torch.FloatStorage, ...), from torch's
-    public legacy storage classes (reading their dtype warns that TypedStorage is deprecated)."""
+    """dtype -> the public storage class torch.save names for it (torch.FloatStorage, ...);
+    reading their dtype warns that TypedStorage is deprecated."""
     classes: dict[torch.dtype, type] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -89,10 +68,31 @@ def _storage_classes() -> dict[torch.dtype, type]:
 
 
 def stream_torch_save(obj: Any, f: BinaryIO, on_tensor: Callable[[int], None]) -> None:
-    """`torch.save(obj, f)` (synced) where `obj` may hold `Deferred` tensors, written one storage at
-    a time (Note: the torch.save file format). Every plain tensor in `obj` is written the same
-    way; other tensor types (sparse, quantized, subclasses) are refused with a message. Readable
-    by plain `torch.load` (also with weights_only=True and mmap=True)."""
+    """`torch.save(obj, f)` (synced) where `obj` may hold `Deferred` tensors, written one storage
+    at a time. Plain tensors are written the same way; other tensor types (sparse, quantized,
+    subclasses) are refused. Readable by plain `torch.load` (with weights_only and mmap too).
+
+    [Note: the torch.save file format]
+    `torch.save` writes an uncompressed zip archive whose records, all under one top-level
+    folder, are in this order:
+        data.pkl            the object, pickled (protocol 2); every storage is the persistent id
+                            ("storage", storage class such as torch.FloatStorage, key, location,
+                            numel), every tensor `torch._utils._rebuild_tensor_v2(storage, offset,
+                            size, stride, requires_grad, hooks)`: the names `torch.load`, also
+                            with weights_only=True, rebuilds tensors from
+        .format_version     "1"
+        .storage_alignment  the alignment of each data record's bytes in the file (64), which
+                            `torch.load(mmap=True)` relies on
+        byteorder           "little" or "big"
+        data/<key>          each storage's raw bytes, in the order they were first pickled
+        version             the archive format version, "3"
+    We write these records ourselves, with `zipfile`, so that each storage is produced, written
+    and freed in turn (torch.save needs every tensor in memory at once). The layout is torch
+    2.13's `torch.serialization._save`; the tests load our files with plain `torch.load`.
+    `_rebuild_tensor_v2` is the one private name: the format names it in every file. Replaced
+    here: `torch._C.PyTorchFileWriter` (private), which torch 2.10 could not keep within the
+    memory bound (docs/user-guide.md).
+    """
     records: dict[str, Deferred] = {}  # storage key -> tensor, in pickling order
     storage_class = _storage_classes()
 
@@ -116,100 +116,48 @@ def stream_torch_save(obj: Any, f: BinaryIO, on_tensor: Callable[[int], None]) -
         def reducer_override(self, o: Any) -> Any:
             # Plain tensors in the checkpoint's other entries (callback and loop states).
             if type(o) is torch.Tensor and o.layout == torch.strided and not o.is_quantized:
-                return Deferred.of(o).__reduce_ex__(2)
+                return Deferred(o.shape, o.dtype, lambda: o, requires_grad=o.requires_grad).__reduce_ex__(2)
             return NotImplemented
 
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=2).dump(obj)  # each Deferred is pickled once (pickle's memo)
-    archive = TorchZipWriter(f)
-    try:
-        archive.write_header(buffer.getvalue())
-        del buffer
-        for key, deferred in records.items():
-            tensor = deferred.materialize()
-            archive.write_storage(key, tensor)
-            on_tensor(deferred.nbytes)
-            del tensor
-        archive.close()
-    except BaseException:
-        archive.abandon()
-        raise
-    f.flush()
-    os.fsync(f.fileno())
+    from torch.utils.serialization import config
 
+    alignment = int(config.save.storage_alignment)
+    archive = zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED)
 
-class TorchZipWriter:
-    """A writer of the zip archive `torch.save` produces, on the standard library's `zipfile`.
-
-    [Note: the torch.save file format]
-    `torch.save` writes an uncompressed zip archive (PyTorch's "zip file format", readable with
-    any zip tool) whose records, all under one top-level folder, are in this order:
-        data.pkl            the object, pickled (protocol 2); every storage is the persistent id
-                            ("storage", storage class such as torch.FloatStorage, key, location,
-                            numel), every tensor `torch._utils._rebuild_tensor_v2(storage, offset,
-                            size, stride, requires_grad, hooks)`: the names `torch.load`, also
-                            with weights_only=True, rebuilds tensors from
-        .format_version     "1"
-        .storage_alignment  the alignment of each data record's bytes in the file (64), which
-                            `torch.load(mmap=True)` relies on
-        byteorder           "little" or "big"
-        data/<key>          each storage's raw bytes, in the order they were first pickled
-        version             the archive format version, "3"
-    We write these records ourselves so that each storage can be produced, written and freed in
-    turn (torch.save needs every tensor in memory at once). The layout was read from torch 2.13's
-    `torch.serialization._save` and checked against `torch.save`'s output: the tests load our
-    files with plain `torch.load` (weights_only, mmap). `torch._utils._rebuild_tensor_v2` is the
-    one private name involved: the format names it in every file, so every writer must.
-    Replaced here: `torch._C.PyTorchFileWriter` (private) driven as `torch.serialization._save`
-    drives it, which torch 2.10 could not keep within the memory bound (docs/user-guide.md).
-    """
-
-    FOLDER = "archive"
-    ZIP_VERSION = "3\n"
-
-    def __init__(self, file: Any) -> None:
-        from torch.utils.serialization import config
-
-        self.file = file
-        self.alignment = int(config.save.storage_alignment)
-        self.zip = zipfile.ZipFile(file, "w", compression=zipfile.ZIP_STORED)
-
-    def write_header(self, pickled: bytes) -> None:
-        """data.pkl and the small records that precede the storages."""
-        self._record("data.pkl", pickled)
-        self._record(".format_version", b"1")
-        self._record(".storage_alignment", str(self.alignment).encode())
-        self._record("byteorder", sys.byteorder.encode())
-
-    def write_storage(self, key: str, tensor: torch.Tensor) -> None:
-        """The record of storage `key`: the bytes of contiguous CPU `tensor`, not copied."""
-        # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
-        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-        self._record(f"data/{key}", data)
-
-    def close(self) -> None:
-        self._record("version", self.ZIP_VERSION.encode())
-        self.zip.close()
-
-    def abandon(self) -> None:
-        """After a failed write: close the archive, ignoring a second failure (a full disk); the
-        caller removes the file."""
-        with contextlib.suppress(Exception):
-            self.zip.close()
-
-    def _record(self, name: str, data: bytes | memoryview) -> None:
-        info = zipfile.ZipInfo(f"{self.FOLDER}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+    def record(name: str, data: bytes | memoryview) -> None:
+        info = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))
         info.compress_type = zipfile.ZIP_STORED
         info.file_size = len(data) if isinstance(data, bytes) else data.nbytes
         # The data starts after the 30-byte local header, the name, our padding field and the
         # 20-byte ZIP64 field that force_zip64 adds: pad it to the storage alignment, with an
         # extra field of its own ID (0x4246, as torch's writer does).
-        start = self.file.tell() + 30 + len(info.filename.encode()) + 4 + 20
-        padding = -start % self.alignment
+        padding = -(f.tell() + 30 + len(info.filename.encode()) + 4 + 20) % alignment
         info.extra = struct.pack("<HH", 0x4246, padding) + b"Z" * padding
-        with self.zip.open(info, "w", force_zip64=True) as out:
-            assert self.file.tell() % self.alignment == 0, "record data not aligned"
+        with archive.open(info, "w", force_zip64=True) as out:
+            assert f.tell() % alignment == 0, "record data not aligned"
             out.write(data)
+
+    try:
+        for name, data in (("data.pkl", buffer.getvalue()), (".format_version", b"1"),
+                           (".storage_alignment", str(alignment).encode()), ("byteorder", sys.byteorder.encode())):
+            record(name, data)  # fmt: skip
+        del buffer
+        for key, deferred in records.items():
+            tensor = deferred.materialize()
+            # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
+            record(f"data/{key}", memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+            on_tensor(deferred.nbytes)
+            del tensor
+        record("version", b"3\n")
+        archive.close()
+    except BaseException:
+        with contextlib.suppress(Exception):  # a second failure (a full disk): the caller removes the file
+            archive.close()
+        raise
+    f.flush()
+    os.fsync(f.fileno())
 
 
 _SAFETENSORS_DTYPES = {
@@ -279,4 +227,4 @@ def materialized(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
     return obj
 
 
-__all__ = ["Deferred", "TorchZipWriter", "find_deferred", "materialized", "stream_safetensors", "stream_torch_save"]
+__all__ = ["Deferred", "find_deferred", "materialized", "stream_safetensors", "stream_torch_save"]

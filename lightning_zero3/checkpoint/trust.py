@@ -3,20 +3,16 @@
 [Note: checkpoint trust model]
 A checkpoint is data from anywhere (downloaded, copied, hand-edited). By default loading never
 runs code from it and never touches a file outside its directory:
-- `.metadata` (DCP's index) is a pickle: it is read by `RestrictedUnpickler`, which admits
-  only the classes DCP's index is made of (its metadata dataclasses, torch dtypes, sizes,
-  layouts and memory formats, paths, builtin containers). DCP's own `pickle.load` is never
-  called: `CheckpointReader` (a `FileSystemReader`) overrides `read_metadata`, the public hook.
-  The index may not hold byte items (`BytesStorageMetadata`): our format stores only tensors,
-  and DCP loads byte items with `torch.load(weights_only=False)`.
-- `trainer_state.pt` is read with `torch.load(weights_only=True)`; the shard files are read by
-  DCP with `torch.load(weights_only=True)`.
+- `.metadata` (DCP's index) is a pickle, read by `RestrictedUnpickler`, which admits only the
+  classes DCP's index is made of. DCP's own `pickle.load` is never called: `CheckpointReader`
+  (a `FileSystemReader`) overrides the public hook `read_metadata`. The index may not hold byte
+  items: our format stores only tensors, and DCP loads those with `weights_only=False`.
+- `trainer_state.pt`, full files and DCP's shard files are read with `torch.load(weights_only=True)`.
 - Every file name (in meta.json and in the DCP index) must be a plain name inside the
-  directory: no separators, no `..`, no link to outside it.
-- meta.json's structure is checked (`check_meta`) before any entry is used.
-`trusted=True` (`ZeRO3Strategy(trust_checkpoint=True)`, `consolidate --trust-checkpoint`)
-unpickles both files with plain pickle, as torch does with `weights_only=False`: for
-checkpoints from a trusted source whose Lightning state holds arbitrary objects.
+  directory: no separators, no `..`, no link to outside it. meta.json's structure is checked
+  (`check_meta`) before any entry is used.
+`trusted=True` (`ZeRO3Strategy(trust_checkpoint=True)`, `consolidate --trust-checkpoint`) reads
+both pickles as torch does with `weights_only=False`, for checkpoints from a trusted source.
 """
 
 from __future__ import annotations
@@ -48,106 +44,87 @@ TRUST_HINT = (
 )
 
 
-# ---- file names --------------------------------------------------------------------------
-def plain_name_problem(directory: Path | RemotePath, name: Any) -> str | None:
-    """Why `name` is not a plain file name inside `directory` (None if it is): a name with a
-    separator, `..`, an absolute path, or a link that leads outside the directory."""
-    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name:
-        return f"{name!r} is not a file name"
-    if "/" in name or "\\" in name or os.sep in name or (os.altsep and os.altsep in name):
-        return f"{name!r} is not a plain file name inside the checkpoint directory"
-    # A link is followed by reading it, never by stat'ing its target: a link to a plain name in
-    # the directory is followed there; any other target is outside and is not touched.
-    file, hops = directory / name, 0
-    while isinstance(file, Path) and file.is_symlink():  # an lstat of a name inside the directory
-        target = os.readlink(file)
-        if target in ("", ".", "..") or "/" in target or os.sep in target or (os.altsep and os.altsep in target):
-            return f"{name!r} is a link to {target!r}, outside the checkpoint directory"
-        file, hops = directory / target, hops + 1
-        if hops > 40:
-            return f"{name!r} is a loop of links"
-    return None
+def _not_plain(name: str) -> bool:
+    return name in ("", ".", "..") or any(sep in name for sep in ("/", "\\", os.sep, os.altsep) if sep)
 
 
 def check_plain_name(directory: Path | RemotePath, name: Any, source: str) -> None:
-    problem = plain_name_problem(directory, name)
+    """Raise unless `name` is a plain file name inside `directory`. A link is followed by reading
+    it (never by stat'ing its target): only a link to a plain name in the directory is followed."""
+    problem = None
+    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name:
+        problem = f"{name!r} is not a file name"
+    elif _not_plain(name):
+        problem = f"{name!r} is not a plain file name inside the checkpoint directory"
+    file, hops = directory / str(name), 0
+    while problem is None and isinstance(file, Path) and file.is_symlink():  # an lstat inside the directory
+        target = os.readlink(file)
+        file, hops = directory / target, hops + 1
+        if _not_plain(target):
+            problem = f"{name!r} is a link to {target!r}, outside the checkpoint directory"
+        elif hops > 40:
+            problem = f"{name!r} is a loop of links"
     if problem is not None:
         raise CheckpointError(f"{source} is not a valid checkpoint: {problem}; it was not opened")
-
-
-# ---- meta.json -----------------------------------------------------------------------------
-_KINDS = ("sharded", "tensor", "alias", "object")
 
 
 def check_meta(meta: dict[str, Any], meta_file: Path | RemotePath) -> None:
     """Raise `CheckpointError` naming `meta_file` unless every entry this package reads from
     meta.json has the type it must have (a hand-edited file fails here, not in a TypeError)."""
 
-    def bad(where: str, expected: str) -> CheckpointError:
-        return CheckpointError(f"{meta_file} is corrupted: {where} must be {expected}")
-
-    def is_int(v: Any) -> bool:
-        return type(v) is int
+    def require(ok: bool, where: str, expected: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{meta_file} is corrupted: {where} must be {expected}")
 
     def check_tensor(entry: Any, where: str, kinds: tuple[str, ...]) -> None:
-        if not isinstance(entry, dict) or entry.get("kind") not in kinds:
-            raise bad(where, f"an object with a 'kind' in {kinds}")
+        require(isinstance(entry, dict) and entry.get("kind") in kinds, where, f"an object with a 'kind' in {kinds}")
         if entry["kind"] in ("sharded", "tensor"):
             shape = entry.get("shape")
-            if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
-                raise bad(f"{where}['shape']", "a list of sizes")
-            if not isinstance(entry.get("dtype"), str):
-                raise bad(f"{where}['dtype']", "a dtype name")
+            sizes = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+            require(sizes, f"{where}['shape']", "a list of sizes")
+            require(isinstance(entry.get("dtype"), str), f"{where}['dtype']", "a dtype name")
 
-    if not is_int(meta["world_size"]) or meta["world_size"] < 1:
-        raise bad("'world_size'", "a positive integer")
-    if not isinstance(meta["fingerprint"], str) or not isinstance(meta["parameters"], dict):
-        raise bad("'fingerprint' and 'parameters'", "a string and an object")
-    files = meta["files"]
-    if not isinstance(files, dict):
-        raise bad("'files'", "an object mapping file names to their size and CRC-32")
-    for name, info in files.items():
+    require(type(meta["world_size"]) is int and meta["world_size"] >= 1, "'world_size'", "a positive integer")
+    require(isinstance(meta["fingerprint"], str) and isinstance(meta["parameters"], dict),
+            "'fingerprint' and 'parameters'", "a string and an object")  # fmt: skip
+    require(isinstance(meta["files"], dict), "'files'", "an object mapping file names to their size and CRC-32")
+    for name, info in meta["files"].items():
         check_plain_name(meta_file.parent, name, str(meta_file))
-        if not isinstance(info, dict) or not is_int(info.get("bytes")) or not isinstance(info.get("crc32"), str):
-            raise bad(f"'files'[{name!r}]", "an object with 'bytes' (an integer) and 'crc32' (a string)")
-        if "rank" in info and not is_int(info["rank"]):
-            raise bad(f"'files'[{name!r}]['rank']", "an integer")
+        ok = isinstance(info, dict) and type(info.get("bytes")) is int and isinstance(info.get("crc32"), str)
+        require(ok, f"'files'[{name!r}]", "an object with 'bytes' (an integer) and 'crc32' (a string)")
+        require("rank" not in info or type(info["rank"]) is int, f"'files'[{name!r}]['rank']", "an integer")
     entries = meta["state_dict"]
-    if not isinstance(entries, list):
-        raise bad("'state_dict'", "a list")
+    require(isinstance(entries, list), "'state_dict'", "a list")
     keys = {e.get("key") for e in entries if isinstance(e, dict)}
     for i, entry in enumerate(entries):
-        check_tensor(entry, f"'state_dict'[{i}]", _KINDS)
-        if not isinstance(entry.get("key"), str):
-            raise bad(f"'state_dict'[{i}]['key']", "a string")
-        if entry["kind"] == "alias" and entry.get("of") not in keys:
-            raise bad(f"'state_dict'[{i}]['of']", "the key of another entry")
-    optimizers = meta["optimizers"]
-    if optimizers is None:
-        return
-    if not isinstance(optimizers, list):
-        raise bad("'optimizers'", "a list or null")
-    for i, optimizer in enumerate(optimizers):
+        check_tensor(entry, f"'state_dict'[{i}]", ("sharded", "tensor", "alias", "object"))
+        require(isinstance(entry.get("key"), str), f"'state_dict'[{i}]['key']", "a string")
+        ok = entry["kind"] != "alias" or entry.get("of") in keys
+        require(ok, f"'state_dict'[{i}]['of']", "the key of another entry")
+    require(meta["optimizers"] is None or isinstance(meta["optimizers"], list), "'optimizers'", "a list or null")
+    for i, optimizer in enumerate(meta["optimizers"] or []):
         state = optimizer.get("state") if isinstance(optimizer, dict) else None
-        if not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values()):
-            raise bad(f"'optimizers'[{i}]['state']", "an object of objects")
+        ok = isinstance(state, dict) and all(isinstance(v, dict) for v in state.values())
+        require(ok, f"'optimizers'[{i}]['state']", "an object of objects")
+        assert state is not None
         for name, entry in state.items():
             for k, info in entry.items():
                 check_tensor(info, f"'optimizers'[{i}]['state'][{name!r}][{k!r}]", ("sharded", "tensor"))
 
 
-# ---- DCP's index ---------------------------------------------------------------------------
 def _admitted() -> dict[tuple[str, str], Any]:
-    """The globals DCP's index pickle refers to (found by unpickling indexes torch 2.13 wrote,
-    recording every `find_class`). Note: `_MEM_FORMAT_ENCODING` and `_StorageInfo` are private
-    to torch, but torch's own pickle names them; a release that renames them makes loading
-    refuse the index with the name it used (tried: torch 2.13.0)."""
-    admitted: dict[tuple[str, str], Any] = {}
-    for cls in (
-        dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.StorageMeta,
-        dcp_metadata.TensorStorageMetadata, dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties,
-    ):  # fmt: skip
-        admitted[(cls.__module__, cls.__name__)] = cls
+    """The globals DCP's index pickle refers to (found by recording every `find_class` while
+    unpickling indexes torch 2.13 wrote). `_MEM_FORMAT_ENCODING` and `_StorageInfo` are private to
+    torch, but its own pickle names them: a release that renames them makes loading refuse the
+    index, naming the global."""
+    classes = (
+        dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.StorageMeta, dcp_metadata.TensorStorageMetadata,
+        dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties, torch.Size, OrderedDict,
+        dict, list, tuple, set, frozenset, str, bytes, int, float, bool, complex,
+    )  # fmt: skip
+    admitted: dict[tuple[str, str], Any] = {(cls.__module__, cls.__name__): cls for cls in classes}
+    for path_cls in (PosixPath, WindowsPath, PurePosixPath, PureWindowsPath):  # StorageMeta.checkpoint_id
+        admitted[("pathlib", path_cls.__name__)] = path_cls
     for module, name in (
         ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -156,20 +133,12 @@ def _admitted() -> dict[tuple[str, str], Any]:
         obj = getattr(__import__(module, fromlist=[name]), name, None)
         if obj is not None:
             admitted[(module, name)] = obj
-    admitted[("torch", "Size")] = torch.Size
-    for path_cls in (PosixPath, WindowsPath, PurePosixPath, PureWindowsPath):  # StorageMeta.checkpoint_id
-        admitted[("pathlib", path_cls.__name__)] = path_cls
-    for builtin in (dict, list, tuple, set, frozenset, str, bytes, int, float, bool, complex):
-        admitted[("builtins", builtin.__name__)] = builtin
-    admitted[("collections", "OrderedDict")] = OrderedDict
     return admitted
 
 
 _ADMITTED = _admitted()
-
-
-# Instance state an index may set with pickle's BUILD: the fields of DCP's dataclasses, on their
-# instances only (a BUILD on a class would set class attributes for the rest of the process).
+# BUILD may set only the fields of DCP's dataclasses, on their instances (a BUILD on a class would
+# set class attributes for the rest of the process).
 _FIELDS = {
     cls: frozenset(f.name for f in dataclasses.fields(cls))
     for cls in _ADMITTED.values()
@@ -178,9 +147,8 @@ _FIELDS = {
 
 
 class RestrictedUnpickler(pickle._Unpickler):
-    """Unpickles only what a DCP index is made of; any other global is refused, unloaded, and
-    BUILD sets only the fields of an admitted dataclass's instance. Python's own unpickler (the
-    C one has no hook for BUILD); an index is small."""
+    """Unpickles only what a DCP index is made of (Python's unpickler: the C one has no hook for
+    BUILD; an index is small)."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
@@ -191,10 +159,9 @@ class RestrictedUnpickler(pickle._Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ADMITTED:
             return _ADMITTED[(module, name)]
-        if module == "torch" and "." not in name:
-            value = getattr(torch, name, None)
-            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
+        value = getattr(torch, name, None) if module == "torch" and "." not in name else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
         raise CheckpointError(
             f"{self.source} refers to the global '{module}.{name}', which a checkpoint's DCP index never needs; "
             f"it was not loaded, since unpickling it could run code. {TRUST_HINT}."
@@ -208,7 +175,8 @@ class RestrictedUnpickler(pickle._Unpickler):
         fields = _FIELDS.get(type(inst))
         own_setstate = fields is not None and "__setstate__" in vars(type(inst))  # TensorProperties: a tuple
         parts = state if isinstance(state, tuple) and len(state) == 2 and not own_setstate else (state,)
-        names = set() if own_setstate else {n for part in parts if part is not None for n in _keys(part)}
+        # A non-dict state names no field: refused.
+        names = set() if own_setstate else {n for p in parts if p is not None for n in (p if type(p) is dict else [p])}
         if fields is None or not names <= fields:
             what = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
             raise CheckpointError(
@@ -220,14 +188,9 @@ class RestrictedUnpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = load_build  # type: ignore[assignment]
 
 
-def _keys(part: Any) -> list[Any]:
-    return list(part) if isinstance(part, dict) else [part]  # a non-dict state names no field: refused
-
-
 def read_dcp_index(file: Path | RemotePath, *, trusted: bool) -> dcp_metadata.Metadata:
     """DCP's index at `file`, unpickled by `RestrictedUnpickler` unless `trusted`, and checked
-    (trusted or not): a `Metadata` whose entries are tensors stored in plain-named files of its
-    directory."""
+    either way: a `Metadata` of tensors stored in plain-named files of its directory."""
     try:
         data = file.read_bytes()
         index = pickle.loads(data) if trusted else RestrictedUnpickler(io.BytesIO(data), source=file).load()
@@ -237,10 +200,9 @@ def read_dcp_index(file: Path | RemotePath, *, trusted: bool) -> dcp_metadata.Me
         raise CheckpointError(f"cannot read {file}: {describe_error(err)}") from err
     if not isinstance(index, dcp_metadata.Metadata) or not isinstance(index.storage_data, dict):
         raise CheckpointError(f"{file} is not a DCP index: it holds a {type(index).__name__}")
-    stored = index.state_dict_metadata
-    if not isinstance(stored, dict):
+    if not isinstance(index.state_dict_metadata, dict):
         raise CheckpointError(f"{file} is corrupted: it has no table of stored items")
-    for key, item in stored.items():
+    for key, item in index.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             raise CheckpointError(
                 f"{file} is not a lightning_zero3 checkpoint: it stores {key!r} as a {type(item).__name__}, and "
@@ -252,8 +214,7 @@ def read_dcp_index(file: Path | RemotePath, *, trusted: bool) -> dcp_metadata.Me
 
 
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's file reader whose index is read by `read_dcp_index` (Note: checkpoint trust model),
-    once: the same object serves every `dcp.load` from this directory."""
+    """DCP's file reader whose index is read once, by `read_dcp_index`."""
 
     def __init__(self, path: str | os.PathLike | RemotePath, *, trusted: bool = False, index: Any = None) -> None:
         super().__init__(path if not isinstance(path, RemotePath) else "")
@@ -287,26 +248,32 @@ class CheckpointReader(dcp.FileSystemReader):
             raise CheckpointError(f"Loading {self.path} failed: {describe_error(err)}") from err
 
 
-# ---- trainer_state.pt ----------------------------------------------------------------------
-def load_torch_file(file: Path | RemotePath, *, trusted: bool) -> Any:
-    """`torch.load` of a file of the checkpoint: weights_only unless `trusted`."""
+def load_torch_file(file: Path | RemotePath, *, trusted: bool, mmap: bool = False) -> Any:
+    """`torch.load` of a checkpoint's file, weights_only unless `trusted`; `mmap` (a local zip
+    file) lets the ranks of one machine share the page cache."""
     try:
+        if mmap and isinstance(file, Path):
+            try:
+                return torch.load(file, map_location="cpu", mmap=True, weights_only=not trusted)
+            except RuntimeError as err:
+                if "mmap can only be used" not in str(err):
+                    raise  # else a legacy (non-zip) file: read it as a stream
         with file.open("rb") as f:
             return torch.load(f, map_location="cpu", weights_only=not trusted)
     except Exception as err:
-        raise CheckpointError(forbidden_global(file, err) or f"cannot read {file}: {describe_error(err)}") from err
-
-
-def forbidden_global(file: Path | RemotePath, err: Exception) -> str | None:
-    """The message for `torch.load(weights_only=True)` refusing a global in `file`, or None if
-    `err` is another failure."""
-    forbidden = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(err))
-    if forbidden is None:
-        return None
-    return (
-        f"{file} refers to the global '{forbidden.group(1)}', which torch.load(weights_only=True) does not "
-        f"admit; it was not loaded, since unpickling it could run code. {TRUST_HINT}."
-    )
+        forbidden = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(err))
+        if forbidden is not None:
+            raise CheckpointError(
+                f"{file} refers to the global '{forbidden.group(1)}', which torch.load(weights_only=True) does not "
+                f"admit; it was not loaded, since unpickling it could run code. {TRUST_HINT}."
+            ) from err
+        with file.open("rb") as f:
+            if f.read(4) == b"PK\x03\x04":  # torch.save's files are zip archives
+                raise CheckpointError(
+                    f"{file} is truncated or damaged: it begins as a torch.save archive but torch cannot read it "
+                    f"({describe_error(err)}); save it again, or restore it from a copy"
+                ) from err
+        raise CheckpointError(f"{file} is not a checkpoint torch can read: {describe_error(err)}") from err
 
 
 def check_trainer_state(saved: Any, file: Path | RemotePath) -> Mapping[str, Any]:
