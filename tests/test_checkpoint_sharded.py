@@ -4,6 +4,7 @@ loads exactly (parameters, optimizer state, param groups) at any world size."""
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import os
 from pathlib import Path
@@ -45,22 +46,38 @@ def whole_state(sharded: ShardedModel, optimizer: Any) -> tuple[dict, dict]:
     return sharded.full_state_dict(to_rank=None), full_optimizer_state(sharded, optimizer, to_rank=None)
 
 
+def step_once(model: TinyGPT, optimizer: Any) -> None:
+    x, y = gpt_batch(7)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def save_trained_gpt(
-    rank: int, world_size: int, path: str, threshold: int = 0, shard_size: int | None = None
-) -> tuple[dict, dict]:
+    rank: int, world_size: int, path: str, threshold: int = 0, shard_size: int | None = None, then_step: bool = False
+) -> Any:
+    """The saved state, whole; with `then_step` also the state after one more step."""
     model, sharded, optimizer = trained_gpt(persistence_threshold=threshold, shard_size=shard_size)
     optimizer_states = [ckpt.sharded_optimizer_state(sharded, optimizer)]
     checkpoint = {"epoch": 3, "state_dict": model.state_dict(), "optimizer_states": optimizer_states, "note": "kept"}
     ckpt.save_sharded(path, sharded, checkpoint)
-    return whole_state(sharded, optimizer)
+    saved = copy.deepcopy(whole_state(sharded, optimizer))  # kept whole parameters come as views
+    if not then_step:
+        return saved
+    step_once(model, optimizer)
+    return saved, whole_state(sharded, optimizer)
 
 
 def load_into_fresh_gpt(
-    rank: int, world_size: int, path: str, threshold: int = 0, shard_size: int | None = None
+    rank: int, world_size: int, path: str, threshold: int = 0, shard_size: int | None = None, then_step: bool = False
 ) -> tuple[dict, dict, dict]:
+    """The loaded state, whole, and the file's extra entries; with `then_step` the state after
+    one more step instead."""
     # Different weights and optimizer state than the saved ones: everything must come from the file.
     model, sharded, optimizer = trained_gpt(seed=1, steps=1, persistence_threshold=threshold, shard_size=shard_size)
     extra = ckpt.load_sharded(path, sharded, optimizers=[optimizer])
+    if then_step:
+        step_once(model, optimizer)
     return (*whole_state(sharded, optimizer), extra)
 
 
@@ -107,8 +124,16 @@ def test_one_process_without_a_process_group_saves_and_loads(tmp_path):
 def test_parameters_kept_whole_in_one_run_load_as_shards_in_another(tmp_path):
     """A different persistence_threshold: small parameters saved whole load into shards, and back."""
     whole = str(tmp_path / "whole.ckpt")
-    expected = run_ranks(save_trained_gpt, 2, whole, 100)[0]
-    assert_same_state(run_ranks(load_into_fresh_gpt, 3, whole)[0][:2], expected)
+    expected, stepped = run_ranks(save_trained_gpt, 2, whole, 100, None, True)[0]
+    loaded = run_ranks(load_into_fresh_gpt, 3, whole)[0][:2]
+    assert_same_state(loaded, expected)
+    # The loaded optimizer state serves the next step as it served the saving run's.
+    (model, optim), (ref_model, ref_optim) = run_ranks(load_into_fresh_gpt, 3, whole, 0, None, True)[0][:2], stepped
+    for key in ref_model:
+        torch.testing.assert_close(model[key], ref_model[key], rtol=1e-5, atol=1e-6, msg=key)
+    for index, entry in ref_optim["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(optim["state"][index][key], value, rtol=1e-5, atol=1e-6)
     sharded = str(tmp_path / "sharded.ckpt")
     expected = run_ranks(save_trained_gpt, 2, sharded)[0]
     assert_same_state(run_ranks(load_into_fresh_gpt, 2, sharded, 100)[0][:2], expected)
