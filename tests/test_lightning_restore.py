@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from tests.adapted import STRATEGIES, is_checkpoint, lightning_trainer, load_module, on_ranks, read_checkpoint
+from tests.lit import whole_state
 
 EPOCHS, BATCHES = 2, 2
 CHECKPOINT_STATE = ("best_model_path", "best_model_score", "best_k_models", "kth_best_model_path", "last_model_path")
@@ -74,7 +75,7 @@ def _fit_save_and_resume(rank: int, strategy: str, root: str) -> dict[str, Any]:
     model.eval()
     with torch.no_grad():
         predictions = model(BATCH)
-    first = {k: v.clone() for k, v in model.state_dict().items()}
+    first = whole_state(model)
     saved = {k: copy.deepcopy(getattr(checkpoint, k)) for k in CHECKPOINT_STATE}
     restored = RestoredState()
     resumed_checkpoint = ModelCheckpoint(dirpath=f"{root}/ckpts", monitor="val_loss", save_top_k=-1, save_last=True)
@@ -83,7 +84,7 @@ def _fit_save_and_resume(rank: int, strategy: str, root: str) -> dict[str, Any]:
     trainer.fit(model, ckpt_path=f"{root}/model.ckpt")
     return {
         "first": first,
-        "final": {k: v.clone() for k, v in model.state_dict().items()},
+        "final": whole_state(model),
         "predictions": predictions,
         "saved_checkpoint_state": saved,
         "start": restored.start,

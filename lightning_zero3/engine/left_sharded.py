@@ -12,7 +12,8 @@ any module; on some ranks only, every rank raises the same error.
 
 The module keeps its engine alive through a forward pre-hook (which also refuses a forward on the
 shards with this explanation); the registry holds both weakly, so a module that is dropped frees
-its engine and its shards.
+its engine and its shards. A module at rest after a Trainer's `fit` (core.py, Note: run lifecycle)
+is remembered the same way, its hooks kept and its engine held by a state_dict pre-hook.
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ _LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ShardedModel], Any
 
 
 def leave_sharded(module: nn.Module, engine: ShardedModel) -> None:
-    handle = module.register_forward_pre_hook(_RefuseForward(engine))
+    remember_sharded(module, engine, module.register_forward_pre_hook(_RefuseForward(engine)))
+
+
+def remember_sharded(module: nn.Module, engine: ShardedModel, handle: Any) -> None:
+    """`engine` holds `module` sharded (left, or at rest after `fit`: core.py, Note: run
+    lifecycle); `handle`, a hook of the module that holds the engine, is removed by `forget`."""
     _LEFT[module] = (weakref.ref(engine), handle)
 
 
