@@ -5,8 +5,9 @@ their checkpoint plugin.
 
 [Note: run lifecycle]
     SHARDED --end(failed=False)--> AT_REST        shards stay where they are (on the device), hooks
-                                                  kept, the shards' gradients and the pool freed;
-                                                  no collective. As FSDP and DeepSpeed leave theirs.
+                                                  kept; the shards' gradients, the pool and offload's
+                                                  device copies freed; no collective. As FSDP and
+                                                  DeepSpeed leave theirs.
     AT_REST --resume()-----------> SHARDED        the next setup of the same module by the same
                                                   strategy: no resharding, no collective
     SHARDED --end(failed=True)---> LEFT_SHARDED   hooks removed, shards kept, forward refused, no
@@ -115,6 +116,8 @@ class ShardedRun:
             # The optimizer's state stays, for a save after `fit` or the next `fit`.
             for sharded in self.engine.sharded_params:
                 sharded.param.grad = None
+            if self.engine.offload is not None:
+                self.engine.offload.close()  # the shards' device copies, made again by the next gather
         self.engine.pool.clear()  # buffers kept for the next step, which will not come soon
         if self._saver is not None and self._saver is not self.engine.world_comm:
             destroy_group(self._saver.group)  # later saves of this run write synchronously
@@ -145,9 +148,13 @@ class ShardedRun:
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The module's whole state dict, gathered one unit at a time, in host memory: on rank 0
-        only (others get {}) or on every rank. Collective: call it on every rank."""
+        only (others get {}) or on every rank. Collective: call it on every rank. Tensors of its
+        own: persistent parameters and buffers copied too, not views of the live module's."""
         with self.own_reads():
-            return self.engine.full_state_dict(to_rank=0 if rank0_only else None)
+            state = self.engine.full_state_dict(to_rank=0 if rank0_only else None)
+        gathered = {name for sharded in self.engine.sharded_params for name in sharded.names}
+        views = {k for k, v in state.items() if k not in gathered and isinstance(v, Tensor)}
+        return {k: v.detach().to("cpu", copy=True) if k in views else v for k, v in state.items()}
 
     # ---- checkpoints: "sharded" a directory of every rank's shards, "full" one file from rank 0
     @property
@@ -190,15 +197,13 @@ class ShardedRun:
         if not self.sharded_checkpoints:
             save_full(checkpoint, path, self.engine.world_comm, write=write_file)
         elif background and self.state is Lifecycle.SHARDED:
-            with self.own_reads():
-                planned = plan_sharded(path, self.engine, checkpoint, copy=True)
+            planned = plan_sharded(path, self.engine, checkpoint, copy=True)
             if self._saver is None:
                 self._saver = saver_comm(self.engine.world_comm)
             saver = self._saver
             self.saving = BackgroundSave(lambda: write_sharded(path, planned, saver), what=f"the checkpoint {path}")
         else:
-            with self.own_reads():
-                save_sharded(path, self.engine, checkpoint, whole=self.state is Lifecycle.WHOLE)
+            save_sharded(path, self.engine, checkpoint, whole=self.state is Lifecycle.WHOLE)
 
     def wait_for_save(self, *, agree: bool = True) -> CheckpointError | None:
         """Wait for the save writing in the background, if any. `agree` (collective): its error

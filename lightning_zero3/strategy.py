@@ -195,7 +195,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def model_to_device(self) -> None:
         # Called after sharding, which put the shards, persistent parameters and buffers on the
         # device one module at a time (engine/materialize.py, Note: sharding from host memory): a
-        # whole model in host memory, as after a teardown, never goes to the device. What is left
+        # whole model in host memory (built by `init_module()`) never goes to the device. What is left
         # (e.g. torchmetrics states) moves, and the LightningModule learns its device.
         assert self.lightning_module is not None
         self.sharded_model.move_module(self.root_device)  # offloaded shards stay on the host
@@ -378,7 +378,7 @@ class _WholeWeightsLauncher(_MultiProcessingLauncher):
         with strategy._run.own_reads():  # Lightning reads the module's state_dict() on every rank
             output = super()._collect_rank_zero_results(trainer, results)
         if output is not None and output.weights_path is not None:
-            self._strategy.checkpoint_io.save_checkpoint(whole, output.weights_path)  # over rank 0's shards
+            strategy.checkpoint_io.save_checkpoint(whole, output.weights_path)  # over rank 0's shards
         return output
 
 

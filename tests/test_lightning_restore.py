@@ -180,7 +180,7 @@ def _fit_twice(rank: int, strategy: str, root: str) -> list[int]:
     trainer.fit_loop.max_epochs = 4
     second = EpochRecorder()
     trainer.fit(second)
-    assert tuple(second.layer.weight.shape) == (2, 32)
+    assert tuple(whole_state(second)["layer.weight"].shape) == (2, 32)
     return first.epochs + second.epochs
 
 
@@ -234,7 +234,7 @@ def _restart_mid_epoch(rank: int, strategy: str, root: str) -> list[str]:
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         lightning_trainer(strategy, root, max_epochs=2, **options).fit(model, ckpt_path=f"{root}/resume.ckpt")
-    assert tuple(model.layer.weight.shape) == (2, 32)  # whole again, trained on from the checkpoint
+    assert tuple(whole_state(model)["layer.weight"].shape) == (2, 32)  # trained on from the checkpoint
     return [str(w.message) for w in warned]
 
 

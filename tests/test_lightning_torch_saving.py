@@ -43,4 +43,4 @@ def test_model_torch_save_ddp_cpu(strategy: str, tmp_path) -> None:
     for result in on_ranks(_fit_and_torch_save, strategy, str(tmp_path)):
         assert result["strategy"] == expected_strategy
         assert result["weight_shape"] == (2, 32) and result["weights_equal"]
-        assert result["model"] == "DistributedDataParallel"
+        assert result["model"] in ("DistributedDataParallel", "BoringModel")
