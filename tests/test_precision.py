@@ -234,7 +234,7 @@ def _fp16_mixed_fused_clipped(rank: int, world_size: int) -> dict:
     return {
         "losses": model.step_losses,
         "ref_losses": ref_losses,
-        "param": max_difference(model.state_dict(), reference.state_dict()),
+        "param": max_difference(whole_state(model), reference.state_dict()),
     }
 
 

@@ -164,7 +164,7 @@ def _edit(rank: int, world_size: int) -> Any:
 
     model = _LitEdit(lr=0.0)
     trainer(ZeRO3Strategy(), world_size, max_steps=1).fit(model, loader(world_size))
-    return model.full_head_shape, model.net.head.bias.detach().clone()
+    return model.full_head_shape, whole_state(model)["net.head.bias"]
 
 
 def test_gathered_parameters_in_a_hook_shows_whole_tensors_and_keeps_rank0_edits() -> None:

@@ -1,7 +1,9 @@
-"""Putting whole parameters back on the modules (`ShardedModel.restore_module`, what the strategy
-does at teardown) builds the output one unit at a time on the device asked for: the shards'
-device holds one unit more than before, never the whole model (engine/materialize.py, Note:
-restoring unit by unit). On CPU, "meta" stands in for "host memory while the shards are on a GPU"."""
+"""After `fit` the Trainer's teardown leaves the module sharded, at rest (core.py, Note: run
+lifecycle): no whole copy anywhere. Putting whole parameters back on the modules
+(`ShardedModel.restore_module`, what a new engine does with a module left sharded or at rest)
+builds the output one unit at a time on the device asked for: the shards' device holds one unit
+more than before, never the whole model (engine/materialize.py, Note: restoring unit by unit). On
+CPU, "meta" stands in for "host memory while the shards are on a GPU"."""
 
 from __future__ import annotations
 
