@@ -15,9 +15,9 @@ their checkpoint plugin.
 At rest a forward still runs (collective: every rank calls it), checkpoints save, and
 `full_state_dict` gathers whole weights; the module's own `state_dict()` is refused (it would
 be 1-D shards) except inside the run's own reads. A new engine for a module at rest or left
-sharded (another strategy, Fabric) makes it whole first (engine/left_sharded.py), after which
-this run is WHOLE: final, like LEFT_SHARDED; `end` on either does nothing. In every state the
-engine still reads: stats, and the optimizer's sharded state for a save after `fit`.
+sharded (another strategy, Fabric) makes it whole first (engine/left_sharded.py); this run then
+no longer holds it (`at_rest` is False). LEFT_SHARDED is final; `end` on it or AT_REST does
+nothing. In every state the engine still reads: stats, and the optimizer's sharded state.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ class Lifecycle(Enum):
 
     SHARDED = "sharded"
     AT_REST = "at rest"
-    WHOLE = "whole"
     LEFT_SHARDED = "left sharded"
 
 
@@ -125,10 +124,9 @@ class ShardedRun:
 
     @property
     def at_rest(self) -> bool:
-        """At rest and still holding the module (not made whole since by another engine)."""
-        if self.state is Lifecycle.AT_REST and self._rest_hook.id not in self.engine.module._state_dict_pre_hooks:
-            self.state = Lifecycle.WHOLE
-        return self.state is Lifecycle.AT_REST
+        """At rest and still holding the module (no other engine has made it whole since)."""
+        hooks = self.engine.module._state_dict_pre_hooks
+        return self.state is Lifecycle.AT_REST and self._rest_hook.id in hooks
 
     def resume(self) -> None:
         """AT_REST -> SHARDED: the same strategy sets the same module up again (Note: run lifecycle)."""
@@ -203,7 +201,7 @@ class ShardedRun:
             saver = self._saver
             self.saving = BackgroundSave(lambda: write_sharded(path, planned, saver), what=f"the checkpoint {path}")
         else:
-            save_sharded(path, self.engine, checkpoint, whole=self.state is Lifecycle.WHOLE)
+            save_sharded(path, self.engine, checkpoint)
 
     def wait_for_save(self, *, agree: bool = True) -> CheckpointError | None:
         """Wait for the save writing in the background, if any. `agree` (collective): its error

@@ -60,7 +60,7 @@ def _fit_and_predict_best(rank: int, world_size: int, directory: str) -> dict[st
     saves = [type(call.args[0]).__name__ for call in save_mock.call_args_list]
     predict = trainer(lightning_zero3.ZeRO3Strategy(), world_size)
     predictions = predict.predict(model, DataLoader(dataset(), batch_size=8), ckpt_path=checkpoint.best_model_path)
-    state = whole_state(model)  # whole again after predict
+    state = whole_state(model)
     return {
         "best": checkpoint.best_model_path,
         "predictions": torch.cat(predictions),

@@ -26,7 +26,7 @@ STEPS_PER_EPOCH = 4
 
 def _fit_one_epoch_and_save(rank: int, world_size: int, directory: str) -> None:
     """One epoch with a ModelCheckpoint (sharded, written during fit), then both kinds saved after
-    fit, when teardown has made the parameters whole again."""
+    fit, at rest."""
     become_lightning_rank(rank, world_size)
     from lightning_zero3 import ZeRO3Strategy
 
