@@ -414,9 +414,12 @@ def main() -> None:
     if args.save:
         trainer.save_checkpoint(args.save)  # every rank writes its own shards; nothing is gathered
 
+    # After fit the module stays sharded; every rank joins the gather of whole weights to rank 0.
+    whole = trainer.strategy.full_state_dict()
     if trainer.global_rank == 0:
-        # After fit the strategy has put whole parameters back: an ordinary module again.
-        print("\nsample:", repr(sample(module.model, tokenizer, "The ", 120)))
+        plain = GPT(config)  # an ordinary module, in this process's memory only
+        plain.load_state_dict({key.removeprefix("model."): value for key, value in whole.items()})
+        print("\nsample:", repr(sample(plain, tokenizer, "The ", 120)))
         val = trainer.callback_metrics.get("val_loss")
         report(
             module.zero3_stats,

@@ -4,21 +4,28 @@ the strategies are thin glue that hand it the engine, their options and the file
 their checkpoint plugin.
 
 [Note: run lifecycle]
-    SHARDED --end(failed=False)--> WHOLE          whole parameters back on the module, in host
-                                                  memory (collective: every rank is there)
+    SHARDED --end(failed=False)--> AT_REST        shards stay where they are (on the device), hooks
+                                                  kept; the shards' gradients, the pool and offload's
+                                                  device copies freed; no collective. As FSDP and
+                                                  DeepSpeed leave theirs.
+    AT_REST --resume()-----------> SHARDED        the next setup of the same module by the same
+                                                  strategy: no resharding, no collective
     SHARDED --end(failed=True)---> LEFT_SHARDED   hooks removed, shards kept, forward refused, no
-                                                  collective (other ranks may be gone); the next
-                                                  engine for the module makes it whole first
-                                                  (engine/left_sharded.py)
-WHOLE and LEFT_SHARDED are final; `end` on them does nothing. In both, the engine still reads:
-stats, and the optimizer's sharded state for a save after `fit`.
+                                                  collective (other ranks may be gone)
+At rest a forward still runs (collective: every rank calls it), checkpoints save, and
+`full_state_dict` gathers whole weights; the module's own `state_dict()` is refused (it would
+be 1-D shards) except inside the run's own reads. A new engine for a module at rest or left
+sharded (another strategy, Fabric) makes it whole first (engine/left_sharded.py); this run then
+no longer holds it (`at_rest` is False). LEFT_SHARDED is final; `end` on it or AT_REST does
+nothing. In every state the engine still reads: stats, and the optimizer's sharded state.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +43,7 @@ from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.accumulate import SyncState
 from lightning_zero3.engine.comm import Comm, destroy_group
+from lightning_zero3.engine.left_sharded import forget, remember_sharded
 from lightning_zero3.engine.state import full_optimizer_state
 
 if TYPE_CHECKING:
@@ -54,8 +62,25 @@ class Lifecycle(Enum):
     """Where a run's module stands (Note: run lifecycle)."""
 
     SHARDED = "sharded"
-    WHOLE = "whole"
+    AT_REST = "at rest"
     LEFT_SHARDED = "left sharded"
+
+
+class _RefuseStateDict:
+    """The state_dict pre-hook on a module at rest; it holds the run, so the engine lives as long
+    as the module (Note: a module left sharded)."""
+
+    def __init__(self, run: ShardedRun) -> None:
+        self.run = run
+
+    def __call__(self, module: Any, prefix: str, keep_vars: bool) -> None:
+        if self.run.state is Lifecycle.AT_REST and not self.run.reading_own:
+            raise RuntimeError(
+                f"{type(module).__name__}.state_dict() after `fit`: the module stays sharded (its parameters are "
+                f"this rank's 1-D shards), as under FSDP. For whole weights call "
+                f"`trainer.strategy.full_state_dict()` on every rank (rank 0 gets them), or save a checkpoint "
+                f"with `trainer.save_checkpoint(path)`."
+            )
 
 
 class ShardedRun:
@@ -71,6 +96,9 @@ class ShardedRun:
         # created at the first (Note: background saves in checkpoint/background.py).
         self.saving: BackgroundSave | None = None
         self._saver: Comm | None = None
+        # At rest: the module's state_dict() refused (_RefuseStateDict) but inside `own_reads`.
+        self._rest_hook: Any = None
+        self.reading_own = False
 
     def end(self, *, failed: bool) -> None:
         """The strategy's teardown (Note: run lifecycle)."""
@@ -80,16 +108,51 @@ class ShardedRun:
             self.engine.leave_sharded()
             self.state = Lifecycle.LEFT_SHARDED
         else:
-            self.engine.restore_module(device="cpu")
-            self.state = Lifecycle.WHOLE
-            # The module holds new whole parameters: the shards' gradients serve nothing now
-            # (the optimizer's state stays, for a save after `fit`).
+            self.state = Lifecycle.AT_REST
+            module = self.engine.module
+            self._rest_hook = module.register_state_dict_pre_hook(_RefuseStateDict(self))
+            remember_sharded(module, self.engine, self._rest_hook)  # a new engine for it makes it whole first
+            # The optimizer's state stays, for a save after `fit` or the next `fit`.
             for sharded in self.engine.sharded_params:
                 sharded.param.grad = None
-        self.engine.pool.clear()  # buffers kept for the next step, which will not come
+            if self.engine.offload is not None:
+                self.engine.offload.close()  # the shards' device copies, made again by the next gather
+        self.engine.pool.clear()  # buffers kept for the next step, which will not come soon
         if self._saver is not None and self._saver is not self.engine.world_comm:
             destroy_group(self._saver.group)  # later saves of this run write synchronously
         self._saver = None
+
+    @property
+    def at_rest(self) -> bool:
+        """At rest and still holding the module (no other engine has made it whole since)."""
+        hooks = self.engine.module._state_dict_pre_hooks
+        return self.state is Lifecycle.AT_REST and self._rest_hook.id in hooks
+
+    def resume(self) -> None:
+        """AT_REST -> SHARDED: the same strategy sets the same module up again (Note: run lifecycle)."""
+        assert self.at_rest, f"ZeRO-3 internal error: resume from {self.state.name}"
+        forget(self.engine.module)  # removes the state_dict hook
+        self._rest_hook = None
+        self.state = Lifecycle.SHARDED
+
+    @contextmanager
+    def own_reads(self) -> Iterator[None]:
+        """The module's state_dict() as the run's saves read it, also at rest."""
+        before, self.reading_own = self.reading_own, True
+        try:
+            yield
+        finally:
+            self.reading_own = before
+
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
+        """The module's whole state dict, gathered one unit at a time, in host memory: on rank 0
+        only (others get {}) or on every rank. Collective: call it on every rank. Tensors of its
+        own: persistent parameters and buffers copied too, not views of the live module's."""
+        with self.own_reads():
+            state = self.engine.full_state_dict(to_rank=0 if rank0_only else None)
+        gathered = {name for sharded in self.engine.sharded_params for name in sharded.names}
+        views = {k for k, v in state.items() if k not in gathered and isinstance(v, Tensor)}
+        return {k: v.detach().to("cpu", copy=True) if k in views else v for k, v in state.items()}
 
     # ---- checkpoints: "sharded" a directory of every rank's shards, "full" one file from rank 0
     @property
@@ -97,11 +160,12 @@ class ShardedRun:
         return self.options().state_dict_type == "sharded"
 
     def model_state_dict(self) -> dict[str, Any]:
-        """What a checkpoint stores for the module: this rank's shards (whole after `end`), or the
-        whole state dict on rank 0 for a full checkpoint (collective)."""
-        if self.sharded_checkpoints or self.state is Lifecycle.WHOLE:
-            return self.engine.module.state_dict()
-        return self.engine.full_state_dict(to_rank=0)
+        """What a checkpoint stores for the module: this rank's shards, or the whole state dict on
+        rank 0 for a full checkpoint (collective)."""
+        if self.sharded_checkpoints:
+            with self.own_reads():
+                return self.engine.module.state_dict()
+        return self.full_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         if self.sharded_checkpoints:
@@ -137,7 +201,7 @@ class ShardedRun:
             saver = self._saver
             self.saving = BackgroundSave(lambda: write_sharded(path, planned, saver), what=f"the checkpoint {path}")
         else:
-            save_sharded(path, self.engine, checkpoint, whole=self.state is Lifecycle.WHOLE)
+            save_sharded(path, self.engine, checkpoint)
 
     def wait_for_save(self, *, agree: bool = True) -> CheckpointError | None:
         """Wait for the save writing in the background, if any. `agree` (collective): its error

@@ -116,9 +116,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         if self.lightning_options.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            # Teardown makes parameters whole again, so the launcher's copy of rank 0's
-            # state_dict back into the main process has full shapes.
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
+            self._launcher = _WholeWeightsLauncher(self, start_method=self.lightning_options.start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -147,11 +145,15 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:
         module = self.lightning_module
         assert module is not None
-        engine = build_engine(
-            type(self).__name__, module, self.config,
-            precision=self.precision_plugin, world_size=self.world_size, device=self.root_device,
-        )  # fmt: skip
-        self.run = ShardedRun(engine, lambda: self.lightning_options)
+        if self.run is not None and self.run.engine.module is module and self.run.at_rest:
+            self.run.resume()  # after `fit`: the same shards, no collective (core.py, Note: run lifecycle)
+            engine = self.run.engine
+        else:
+            engine = build_engine(
+                type(self).__name__, module, self.config,
+                precision=self.precision_plugin, world_size=self.world_size, device=self.root_device,
+            )  # fmt: skip
+            self.run = ShardedRun(engine, lambda: self.lightning_options)
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, engine, device=self.root_device)
         return _RootCall(module)
@@ -193,7 +195,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def model_to_device(self) -> None:
         # Called after sharding, which put the shards, persistent parameters and buffers on the
         # device one module at a time (engine/materialize.py, Note: sharding from host memory): a
-        # whole model in host memory, as after a teardown, never goes to the device. What is left
+        # whole model in host memory (built by `init_module()`) never goes to the device. What is left
         # (e.g. torchmetrics states) moves, and the LightningModule learns its device.
         assert self.lightning_module is not None
         self.sharded_model.move_module(self.root_device)  # offloaded shards stay on the host
@@ -269,6 +271,12 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         with self.sharded_model.gathered_for_inference():
             yield
 
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
+        """The LightningModule's whole state dict, gathered one unit at a time into host memory,
+        on rank 0 (others get {}) or with `rank0_only=False` on every rank. Collective: call it
+        on every rank, during or after `fit` (where `module.state_dict()` is refused)."""
+        return self._run.full_state_dict(rank0_only=rank0_only)
+
     # ---- accounting -------------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, Any]:
@@ -332,37 +340,20 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        save_error: BaseException | None = None
-        if self.run is not None:  # the last background save: its error is raised on every rank, after teardown
-            try:
+        try:  # the last background save: its error is raised on every rank, after teardown
+            if self.run is not None:
                 self.run.wait_for_save(agree=not self._failed)
-            except Exception as err:  # agreed: every rank is here, so the collectives below still pair
-                save_error = err
-        if self.run is not None and self.run.state is Lifecycle.SHARDED:
-            # Failed: the module stays sharded (and savable) until the next engine built for it
-            # makes it whole. Else whole parameters in host memory, one unit at a time, as
-            # Lightning moves every model to the CPU at teardown anyway.
-            self.run.end(failed=self._failed)
-            self.model = self.lightning_module
-        try:
-            self._teardown_lightning()
         finally:
-            if save_error is not None:
-                raise save_error
-
-    def _teardown_lightning(self) -> None:
-        module = self.lightning_module
-        if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            # Setup failed while the module was still (partly) on the meta device, e.g. a module
-            # without reset_parameters() built in configure_model(): Lightning's move to the CPU
-            # would raise "Cannot copy out of meta tensor" and hide that error. Skip the move.
-            self._lightning_module = None
-            try:
-                super().teardown()
-            finally:
-                self._lightning_module = module
-            return
-        super().teardown()
+            if self.run is not None and self.run.state is Lifecycle.SHARDED:
+                self.run.end(failed=self._failed)  # left sharded, or at rest (core.py, Note: run lifecycle)
+                self.model = self.lightning_module
+            # Lightning's teardown without its moves of the module and optimizer state to the CPU,
+            # as Lightning's FSDPStrategy: the shards stay on the device, whole nowhere.
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
 
     @classmethod
     @override
@@ -373,6 +364,22 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def __repr__(self) -> str:
         # Shown by Fabric when given this class: say which one it wants.
         return f"{type(self).__name__}(a Trainer strategy: for Fabric use ZeRO3FabricStrategy or strategy='zero3')"
+
+
+class _WholeWeightsLauncher(_MultiProcessingLauncher):
+    """The spawn launcher hands rank 0's `module.state_dict()` back to the main process: after
+    `fit` every rank first gathers the whole weights to rank 0, which hands those back."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        strategy = self._strategy
+        assert isinstance(strategy, ZeRO3Strategy)
+        whole = strategy.full_state_dict() if trainer.state.fn == TrainerFn.FITTING else {}
+        with strategy._run.own_reads():  # Lightning reads the module's state_dict() on every rank
+            output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:
+            strategy.checkpoint_io.save_checkpoint(whole, output.weights_path)  # over rank 0's shards
+        return output
 
 
 def _last_batch_of_epoch(trainer: Any) -> bool:

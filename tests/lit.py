@@ -105,6 +105,7 @@ def reference_fit(
     model: LitMLP,
     *,
     epochs: int = 1,
+    first_epoch: int = 0,
     max_steps: int | None = None,
     accumulate: int = 1,
     clip_norm: float | None = None,
@@ -118,7 +119,7 @@ def reference_fit(
     data = dataset()
     opt = model.configure_optimizers()
     losses, steps = [], 0
-    for epoch in range(epochs):
+    for epoch in range(first_epoch, epochs):
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
         sampler.set_epoch(epoch)
         order = list(sampler)
@@ -143,6 +144,15 @@ def reference_fit(
             if max_steps is not None and steps >= max_steps:
                 return losses
     return losses
+
+
+def whole_state(model: pl.LightningModule) -> dict[str, torch.Tensor]:
+    """`model`'s weights after `fit`, whole on every rank, read the user's way: under zero3 the
+    module stays sharded, so `strategy.full_state_dict` (collective); else its state_dict."""
+    strategy = model.trainer.strategy
+    if hasattr(strategy, "full_state_dict"):
+        return strategy.full_state_dict(rank0_only=False)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import EMAWeightAveraging, WeightAveraging
 
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, trainer
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, trainer, whole_state
 from tests.ranks import run_ranks
 
 TOL = 1e-5
@@ -49,7 +49,7 @@ def _fit(rank: int, world_size: int, strategy: str, kind: str) -> dict[str, Any]
     callback = _callback(kind, sharded=strategy == "zero3")
     t = trainer(strategy, world_size, max_epochs=2, val_check_interval=2, callbacks=[callback])
     t.fit(model, loader(world_size), loader(world_size))
-    return {"val_losses": model.val_losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {"val_losses": model.val_losses, "state": whole_state(model)}
 
 
 @pytest.mark.parametrize("kind", ["ema", "swa"])
@@ -73,7 +73,7 @@ def _fit_saving_after_epoch_1(rank: int, world_size: int, directory: str) -> dic
     callbacks = [ShardedEMAWeightAveraging(decay=0.7), saver]
     t = trainer(ZeRO3Strategy(), world_size, max_epochs=2, callbacks=callbacks, enable_checkpointing=True)
     t.fit(model, loader(world_size))
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return whole_state(model)
 
 
 def _resume(rank: int, world_size: int, path: str, kind: str) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def _resume(rank: int, world_size: int, path: str, kind: str) -> dict[str, Any]:
     strategy.lightning_options = dataclasses.replace(strategy.lightning_options, state_dict_type=kind)
     t = trainer(strategy, world_size, max_epochs=2, callbacks=[ShardedEMAWeightAveraging(decay=0.7)])
     t.fit(model, loader(world_size), ckpt_path=path)
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return whole_state(model)
 
 
 def test_the_average_resumes_exactly_from_a_sharded_checkpoint_at_another_world_size(tmp_path: Path) -> None:

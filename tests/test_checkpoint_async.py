@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_zero3
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
 from tests.ranks import RankFailure, run_ranks
 
 TOL = 1e-5
@@ -82,7 +82,7 @@ def _resume(rank: int, world_size: int, path: str) -> tuple[list[float], dict]:
     torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
     model = LitMLP()
     trainer(ZeRO3Strategy(), world_size, max_epochs=2).fit(model, loader(world_size), ckpt_path=path)
-    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return model.step_losses, whole_state(model)
 
 
 def test_a_background_checkpoint_resumes_exactly_at_another_world_size(runs):
@@ -195,7 +195,7 @@ def test_fabric_saves_in_the_background_equal_synchronous_ones(tmp_path):
 
 def _last_background_write_fails_on_rank_1(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """The last save of fit (step 2 of 2) fails in rank 1's background: only teardown's wait
-    sees it. It is raised on every rank, after teardown made the module whole as usual."""
+    sees it. It is raised on every rank, after teardown left the module at rest as usual."""
     if rank == 1:
         _fail_background_writes()
     become_lightning_rank(rank, world_size)
@@ -213,10 +213,10 @@ def _last_background_write_fails_on_rank_1(rank: int, world_size: int, directory
     else:
         raised = ""
     assert strategy.run is not None
-    return {"raised": raised, "state": strategy.run.state is Lifecycle.WHOLE, "whole": model.net.inp.weight.dim()}
+    return {"raised": raised, "state": strategy.run.state is Lifecycle.AT_REST, "dim": model.net.inp.weight.dim()}
 
 
 def test_an_error_of_the_last_background_write_is_raised_at_teardown_after_it_completes(tmp_path):
     for result in run_ranks(_last_background_write_fails_on_rank_1, 2, str(tmp_path)):
         assert "in the background failed" in result["raised"], result
-        assert result["state"] and result["whole"] == 2, result
+        assert result["state"] and result["dim"] == 1, result  # this rank's shard

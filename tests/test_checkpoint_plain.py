@@ -21,7 +21,7 @@ import lightning_zero3
 from lightning_zero3 import CheckpointError
 from lightning_zero3.checkpoint.full import read_full_file
 from lightning_zero3.checkpoint.trust import read_dcp_index
-from tests.lit import LitMLP, become_lightning_rank, dataset, loader, trainer
+from tests.lit import LitMLP, become_lightning_rank, dataset, loader, trainer, whole_state
 from tests.ranks import run_ranks
 from tests.test_checkpoint_trust import craft, save_mlp
 
@@ -60,7 +60,7 @@ def _fit_and_predict_best(rank: int, world_size: int, directory: str) -> dict[st
     saves = [type(call.args[0]).__name__ for call in save_mock.call_args_list]
     predict = trainer(lightning_zero3.ZeRO3Strategy(), world_size)
     predictions = predict.predict(model, DataLoader(dataset(), batch_size=8), ckpt_path=checkpoint.best_model_path)
-    state = {k: v.clone() for k, v in model.state_dict().items()}  # whole again after predict
+    state = whole_state(model)
     return {
         "best": checkpoint.best_model_path,
         "predictions": torch.cat(predictions),

@@ -24,7 +24,7 @@ moto_server = pytest.importorskip("moto.server", reason="the test extra installs
 import lightning_zero3  # noqa: E402
 from lightning_zero3.checkpoint import CheckpointError, remove_checkpoint  # noqa: E402
 from lightning_zero3.checkpoint.full import read_full_file  # noqa: E402
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer  # noqa: E402
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state  # noqa: E402
 from tests.ranks import RankFailure, run_ranks  # noqa: E402
 
 TOL = 1e-5
@@ -91,7 +91,7 @@ def _resume(rank: int, world_size: int, env: dict[str, str], url: str) -> tuple[
     torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
     model = LitMLP()
     trainer(ZeRO3Strategy(), world_size, max_epochs=2).fit(model, loader(world_size), ckpt_path=url)
-    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return model.step_losses, whole_state(model)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero3 import consolidate_checkpoint
 from lightning_zero3.checkpoint import CheckpointError
 from lightning_zero3.checkpoint.full import read_full_file
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
 from tests.ranks import run_ranks
 
 TOL = 1e-5
@@ -26,7 +26,7 @@ STEPS_PER_EPOCH = 4
 
 def _fit_one_epoch_and_save(rank: int, world_size: int, directory: str) -> None:
     """One epoch with a ModelCheckpoint (sharded, written during fit), then both kinds saved after
-    fit, when teardown has made the parameters whole again."""
+    fit, at rest."""
     become_lightning_rank(rank, world_size)
     from lightning_zero3 import ZeRO3Strategy
 
@@ -48,7 +48,7 @@ def _resume(rank: int, world_size: int, path: str, strategy: str = "zero3") -> t
     model = LitMLP()
     t = trainer(ZeRO3Strategy() if strategy == "zero3" else strategy, world_size, max_epochs=2)
     t.fit(model, loader(world_size), ckpt_path=path)
-    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return model.step_losses, whole_state(model)
 
 
 @pytest.fixture(scope="module")

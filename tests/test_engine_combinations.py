@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
 from tests.models import MLP, mlp_batch, mlp_frozen_block
 from tests.parity import Recipe, adamw, run_parity
 from tests.ranks import run_ranks
@@ -99,7 +99,7 @@ def _fit_then_resume(rank: int, world_size: int, directory: str, resume: bool) -
         t.save_checkpoint(path)
         return None
     trainer(strategy, world_size, max_epochs=2, **FIT).fit(model, loader(world_size), ckpt_path=path)
-    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return model.step_losses, whole_state(model)
 
 
 def test_trainer_with_the_settings_combined_resumes_at_another_world_size_like_one_process(tmp_path) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lightning_zero3.engine import ShardedModel
+from tests.lit import whole_state
 from tests.models import MLP, mlp_batch
 from tests.parity import max_param_difference, step_side_by_side
 from tests.ranks import run_ranks
@@ -89,7 +90,7 @@ def _fit_blocks_compiled_in_configure_model(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = CompiledBlocks()
     trainer(ZeRO3Strategy(), world_size, max_epochs=1).fit(model, loader(world_size))
-    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "losses": model.step_losses}
+    return {"state": whole_state(model), "losses": model.step_losses}
 
 
 def test_trainer_fit_with_blocks_compiled_in_configure_model_matches_one_process():

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_zero3.engine import ShardedModel
 from tests import models
-from tests.lit import become_lightning_rank, loader, max_difference, reference_fit, trainer
+from tests.lit import become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
 from tests.parity import local_slice
 from tests.ranks import run_ranks
 
@@ -155,7 +155,7 @@ def _configure_model(rank: int, world_size: int) -> Any:
 
     model = _LitConfigured()
     trainer(ZeRO3Strategy(param_init_fn=constant_init), world_size, max_steps=3).fit(model, loader(world_size))
-    return model.built_on_meta, model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return model.built_on_meta, model.step_losses, whole_state(model)
 
 
 def test_configure_model_builds_on_meta_and_trains_exactly_from_param_init_fn() -> None:

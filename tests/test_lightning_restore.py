@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from tests.adapted import STRATEGIES, is_checkpoint, lightning_trainer, load_module, on_ranks, read_checkpoint
+from tests.lit import whole_state
 
 EPOCHS, BATCHES = 2, 2
 CHECKPOINT_STATE = ("best_model_path", "best_model_score", "best_k_models", "kth_best_model_path", "last_model_path")
@@ -74,7 +75,7 @@ def _fit_save_and_resume(rank: int, strategy: str, root: str) -> dict[str, Any]:
     model.eval()
     with torch.no_grad():
         predictions = model(BATCH)
-    first = {k: v.clone() for k, v in model.state_dict().items()}
+    first = whole_state(model)
     saved = {k: copy.deepcopy(getattr(checkpoint, k)) for k in CHECKPOINT_STATE}
     restored = RestoredState()
     resumed_checkpoint = ModelCheckpoint(dirpath=f"{root}/ckpts", monitor="val_loss", save_top_k=-1, save_last=True)
@@ -83,7 +84,7 @@ def _fit_save_and_resume(rank: int, strategy: str, root: str) -> dict[str, Any]:
     trainer.fit(model, ckpt_path=f"{root}/model.ckpt")
     return {
         "first": first,
-        "final": {k: v.clone() for k, v in model.state_dict().items()},
+        "final": whole_state(model),
         "predictions": predictions,
         "saved_checkpoint_state": saved,
         "start": restored.start,
@@ -179,7 +180,7 @@ def _fit_twice(rank: int, strategy: str, root: str) -> list[int]:
     trainer.fit_loop.max_epochs = 4
     second = EpochRecorder()
     trainer.fit(second)
-    assert tuple(second.layer.weight.shape) == (2, 32)
+    assert tuple(whole_state(second)["layer.weight"].shape) == (2, 32)
     return first.epochs + second.epochs
 
 
@@ -233,7 +234,7 @@ def _restart_mid_epoch(rank: int, strategy: str, root: str) -> list[str]:
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         lightning_trainer(strategy, root, max_epochs=2, **options).fit(model, ckpt_path=f"{root}/resume.ckpt")
-    assert tuple(model.layer.weight.shape) == (2, 32)  # whole again, trained on from the checkpoint
+    assert tuple(whole_state(model)["layer.weight"].shape) == (2, 32)  # trained on from the checkpoint
     return [str(w.message) for w in warned]
 
 

@@ -1,7 +1,9 @@
 """Lightning's tests_pytorch/checkpointing/test_torch_saving.py, adapted with the strategy as a
 parameter (2 gloo CPU ranks): after `fit`, `torch.save` of the model and of the whole Trainer works
-and the Trainer loads back, under DDP and zero3 alike (zero3 makes the module whole at teardown and
-keeps no unpicklable engine state on the strategy)."""
+and the Trainer loads back. Under zero3 the module stays sharded after `fit` (its hooks hold the
+engine's process groups, as under Lightning's FSDP), so a rank's Trainer does not pickle; the test
+runs for zero3 as Lightning runs it, under the spawn launcher, whose parent process gets the whole
+weights (tests/test_lightning_launchers.py)."""
 
 from __future__ import annotations
 
@@ -33,12 +35,12 @@ def _fit_and_torch_save(rank: int, strategy: str, root: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "zero3"])
 def test_model_torch_save_ddp_cpu(strategy: str, tmp_path) -> None:
     """Adapted from `test_model_torch_save_ddp_cpu` (ddp_spawn, 2 CPU devices), with the load back
     of `test_model_torch_save` (one process) added."""
-    expected_strategy = {"ddp": "DDPStrategy", "zero3": "ZeRO3Strategy"}[strategy]
+    expected_strategy = {"ddp": "DDPStrategy"}[strategy]
     for result in on_ranks(_fit_and_torch_save, strategy, str(tmp_path)):
         assert result["strategy"] == expected_strategy
         assert result["weight_shape"] == (2, 32) and result["weights_equal"]
-        assert result["model"] in ("DistributedDataParallel", "BoringModel")  # zero3: the module itself
+        assert result["model"] in ("DistributedDataParallel", "BoringModel")

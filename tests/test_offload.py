@@ -17,7 +17,7 @@ from lightning_zero3.engine import ShardedModel, ShardingConfig, clip_grad_norm_
 from tests import models
 from tests.fabric_helpers import adamw as fabric_adamw
 from tests.fabric_helpers import fabric, full_state, max_difference, reference, train_step
-from tests.lit import LitMLP, become_lightning_rank, loader, reference_fit, trainer
+from tests.lit import LitMLP, become_lightning_rank, loader, reference_fit, trainer, whole_state
 from tests.parity import Recipe, adamw, local_slice, run_parity
 from tests.ranks import run_ranks
 from tests.test_engine_syncs import _counting_host_reads
@@ -225,7 +225,7 @@ def _fit(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     strategy = ZeRO3Strategy(offload="host", offload_dir=directory)
     trainer(strategy, world_size, **options).fit(model, loader(world_size))
     after_fit = strategy.run.engine.offload.device_bytes()  # the device copies of the shards
-    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "seen": seen, "after_fit": after_fit}
+    return {"state": whole_state(model), "seen": seen, "after_fit": after_fit}
 
 
 def test_trainer_fit_with_host_and_disk_offload_matches_one_process(tmp_path) -> None:

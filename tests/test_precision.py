@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel
 from lightning_zero3.engine.shard import shard_slice
 from tests import models
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
 from tests.parity import local_slice
 from tests.ranks import run_ranks
 
@@ -121,7 +121,7 @@ def _lightning_bf16(rank: int, world_size: int) -> Any:
     model = LitMLP(sgd=True)  # SGD: parameter differences track gradient differences
     t = trainer(ZeRO3Strategy(), world_size, max_steps=3, precision="bf16-mixed", callbacks=[probe])
     t.fit(model, loader(world_size))
-    return probe.stats, model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return probe.stats, model.step_losses, whole_state(model)
 
 
 def test_trainer_bf16_mixed_gathers_in_bf16_and_stays_close_to_single_process() -> None:
@@ -143,7 +143,7 @@ def _bf16_true(rank: int, world_size: int) -> Any:
     torch.manual_seed(0)
     model = LitMLP(sgd=True)
     trainer(ZeRO3Strategy(), world_size, max_steps=3, precision="bf16-true").fit(model, loader(world_size))
-    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return model.step_losses, whole_state(model)
 
 
 def test_bf16_true_holds_bf16_shards_and_trains_like_a_bf16_single_process() -> None:
@@ -234,7 +234,7 @@ def _fp16_mixed_fused_clipped(rank: int, world_size: int) -> dict:
     return {
         "losses": model.step_losses,
         "ref_losses": ref_losses,
-        "param": max_difference(model.state_dict(), reference.state_dict()),
+        "param": max_difference(whole_state(model), reference.state_dict()),
     }
 
 

@@ -1,5 +1,5 @@
-"""A model whole in host memory (built there, or made whole again by a teardown, as between
-`trainer.fit` and `trainer.validate`) is sharded from there: its whole parameters reach the
+"""A model whole in host memory (built there, or made whole by `restore_module`, as a new engine
+does with a module at rest after `fit`) is sharded from there: its whole parameters reach the
 device one module at a time, never as a whole model (engine/materialize.py, Note: sharding from
 host memory). On CPU, "meta" stands in for the accelerator in the engine test; the strategy test
 can only see which tensors the strategy asks to move, not device memory."""
@@ -70,7 +70,7 @@ def _second_setup_moves(rank: int, world_size: int) -> list[tuple[int, ...]]:
     lit.become_lightning_rank(rank, world_size)
     model = lit.LitMLP()
     trainer = lit.trainer(ZeRO3Strategy(), world_size, max_steps=1, limit_val_batches=1)
-    trainer.fit(model, lit.loader(world_size))  # teardown makes the parameters whole again
+    trainer.fit(model, lit.loader(world_size))  # the module stays sharded, at rest
     moved: list[tuple[int, ...]] = []
 
     class Record(TorchFunctionMode):
@@ -86,7 +86,7 @@ def _second_setup_moves(rank: int, world_size: int) -> list[tuple[int, ...]]:
         with Record():
             setup(trainer)
 
-    strategy.setup = recorded_setup  # the second setup only (teardown restores whole parameters)
+    strategy.setup = recorded_setup  # the second setup only: it resumes the run at rest
     trainer.validate(model, lit.loader(world_size), verbose=False)
     return moved
 

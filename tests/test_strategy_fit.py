@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
 from tests.ranks import run_ranks
 
 TOL = 1e-5
@@ -19,7 +19,7 @@ def _fit(rank: int, world_size: int, options: dict, model_kwargs: dict) -> dict:
     model = LitMLP(**model_kwargs)
     strategy = ZeRO3Strategy(prefetch=options.pop("prefetch", 1))
     trainer(strategy, world_size, **options).fit(model, loader(world_size))
-    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "losses": model.step_losses}
+    return {"state": whole_state(model), "losses": model.step_losses}
 
 
 def _reference(model_kwargs: dict, **fit_kwargs: object) -> tuple[dict, list[float]]:

@@ -20,6 +20,7 @@ from tests.lit import (
     max_difference,
     reference_fit,
     trainer,
+    whole_state,
 )
 from tests.ranks import run_ranks
 
@@ -45,7 +46,7 @@ def _validate_fit_validate_fit(rank: int, world_size: int) -> dict[str, Any]:
     trainer(ZeRO3Strategy(), world_size, max_steps=2).fit(model, loader(world_size))
     predictions = trainer(ZeRO3Strategy(), world_size).predict(model, DataLoader(dataset(), batch_size=6))
     out["predictions"] = torch.cat(predictions)
-    out["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+    out["state"] = whole_state(model)
     return out
 
 
@@ -60,7 +61,7 @@ def test_validate_fit_test_fit_again_and_predict_match_single_process() -> None:
     for result in results:
         assert abs(float(result["validate_before"]) - before) < TOL
         assert abs(float(result["test_after_first_fit"]) - after_first) < TOL
-        # After fit the module holds whole parameters again, like an ordinary module.
+        # Each new strategy makes the module at rest whole first, then shards it (left_sharded.py).
         assert max_difference(result["state"], reference.state_dict()) < TOL
     # predict: each rank predicts its DistributedSampler share (rank r gets samples r, r+2, ...).
     x = dataset().tensors[0]
@@ -163,7 +164,7 @@ def _edit(rank: int, world_size: int) -> Any:
 
     model = _LitEdit(lr=0.0)
     trainer(ZeRO3Strategy(), world_size, max_steps=1).fit(model, loader(world_size))
-    return model.full_head_shape, model.net.head.bias.detach().clone()
+    return model.full_head_shape, whole_state(model)["net.head.bias"]
 
 
 def test_gathered_parameters_in_a_hook_shows_whole_tensors_and_keeps_rank0_edits() -> None:
@@ -224,7 +225,7 @@ def _checkpoint_and_resume(rank: int, world_size: int, directory: str, resume: b
         return None
     t = trainer(ZeRO3Strategy(state_dict_type="full"), world_size, max_epochs=2)
     t.fit(model, loader(world_size), ckpt_path=path)
-    return model.step_losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return model.step_losses, whole_state(model)
 
 
 @pytest.mark.parametrize("resume_world_size", [1, 3])
@@ -285,7 +286,7 @@ def _hybrid(rank: int, world_size: int) -> Any:
     torch.manual_seed(0)
     model = LitMLP()
     trainer(ZeRO3Strategy(shard_size=2), world_size, max_steps=3, callbacks=[probe]).fit(model, loader(world_size))
-    return probe.stats, {k: v.clone() for k, v in model.state_dict().items()}
+    return probe.stats, whole_state(model)
 
 
 def test_hierarchical_sharding_trains_exactly_and_reports_traffic_inside_and_across_groups() -> None:

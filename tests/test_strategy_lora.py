@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tests.lit import become_lightning_rank, max_difference, trainer
+from tests.lit import become_lightning_rank, max_difference, trainer, whole_state
 from tests.ranks import run_ranks
 from tests.test_engine_frozen import tiny_lora_gpt2
 
@@ -60,7 +60,7 @@ def _fit_save_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     resumed = LitLora()
     final = str(Path(root, "runs", "lora", "final"))
     _fit(world_size, 2, resumed, ckpt_path=saved).save_checkpoint(final)
-    return {"losses": first.losses + resumed.losses, "state": resumed.state_dict(), "final": final}
+    return {"losses": first.losses + resumed.losses, "state": whole_state(resumed), "final": final}
 
 
 def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lightning_zero3.engine import accounting
 from tests import models
 from tests.fabric_helpers import adamw, fabric, full_state, max_difference
-from tests.lit import LitMLP, become_lightning_rank, loader, reference_fit, trainer
+from tests.lit import LitMLP, become_lightning_rank, loader, reference_fit, trainer, whole_state
 from tests.parity import local_slice
 from tests.ranks import run_ranks
 
@@ -93,7 +93,7 @@ def _fit_accumulating(rank: int, world_size: int) -> dict[str, Any]:
         engine.units, engine.persistent, orders=engine.last_step_record.orders, micro_batches=K, synced=1
     )
     return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "state": whole_state(model),
         "syncs": syncs,
         "reduce_scatter": engine.stats.last_step["reduce_scatter"].payload_bytes,
         "formula": formula["reduce_scatter"],

@@ -8,7 +8,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from tests.lit import LitMLP, become_lightning_rank, dataset, loader, max_difference, reference_fit, trainer
+from tests.lit import (
+    LitMLP,
+    become_lightning_rank,
+    dataset,
+    loader,
+    max_difference,
+    reference_fit,
+    trainer,
+    whole_state,
+)
 from tests.ranks import run_ranks
 
 
@@ -36,7 +45,7 @@ def _fit_with_sampling_callback(rank: int, world_size: int) -> dict[str, Any]:
         "inference": callback.inference,
         "no_grad": callback.no_grad,
         "grad_shape": callback.grad_shape,
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "state": whole_state(model),
     }
 
 

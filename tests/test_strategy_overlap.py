@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
 from tests.ranks import run_ranks
 
 TOL = 1e-5
@@ -21,7 +21,7 @@ def _fit_overlapping(rank: int, world_size: int, reductions_in_flight: int | Non
     strategy = ZeRO3Strategy(reductions_in_flight=reductions_in_flight)
     trainer(strategy, world_size, max_epochs=1).fit(model, loader(world_size))
     return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "state": whole_state(model),
         "losses": model.step_losses,
         "in_flight": strategy.sharded_model.gradient_sync.reductions.in_flight,
     }

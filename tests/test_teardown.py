@@ -1,7 +1,9 @@
-"""Putting whole parameters back on the modules (`ShardedModel.restore_module`, what the strategy
-does at teardown) builds the output one unit at a time on the device asked for: the shards'
-device holds one unit more than before, never the whole model (engine/materialize.py, Note:
-restoring unit by unit). On CPU, "meta" stands in for "host memory while the shards are on a GPU"."""
+"""After `fit` the Trainer's teardown leaves the module sharded, at rest (core.py, Note: run
+lifecycle): no whole copy anywhere. Putting whole parameters back on the modules
+(`ShardedModel.restore_module`, what a new engine does with a module left sharded or at rest)
+builds the output one unit at a time on the device asked for: the shards' device holds one unit
+more than before, never the whole model (engine/materialize.py, Note: restoring unit by unit). On
+CPU, "meta" stands in for "host memory while the shards are on a GPU"."""
 
 from __future__ import annotations
 
@@ -59,26 +61,57 @@ def test_restore_to_the_cpu_builds_the_whole_model_exactly_with_one_unit_of_over
 
 
 def _fit_and_look(rank: int, world_size: int) -> dict:
-    from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+    import lightning.pytorch as pl
+
+    from tests.lit import become_lightning_rank, trainer
 
     become_lightning_rank(rank, world_size)
     from lightning_zero3 import ZeRO3Strategy
 
-    strategy = ZeRO3Strategy()
-    trainer(strategy, world_size, max_steps=2).fit(LitMLP(), loader(world_size))
+    class Wide(pl.LightningModule):  # 12 linears of 4 MiB: 48 MiB of weights, one unit each
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(12)))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.layers(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class AtTrainEnd(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.rss = status_bytes("RssAnon")
+
+    strategy, at_end, model = ZeRO3Strategy(), AtTrainEnd(), Wide()
+    batches = torch.utils.data.DataLoader(torch.randn(8, 1024), batch_size=2)
+    trainer(strategy, world_size, max_steps=2, callbacks=[at_end]).fit(model, batches)
+    grown = status_bytes("RssAnon") - at_end.rss
+    params = list(model.parameters())
     engine = strategy.sharded_model
     return {
-        "shard_grad_bytes": sum(
-            p.param.grad.untyped_storage().nbytes() for p in engine.sharded_params if p.param.grad is not None
-        ),
+        "grown": grown,
+        "model": sum(p.numel * 4 for p in engine.sharded_params),
+        "params_are_shards": all(p.param.numel() == p.shard_numel for p in engine.sharded_params)
+        and {id(p.param) for p in engine.sharded_params} <= {id(p) for p in model.parameters()}
+        and all(p.dim() == 1 for p in model.parameters()),
+        # the storages the module's parameters hold: this rank's shards, and the small persistent ones whole
+        "param_bytes": sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}.values()),
+        "persistent_bytes": sum(p.numel() * 4 for p in engine.persistent),
+        "shard_grad_bytes": sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None),
         "pool_bytes": engine.pool.cached_bytes,
         "optimizer_state": sum(len(s) for s in strategy.optimizers[0].state.values()),
     }
 
 
-def test_teardown_after_fit_frees_the_shards_gradients_and_the_buffer_pool() -> None:
-    """After `fit` the module holds new whole parameters: nothing needs the shards' gradients or
-    the buffers kept for a next step (core.py, Note: run lifecycle); the optimizer state stays."""
+def test_after_fit_the_module_stays_sharded_with_no_whole_copy_gradients_or_pool() -> None:
+    """At rest after `fit` (core.py, Note: run lifecycle) the module's parameters are this rank's
+    shards and nothing whole was built: anonymous RSS after `fit` returns is within a quarter of
+    the model of what it was at `on_train_end` (a whole copy adds the model, 48 MiB); the shards'
+    gradients and the buffer pool are freed; the optimizer state stays, for a save or a next fit."""
     for result in run_ranks(_fit_and_look, 2):
+        assert result["params_are_shards"], result
+        assert result["param_bytes"] <= result["model"] // 2 + result["persistent_bytes"], result
+        assert result["grown"] < result["model"] // 4, result
         assert result["shard_grad_bytes"] == 0 and result["pool_bytes"] == 0, result
-        assert result["optimizer_state"] > 0  # kept for a save after fit
+        assert result["optimizer_state"] > 0

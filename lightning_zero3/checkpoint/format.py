@@ -113,8 +113,8 @@ def describe_mismatch(
 
 
 def optimizer_param_names(model: ShardedModel, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The first name of each parameter of each param group: shards (also after teardown, when the
-    optimizer still holds them) and parameters the module registers whole."""
+    """The first name of each parameter of each param group: shards and parameters the module
+    registers whole."""
     names = {id(sp.param): sp.name for sp in model.sharded_params}
     for name, param in model.module.named_parameters():
         names.setdefault(id(param), name)

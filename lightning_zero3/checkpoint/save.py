@@ -72,7 +72,7 @@ class PlannedSave:
 
 
 def plan_sharded(
-    path: object, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False, copy: bool = False
+    path: object, model: ShardedModel, checkpoint: Mapping[str, Any], *, copy: bool = False
 ) -> PlannedSave:
     """Plan the save of `checkpoint` (see `save_sharded`); `copy`: tensors and remainder copied to
     host memory, a snapshot training may go on from (Note: background saves). Every rank returns,
@@ -101,7 +101,7 @@ def plan_sharded(
             elif sp is not None and key != sp.name:
                 entries.append({"key": key, "kind": "alias", "of": sp.name})
             else:
-                piece = None if sp is None else _local_piece(sp, value, whole=whole, key=key)
+                piece = None if sp is None else _local_piece(sp, value, key=key)
                 entries.append({"key": key, **store(f"state_dict/{key}", value, sp, piece)})
         optimizers_meta, optimizers_objects = [], []
         by_first_name = {sp.name: sp for sp in model.sharded_params}
@@ -139,24 +139,22 @@ def plan_sharded(
     return run_and_agree(model.world_comm, plan, context=context)
 
 
-def _local_piece(sp: ShardedParam, value: torch.Tensor, *, whole: bool, key: str) -> torch.Tensor:
-    """This rank's unpadded piece of `value` (a shard, or the whole tensor after teardown)."""
-    start, valid = sp.rank * sp.shard_numel, sp.valid_numel()
-    expected, what = (sp.numel, "the parameter") if whole else (sp.shard_numel, "this rank's shard")
-    if value.numel() != expected:
-        raise CheckpointError(f"'{key}' has {value.numel()} elements but {what} has {expected}")
-    return value.detach().reshape(-1)[start : start + valid] if whole else value.detach().reshape(-1)[:valid]
+def _local_piece(sp: ShardedParam, value: torch.Tensor, *, key: str) -> torch.Tensor:
+    """This rank's unpadded piece of its shard `value`."""
+    if value.numel() != sp.shard_numel:
+        raise CheckpointError(f"'{key}' has {value.numel()} elements but this rank's shard has {sp.shard_numel}")
+    return value.detach().reshape(-1)[: sp.valid_numel()]
 
 
 def save_sharded(
-    path: str | os.PathLike | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any], *, whole: bool = False
+    path: str | os.PathLike | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any]
 ) -> None:
     """Write `checkpoint` as a sharded checkpoint directory at `path` (every rank, the same path):
-    its "state_dict" is the module's on this rank (shards, or whole tensors if `whole`), its
+    its "state_dict" is the module's on this rank (its shards), its
     optional "optimizer_states" a list of `sharded_optimizer_state`s, other entries are kept as
     they are. Atomic (Note: temporary names in files.py); a `path` holding anything but a
     checkpoint is refused before anything is written (Note: what a save may replace)."""
-    write_sharded(path, plan_sharded(path, model, checkpoint, whole=whole), model.world_comm)
+    write_sharded(path, plan_sharded(path, model, checkpoint), model.world_comm)
 
 
 def write_sharded(path: str | os.PathLike | RemotePath, planned: PlannedSave, comm: Comm) -> None:

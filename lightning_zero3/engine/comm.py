@@ -13,8 +13,8 @@ nothing. Buffers cross streams through the pool (buffers.py, Note: buffer roles 
 [Note: collective device]
 A `Comm` built with `device` takes tensors of that device type only, on every backend: NCCL has
 no path for CPU tensors (an error or a crash), and gloo, which takes both, would hide such a call
-in every CPU test. Callers holding state elsewhere (optimizer state Lightning's teardown moved to
-the host) copy it to `device` first (state.py).
+in every CPU test. Callers holding state elsewhere (e.g. optimizer state a user moved to the host)
+copy it to `device` first (state.py).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@
 engine first asks every rank (one all_gather_object): left sharded everywhere, the old engine
 makes it whole; on some ranks only, every rank raises. A forward pre-hook keeps the old engine
 alive and refuses a forward on the shards; the registry holds both weakly.
+A module at rest after a Trainer's `fit` (core.py, Note: run lifecycle) is remembered the same
+way, its hooks kept and its engine held by a state_dict pre-hook.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ _LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ShardedModel], Any
 
 
 def leave_sharded(module: nn.Module, engine: ShardedModel) -> None:
-    handle = module.register_forward_pre_hook(_RefuseForward(engine))
+    remember_sharded(module, engine, module.register_forward_pre_hook(_RefuseForward(engine)))
+
+
+def remember_sharded(module: nn.Module, engine: ShardedModel, handle: Any) -> None:
+    """`engine` holds `module` sharded (left, or at rest after `fit`: core.py, Note: run
+    lifecycle); `handle`, a hook of the module that holds the engine, is removed by `forget`."""
     _LEFT[module] = (weakref.ref(engine), handle)
 
 

@@ -64,7 +64,7 @@ def main() -> None:
             "world_size": t.world_size,
             "environment": type(strategy.cluster_environment).__name__,
             "losses": model.step_losses,
-            "state": model.state_dict(),
+            "state": strategy.full_state_dict(rank0_only=False),
         },
         os.path.join(args.out, f"rank{t.global_rank}.pt"),
     )
