@@ -1,5 +1,5 @@
 """`copy.deepcopy` of a module while it is sharded (an EMA teacher made in `on_fit_start`, say)
-is refused with an explanation on every rank: its parameters are this rank's shards and its hooks
+is refused with an explanation on every rank (pickling it too): its parameters are this rank's shards and its hooks
 belong to the engine, whose process group cannot be copied (before: "cannot pickle
 'ProcessGroup' object" from deep inside `copy`, on 2+ ranks only). Once the module is whole
 again, it copies as any module does."""
@@ -7,6 +7,7 @@ again, it copies as any module does."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import torch
 
@@ -24,12 +25,29 @@ def _deepcopy_while_sharded_then_whole(rank: int, world_size: int) -> dict[str, 
         refused = ""
     except TypeError as err:
         refused = str(err)
+    try:
+        pickle.dumps(model)
+        pickle_refused = ""
+    except TypeError as err:
+        pickle_refused = str(err)
     sharded.restore_module(device=torch.device("cpu"))
     whole = copy.deepcopy(model)
-    return {"refused": refused, "whole_shapes": str([tuple(p.shape) for p in whole.parameters()])}
+    return {
+        "refused": refused,
+        "pickle_refused": pickle_refused,
+        "whole_shapes": str([tuple(p.shape) for p in whole.parameters()]),
+    }
 
 
 def test_deepcopy_of_a_sharded_module_is_refused_with_the_fix_on_every_rank():
     for result in run_ranks(_deepcopy_while_sharded_then_whole, 2):
         assert "deep-copied" in result["refused"] and "before" in result["refused"], result["refused"]
         assert result["whole_shapes"] == str([tuple(p.shape) for p in MLP().parameters()])
+
+
+def test_pickling_a_sharded_module_is_refused_with_the_fix_on_every_rank():
+    """`torch.save(model)` / `torch.save(trainer)` inside a rank (the module at rest after `fit`):
+    the engine's message, not "cannot pickle 'ProcessGroup' object" from inside pickle."""
+    for result in run_ranks(_deepcopy_while_sharded_then_whole, 2):
+        assert "cannot be pickled" in result["pickle_refused"], result["pickle_refused"]
+        assert "full_state_dict" in result["pickle_refused"], result["pickle_refused"]

@@ -72,6 +72,11 @@ DEEPCOPY_REFUSED = (
     "configure_model: it is then sharded with the module), or build a new module and load the "
     "whole weights into it (ShardedModel.full_state_dict, or a checkpoint)."
 )
+PICKLE_REFUSED = (
+    "A module sharded by lightning_zero3 cannot be pickled (torch.save(module), torch.save(trainer)): its "
+    "parameters are this rank's 1-D shards and its hooks hold the engine's process groups. Save whole weights "
+    "instead: ShardedModel.full_state_dict / ZeRO3Strategy.full_state_dict (collective), or a checkpoint."
+)
 
 
 class CallState(Enum):

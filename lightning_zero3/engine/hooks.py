@@ -48,6 +48,7 @@ from lightning_zero3.engine.accumulate import GradientSync
 from lightning_zero3.engine.calls import (
     DEEPCOPY_REFUSED,
     PASS_LEGAL,
+    PICKLE_REFUSED,
     CallTable,
     GatherParams,
     UnitCall,
@@ -76,6 +77,9 @@ class HookDriver:
 
     def __deepcopy__(self, memo: dict) -> HookDriver:  # reached through the hooks (an EMA teacher)
         raise TypeError(DEEPCOPY_REFUSED)
+
+    def __reduce_ex__(self, protocol: object) -> Any:  # reached through the hooks (torch.save(trainer))
+        raise TypeError(PICKLE_REFUSED)
 
     def __init__(
         self, units: list[Unit], *, schedule: Schedule, checks: RankChecks, grads: GradientSync,
