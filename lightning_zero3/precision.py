@@ -49,7 +49,8 @@ class ZeRO3MixedPrecision(_GlobalNormClipping, MixedPrecision):
     """`precision="16-mixed"` / `"bf16-mixed"` with shards. Clipping with an optimizer that
     unscales inside its step (fused AdamW), which Lightning's plugin refuses, unscales first (torch's
     GradScaler then passes no scale to the step). The flag is torch's private
-    `Optimizer._step_supports_amp_scaling`, the one Lightning reads (torch 2.13-2.14 tried)."""
+    `Optimizer._step_supports_amp_scaling`, the one Lightning reads (torch 2.13-2.14 tried); an
+    optimizer without it is treated as unscaling nothing itself."""
 
     @override
     def clip_gradients(

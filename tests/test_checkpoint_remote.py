@@ -238,3 +238,11 @@ def _killed_first_save(rank: int, world_size: int, env: dict[str, str], url: str
     if rank == 0:
         _cut_on_rank_0("sharded", "kill")
     f.save(url, {"model": model, "optimizer": optimizer})
+
+
+def test_a_remote_path_reprs_as_its_url():
+    """A URL in a repr (`ConsolidationSummary`'s, an assertion's) reads as the URL, not an object id."""
+    from lightning_zero3.checkpoint.remote import as_path
+
+    path = as_path("memory://bucket/ck")
+    assert repr(path) == f"RemotePath({str(path)!r})" and "bucket/ck" in repr(path)

@@ -368,3 +368,23 @@ def test_a_truncated_full_file_is_named_truncated(tmp_path):
     full.write_bytes(data[: len(data) // 2])
     with pytest.raises(ckpt.CheckpointError, match=f"{full} is truncated or damaged"):
         ckpt.load_checkpoint(full)
+
+
+@pytest.mark.parametrize(("name", "admitted"), [("version", True), ("zero3_crafted", False)])
+def test_an_index_build_state_of_a_dict_subclass_is_checked_by_its_keys(name, admitted):
+    """pickle's BUILD with an OrderedDict state on an admitted instance: its keys are the names
+    checked, as for a dict (a field is set; anything else is refused naming it, not a TypeError)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from lightning_zero3.checkpoint.trust import RestrictedUnpickler
+
+    key = name.encode()
+    data = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81"  # an instance, no __init__
+    data += b"ccollections\nOrderedDict\n)RX" + len(key).to_bytes(4, "little") + key + b"X\x01\x00\x00\x00vsb."
+    load = RestrictedUnpickler(io.BytesIO(data), source="crafted").load
+    if admitted:
+        index = load()
+        assert isinstance(index, Metadata) and index.version == "v"
+    else:
+        with pytest.raises(ckpt.CheckpointError, match=r"sets the attributes \['zero3_crafted'\] of a Metadata"):
+            load()

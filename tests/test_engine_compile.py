@@ -1,6 +1,6 @@
 """`torch.compile` on a sharded model, 2 gloo ranks, backend "aot_eager" (dynamo's graphs and
 AOT autograd's saved tensors, without the C++ compile time of inductor). The engine's hooks run
-outside the traced region (hooks.py, Note: torch.compile): compiled per block, with
+outside the traced region (calls.py, Note: torch.compile): compiled per block, with
 `fullgraph=True`, every block shares one graph and no later step recompiles; compiled whole,
 the model breaks only at unit boundaries; training stays exact against one process either way."""
 

@@ -227,7 +227,7 @@ def _torch_distributed_calls(rank: int, world_size: int) -> dict:
 
 
 def test_on_gloo_a_gather_is_one_broadcast_per_rank_and_a_reduce_scatter_sends_each_peer_its_row():
-    """An independent count of what one step asks of torch.distributed on gloo (comm.py, Note:
+    """An independent count of what one step asks of torch.distributed on gloo (gloo.py, Note:
     gloo): per unit and pass N in-place broadcasts covering the gathered buffer once; per unit
     reduced, N-1 sends and N-1 receives of one row each, i.e. (N-1)/N of the Reduce-Scatter's
     payload, what a ring would send. Nothing else on the per-step path."""
@@ -340,7 +340,7 @@ def _trained_with(rank: int, world_size: int, model_name: str, gloo_in_place: bo
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_native_collectives_and_gloo_in_place_ones_train_alike(world_size):
-    """On CPU the engine gathers with broadcasts and reduces with send/recv (comm.py, Note:
+    """On CPU the engine gathers with broadcasts and reduces with send/recv (gloo.py, Note:
     gloo); on GPUs it calls all_gather_single (in place: the input is the output's row) and
     reduce_scatter_single. Running the native path on gloo proves it here: same shard
     gradients and parameters after 3 SGD steps (bitwise at 2 ranks, where a sum of two does

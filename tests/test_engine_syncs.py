@@ -1,4 +1,4 @@
-"""The engine reads device memory on the host at most once per training step (tags.py, Note:
+"""The engine reads device memory on the host at most once per training step (checks.py, Note:
 deferred tag checks): every such read drains a GPU's queue and stops the CPU running ahead, so
 prefetching could hide nothing. On CPU nothing really syncs, so the test counts the operations
 that would: `aten._local_scalar_dense` (what `.item()`, `bool(t)`, `float(t)` and `int(t)`

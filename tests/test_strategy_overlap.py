@@ -1,5 +1,5 @@
 """`ZeRO3Strategy(reductions_in_flight=k)`: Reduce-Scatters overlap the next units' backward
-under Lightning and training stays exact (reductions.py, Note: asynchronous reduction)."""
+under Lightning and training stays exact (reduce.py, Note: asynchronous reduction)."""
 
 from __future__ import annotations
 

@@ -72,6 +72,9 @@ class RemotePath:
     def __str__(self) -> str:
         return str(self.fs.unstrip_protocol(self.path))
 
+    def __repr__(self) -> str:  # ConsolidationSummary's and assertion messages' view
+        return f"RemotePath({str(self)!r})"
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RemotePath) and str(self) == str(other)
 

@@ -175,8 +175,9 @@ class RestrictedUnpickler(pickle._Unpickler):
         fields = _FIELDS.get(type(inst))
         own_setstate = fields is not None and "__setstate__" in vars(type(inst))  # TensorProperties: a tuple
         parts = state if isinstance(state, tuple) and len(state) == 2 and not own_setstate else (state,)
-        # A non-dict state names no field: refused.
-        names = set() if own_setstate else {n for p in parts if p is not None for n in (p if type(p) is dict else [p])}
+        # A non-dict state names no field: refused (a dict subclass, e.g. OrderedDict, names its keys).
+        keys = [list(p) if isinstance(p, dict) else [p] for p in parts if p is not None]
+        names = set() if own_setstate else {n for part in keys for n in part}
         if fields is None or not names <= fields:
             what = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
             raise CheckpointError(

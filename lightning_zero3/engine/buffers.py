@@ -41,7 +41,8 @@ class BufferPool:
             if released is not None:
                 torch.cuda.current_stream(device).wait_event(released)
             return buffer
-        # Never an inference tensor (calls.py, Note: inference mode).
+        # Never an inference tensor (calls.py, Note: inference mode); leaving inference mode
+        # enables grad, hence no_grad.
         with torch.inference_mode(False), torch.no_grad():
             return torch.empty(numel, dtype=dtype, device=device)
 

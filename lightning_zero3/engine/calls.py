@@ -14,9 +14,11 @@ does what it means (frees the storage, counts the unit alive, takes the tensors 
     DONE --pre-backward of a second backward (retain_graph)--> BACKWARD
 
 [Note: call lifetime]
-The hooks on a call's outputs hold it as long as autograd's graph lives; `GatherParams` and the
-frozen-input hook hold it weakly: the call owns the full tensors, whose grad_fn owns the ctx, and
-a strong reference back would be a cycle through C++ that Python's GC cannot break.
+The driver holds a call while its pass may need it (`Slot.call`, `_pending`), the hooks on its
+outputs as long as autograd's graph lives (a second backward with retain_graph finds it);
+`GatherParams` and the frozen-input hook hold it weakly: the call owns the full tensors, whose
+grad_fn owns the ctx, and a strong reference back would be a cycle through C++ that Python's GC
+cannot break.
 
 [Note: root parameters outside the root's forward]
 The modules owning root parameters carry the root's forward hooks: inside the root's forward

@@ -7,8 +7,9 @@ On CUDA communication runs beside the compute, as in FSDP2: a gather's copy-in r
 stream that first waits for the compute stream (the optimizer may just have written the shards);
 the All-Gather is issued from a gather stream after the copy-in's event; a Reduce-Scatter is
 issued on a reduce stream that waits for the compute stream. Consumers wait for an event recorded
-after the issue, then for the work (stream waits on NCCL, not host waits). On CPU `Streams` does
-nothing. Buffers cross streams through the pool (buffers.py, Note: buffer roles and streams).
+after the issue, then for the work (stream waits on NCCL, not host waits). `Streams`, one per
+device and process group, owns the streams and events; on CPU it does nothing. Buffers cross
+streams through the pool (buffers.py, Note: buffer roles and streams).
 
 [Note: collective device]
 A `Comm` built with `device` takes tensors of that device type only, on every backend: NCCL has

@@ -20,16 +20,17 @@ ends with no output needing a gradient, when the hooks go, or when a backward en
 [Note: frozen units]
 A unit without a trainable parameter still runs backward when its input needs a gradient (LoRA),
 with its full weights saved by autograd and no `GatherParams.backward` to say when that is over.
-A hook on those inputs (`register_multi_grad_hook`, hooked rather than wrapped: a module may
-modify an identity Function's outputs in place) releases them; an unhooked one is released when
-backward ends.
+A hook on those inputs (`register_multi_grad_hook`: it fires once they have their gradients, so
+after every node that reads the weights; hooked rather than wrapped: a module may modify an
+identity Function's outputs in place) releases them; an unhooked one is released when backward ends.
 
 [Note: exceptions]
 A forward that raises still runs its units' post-forward hooks (`always_call`); a pre-forward
 that raises opens nothing. A backward that raises never runs its end callback: the next forward
 outside autograd's engine closes it (`_abandon_backward`: reductions dropped, re-gathered memory
 freed; `.grad` holds what finished units added: zero it). Autograd's state comes from the
-private `torch._C._current_graph_task_id()` (torch's checkpoint and FSDP2 use it; tried on 2.13).
+private `torch._C._current_graph_task_id()` (torch's checkpoint and FSDP2 use it; tried on 2.13);
+where it is missing, a backward that raised stays open.
 """
 
 from __future__ import annotations

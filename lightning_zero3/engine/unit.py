@@ -58,7 +58,8 @@ class ShardSource(Protocol):
 
 @dataclass
 class _PendingGather:
-    """An All-Gather in flight, or finished but not read; `recv` goes back to the pool after the wait."""
+    """An All-Gather in flight, or finished but not read; `recv` goes back to the pool only after
+    the wait: the collective writes it on its own stream after `start_gather` returns."""
 
     work: Any
     recv: torch.Tensor
