@@ -19,7 +19,7 @@ One gather's full parameters are views of one pooled block of N * S elements, pa
 N * o_i, filled by one `split_with_sizes_copy`. Autograd keeps them from forward to backward, so
 `release` moves the block's memory out of their storage into the pool, and the re-gather moves a
 pooled block back in (`UntypedStorage._swap_data_ptr_`, private; tried on torch 2.13). FSDP2's
-`resize_(0)` / `resize_(n)` cost 1.3-4.2% more CPU and 6x the page faults (benchmarks/storage_paths.py),
+`resize_(0)` / `resize_(n)` cost 1.3-4.2% more CPU and 6x the page faults (docs/performance.md),
 and a pooled block carries its last stream's event (buffers.py), a freed storage none.
 """
 
