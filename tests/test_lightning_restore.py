@@ -104,8 +104,9 @@ def _fit_save_and_resume(rank: int, strategy: str, root: str) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=STRATEGIES)
 def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One 2-rank fit with ModelCheckpoint, `trainer.save_checkpoint` after it, and a resumed fit.
-    On the harness's ranks: the tests read the state each rank's resumed fit starts from
-    (loops, scheduler, ModelCheckpoint), which the launcher does not hand back."""
+    On the harness's ranks: `trainer.save_checkpoint` after fit must run where the fit's loop
+    state is (the ranks; the test process's Trainer is at step 0 under the launcher), and the
+    tests read the state each rank's resumed fit starts from (loops, scheduler, ModelCheckpoint)."""
     root = tmp_path_factory.mktemp(request.param)
     results = on_ranks(_fit_save_and_resume, request.param, str(root))
     return {"strategy": request.param, "root": root, **results[0], "ranks": results}
