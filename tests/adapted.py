@@ -1,22 +1,28 @@
 """Helpers for the tests adapted from Lightning's own (tests/test_lightning_*.py, one per file of
-Lightning's tests_pytorch): the strategy is a parameter, "ddp" or "zero3", run on 2 gloo CPU ranks
-started by `run_ranks` (Lightning's own tests use ddp_spawn there). Where zero3 differs by design
-(its default checkpoint is a directory, read with `lightning_zero3.load_checkpoint` /
-`lightning_zero3.load_from_checkpoint`), the helpers below pick the call for what is on disk, and
-the tests assert which kind each strategy wrote."""
+Lightning's tests_pytorch): the strategy is a parameter, "ddp" or "zero3", on 2 CPU ranks. As in
+Lightning's own tests (ddp_spawn there), the test process builds the Trainer and calls fit/test,
+and the strategy's multiprocessing launcher starts the ranks and hands rank 0's results back
+(weights, `callback_metrics`, ModelCheckpoint's best path): `launched(strategy)` is that strategy,
+started from the forkserver of tests/ranks.py, which has imported torch and Lightning once. A test
+that needs each rank's view runs `fn(rank, ...)` on gloo ranks of that harness (`on_ranks`). Where
+zero3 differs by design (its default checkpoint is a directory, read with
+`lightning_zero3.load_checkpoint` / `lightning_zero3.load_from_checkpoint`), the helpers below pick
+the call for what is on disk, and the tests assert which kind each strategy wrote."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 import lightning_zero3
 from tests.lit import become_lightning_rank
-from tests.ranks import run_ranks
+from tests.ranks import _mp_context, run_ranks
 
 STRATEGIES = ("ddp", "zero3")
 WORLD_SIZE = 2
@@ -35,6 +41,22 @@ def lightning_trainer(strategy: str, root: str | Path, **kwargs: Any) -> pl.Trai
     )
     options.update(kwargs)
     return pl.Trainer(**options)
+
+
+def launched(strategy: str) -> Strategy:
+    """The strategy named, started by Lightning's multiprocessing launcher from the forkserver of
+    tests/ranks.py (which preloads torch, Lightning and these tests, so a launch costs well under
+    a second), with a collective timeout so that a hang fails the test."""
+    _mp_context()  # the forkserver's preload is set before it starts
+    if strategy == "ddp":
+        return DDPStrategy(start_method="forkserver", timeout=timedelta(seconds=60))
+    return lightning_zero3.ZeRO3Strategy(start_method="forkserver", timeout=timedelta(seconds=60))
+
+
+def hand_back(trainer: pl.Trainer, **values: Any) -> None:
+    """Put what a rank saw (numbers, lists of them, or strings) into `trainer.callback_metrics`,
+    which the launcher hands back from rank 0 to the test process."""
+    trainer.callback_metrics.update({k: v if isinstance(v, str) else torch.tensor(v) for k, v in values.items()})
 
 
 def _as_lightning_rank(rank: int, world_size: int, fn: Callable[..., Any], args: tuple) -> Any:

@@ -17,6 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -77,7 +78,9 @@ def _mp_context() -> Any:
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
-        preload = ["torch", "lightning.pytorch", "lightning_zero3", "tests.ranks", "tests.models"]
+        preload = ["torch", "lightning.pytorch", "lightning_zero3", "tests.ranks", "tests.models", "tests.adapted"]
+        # The adapted Lightning tests, whose modules and callbacks their launched ranks unpickle.
+        preload += sorted(f"tests.{path.stem}" for path in Path(__file__).parent.glob("test_lightning_*.py"))
         _context.set_forkserver_preload(preload)
     return _context
 

@@ -1,5 +1,5 @@
 """Lightning's tests_pytorch/checkpointing/test_checkpoint_callback_frequency.py, adapted with the
-strategy as a parameter (2 gloo CPU ranks; Lightning's DDP tests need 2 GPUs). Lightning counts
+strategy as a parameter (2 CPU ranks; Lightning's DDP tests need 2 GPUs). Lightning counts
 `torch.save` calls as checkpoints; zero3 also calls it inside DCP once per tensor chunk (by
 design, docs/checkpoints.md), so here a checkpoint is counted as a call of the strategy's
 `save_checkpoint`, and the `torch.save` calls outside DCP are counted too."""
@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import callbacks
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from tests.adapted import STRATEGIES, is_checkpoint, lightning_trainer, on_ranks
+from tests.adapted import STRATEGIES, is_checkpoint, launched, lightning_trainer, on_ranks
 
 
 class LogsPerRank(BoringModel):
@@ -53,7 +53,9 @@ def _count_saves(rank: int, strategy: str, root: str, k: int, epochs: int, val_c
 @pytest.mark.parametrize(("k", "epochs", "val_check_interval", "expected"), [(2, 2, 0.3, 4)])
 def test_top_k_ddp(strategy: str, k: int, epochs: int, val_check_interval: float, expected: int, tmp_path) -> None:
     """Adapted from `test_top_k_ddp[2-2-0.3-4]` (2 GPUs there; 64 batches, here 10 per epoch): how
-    many checkpoints top-k saves, on every rank, and which it keeps."""
+    many checkpoints top-k saves, on every rank, and which it keeps. On the harness's ranks, not
+    the launcher's: it counts each rank's saves (rank 1 must write no file), which the launcher
+    does not hand back."""
     results = on_ranks(_count_saves, strategy, str(tmp_path), k, epochs, val_check_interval)
     for rank, result in enumerate(results):
         assert result["checkpoints"] == expected
@@ -63,16 +65,13 @@ def test_top_k_ddp(strategy: str, k: int, epochs: int, val_check_interval: float
     assert all(is_checkpoint(tmp_path / name, strategy) for name in results[0]["kept"])
 
 
-def _monitor_none(rank: int, strategy: str, root: str) -> str:
-    checkpoint = callbacks.ModelCheckpoint(dirpath=root, monitor=None, save_top_k=1)
-    trainer = lightning_trainer(strategy, root, callbacks=[checkpoint], max_epochs=1, limit_train_batches=2,
-                                limit_val_batches=0)  # fmt: skip
-    trainer.fit(BoringModel())
-    return checkpoint.best_model_path
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_model_checkpoint_ddp_monitor_none(strategy: str, tmp_path) -> None:
-    """Adapted from `test_model_checkpoint_ddp_monitor_none` (2 GPUs there)."""
-    best = on_ranks(_monitor_none, strategy, str(tmp_path))
-    assert best == [str(tmp_path / "epoch=0-step=2.ckpt")] * 2 and is_checkpoint(best[0], strategy)
+    """Adapted from `test_model_checkpoint_ddp_monitor_none` (2 GPUs there), started by the
+    strategy's launcher: rank 0's best path is handed back."""
+    checkpoint = callbacks.ModelCheckpoint(dirpath=tmp_path, monitor=None, save_top_k=1)
+    trainer = lightning_trainer(launched(strategy), tmp_path, callbacks=[checkpoint], max_epochs=1,
+                                limit_train_batches=2, limit_val_batches=0)  # fmt: skip
+    trainer.fit(BoringModel())
+    assert checkpoint.best_model_path == str(tmp_path / "epoch=0-step=2.ckpt")
+    assert is_checkpoint(checkpoint.best_model_path, strategy)

@@ -1,10 +1,10 @@
 """End-to-end runs started by Lightning's own launcher, as Lightning's tests and users start them:
 the test process builds the Trainer or Fabric and calls `fit` / `launch`, and the strategy's
 multiprocessing launcher (`start_method="spawn"`, as Lightning's "ddp_spawn") starts the 2 CPU
-ranks and hands rank 0's results back. The other end-to-end tests start their ranks with the
-harness (tests/ranks.py) so that each rank can report what it saw; these check that nothing the
-harness does for them (process group, environment, hand-back) hides a difference. Lightning's
-subprocess launcher (the default, which re-runs the command per rank) runs in
+ranks and hands rank 0's results back. The other adapted Lightning tests launch the same way from
+the forkserver of tests/ranks.py (tests/adapted.py `launched`), which has imported torch and
+Lightning once; these check "spawn", which imports them per rank, as users' "ddp_spawn" does.
+Lightning's subprocess launcher (the default, which re-runs the command per rank) runs in
 tests/test_multinode.py.
 """
 
@@ -26,23 +26,6 @@ from tests.adapted import is_checkpoint, lightning_trainer, load_module, read_ch
 
 def _strategy() -> lightning_zero3.ZeRO3Strategy:
     return lightning_zero3.ZeRO3Strategy(start_method="spawn", timeout=timedelta(seconds=60))
-
-
-def test_torch_save_of_the_model_and_the_trainer_after_fit(tmp_path: Path) -> None:
-    """Lightning's `test_model_torch_save_ddp_cpu` as it runs there (spawned ranks, 2 CPU devices):
-    the weights handed back to this process are whole and trained, and the model and the Trainer
-    pickle and load back."""
-    model = BoringModel()
-    before = model.layer.weight.clone()
-    trainer = lightning_trainer(_strategy(), tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1)
-    trainer.fit(model)
-    assert model.layer.weight.shape == (2, 32) and not torch.equal(model.layer.weight, before)
-    path = tmp_path / "temp.pt"
-    torch.save(trainer.model, path)
-    torch.load(path, weights_only=False)
-    torch.save(trainer, path)
-    loaded = torch.load(path, weights_only=False)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.lightning_module.parameters()))
 
 
 class _LogsLoss(BoringModel):

@@ -1,7 +1,8 @@
-"""Lightning's tests_pytorch/models/test_restore.py, adapted with the strategy as a parameter (2 gloo
-CPU ranks): resuming from `ModelCheckpoint`'s and `trainer.save_checkpoint`'s checkpoints, fitting
-twice, restarting after an exception, and loading a trained module in one process. By design
-zero3's checkpoint is a directory: it is read with `lightning_zero3.load_checkpoint` /
+"""Lightning's tests_pytorch/models/test_restore.py, adapted with the strategy as a parameter (2
+CPU ranks; on the harness's gloo ranks where a test reads each rank's state, as each says):
+resuming from `ModelCheckpoint`'s and `trainer.save_checkpoint`'s checkpoints, fitting twice,
+restarting after an exception, and loading a trained module in one process. By design zero3's
+checkpoint is a directory: it is read with `lightning_zero3.load_checkpoint` /
 `load_from_checkpoint` where Lightning's tests call `torch.load` / `Model.load_from_checkpoint`
 (tests/adapted.py). `test_running_test_pretrained_model_distrib_ddp_spawn` is adapted for zero3 in
 tests/test_checkpoint_plain.py."""
@@ -20,7 +21,15 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from tests.adapted import STRATEGIES, is_checkpoint, lightning_trainer, load_module, on_ranks, read_checkpoint
+from tests.adapted import (
+    STRATEGIES,
+    is_checkpoint,
+    launched,
+    lightning_trainer,
+    load_module,
+    on_ranks,
+    read_checkpoint,
+)
 from tests.lit import whole_state
 
 EPOCHS, BATCHES = 2, 2
@@ -94,7 +103,10 @@ def _fit_save_and_resume(rank: int, strategy: str, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", params=STRATEGIES)
 def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One 2-rank fit with ModelCheckpoint, `trainer.save_checkpoint` after it, and a resumed fit."""
+    """One 2-rank fit with ModelCheckpoint, `trainer.save_checkpoint` after it, and a resumed fit.
+    On the harness's ranks: `trainer.save_checkpoint` after fit must run where the fit's loop
+    state is (the ranks; the test process's Trainer is at step 0 under the launcher), and the
+    tests read the state each rank's resumed fit starts from (loops, scheduler, ModelCheckpoint)."""
     root = tmp_path_factory.mktemp(request.param)
     results = on_ranks(_fit_save_and_resume, request.param, str(root))
     return {"strategy": request.param, "root": root, **results[0], "ranks": results}
@@ -186,24 +198,19 @@ def _fit_twice(rank: int, strategy: str, root: str) -> list[int]:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fit_twice(strategy: str, tmp_path) -> None:
-    """Adapted from `test_fit_twice` (one process there): one Trainer, two fits, a new module each."""
+    """Adapted from `test_fit_twice` (one process there): one Trainer, two fits, a new module each.
+    On the harness's ranks: the second fit goes on from the first's loop state, which stays in
+    the ranks under the launcher (it hands back weights and metrics, not the loops)."""
     assert on_ranks(_fit_twice, strategy, str(tmp_path)) == [[0, 1, 2, 3]] * 2
-
-
-def _resume_from_missing(rank: int, strategy: str, root: str) -> str:
-    trainer = lightning_trainer(strategy, root)
-    try:
-        trainer.fit(BoringModel(), ckpt_path=f"{root}/non_existing.ckpt")
-    except FileNotFoundError as err:
-        return str(err)
-    return "no error"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_try_resume_from_non_existing_checkpoint(strategy: str, tmp_path) -> None:
-    """Adapted from `test_try_resume_from_non_existing_checkpoint` (one process there)."""
-    for message in on_ranks(_resume_from_missing, strategy, str(tmp_path)):
-        assert "Checkpoint file not found" in message
+    """Adapted from `test_try_resume_from_non_existing_checkpoint` (one process there), started by
+    the strategy's launcher: rank 0's error reaches the test process."""
+    trainer = lightning_trainer(launched(strategy), tmp_path)
+    with pytest.raises(Exception, match="Checkpoint file not found"):
+        trainer.fit(BoringModel(), ckpt_path=f"{tmp_path}/non_existing.ckpt")
 
 
 class CustomError(Exception):
@@ -244,7 +251,8 @@ def test_restarting_mid_epoch_raises_warning(strategy: str, tmp_path) -> None:
     there): after an exception in `training_step`, `trainer.save_checkpoint` saves, and fitting the
     same module from that checkpoint warns (on rank 0, as Lightning's warnings go) that it ended
     mid-epoch. Under zero3 the failed fit leaves the module sharded; the next fit makes it whole
-    first (engine/left_sharded.py)."""
+    first (engine/left_sharded.py). On the harness's ranks: it saves from the Trainer of the failed
+    fit, in the ranks, and reads which rank warned."""
     rank0, rank1 = on_ranks(_restart_mid_epoch, strategy, str(tmp_path))
     checkpoint = read_checkpoint(tmp_path / "resume.ckpt")
     assert checkpoint["global_step"] == 2 and checkpoint["state_dict"]["layer.weight"].shape == (2, 32)

@@ -1,23 +1,21 @@
 """Lightning's tests_pytorch/callbacks/test_stochastic_weight_avg.py, adapted with the strategy as a
-parameter (2 gloo CPU ranks). DDP runs StochasticWeightAveraging as Lightning's test does; zero3
-refuses the callback at setup, on every rank, with the message of lightning_zero3/callbacks.py (the
-averaged copy would be whole while the live parameters are 1-D shards)."""
+parameter (2 CPU ranks started by the strategy's launcher, as there). DDP runs
+StochasticWeightAveraging as Lightning's test does; zero3 refuses the callback at setup with the
+message of lightning_zero3/callbacks.py (the averaged copy would be whole while the live parameters
+are 1-D shards)."""
 
 from __future__ import annotations
 
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
-from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.adapted import STRATEGIES, lightning_trainer, on_ranks
+from tests.adapted import STRATEGIES, hand_back, launched, lightning_trainer
 
 MAX_EPOCHS, SWA_EPOCH_START, BATCHES = 3, 2, 4  # averaging from the 2nd epoch (0-based 1)
 
@@ -36,12 +34,15 @@ class SwaModel(BoringModel):
 
 
 class CountingSWA(StochasticWeightAveraging):
-    """Lightning's SwaTestCallback, shortened: counts averaging and the final transfer."""
+    """Lightning's SwaTestCallback, shortened: counts averaging, the final transfer and backward
+    calls, and hands them back (with the Trainer's settings, which the extra batch-norm epoch
+    changes and puts back) from rank 0."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.updates = 0
         self.transfers = 0
+        self.backwards = 0
 
     def update_parameters(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         self.updates += 1
@@ -51,27 +52,14 @@ class CountingSWA(StochasticWeightAveraging):
         self.transfers += 1
         StochasticWeightAveraging.transfer_weights(*args, **kwargs)
 
+    def on_before_backward(self, *args: Any) -> None:
+        self.backwards += 1
 
-def _fit_with_swa(rank: int, strategy: str, root: str) -> dict[str, Any]:
-    swa = CountingSWA(swa_epoch_start=SWA_EPOCH_START, swa_lrs=0.1)
-    trainer = lightning_trainer(
-        strategy, root, max_epochs=MAX_EPOCHS, limit_train_batches=BATCHES, limit_val_batches=0,
-        accumulate_grad_batches=2, callbacks=[swa], enable_checkpointing=False,
-    )  # fmt: skip
-    model = SwaModel()
-    with mock.patch.object(Strategy, "backward", wraps=trainer.strategy.backward) as backward:
-        try:
-            trainer.fit(model)
-        except MisconfigurationException as err:
-            return {"refused": str(err)}
-    return {
-        "updates": swa.updates,
-        "swa_start": swa.swa_start,
-        "transfers": swa.transfers,
-        "backwards": backward.call_count,
-        "max_epochs": trainer.max_epochs,
-        "accumulate": trainer.accumulate_grad_batches,
-    }
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        hand_back(
+            trainer, updates=self.updates, swa_start=self.swa_start, transfers=self.transfers,
+            backwards=self.backwards, max_epochs=trainer.max_epochs, accumulate=trainer.accumulate_grad_batches,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -79,12 +67,20 @@ def test_swa_callback_ddp_cpu(strategy: str, tmp_path) -> None:
     """Adapted from `test_swa_callback_ddp_cpu` (train_with_swa on ddp_spawn, 2 CPU devices),
     with fewer epochs and batches; zero3's refusal is what Lightning's
     `test_misconfiguration_error_with_sharded_model` expects of its FSDP and DeepSpeed."""
-    for result in on_ranks(_fit_with_swa, strategy, str(tmp_path)):
-        if strategy == "zero3":
-            assert "CountingSWA is not supported by ZeRO3Strategy: it averages a whole copy" in result["refused"]
-            assert "lightning_zero3.ShardedWeightAveraging or ShardedEMAWeightAveraging" in result["refused"]
-            continue
-        assert result["swa_start"] == 1 and result["updates"] == MAX_EPOCHS - 1 and result["transfers"] == 1
-        # The extra batch-norm epoch runs forward only; the Trainer's settings are put back.
-        assert result["backwards"] == MAX_EPOCHS * BATCHES
-        assert result["max_epochs"] == MAX_EPOCHS and result["accumulate"] == 2
+    swa = CountingSWA(swa_epoch_start=SWA_EPOCH_START, swa_lrs=0.1)
+    trainer = lightning_trainer(
+        launched(strategy), tmp_path, max_epochs=MAX_EPOCHS, limit_train_batches=BATCHES, limit_val_batches=0,
+        accumulate_grad_batches=2, callbacks=[swa], enable_checkpointing=False,
+    )  # fmt: skip
+    if strategy == "zero3":
+        refusal = "CountingSWA is not supported by ZeRO3Strategy: it averages a whole copy"
+        with pytest.raises(Exception, match=refusal) as err:
+            trainer.fit(SwaModel())
+        assert "lightning_zero3.ShardedWeightAveraging or ShardedEMAWeightAveraging" in str(err.value)
+        return
+    trainer.fit(SwaModel())
+    result = {k: int(v) for k, v in trainer.callback_metrics.items()}
+    assert result["swa_start"] == 1 and result["updates"] == MAX_EPOCHS - 1 and result["transfers"] == 1
+    # The extra batch-norm epoch runs forward only; the Trainer's settings are put back.
+    assert result["backwards"] == MAX_EPOCHS * BATCHES
+    assert result["max_epochs"] == MAX_EPOCHS and result["accumulate"] == 2

@@ -1,6 +1,6 @@
 """The strategy's precision plugins are ordinary module-level classes (precision.py, Note:
 explicit precision plugins): they pickle, as a pickled Trainer holds them (Lightning's
-test_model_torch_save_ddp_cpu, run under the spawn launcher in test_lightning_launchers.py), and
+test_model_torch_save_ddp_cpu, run under the launcher in test_lightning_torch_saving.py), and
 plugin kinds whose clipping would be per shard are refused."""
 
 from __future__ import annotations
