@@ -43,7 +43,7 @@ from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.accumulate import SyncState
 from lightning_zero3.engine.comm import Comm, destroy_group
-from lightning_zero3.engine.left_sharded import forget, remember_sharded
+from lightning_zero3.engine.left_sharded import forget, holder, remember_sharded
 from lightning_zero3.engine.state import full_optimizer_state
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class _RefuseStateDict:
         self.run = run
 
     def __call__(self, module: Any, prefix: str, keep_vars: bool) -> None:
-        if self.run.state is Lifecycle.AT_REST and not self.run.reading_own:
+        if not self.run.reading_own:  # registered only while at rest
             raise RuntimeError(
                 f"{type(module).__name__}.state_dict() after `fit`: the module stays sharded (its parameters are "
                 f"this rank's 1-D shards), as under FSDP. For whole weights call "
@@ -97,7 +97,6 @@ class ShardedRun:
         self.saving: BackgroundSave | None = None
         self._saver: Comm | None = None
         # At rest: the module's state_dict() refused (_RefuseStateDict) but inside `own_reads`.
-        self._rest_hook: Any = None
         self.reading_own = False
 
     def end(self, *, failed: bool) -> None:
@@ -110,8 +109,8 @@ class ShardedRun:
         else:
             self.state = Lifecycle.AT_REST
             module = self.engine.module
-            self._rest_hook = module.register_state_dict_pre_hook(_RefuseStateDict(self))
-            remember_sharded(module, self.engine, self._rest_hook)  # a new engine for it makes it whole first
+            refusal = module.register_state_dict_pre_hook(_RefuseStateDict(self))
+            remember_sharded(module, self.engine, refusal)  # a new engine for it makes it whole first
             # The optimizer's state stays, for a save after `fit` or the next `fit`.
             for sharded in self.engine.sharded_params:
                 sharded.param.grad = None
@@ -125,14 +124,12 @@ class ShardedRun:
     @property
     def at_rest(self) -> bool:
         """At rest and still holding the module (no other engine has made it whole since)."""
-        hooks = self.engine.module._state_dict_pre_hooks
-        return self.state is Lifecycle.AT_REST and self._rest_hook.id in hooks
+        return self.state is Lifecycle.AT_REST and holder(self.engine.module) is self.engine
 
     def resume(self) -> None:
         """AT_REST -> SHARDED: the same strategy sets the same module up again (Note: run lifecycle)."""
         assert self.at_rest, f"ZeRO-3 internal error: resume from {self.state.name}"
         forget(self.engine.module)  # removes the state_dict hook
-        self._rest_hook = None
         self.state = Lifecycle.SHARDED
 
     @contextmanager
@@ -146,13 +143,9 @@ class ShardedRun:
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The module's whole state dict, gathered one unit at a time, in host memory: on rank 0
-        only (others get {}) or on every rank. Collective: call it on every rank. Tensors of its
-        own: persistent parameters and buffers copied too, not views of the live module's."""
+        only (others get {}) or on every rank. Collective: call it on every rank."""
         with self.own_reads():
-            state = self.engine.full_state_dict(to_rank=0 if rank0_only else None)
-        gathered = {name for sharded in self.engine.sharded_params for name in sharded.names}
-        views = {k for k, v in state.items() if k not in gathered and isinstance(v, Tensor)}
-        return {k: v.detach().to("cpu", copy=True) if k in views else v for k, v in state.items()}
+            return self.engine.full_state_dict(to_rank=0 if rank0_only else None)
 
     # ---- checkpoints: "sharded" a directory of every rank's shards, "full" one file from rank 0
     @property

@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.core import ShardedRun
-from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, grad_norm
+from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
 from lightning_zero3.grads import sharded_grad_norm
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 
@@ -218,15 +218,9 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         `error_if_nonfinite=True` (Fabric's default) reads the norm on the host to raise here, as
         torch's `clip_grad_norm_` does, a sync per step on a GPU; False clips without any read."""
         self.precision.unscale_gradients(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        total = grad_norm(self.sharded_model(module), params, float(norm_type))
-        if error_if_nonfinite and not torch.isfinite(total):  # before clipping: the gradients stay as they are
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} of the gradients is non-finite ({float(total)}), so it "
-                f"cannot be clipped. Set `error_if_nonfinite=False` to clip anyway."
-            )
-        torch.nn.utils.clip_grads_with_norm_(params, float(max_norm), total)
-        return total
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        model = self.sharded_model(module)
+        return clip_grad_norm_(model, params, float(max_norm), float(norm_type), error_if_nonfinite=error_if_nonfinite)
 
     def grad_norm(self, module: nn.Module, norm_type: float | int | str = 2.0) -> dict[str, Tensor]:
         """Lightning's `grad_norm(module, norm_type)` for a sharded model: per parameter and total

@@ -1,8 +1,8 @@
 """After `fit` the module stays sharded, "at rest" (core.py, Note: run lifecycle), as under FSDP:
 validate, test, predict and a second `fit` by the same strategy resume the same run and compute
 what one process computes; the module's own `state_dict()` is refused on every rank, naming the
-way to whole weights, `strategy.full_state_dict()`, which equals one process's. (A module at rest
-given to another strategy: tests/test_strategy_lightning.py.) 2 gloo ranks against one process."""
+way to whole weights, `strategy.full_state_dict()`, which equals one process's; given to another
+strategy and back, the first strategy's run no longer holds it and builds anew. 2 gloo ranks against one process."""
 
 from __future__ import annotations
 
@@ -43,10 +43,15 @@ def _fit_evaluate_fit_again(rank: int, world_size: int) -> dict[str, Any]:
     fit.fit(model, loader(world_size))
     second = strategy.full_state_dict(rank0_only=False)
     reused = strategy.sharded_model is engine
+    # Another strategy takes the module (whole first, sharded anew); back with the first, its run
+    # no longer holds the module and a new engine takes it from the other's shards.
+    trainer(ZeRO3Strategy(), world_size).validate(model, loader(world_size), verbose=False)
+    back = fit.validate(model, loader(world_size), verbose=False)[0]["val_loss"]
+    rebuilt = strategy.sharded_model is not engine
     return {
         "shard_shapes": shard_shapes, "refused": refused, "val": val, "test": test, "predictions": predictions,
         "first": first, "first_losses": first_losses, "second": second, "losses": model.step_losses,
-        "reused": reused,
+        "reused": reused, "back": back, "rebuilt": rebuilt,
     }  # fmt: skip
 
 
@@ -64,6 +69,8 @@ def test_evaluation_and_a_second_fit_resume_the_run_at_rest_like_one_process(res
     with torch.no_grad():
         loss, outputs = float(F.mse_loss(reference(x), y)), reference(x)
     losses = first_losses + reference_fit(reference, epochs=2, first_epoch=1)  # a new optimizer, as fit makes
+    with torch.no_grad():
+        loss_after_second = float(F.mse_loss(reference(x), y))
     for rank, result in enumerate(results):
         assert result["reused"]
         assert all(len(shape) == 1 for shape in result["shard_shapes"].values()), result["shard_shapes"]
@@ -74,6 +81,7 @@ def test_evaluation_and_a_second_fit_resume_the_run_at_rest_like_one_process(res
         assert len(result["losses"]) == len(losses) == 8
         assert max(abs(a - b) for a, b in zip(result["losses"], losses)) < TOL
         assert max_difference(result["second"], reference.state_dict()) < TOL
+        assert result["rebuilt"] and abs(result["back"] - loss_after_second) < TOL
     assert max_difference(results[0]["first"], first) < TOL and results[1]["first"] == {}
 
 

@@ -61,7 +61,8 @@ def save_trained_gpt(
     optimizer_states = [ckpt.sharded_optimizer_state(sharded, optimizer)]
     checkpoint = {"epoch": 3, "state_dict": model.state_dict(), "optimizer_states": optimizer_states, "note": "kept"}
     ckpt.save_sharded(path, sharded, checkpoint)
-    saved = copy.deepcopy(whole_state(sharded, optimizer))  # kept whole parameters come as views
+    # Optimizer state of parameters kept whole comes live, as from torch's optimizer.state_dict().
+    saved = copy.deepcopy(whole_state(sharded, optimizer))
     if not then_step:
         return saved
     step_once(model, optimizer)

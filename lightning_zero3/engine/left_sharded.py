@@ -56,6 +56,12 @@ def remember_sharded(module: nn.Module, engine: ShardedModel, handle: Any) -> No
     _LEFT[module] = (weakref.ref(engine), handle)
 
 
+def holder(module: nn.Module) -> ShardedModel | None:
+    """The engine that holds `module` sharded (left, or at rest), if it is alive."""
+    entry = _LEFT.get(module)
+    return entry[0]() if entry is not None else None
+
+
 def forget(module: nn.Module) -> None:
     """`module` is whole again, or sharded by a live engine."""
     entry = _LEFT.pop(module, None)
@@ -65,8 +71,7 @@ def forget(module: nn.Module) -> None:
 
 def restore_if_left_sharded(module: nn.Module, *, world_comm: Comm, device: torch.device) -> None:
     """Note: a module left sharded. Collective."""
-    entry = _LEFT.get(module)
-    previous = entry[0]() if entry is not None else None
+    previous = holder(module)
     left = world_comm.all_gather_object(previous is not None)
     if not any(left):
         return

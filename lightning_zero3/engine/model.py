@@ -234,8 +234,9 @@ class ShardedModel:
 
     # ---- state dicts ------------------------------------------------------------------------
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
-        """`state_dict()` with whole parameters, one unit at a time; with `to_rank` only that
-        rank gets them (others an empty dict)."""
+        """`state_dict()` with whole parameters, gathered one unit at a time, in host memory and
+        never views of the live module (persistent parameters and buffers copied); with `to_rank`
+        only that rank gets them (others an empty dict)."""
         keep = to_rank is None or self.global_rank == to_rank
         full_by_id: dict[int, torch.Tensor] = {}
         state = self.module.state_dict()
@@ -253,7 +254,8 @@ class ShardedModel:
         if not keep:
             return {}
         by_name = {name: full_by_id[id(s.param)] for s in self.sharded_params for name in s.names}
-        return {key: by_name.get(key, value) for key, value in state.items()}
+        own = {k: v.detach().to("cpu", copy=True) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        return {key: by_name.get(key, own.get(key, value)) for key, value in state.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
         """Load whole tensors (the same on every rank): each rank keeps its slice."""

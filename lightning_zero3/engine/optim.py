@@ -68,11 +68,18 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
 
 
 def clip_grad_norm_(
-    model: ShardedModel, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` with the global norm."""
+    model: ShardedModel, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+    *, error_if_nonfinite: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """`torch.nn.utils.clip_grad_norm_` with the global norm. `error_if_nonfinite` reads the norm
+    on the host (a sync on a GPU) to raise before any gradient is scaled, as torch does."""
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(model, params, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} of the gradients is non-finite ({float(total)}), so it "
+            f"cannot be clipped. Set `error_if_nonfinite=False` to clip anyway."
+        )
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # foreach: one multiply per dtype
     return total
 
