@@ -98,7 +98,7 @@ def deferred_checkpoint(
     tensor a `Deferred` that reads it whole from the shards when materialized (tied weights:
     one `Deferred` under every name). `weights_only` leaves out optimizer states, LR schedulers
     and callback states; `cast` casts the floating-point tensors of the state dict."""
-    trainer_state, reader = ckpt.trainer_state(), ckpt.reader()  # the reader reads the index once
+    trainer_state, reader = ckpt.trainer_state(), ckpt.reader
     state_dict: dict[str, Any] = OrderedDict()  # in the module's key order, tied weights under every name
     for entry in ckpt.meta["state_dict"]:
         key, kind = entry["key"], entry["kind"]

@@ -186,17 +186,15 @@ class Pieces:
 
 
 class ShardedCheckpoint:
-    """A sharded checkpoint directory whose meta.json, DCP index (`index`) and trainer_state.pt
-    were read and checked."""
+    """A sharded checkpoint directory whose meta.json, DCP index and trainer_state.pt were read
+    and checked; `reader` reads its tensors."""
 
-    def __init__(self, path: Path | RemotePath, meta: dict[str, Any], *, index: Any, saved: dict, trusted: bool
+    def __init__(self, path: Path | RemotePath, meta: dict[str, Any], *, reader: CheckpointReader, saved: dict
                  ) -> None:  # fmt: skip
         self.path = path
-        self.data = data_directory(path, meta)  # where its files are
         self.meta = meta
-        self.index = index
+        self.reader = reader
         self._saved = saved
-        self.trusted = trusted
         self._entries: dict[str, dict[str, Any]] = {e["key"]: e for e in meta["state_dict"]}
 
     def kind(self, key: str) -> str | None:
@@ -218,9 +216,6 @@ class ShardedCheckpoint:
         """trainer_state.pt: the checkpoint dict's "keys" in order, its "extra" entries, the state
         dict's non-tensor entries, the optimizers' param_groups and non-tensor state."""
         return dict(self._saved)
-
-    def reader(self) -> CheckpointReader:
-        return CheckpointReader(self.data, trusted=self.trusted, index=self.index)
 
     def lightning_dict(self) -> dict[str, Any]:
         """The checkpoint dict Lightning saved, without reading a tensor: "state_dict" is a
@@ -282,7 +277,7 @@ def open_sharded(
             raise CheckpointError(f"{data / DCP_INDEX_FILE} names files that {META_FILE} does not list: {unlisted}")
         file = data / TRAINER_STATE_FILE
         saved = dict(check_trainer_state(load_torch_file(file, trusted=trusted), file))
-        return ShardedCheckpoint(path, meta, index=index, saved=saved, trusted=trusted)
+        return ShardedCheckpoint(path, meta, reader=CheckpointReader(data, index=index), saved=saved)
 
     return run_and_agree(comm, check, context=f"Cannot load the checkpoint {path}")
 

@@ -92,7 +92,7 @@ class _Loads:
         self.targets[key] = tensor.reshape(-1) if kind == "sharded" else tensor
 
     def run(self) -> None:
-        self.ckpt.reader().load(self.targets, self.model.world_comm)
+        self.ckpt.reader.load(self.targets, self.model.world_comm)
         for copy in self.after:
             copy()
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
-from lightning_zero3.checkpoint.remote import RemotePath, as_path
+from lightning_zero3.checkpoint.remote import RemotePath
 from lightning_zero3.engine.comm import Comm
 
 TRUST_HINT = (
@@ -215,24 +215,19 @@ def read_dcp_index(file: Path | RemotePath, *, trusted: bool) -> dcp_metadata.Me
 
 
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's file reader whose index is read once, by `read_dcp_index`."""
+    """DCP's file reader over `index`, which `read_dcp_index` read (DCP's `pickle.load` never runs)."""
 
-    def __init__(self, path: str | os.PathLike | RemotePath, *, trusted: bool = False, index: Any = None) -> None:
+    def __init__(self, path: Path | RemotePath, *, index: dcp_metadata.Metadata) -> None:
         super().__init__(path if not isinstance(path, RemotePath) else "")
         if isinstance(path, RemotePath):  # what DCP's FsspecReader sets (Note: remote checkpoints)
             from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
             self.fs = FileSystem()  # type: ignore[assignment]
             self.path = self.fs.init_path(str(path))
-        self.trusted = trusted
         self._index = index
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        if self._index is None:
-            rank = kwargs.get("rank")
-            name = ".metadata" if rank is None else f"__{rank}.metadata"
-            self._index = read_dcp_index(as_path(self.path) / name, trusted=self.trusted)
-        if getattr(self._index, "storage_meta", None) is None:
+        if self._index.storage_meta is None:
             self._index.storage_meta = dcp_metadata.StorageMeta()
         self._index.storage_meta.load_id = self.load_id
         return self._index
