@@ -195,7 +195,7 @@ def consolidate_checkpoint(
 
 def _check_destination(src: Path | RemotePath, dst: Path | RemotePath) -> None:
     real_src, real_dst = src.resolve(), dst.resolve()
-    if real_dst == real_src or real_src in real_dst.parents:
+    if real_dst == real_src or str(real_dst).startswith(str(real_src).rstrip("/") + "/"):
         where = "the checkpoint" if real_dst == real_src else "inside the checkpoint"
         raise CheckpointError(
             f"cannot write {dst}: it is {where} {src} being consolidated; choose a destination outside {src}"

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -301,7 +302,7 @@ def _read_meta(path: Path | RemotePath) -> dict[str, Any]:
     meta_file = path / META_FILE
     check_plain_name(path, META_FILE, str(path))  # a link out of the directory is not read
     if not meta_file.is_file():
-        saved = [p.name for p in path.iterdir() if DATA_PREFIX.fullmatch(p.name) or p.match("__*_*.distcp")]
+        saved = [p.name for p in path.iterdir() if DATA_PREFIX.fullmatch(p.name) or fnmatch(p.name, "__*_*.distcp")]
         if (path / DCP_INDEX_FILE).exists() or saved:
             raise CheckpointError(
                 f"{path} has shard files but no {META_FILE}: the save that wrote it did not finish, or it was "

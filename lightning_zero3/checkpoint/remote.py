@@ -21,7 +21,6 @@ upload that the store creates only when it completes (an upload cut short is dis
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 import re
 import shutil
@@ -92,14 +91,6 @@ class RemotePath:
     def parent(self) -> RemotePath:
         return self._child(self.path.rsplit("/", 1)[0])
 
-    @property
-    def parents(self) -> list[RemotePath]:
-        parts = self.path.split("/")
-        return [self._child("/".join(parts[:i])) for i in range(len(parts) - 1, 0, -1)]
-
-    def match(self, pattern: str) -> bool:
-        return fnmatch.fnmatch(self.name, pattern)
-
     def resolve(self) -> RemotePath:
         return self
 
@@ -121,9 +112,6 @@ class RemotePath:
     def iterdir(self) -> Iterator[RemotePath]:
         listed = (p.rstrip("/") for p in self._fresh().ls(self.path, detail=False))
         return (self._child(p) for p in listed if p != self.path)
-
-    def glob(self, pattern: str) -> list[RemotePath]:
-        return [self._child(p) for p in self._fresh().glob(f"{self.path}/{pattern}")]
 
     def open(self, mode: str = "rb") -> IO[Any]:
         return self.fs.open(self.path, mode)  # type: ignore[no-any-return]

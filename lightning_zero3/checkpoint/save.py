@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Mapping
 from copy import deepcopy
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -250,4 +251,4 @@ def _previous_files(path: RemotePath) -> set[str]:
 
 
 def _rank_files(directory: Path | RemotePath, rank: int) -> list[str]:
-    return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
+    return sorted(p.name for p in directory.iterdir() if fnmatch(p.name, f"__{rank}_*.distcp"))
