@@ -296,9 +296,10 @@ def replace_problem(path: Path | RemotePath) -> str | None:
         entries = sorted(p.name for p in path.iterdir())
         if not entries:
             return None
-        listed = _sharded_checkpoint_files(path)
-        if listed is None:
+        meta = own_meta(path)
+        if meta is None:
             return f"it is a directory that is not a lightning_zero3 checkpoint (it holds {few(entries)})"
+        listed = {META_FILE, *meta["files"]}
         foreign = [e for e in entries if e not in listed and not _data_prefix(path, e)]
         if foreign:
             return f"it is a checkpoint directory that also holds files not of the checkpoint: {few(foreign)}"
@@ -324,18 +325,16 @@ def _data_prefix(path: Path | RemotePath, name: str) -> bool:
     return isinstance(path, RemotePath) and DATA_PREFIX.fullmatch(name) is not None
 
 
-def _sharded_checkpoint_files(path: Path | RemotePath) -> set[str] | None:
-    """The names a sharded checkpoint directory may hold (meta.json and the files it lists), or
-    None if `path` has no meta.json of our format."""
+def own_meta(path: Path | RemotePath) -> dict[str, Any] | None:
+    """The meta.json of our format at `path`, or None (read leniently: this only recognises a checkpoint)."""
     if (path / META_FILE).is_symlink():
         return None  # a meta.json elsewhere says nothing of this directory
     try:
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
-        return None
-    return {META_FILE, *(name for name in meta["files"] if isinstance(name, str))}
+    ok = isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("files"), dict)
+    return meta if ok else None
 
 
 def is_torch_file(path: Path | RemotePath) -> bool:

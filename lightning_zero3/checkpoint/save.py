@@ -4,7 +4,6 @@ temporary directory, which rank 0 swaps into place once every rank's part is on 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import warnings
@@ -24,6 +23,7 @@ from lightning_zero3.checkpoint.files import (
     check_replaceable,
     checksums,
     fsync_directory,
+    own_meta,
     replace_path,
     write_json_atomically,
     write_synced,
@@ -233,21 +233,13 @@ def _finish(
 
 def _commit_manifest(path: RemotePath, data: RemotePath, meta: dict[str, Any]) -> None:
     """At a URL the swap is one PUT of meta.json naming the new prefix, then what the previous one
-    named is deleted (Note: remote checkpoints)."""
-    previous = _previous_files(path)
+    named is deleted: its prefix, or its files (one copied there whole) (Note: remote checkpoints)."""
+    previous = own_meta(path) or {"files": {}}
+    named = {previous["data"]} if isinstance(previous.get("data"), str) else set(previous["files"])
     write_json_atomically({**meta, "data": data.name}, path / META_FILE)
-    for name in previous - {data.name, META_FILE}:
+    for name in named - {data.name, META_FILE}:
         (path / name).remove()
     path.remove_object()  # a full file that was at the URL itself
-
-
-def _previous_files(path: RemotePath) -> set[str]:
-    """What the sharded checkpoint at `path` consists of: its prefix, or its files (one copied there whole)."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-        return {meta["data"]} if "data" in meta else set(meta["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
 
 
 def _rank_files(directory: Path | RemotePath, rank: int) -> list[str]:
