@@ -17,8 +17,7 @@ import torch.nn.functional as F
 import lightning_zero3
 from lightning_zero3 import ShardedModel
 from lightning_zero3 import checkpoint as ckpt
-from lightning_zero3.checkpoint.format import open_sharded
-from lightning_zero3.checkpoint.load import check_loadable
+from lightning_zero3.checkpoint.load import open_checked
 from lightning_zero3.engine.state import full_optimizer_state
 from tests.models import MLP, TinyGPT, gpt_batch
 from tests.ranks import run_ranks
@@ -228,9 +227,10 @@ def test_strict_false_loads_the_keys_both_models_have_and_keeps_the_rest(saved_a
 
 def test_a_model_of_another_shape_is_refused_naming_the_difference(saved_at_2):
     path, _ = saved_at_2
-    other = ShardedModel(MLP())
-    problem = check_loadable(open_sharded(path), other, strict=True)
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        open_checked(path, ShardedModel(MLP()), strict=True, context="Cannot load", trusted=False)
+    problem = str(refused.value)
     assert str(path) in problem and "not in the checkpoint" in problem and "'blocks.0.fc1.weight'" in problem
-    wider = ShardedModel(TinyGPT(dim=24))
-    problem = check_loadable(open_sharded(path), wider, strict=False)
-    assert "'wte.weight' has shape (37, 16) in the checkpoint but (37, 24) in the model" in problem
+    wider = r"'wte.weight' has shape \(37, 16\) in the checkpoint but \(37, 24\) in the model"
+    with pytest.raises(ckpt.CheckpointError, match=wider):
+        open_checked(path, ShardedModel(TinyGPT(dim=24)), strict=False, context="Cannot load", trusted=False)

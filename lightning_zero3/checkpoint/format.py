@@ -91,11 +91,11 @@ def fingerprint(parameters: Mapping[str, Mapping[str, Any]]) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def describe_mismatch(
+def check_fits(
     path: object, saved: Mapping[str, Mapping[str, Any]], expected: Mapping[str, Mapping[str, Any]], *, strict: bool
-) -> str | None:
-    """Why a checkpoint holding `saved` tensors cannot load into a model holding `expected`
-    (`tensor_json`s): names on one side only (when `strict`) and shapes that differ; None if it can."""
+) -> None:
+    """Raise unless a checkpoint holding `saved` tensors can load into a model holding `expected`
+    (`tensor_json`s), naming names on one side only (when `strict`) and shapes that differ."""
     shape = {k: tuple(v["shape"]) for k, v in saved.items()}
     shapes = [k for k in expected if k in shape and shape[k] != tuple(expected[k]["shape"])]
     problems = [f"'{k}' has shape {shape[k]} in the checkpoint but {tuple(expected[k]['shape'])} in the model"
@@ -107,10 +107,10 @@ def describe_mismatch(
         problems.append(f"{len(unexpected)} keys of the checkpoint are not in the model: {few(unexpected)}")
     if len(shapes) > 10:
         problems.append(f"and {len(shapes) - 10} more shape differences")
-    if not problems:
-        return None
-    fix = ", or set strict_loading=False" if strict else ""
-    return f"checkpoint {path} holds another model: {'; '.join(problems)}. Load a checkpoint of this model{fix}."
+    if problems:
+        fix = ", or set strict_loading=False" if strict else ""
+        raise CheckpointError(f"checkpoint {path} holds another model: {'; '.join(problems)}. Load a checkpoint of "
+                              f"this model{fix}.")  # fmt: skip
 
 
 def optimizer_param_names(model: ShardedModel, optimizer: torch.optim.Optimizer) -> list[list[str]]:

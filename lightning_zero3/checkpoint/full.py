@@ -13,7 +13,7 @@ import torch
 
 from lightning_zero3.checkpoint.errors import CheckpointError, run_and_agree
 from lightning_zero3.checkpoint.files import atomic_torch_save, few
-from lightning_zero3.checkpoint.format import describe_mismatch, model_tensors, tensor_json
+from lightning_zero3.checkpoint.format import check_fits, model_tensors, tensor_json
 from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.trust import load_torch_file
 from lightning_zero3.engine.comm import Comm
@@ -58,9 +58,7 @@ def load_full(
         checkpoint = read_full_file(path, key=key, trusted=trusted, read=read)
         state_dict = checkpoint if key is None else checkpoint[key]
         saved = {k: tensor_json(v.shape, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-        problem = describe_mismatch(path, saved, model_tensors(model), strict=strict)
-        if problem is not None:
-            raise CheckpointError(problem)
+        check_fits(path, saved, model_tensors(model), strict=strict)
         return checkpoint
 
     return run_and_agree(model.world_comm, read_checked, context=f"Cannot load the checkpoint {path}")

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from lightning_zero3.checkpoint.errors import CheckpointError, agree, error_of, run_and_agree
+from lightning_zero3.checkpoint.errors import CheckpointError, run_and_agree
 from lightning_zero3.checkpoint.files import few
 from lightning_zero3.checkpoint.format import (
     Pieces,
     ShardedCheckpoint,
-    describe_mismatch,
+    check_fits,
     dtype_of,
     model_tensors,
     numbered_optimizer_state,
@@ -39,13 +39,11 @@ def open_checked(
 ) -> ShardedCheckpoint:
     """`open_sharded`, checked to fit `model`; every rank raises if any rank found a problem."""
     ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
-    problem, error = error_of(lambda: check_loadable(ckpt, model, strict=strict))
-    agree(model.world_comm, error or problem, context=context)
+    expected = model_tensors(model)
+    run_and_agree(
+        model.world_comm, lambda: check_fits(ckpt.path, ckpt.tensors(), expected, strict=strict), context=context
+    )
     return ckpt
-
-
-def check_loadable(ckpt: ShardedCheckpoint, model: ShardedModel, *, strict: bool) -> str | None:
-    return describe_mismatch(ckpt.path, ckpt.tensors(), model_tensors(model), strict=strict)
 
 
 def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
