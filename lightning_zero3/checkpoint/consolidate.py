@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
-from lightning_zero3.checkpoint.files import Partial, check_replaceable, replace_path
+from lightning_zero3.checkpoint.files import atomic_write, check_replaceable
 from lightning_zero3.checkpoint.format import (
     ShardedCheckpoint,
     dtype_of,
@@ -37,7 +37,7 @@ from lightning_zero3.checkpoint.format import (
     numbered_optimizer_state,
     open_sharded,
 )
-from lightning_zero3.checkpoint.remote import RemotePath, as_path, staged
+from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.streaming import (
     Deferred,
     find_deferred,
@@ -165,28 +165,17 @@ def consolidate_checkpoint(
             progress(done)
 
     def write(file: Any) -> None:
-        if safetensors:
-            stream_safetensors(tensors, file, meta, on_tensor)
-        else:
-            stream_torch_save(output, file, on_tensor)
+        try:
+            if safetensors:
+                stream_safetensors(tensors, file, meta, on_tensor)
+            else:
+                stream_torch_save(output, file, on_tensor)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
 
-    # Under a temporary name (Note: temporary names in files.py); at a URL, a local file uploaded
-    # once written, since the zip writer seeks.
-    partial = Partial(dst, directory=False) if isinstance(dst, Path) else None
-    try:
-        if partial is None:
-            with staged(dst) as file:  # type: ignore[arg-type]
-                write(file)
-        else:
-            write(partial.file)
-            replace_path(partial.path, dst)  # type: ignore[arg-type]
-    except CheckpointError:
-        raise
-    except Exception as err:
-        raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
-    finally:
-        if partial is not None:
-            partial.close(remove=True)
+    atomic_write(dst, write, seekable=True)
     return ConsolidationSummary(
         src=src, dst=dst, world_size=ckpt.meta["world_size"], tensors=done.tensors_done, bytes=done.bytes_done,
         file_bytes=dst.stat().st_size, seconds=time.perf_counter() - start,

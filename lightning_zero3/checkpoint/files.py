@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from lightning_zero3.checkpoint.errors import CheckpointError
-from lightning_zero3.checkpoint.remote import DATA_PREFIX, RemotePath, as_path, uploading
+from lightning_zero3.checkpoint.remote import DATA_PREFIX, RemotePath, as_path, staged, uploading
 
 FORMAT = "lightning_zero3.sharded"  # meta.json's "format"
 META_FILE = "meta.json"
@@ -183,25 +183,32 @@ def remove_stale_partials(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike | RemotePath) -> None:
-    """`torch.save(obj, path)` under a temporary name of its own, synced, then swapped in
-    (replacing a file or a sharded directory); at a URL, one upload (Note: remote checkpoints)."""
-    path = as_path(path)
-    check_replaceable(path)
+def atomic_write(path: Path | RemotePath, write: Callable[[Any], object], *, seekable: bool = False) -> None:
+    """`write(stream)` into the file `path` under a temporary name of its own, synced, then swapped
+    in (replacing a file or a sharded directory). At a URL, one upload (Note: remote checkpoints),
+    staged in a local file when `write` seeks (`seekable`: the zip writer does)."""
     if isinstance(path, RemotePath):
-        write_synced(path, lambda f: torch.save(obj, f))
+        with staged(path) if seekable else uploading(path) as stream:
+            write(stream)
         if path.is_dir():  # a sharded checkpoint there before: the file replaces it
             path.remove_prefix()
         return
     partial = Partial(path, directory=False)
     try:
         assert partial.file is not None
-        torch.save(obj, partial.file)
+        write(partial.file)
         partial.file.flush()
         os.fsync(partial.file.fileno())
         replace_path(partial.path, path)
     finally:
         partial.close(remove=True)
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike | RemotePath) -> None:
+    """`torch.save(obj, path)` by `atomic_write`, refused where a save may not replace what is there."""
+    path = as_path(path)
+    check_replaceable(path)
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def replace_path(new: Path, path: Path) -> None:

@@ -9,7 +9,6 @@ import functools
 import io
 import json
 import math
-import os
 import pickle
 import struct
 import sys
@@ -68,7 +67,7 @@ def _storage_classes() -> dict[torch.dtype, type]:
 
 
 def stream_torch_save(obj: Any, f: BinaryIO, on_tensor: Callable[[int], None]) -> None:
-    """`torch.save(obj, f)` (synced) where `obj` may hold `Deferred` tensors, written one storage
+    """`torch.save(obj, f)` where `obj` may hold `Deferred` tensors, written one storage
     at a time. Plain tensors are written the same way; other tensor types (sparse, quantized,
     subclasses) are refused. Readable by plain `torch.load` (with weights_only and mmap too).
 
@@ -156,8 +155,6 @@ def stream_torch_save(obj: Any, f: BinaryIO, on_tensor: Callable[[int], None]) -
         with contextlib.suppress(Exception):  # a second failure (a full disk): the caller removes the file
             archive.close()
         raise
-    f.flush()
-    os.fsync(f.fileno())
 
 
 _SAFETENSORS_DTYPES = {
@@ -196,8 +193,6 @@ def stream_safetensors(
         f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
         on_tensor(deferred.nbytes)
         del tensor
-    f.flush()
-    os.fsync(f.fileno())
 
 
 def find_deferred(obj: Any) -> list[Deferred]:
