@@ -101,8 +101,11 @@ def plan_sharded(
                 entries.append({"key": key, "kind": "object"})
             elif sp is not None and key != sp.name:
                 entries.append({"key": key, "kind": "alias", "of": sp.name})
+            elif sp is not None and value.numel() != sp.shard_numel:
+                shard = f"this rank's shard has {sp.shard_numel}"
+                raise CheckpointError(f"'{key}' has {value.numel()} elements but {shard}")
             else:
-                piece = None if sp is None else _local_piece(sp, value, key=key)
+                piece = None if sp is None else value.detach().reshape(-1)[: sp.valid_numel()]
                 entries.append({"key": key, **store(f"state_dict/{key}", value, sp, piece)})
         optimizers_meta, optimizers_objects = [], []
         by_first_name = {sp.name: sp for sp in model.sharded_params}
@@ -138,13 +141,6 @@ def plan_sharded(
 
     context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
     return run_and_agree(model.world_comm, plan, context=context)
-
-
-def _local_piece(sp: ShardedParam, value: torch.Tensor, *, key: str) -> torch.Tensor:
-    """This rank's unpadded piece of its shard `value`."""
-    if value.numel() != sp.shard_numel:
-        raise CheckpointError(f"'{key}' has {value.numel()} elements but this rank's shard has {sp.shard_numel}")
-    return value.detach().reshape(-1)[: sp.valid_numel()]
 
 
 def save_sharded(
