@@ -63,6 +63,13 @@ def s3() -> Iterator[dict[str, str]]:
                 os.environ[key] = value
 
 
+def _read(url: str) -> bytes:
+    import fsspec
+
+    with fsspec.open(url, "rb") as f:
+        return f.read()  # type: ignore[no-any-return]
+
+
 def _objects(prefix: str) -> list[str]:
     import boto3
 
@@ -143,6 +150,10 @@ def test_load_checkpoint_consolidate_and_the_cli_read_a_url(saved, s3, tmp_path)
     assert list(tmp_path.iterdir()) == []
     out = lightning_zero3.load_checkpoint(f"{saved}/out.ckpt")
     assert max_difference(out["state_dict"], full["state_dict"]) == 0
+    # Streamed to the store (each record's size after its data), it still memory-maps once downloaded.
+    (tmp_path / "out.ckpt").write_bytes(_read(f"{saved}/out.ckpt"))
+    mapped = torch.load(tmp_path / "out.ckpt", mmap=True, weights_only=True)
+    assert max_difference(mapped["state_dict"], full["state_dict"]) == 0
     remove_checkpoint(f"{saved}/out.ckpt")
     assert "run/out.ckpt" not in _objects("run/")
 

@@ -175,7 +175,7 @@ def consolidate_checkpoint(
         except Exception as err:
             raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
 
-    atomic_write(dst, write, seekable=True)
+    atomic_write(dst, write)  # at a URL the zip writer, unable to seek back, writes data descriptors
     return ConsolidationSummary(
         src=src, dst=dst, world_size=ckpt.meta["world_size"], tensors=done.tensors_done, bytes=done.bytes_done,
         file_bytes=dst.stat().st_size, seconds=time.perf_counter() - start,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from lightning_zero3.checkpoint.errors import CheckpointError
-from lightning_zero3.checkpoint.remote import DATA_PREFIX, RemotePath, as_path, staged, uploading
+from lightning_zero3.checkpoint.remote import DATA_PREFIX, RemotePath, as_path, uploading
 
 FORMAT = "lightning_zero3.sharded"  # meta.json's "format"
 META_FILE = "meta.json"
@@ -183,12 +183,11 @@ def remove_stale_partials(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_write(path: Path | RemotePath, write: Callable[[Any], object], *, seekable: bool = False) -> None:
+def atomic_write(path: Path | RemotePath, write: Callable[[Any], object]) -> None:
     """`write(stream)` into the file `path` under a temporary name of its own, synced, then swapped
-    in (replacing a file or a sharded directory). At a URL, one upload (Note: remote checkpoints),
-    staged in a local file when `write` seeks (`seekable`: the zip writer does)."""
+    in (replacing a file or a sharded directory). At a URL, one upload (Note: remote checkpoints)."""
     if isinstance(path, RemotePath):
-        with staged(path) if seekable else uploading(path) as stream:
+        with uploading(path) as stream:
             write(stream)
         if path.is_dir():  # a sharded checkpoint there before: the file replaces it
             path.remove_prefix()

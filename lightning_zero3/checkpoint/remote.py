@@ -23,8 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -161,19 +159,4 @@ def uploading(file: RemotePath) -> Iterator[IO[bytes]]:
     stream.close()
 
 
-@contextlib.contextmanager
-def staged(file: RemotePath) -> Iterator[IO[bytes]]:
-    """A local temporary file (seekable, for writers that need it) uploaded to `file` when the
-    block ends without an exception; removed in any case."""
-    directory = tempfile.mkdtemp(prefix="zero3-upload-")
-    try:
-        local = Path(directory) / file.name
-        with open(local, "wb") as stream:
-            yield stream
-        with open(local, "rb") as source, uploading(file) as target:
-            shutil.copyfileobj(source, target, 8 << 20)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-__all__ = ["DATA_PREFIX", "RemotePath", "as_path", "staged", "uploading"]
+__all__ = ["DATA_PREFIX", "RemotePath", "as_path", "uploading"]
