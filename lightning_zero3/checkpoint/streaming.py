@@ -38,6 +38,13 @@ class Deferred:
             tensor = tensor.clone()  # a view of a bigger storage: write only this tensor's bytes
         return tensor
 
+    def write(self, write: Callable[[memoryview], object], on_tensor: Callable[[int], None]) -> None:
+        """Produce the tensor, hand its bytes to `write` and report them; freed on return."""
+        tensor = self.materialize()
+        # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
+        write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+        on_tensor(self.nbytes)
+
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         # Pickled as torch pickles a contiguous CPU tensor (Note: the torch.save file format).
         stride = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
@@ -144,11 +151,7 @@ def stream_torch_save(obj: Any, f: BinaryIO, on_tensor: Callable[[int], None]) -
             record(name, data)  # fmt: skip
         del buffer
         for key, deferred in records.items():
-            tensor = deferred.materialize()
-            # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
-            record(f"data/{key}", memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-            on_tensor(deferred.nbytes)
-            del tensor
+            deferred.write(functools.partial(record, f"data/{key}"), on_tensor)
         record("version", b"3\n")
         archive.close()
     except BaseException:
@@ -188,11 +191,7 @@ def stream_safetensors(
     f.write(struct.pack("<Q", len(encoded)))
     f.write(encoded)
     for deferred in tensors.values():
-        tensor = deferred.materialize()
-        # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
-        f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-        on_tensor(deferred.nbytes)
-        del tensor
+        deferred.write(f.write, on_tensor)
 
 
 def find_deferred(obj: Any) -> list[Deferred]:
