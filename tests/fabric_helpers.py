@@ -1,10 +1,17 @@
-"""Fabric on `run_ranks` ranks, and the single-process reference Fabric runs are compared with.
+"""Fabric started as users start it, `launch(fn)`: `fabric.launch(fn)` with Fabric's own
+multiprocessing launcher; Fabric on `run_ranks` ranks, `fabric(rank, world_size)`, for a test that
+needs each rank's view; and the single-process reference Fabric runs are compared with.
 
-Each rank sets the variables a launcher like torchrun sets (tests/lit.py): Fabric's launcher then
-runs in place and reuses the process group `run_ranks` initialised."""
+On `run_ranks` ranks, each rank sets the variables a launcher like torchrun sets (tests/lit.py):
+Fabric's launcher then runs in place and reuses the process group `run_ranks` initialised."""
 
 from __future__ import annotations
 
+import pickle
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +21,7 @@ from torch import nn
 from tests import models
 from tests.lit import become_lightning_rank
 from tests.parity import local_slice, no_decay_for_biases_and_norms
+from tests.ranks import _mp_context
 
 LR = 0.01
 
@@ -28,6 +36,45 @@ def fabric(rank: int, world_size: int, strategy: Any = "zero3", **kwargs: Any) -
     f = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy, **kwargs)
     f.launch()
     return f
+
+
+def launch(fn: Callable[..., Any], *args: Any, devices: int = 2, precision: Any = None, **options: Any) -> Any:
+    """`Fabric(strategy=ZeRO3FabricStrategy(**options), devices=devices).launch(fn, *args)`:
+    `fn(fabric, *args)` on ranks started by Fabric's multiprocessing launcher from the forkserver
+    of tests/ranks.py (torch and Lightning preloaded: a launch costs well under a second), with a
+    collective timeout so that a hang fails the test. Returns rank 0's return value, as Fabric
+    does; an exception on any rank fails the launch (torch's ProcessRaisedException).
+
+    Rank 0's value comes back pickled in a file, not through Fabric's queue: the launcher reads
+    the queue only after every rank has exited, so a value over a pipe's 64 KiB blocks rank 0 in
+    `put` forever, and a CPU tensor (sent as shared memory, by a file descriptor of the rank) is
+    gone by then (FileNotFoundError). Both happen under DDP too (Lightning 2.6)."""
+    import lightning as L
+
+    from lightning_zero3 import ZeRO3FabricStrategy
+
+    _mp_context()  # the forkserver's preload is set before it starts
+    options.setdefault("timeout", timedelta(seconds=60))
+    strategy = ZeRO3FabricStrategy(start_method="forkserver", **options)
+    launched = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=precision)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rank0.pkl"
+        launched.launch(_into_file, str(path), fn, *args)
+        return pickle.loads(path.read_bytes())
+
+
+def _into_file(fabric: Any, path: str, fn: Callable[..., Any], *args: Any) -> None:
+    result = fn(fabric, *args)
+    if fabric.global_rank == 0:
+        Path(path).write_bytes(pickle.dumps(result))
+
+
+def every_rank(value: Any) -> list[Any]:
+    """Each rank's `value`, in rank order, on every rank (pickled): what a launched function
+    returns for the test to check every rank's view, as `run_ranks` gives it."""
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:

@@ -161,11 +161,11 @@ def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     assert lightning_zero3.load_checkpoint(tmp_path / "latest.ckpt")["global_step"] == 2
 
 
-def _fabric_saving_every_step(rank: int, world_size: int, directory: str, async_save: bool) -> list[float]:
-    from tests.fabric_helpers import adamw, fabric, train_step
+def _fabric_saving_every_step(f: Any, directory: str, async_save: bool) -> list[float]:
+    from tests.fabric_helpers import adamw, train_step
     from tests.models import MLP
 
-    f = fabric(rank, world_size, lightning_zero3.ZeRO3FabricStrategy(async_save=async_save))
+    rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
     module = MLP()
     model, optimizer = f.setup(module, adamw(module))
@@ -180,10 +180,14 @@ def _fabric_saving_every_step(rank: int, world_size: int, directory: str, async_
 
 
 def test_fabric_saves_in_the_background_equal_synchronous_ones(tmp_path):
+    from tests.fabric_helpers import launch
+
     results = {}
     for mode in ("sync", "async"):
         (tmp_path / mode).mkdir()
-        results[mode] = run_ranks(_fabric_saving_every_step, 2, str(tmp_path / mode), mode == "async")[0]
+        results[mode] = launch(
+            _fabric_saving_every_step, str(tmp_path / mode), mode == "async", async_save=mode == "async"
+        )
     assert results["sync"] == results["async"]
     for step in range(3):
         a, b = (lightning_zero3.load_checkpoint(tmp_path / mode / f"step{step}") for mode in ("sync", "async"))

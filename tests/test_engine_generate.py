@@ -4,6 +4,8 @@ whose sequences end at different steps, and what the context leaves behind."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -277,10 +279,9 @@ def test_trainer_strategy_gathered_for_inference_predicts_without_gathers():
         assert torch.allclose(result["got"], result["expected"][rank::2], atol=1e-6)
 
 
-def _fabric_held(rank: int, world_size: int) -> dict:
-    from tests.fabric_helpers import fabric
+def _fabric_held(f: Any) -> list[dict]:
+    from tests.fabric_helpers import every_rank
 
-    f = fabric(rank, world_size)
     torch.manual_seed(0)
     reference = MLP()
     torch.manual_seed(0)
@@ -291,9 +292,13 @@ def _fabric_held(rank: int, world_size: int) -> dict:
         before = _gathers(sharded)
         got = model(x)
         inside = _gathers(sharded) - before
-    return {"diff": float((got - reference(x)).abs().max()), "inside": inside, "alive": sharded.unit_stats.alive}
+    return every_rank(
+        {"diff": float((got - reference(x)).abs().max()), "inside": inside, "alive": sharded.unit_stats.alive}
+    )
 
 
 def test_fabric_strategy_gathered_for_inference_runs_without_gathers():
-    for result in run_ranks(_fabric_held, 2):
+    from tests.fabric_helpers import launch
+
+    for result in launch(_fabric_held):
         assert result["diff"] < 1e-6 and result["inside"] == 0 and result["alive"] == 0

@@ -1,6 +1,13 @@
 """`Fabric(strategy="zero3")` trains a plain nn.Module exactly like one process on the global
 batch: 2 real gloo ranks against a single-process reference, through every way Fabric sets a
-model and its optimizer up."""
+model and its optimizer up.
+
+The ranks are started as users start them, by `fabric.launch(fn)` and Fabric's multiprocessing
+launcher (tests/fabric_helpers.py `launch`); each launched function hands back every rank's view
+(`every_rank`). Two tests run on `run_ranks` ranks instead: the misuse and missing-path tests,
+whose point is that each rank raises the same error (the harness reports each rank's outcome,
+the launcher the first failure); and the threads test, which is about ranks started outside
+Fabric (Fabric's launcher sets the threads itself)."""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ import pytest
 import torch
 
 from tests import models
-from tests.fabric_helpers import adamw, fabric, full_state, max_difference, reference, train_step
+from tests.fabric_helpers import adamw, every_rank, fabric, full_state, launch, max_difference, reference, train_step
 from tests.parity import local_slice
 from tests.ranks import run_ranks
 
@@ -20,8 +27,8 @@ STEPS = 3
 CLIP = 0.05
 
 
-def _train(rank: int, world_size: int, how: str) -> dict[str, Any]:
-    f = fabric(rank, world_size)
+def _train(f: L.Fabric, how: str) -> list[dict[str, Any]]:
+    rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
     if how == "init_module_empty":
         with f.init_module(empty_init=True):
@@ -43,19 +50,19 @@ def _train(rank: int, world_size: int, how: str) -> dict[str, Any]:
         optimizer = f.setup_optimizers(optimizer)
     shard_shapes = {tuple(p.shape) for p in model.parameters()}
     steps = [train_step(f, model, optimizer, step, rank, world_size, CLIP) for step in range(STEPS)]
-    return {
+    return every_rank({
         "state": full_state(f, model),
         "steps": steps,
         "shard_shapes": shard_shapes,
         "on_meta": how != "init_module_empty" or on_meta,
-    }
+    })  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "how", ["setup_together", "setup_module_then_optimizer", "optimizer_before_setup_module", "init_module_empty"]
 )
 def test_training_matches_single_process_with_global_norm_clipping(how: str) -> None:
-    results = run_ranks(_train, 2, how)
+    results = launch(_train, how)
     model, expected = reference(STEPS, clip=CLIP)
     assert all(norm > CLIP for _, norm in expected), "the clip value must actually clip"
     for result in results:
@@ -140,10 +147,10 @@ def test_each_class_given_to_the_other_api_names_the_right_one() -> None:
         L.Trainer(strategy=ZeRO3FabricStrategy(), accelerator="cpu", devices=2)
 
 
-def _save_after_two_steps(rank: int, world_size: int, directory: str) -> None:
+def _save_after_two_steps(f: L.Fabric, directory: str) -> None:
     from lightning_zero3 import ZeRO3FabricStrategy
 
-    f = fabric(rank, world_size)
+    rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
     model = models.MLP()
     model, optimizer = f.setup(model, adamw(model))
@@ -160,7 +167,8 @@ def _save_after_two_steps(rank: int, world_size: int, directory: str) -> None:
     full.save(f"{directory}/full.pt", {"model": other, "optimizer": other_optimizer, "step": state["step"]})
 
 
-def _resume_and_step(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+def _resume_and_step(launched: L.Fabric, directory: str) -> list[dict[str, Any]]:
+    rank, world_size = launched.global_rank, launched.world_size
     out = {}
     for name in ("sharded", "full.pt"):
         f = fabric(rank, world_size)
@@ -174,20 +182,20 @@ def _resume_and_step(rank: int, world_size: int, directory: str) -> dict[str, An
     model = f.setup_module(models.MLP())
     f.load_raw(f"{directory}/raw.pt", model)  # a plain state dict of whole tensors
     out["raw"] = full_state(f, model)
-    return out
+    return every_rank(out)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Checkpoints of 2 ranks after 2 steps: `sharded` (a directory) and `full.pt`."""
     directory = tmp_path_factory.mktemp("fabric_checkpoints")
-    run_ranks(_save_after_two_steps, 2, str(directory))
+    launch(_save_after_two_steps, str(directory))
     torch.save(reference(2)[0].state_dict(), directory / "raw.pt")
     return directory
 
 
 def test_sharded_and_full_checkpoints_resume_at_another_world_size(saved: Any) -> None:
-    results = run_ranks(_resume_and_step, 3, str(saved))
+    results = launch(_resume_and_step, str(saved), devices=3)
     model, expected = reference(3)
     for result in results:
         for name in ("sharded", "full.pt"):
@@ -210,8 +218,8 @@ def test_full_checkpoint_is_what_a_plain_pytorch_run_reads(saved: Any) -> None:
     assert max_difference(plain.state_dict(), reference(3)[0].state_dict()) < TOL
 
 
-def _bf16_mixed_and_clip_by_value(rank: int, world_size: int) -> dict[str, Any]:
-    f = fabric(rank, world_size, precision="bf16-mixed")
+def _bf16_mixed_and_clip_by_value(f: L.Fabric) -> list[dict[str, Any]]:
+    rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
     model = f.setup_module(models.MLP())
     optimizer = f.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -226,9 +234,9 @@ def _bf16_mixed_and_clip_by_value(rank: int, world_size: int) -> dict[str, Any]:
     f.clip_gradients(model, optimizer, clip_val=0.01)
     largest = max(float(p.grad.abs().max()) for p in model.parameters())
     optimizer.step()  # closes the step's accounting: stats.last_step is this step's traffic
-    return {"gathered": gathered, "shards": {p.dtype for p in model.parameters()}, "largest": largest,
-            "gather_bytes": sharded.stats.last_step["all_gather"].payload_bytes,
-            "expected": expected, "state": full_state(f, model)}  # fmt: skip
+    return every_rank({"gathered": gathered, "shards": {p.dtype for p in model.parameters()}, "largest": largest,
+                       "gather_bytes": sharded.stats.last_step["all_gather"].payload_bytes,
+                       "expected": expected, "state": full_state(f, model)})  # fmt: skip
 
 
 def test_bf16_mixed_gathers_in_bf16_and_clipping_by_value_acts_on_shards() -> None:
@@ -241,17 +249,17 @@ def test_bf16_mixed_gathers_in_bf16_and_clipping_by_value_acts_on_shards() -> No
     assert max(float(p.grad.abs().max()) for p in model.parameters()) > 0.01, "the clip value must clip"
     torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
     torch.optim.SGD(model.parameters(), lr=0.1).step()
-    for result in run_ranks(_bf16_mixed_and_clip_by_value, 2):
+    for result in launch(_bf16_mixed_and_clip_by_value, precision="bf16-mixed"):
         assert result["gathered"] == {torch.bfloat16} and result["shards"] == {torch.float32}
         assert result["gather_bytes"] == result["expected"]
         assert result["largest"] <= 0.01
         assert max_difference(result["state"], model.state_dict()) < 1e-3
 
 
-def _host_reads_of_clipping(rank: int, world_size: int) -> dict[str, Any]:
+def _host_reads_of_clipping(f: L.Fabric) -> list[dict[str, Any]]:
     from tests.test_engine_syncs import _counting_host_reads
 
-    f = fabric(rank, world_size)
+    rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
     model = models.MLP()
     model, optimizer = f.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -268,20 +276,20 @@ def _host_reads_of_clipping(rank: int, world_size: int) -> dict[str, Any]:
     with pytest.raises(RuntimeError) as raised:
         f.clip_gradients(model, optimizer, max_norm=1.0)
     untouched = all(torch.equal(p.grad, g) for p, g in zip(others, before))
-    return {"reads": reads, "error": str(raised.value), "untouched": untouched}
+    return every_rank({"reads": reads, "error": str(raised.value), "untouched": untouched})
 
 
 def test_fabric_clipping_reads_the_norm_on_the_host_only_to_check_it_is_finite() -> None:
     """`error_if_nonfinite=True` (Fabric's default) must read the norm to raise at the call, as
     torch's `clip_grad_norm_` does; False clips without stopping a GPU's queue."""
-    for result in run_ranks(_host_reads_of_clipping, 2):
+    for result in launch(_host_reads_of_clipping):
         assert result["reads"] == {False: 0, True: 1}, result
         assert "is non-finite" in result["error"] and "error_if_nonfinite=False" in result["error"], result
         assert result["untouched"], "the gradients were scaled before the error (torch raises first)"
 
 
-def _gathered(rank: int, world_size: int) -> dict[str, Any]:
-    f = fabric(rank, world_size)
+def _gathered(f: L.Fabric) -> list[dict[str, Any]]:
+    rank = f.global_rank
     torch.manual_seed(0)
     model = f.setup_module(models.MLP())
     with f.strategy.gathered_parameters(model.head):
@@ -289,11 +297,11 @@ def _gathered(rank: int, world_size: int) -> dict[str, Any]:
     with f.strategy.gathered_parameters(model.head, modifier_rank=1):
         if rank == 1:
             model.head.weight.data.fill_(0.5)
-    return {"inside": inside, "outside": tuple(model.head.weight.shape), "state": full_state(f, model)}
+    return every_rank({"inside": inside, "outside": tuple(model.head.weight.shape), "state": full_state(f, model)})
 
 
 def test_gathered_parameters_gives_whole_weights_and_keeps_the_modifiers_writes() -> None:
-    for result in run_ranks(_gathered, 2):
+    for result in launch(_gathered):
         assert result["inside"] == (5, 13) and len(result["outside"]) == 1
         assert torch.equal(result["state"]["head.weight"], torch.full((5, 13), 0.5))
 
@@ -313,15 +321,8 @@ def test_ranks_started_outside_fabric_get_their_share_of_the_cores() -> None:
         assert threads == share, (threads, share)
 
 
-def _refused_strict_load(rank: int, world_size: int, directory: str, kind: str) -> dict:
-    from tests.lit import become_lightning_rank
-
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3FabricStrategy
-
+def _refused_strict_load(fabric: L.Fabric, directory: str, kind: str) -> list[dict[str, bool]]:
     torch.manual_seed(0)
-    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ZeRO3FabricStrategy(state_dict_type=kind))
-    fabric.launch()
     module = models.MLP()
     model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=0.1))
     path = f"{directory}/{kind}"
@@ -331,11 +332,11 @@ def _refused_strict_load(rank: int, world_size: int, directory: str, kind: str) 
     stepped = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(KeyError, match=r"asks for \['epoch'\]"):
         fabric.load(path, {"model": model, "optimizer": optimizer, "epoch": 0})
-    return {"unchanged": all(torch.equal(stepped[k], v) for k, v in module.state_dict().items())}
+    return every_rank({"unchanged": all(torch.equal(stepped[k], v) for k, v in module.state_dict().items())})
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_a_strict_load_refused_for_a_missing_key_leaves_the_model_as_it_was(tmp_path, kind: str) -> None:
     """Every check of `fabric.load` runs before anything is loaded, as in Lightning's own strategies."""
-    for result in run_ranks(_refused_strict_load, 2, str(tmp_path), kind):
+    for result in launch(_refused_strict_load, str(tmp_path), kind, state_dict_type=kind):
         assert result["unchanged"]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lightning_zero3.engine import ShardedModel, ShardingConfig, clip_grad_norm_
 from tests import models
 from tests.fabric_helpers import adamw as fabric_adamw
-from tests.fabric_helpers import fabric, full_state, max_difference, reference, train_step
+from tests.fabric_helpers import every_rank, full_state, launch, max_difference, reference, train_step
 from tests.lit import LitMLP, become_lightning_rank, loader, reference_fit, trainer, whole_state
 from tests.parity import Recipe, adamw, local_slice, run_parity
 from tests.ranks import run_ranks
@@ -241,10 +241,8 @@ def test_trainer_fit_with_host_and_disk_offload_matches_one_process(tmp_path) ->
     assert os.listdir(tmp_path) == []
 
 
-def _fabric_save(rank: int, world_size: int, directory: str) -> None:
-    from lightning_zero3 import ZeRO3FabricStrategy
-
-    f = fabric(rank, world_size, strategy=ZeRO3FabricStrategy(offload="host"))
+def _fabric_save(f: Any, directory: str) -> None:
+    rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
     model = models.MLP()
     model, optimizer = f.setup(model, fabric_adamw(model))
@@ -253,11 +251,8 @@ def _fabric_save(rank: int, world_size: int, directory: str) -> None:
     f.save(f"{directory}/sharded", {"model": model, "optimizer": optimizer})
 
 
-def _fabric_resume(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    from lightning_zero3 import ZeRO3FabricStrategy
-
-    os.makedirs(f"{directory}/states", exist_ok=True)
-    f = fabric(rank, world_size, strategy=ZeRO3FabricStrategy(offload="host", offload_dir=f"{directory}/states"))
+def _fabric_resume(f: Any, directory: str) -> list[dict[str, Any]]:
+    rank, world_size = f.global_rank, f.world_size
     model = f.setup_module(models.MLP())
     optimizer = f.setup_optimizers(fabric_adamw(model))
     f.load(f"{directory}/sharded", {"model": model, "optimizer": optimizer})
@@ -265,18 +260,19 @@ def _fabric_resume(rank: int, world_size: int, directory: str) -> dict[str, Any]
     engine = f.strategy.sharded_model(model)
     state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     on_disk = [engine.disk.on_disk(v) for v in state]
-    return {
+    return every_rank({
         "loss": loss,
         "norm": norm,
         "state": full_state(f, model),
         "uploads": engine.offload.uploads,
         "on_disk": on_disk,
-    }
+    })  # fmt: skip
 
 
 def test_fabric_with_host_and_disk_offload_resumes_a_sharded_checkpoint_at_another_world_size(tmp_path) -> None:
-    run_ranks(_fabric_save, 2, str(tmp_path))
-    results = run_ranks(_fabric_resume, 3, str(tmp_path))
+    launch(_fabric_save, str(tmp_path), offload="host")
+    os.makedirs(tmp_path / "states")
+    results = launch(_fabric_resume, str(tmp_path), devices=3, offload="host", offload_dir=str(tmp_path / "states"))
     model, expected = reference(3, clip=0.05)
     for result in results:
         assert abs(result["loss"] - expected[2][0]) < TOL and abs(result["norm"] - expected[2][1]) < TOL

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lightning_zero3.engine import accounting
 from tests import models
-from tests.fabric_helpers import adamw, fabric, full_state, max_difference
+from tests.fabric_helpers import adamw, every_rank, full_state, launch, max_difference
 from tests.lit import LitMLP, become_lightning_rank, loader, reference_fit, trainer, whole_state
 from tests.parity import local_slice
 from tests.ranks import run_ranks
@@ -22,8 +22,8 @@ TOL = 1e-5
 K = 2
 
 
-def _fabric_accumulates(rank: int, world_size: int) -> dict[str, Any]:
-    f = fabric(rank, world_size)
+def _fabric_accumulates(f: Any) -> list[dict[str, Any]]:
+    rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
     model = models.MLP()
     model, optimizer = f.setup(model, adamw(model))
@@ -43,7 +43,7 @@ def _fabric_accumulates(rank: int, world_size: int) -> dict[str, Any]:
     out["warnings"] = [str(w.message) for w in caught if "gradient synchronization" in str(w.message)]
     out["state"] = full_state(f, model)
     out["units"] = sum(1 for u in engine.units if u.params)
-    return out
+    return every_rank(out)
 
 
 def _reference_accumulating(steps: int) -> dict[str, torch.Tensor]:
@@ -61,7 +61,7 @@ def _reference_accumulating(steps: int) -> dict[str, torch.Tensor]:
 
 def test_fabric_no_backward_sync_accumulates_locally_and_matches_single_process() -> None:
     reference = _reference_accumulating(2)
-    for result in run_ranks(_fabric_accumulates, 2):
+    for result in launch(_fabric_accumulates):
         assert not result["warnings"], result["warnings"]  # Fabric warned that it did nothing
         assert result["reduce_scatters"] == [result["units"]] * 2, result  # one per unit per step, not K
         assert max_difference(result["state"], reference) < TOL
@@ -115,8 +115,8 @@ def test_trainer_accumulate_unsharded_matches_single_process_with_one_reduction_
         assert max_difference(result["state"], reference.state_dict()) < TOL
 
 
-def _fabric_saves_while_owed(rank: int, world_size: int, directory: str) -> list[str]:
-    f = fabric(rank, world_size)
+def _fabric_saves_while_owed(f: Any, directory: str) -> list[list[str]]:
+    rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
     model = models.MLP()
     model, optimizer = f.setup(model, adamw(model))
@@ -127,10 +127,10 @@ def _fabric_saves_while_owed(rank: int, world_size: int, directory: str) -> list
         with f.no_backward_sync(model):
             f.backward(F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)))
         f.save(f"{directory}/owed", {"model": model, "optimizer": optimizer})
-    return [str(w.message) for w in caught if "owed" in str(w.message)]
+    return every_rank([str(w.message) for w in caught if "owed" in str(w.message)])
 
 
 def test_a_save_between_unsynced_micro_batches_warns_that_their_sums_are_not_saved(tmp_path) -> None:
-    for messages in run_ranks(_fabric_saves_while_owed, 2, str(tmp_path)):
+    for messages in launch(_fabric_saves_while_owed, str(tmp_path)):
         assert len(messages) == 1 and "/owed while gradients summed" in messages[0], messages
         assert "a resume repeats those micro-batches" in messages[0]

@@ -5,13 +5,15 @@ on shards: tests/test_averaging.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 
 from tests import models
-from tests.fabric_helpers import fabric
+from tests.fabric_helpers import every_rank, launch
 from tests.lit import LitMLP, become_lightning_rank, loader, trainer
 from tests.parity import local_slice
 from tests.ranks import run_ranks
@@ -43,11 +45,8 @@ def test_grad_norm_in_a_lightning_module_equals_ddps() -> None:
             assert abs(zero3[key] - value) < 1e-5 * max(1.0, value), key
 
 
-def _fabric_norms(rank: int, world_size: int) -> dict[str, dict[str, float]]:
-    from lightning_zero3 import ZeRO3FabricStrategy
-
-    # Parameters of at most 13 elements (norms, small biases) stay whole on every rank.
-    f = fabric(rank, world_size, strategy=ZeRO3FabricStrategy(persistence_threshold=13))
+def _fabric_norms(f: Any) -> list[dict[str, dict[str, float]]]:
+    rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
     model = f.setup_module(models.MLP())
     x, y = models.mlp_batch(0)
@@ -56,7 +55,7 @@ def _fabric_norms(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     for norm_type in (1, 2, "inf"):
         out[str(norm_type)] = {k: float(v) for k, v in f.strategy.grad_norm(model, norm_type).items()}
     out["shard"] = {k: float(v) for k, v in lightning_grad_norm(model, 2).items()}
-    return out
+    return every_rank(out)
 
 
 def test_fabric_grad_norm_counts_sharded_and_whole_parameters_once() -> None:
@@ -64,7 +63,8 @@ def test_fabric_grad_norm_counts_sharded_and_whole_parameters_once() -> None:
     reference = models.MLP()
     x, y = models.mlp_batch(0)
     F.mse_loss(reference(x), y).backward()
-    for result in run_ranks(_fabric_norms, 2):
+    # Parameters of at most 13 elements (norms, small biases) stay whole on every rank.
+    for result in launch(_fabric_norms, persistence_threshold=13):
         for norm_type in (1, 2, "inf"):
             expected = lightning_grad_norm(reference, norm_type)
             got = result[str(norm_type)]
