@@ -267,7 +267,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         strict: bool = True, weights_only: bool | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """`fabric.load`: a sharded directory or a full file, saved at any world size."""
-        read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only)[1]
+        read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
         file = self.broadcast(str(path))  # a path or a URL (Note: remote checkpoints)
         return fabric_checkpoint.load(self._run_of, file, state, read, strict=strict, weights_only=weights_only)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
@@ -119,15 +119,24 @@ def build_engine(
     return ShardedModel(module, config, device=device)
 
 
-def checkpoint_io_files(
-    checkpoint_io: CheckpointIO, *, weights_only: bool | None = None
-) -> tuple[Callable[[dict[str, Any], Path], None] | None, Callable[[Path], Any] | None]:
-    """How a full checkpoint file is written and read: by the user's CheckpointIO plugin (its own
-    format and guarantees), or None for Lightning's default plugin, which the package's atomic
-    writer and memory-mapped reader replace (checkpoint/full.py)."""
+class CheckpointFiles(NamedTuple):
+    """How a full checkpoint file is written, read and removed: by the user's CheckpointIO plugin
+    (its own format and guarantees), or None for Lightning's default plugin, which the package's
+    atomic writer, memory-mapped reader and remover replace (checkpoint/full.py)."""
+
+    write: Callable[[dict[str, Any], Path], None] | None  # core.py's WriteFile, ReadFile, RemoveFile
+    read: Callable[[Path], Any] | None
+    remove: Callable[[Path], None] | None
+
+
+def checkpoint_io_files(checkpoint_io: CheckpointIO, *, weights_only: bool | None = None) -> CheckpointFiles:
     if type(checkpoint_io) is TorchCheckpointIO:
-        return None, None
-    return checkpoint_io.save_checkpoint, lambda path: checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        return CheckpointFiles(None, None, None)
+    return CheckpointFiles(
+        checkpoint_io.save_checkpoint,
+        lambda path: checkpoint_io.load_checkpoint(path, weights_only=weights_only),
+        checkpoint_io.remove_checkpoint,
+    )
 
 
 def _leave_process_group() -> None:
@@ -160,17 +169,6 @@ def all_reduce(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -
         world = torch.distributed.get_world_size(group)
         return tensor.div_(world) if tensor.is_floating_point() else tensor.copy_(tensor / world)
     return tensor
-
-
-def optimizer_state_to_params(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Move the optimizers' state tensors next to their parameters (the device, or host memory
-    for offloaded shards), as Lightning's strategies do after setup; "step" counters stay where
-    they are (torch keeps them on the CPU)."""
-    for optimizer in optimizers:
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    state[key] = value.to(param.device)
 
 
 class RanksAndDevices:

@@ -26,12 +26,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero3 import trainer_checkpoint
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
-from lightning_zero3.core import Lifecycle, ShardedRun
+from lightning_zero3.checkpoint.errors import run_and_agree
+from lightning_zero3.checkpoint.format import ShardedCheckpoint
+from lightning_zero3.checkpoint.remote import as_path
+from lightning_zero3.core import Lifecycle, ShardedRun, remove_checkpoint
 from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
 from lightning_zero3.engine.materialize import parameters_on_meta
-from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, optimizer_state_to_params, split_options
+from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 from lightning_zero3.precision import sharded_precision
 from lightning_zero3.summary import count_full_parameters, sharded_stats
 
@@ -138,7 +140,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            optimizer_state_to_params(self.optimizers)
+            _optimizer_state_to_params(self.optimizers)
         count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
 
     @override
@@ -202,12 +204,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @property
     def sharded_model(self) -> ShardedModel:
-        if self.run is None:
-            raise RuntimeError(
-                f"{type(self).__name__} has no sharded model yet: it is built in `Trainer.fit/validate/test/"
-                f"predict` setup. Call this from a LightningModule hook that runs after setup."
-            )
-        return self.run.engine
+        return self._run.engine
 
     # ---- per-step accounting ------------------------------------------------------------
     # `stats["last_step"]` is the traffic of the last optimizer step: every micro-batch's
@@ -283,13 +280,15 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         """What this rank holds and sends: see docs/accounting.md."""
         return sharded_stats(self.sharded_model, self.optimizers)
 
-    # ---- checkpoints (core.py's run, lightning_zero3/trainer_checkpoint.py) -----------------
-    # "sharded": a directory, each rank its shards; "full": one ordinary Lightning file from rank 0.
+    # ---- checkpoints (core.py's run): "sharded" a directory, each rank its shards; "full" one
+    # ordinary Lightning file from rank 0.
     @property
     def _run(self) -> ShardedRun:
         if self.run is None:
-            self.sharded_model  # noqa: B018 - raises the explanation
-        assert self.run is not None
+            raise RuntimeError(
+                f"{type(self).__name__} has no sharded model yet: it is built in `Trainer.fit/validate/test/"
+                f"predict` setup. Call this from a LightningModule hook that runs after setup."
+            )
         return self.run
 
     @override
@@ -310,28 +309,32 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
                 f"is written by {type(self).__name__}, not by a CheckpointIO plugin."
             )
         path = self.broadcast(os.fspath(filepath))  # a path or a URL (Note: remote checkpoints)
-        trainer_checkpoint.save_checkpoint(self._run, checkpoint, path, self.checkpoint_io)
+        self._run.save(path, checkpoint, checkpoint_io_files(self.checkpoint_io).write)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = self.broadcast(os.fspath(checkpoint_path))
+        path = as_path(self.broadcast(os.fspath(checkpoint_path)))
+        context = f"Cannot load the checkpoint {path}"
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
-        return trainer_checkpoint.load_checkpoint(
-            self._run, path, self.checkpoint_io, weights_only=weights_only, strict=strict
-        )
+        read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
+        opened = self._run.open(path, read, weights_only=weights_only, strict=strict, context=context, key="state_dict")
+        if isinstance(opened, ShardedCheckpoint):  # its Lightning dict, the tensors still on disk
+            return run_and_agree(self._run.engine.world_comm, opened.lightning_dict, context=context)
+        return opened
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        trainer_checkpoint.load_model_state_dict(self._run, checkpoint, strict)
+        self._run.load_model_state(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        trainer_checkpoint.load_optimizer_state_dict(self._run, checkpoint, list(self.optimizers))
+        self._run.load_optimizer_states(checkpoint["optimizer_states"], list(self.optimizers))
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
         if self.is_global_zero:
-            trainer_checkpoint.remove_checkpoint(filepath, self.checkpoint_io, self.run)
+            saving = self.run.saving if self.run is not None else None
+            remove_checkpoint(filepath, checkpoint_io_files(self.checkpoint_io).remove, after=saving)
 
     # ---- teardown ---------------------------------------------------------------------------
     @override
@@ -390,6 +393,17 @@ def _last_batch_of_epoch(trainer: Any) -> bool:
     last = progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
     regular_step = progress.current.ready % trainer.accumulate_grad_batches == 0
     return bool(last) and not (regular_step and 0 <= trainer.max_steps <= trainer.global_step + 1)
+
+
+def _optimizer_state_to_params(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Move the optimizers' state tensors next to their parameters (the device, or host memory
+    for offloaded shards), as Lightning's strategies do after setup; "step" counters stay where
+    they are (torch keeps them on the CPU)."""
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(param.device)
 
 
 __all__ = ["ZeRO3Strategy"]
