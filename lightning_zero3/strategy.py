@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +54,11 @@ class _RootCall(nn.Module):
 class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
 
-    Takes keyword options only: those of the engine (`lightning_zero3.engine.ShardingConfig`:
-    wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
-    param_init_fn, reductions_in_flight, rank_checks) and the Lightning-only ones (`LightningOptions`:
-    state_dict_type, trust_checkpoint, async_save, timeout, start_method), documented there and in
-    the README;
-    plus Lightning's own (accelerator, parallel_devices, cluster_environment, checkpoint_io,
-    precision_plugin, process_group_backend). They are read back as `strategy.config` and
-    `strategy.lightning_options`; replace one with `dataclasses.replace(strategy.config, prefetch=2)`,
-    which validates it again. A ``param_dtype`` of None follows the Trainer's precision
-    ("bf16-mixed" -> bf16, "16-mixed" -> fp16).
+    Takes keyword options only: the engine's (`lightning_zero3.engine.ShardingConfig`), the
+    Lightning-only ones (`LightningOptions` in options.py), both in the README's table, and
+    Lightning's own below. They are read back as `strategy.config` and `strategy.lightning_options`;
+    `dataclasses.replace(strategy.config, prefetch=2)` validates again. A ``param_dtype`` of None
+    follows the Trainer's precision ("bf16-mixed" -> bf16, "16-mixed" -> fp16).
     """
 
     strategy_name = "zero3"
@@ -252,21 +247,17 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         return all_reduce(tensor, group, reduce_op)
 
     # ---- whole parameters on demand -------------------------------------------------------
-    @contextmanager
     def gathered_parameters(
         self, module: nn.Module | None = None, *, modifier_rank: int | None = None
-    ) -> Generator[None, None, None]:
+    ) -> AbstractContextManager:
         """Make `module`'s parameters (default: the whole LightningModule) whole on every rank
         inside the block. With `modifier_rank=r`, what rank r wrote is kept on exit."""
-        with self.sharded_model.gathered_parameters(module, modifier_rank=modifier_rank):
-            yield
+        return self.sharded_model.gathered_parameters(module, modifier_rank=modifier_rank)
 
-    @contextmanager
-    def gathered_for_inference(self) -> Generator[None, None, None]:
+    def gathered_for_inference(self) -> AbstractContextManager:
         """Keep every unit gathered inside the block (no gradients), so `generate()` and
         evaluation run at DDP's speed; see `ShardedModel.gathered_for_inference`."""
-        with self.sharded_model.gathered_for_inference():
-            yield
+        return self.sharded_model.gathered_for_inference()
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The LightningModule's whole state dict, gathered one unit at a time into host memory,
