@@ -84,11 +84,6 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         else:  # also for ranks started outside: it sets each rank's torch threads to its share of cores
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.join_world(self.lightning_options.timeout)
-
     # ---- building and sharding the model ----------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

@@ -184,6 +184,7 @@ class RanksAndDevices:
         local_rank: int
         global_rank: int
         node_rank: int
+        lightning_options: LightningOptions  # set in the strategy's __init__
 
     @property
     def root_device(self) -> torch.device:
@@ -222,10 +223,12 @@ class RanksAndDevices:
 
     _set_world_ranks = set_world_ranks
 
-    def join_world(self, timeout: timedelta) -> None:
-        """`setup_environment` after Lightning's own: seed, ranks, backend, then join (or reuse) the
-        default process group; a rank that never arrives fails the others after `timeout` with an
-        error naming the address and the likely causes."""
+    def setup_environment(self) -> None:
+        """After the Lightning base's (next in the MRO): seed, ranks, backend, then join (or reuse)
+        the default process group; a rank that never arrives fails the others after the `timeout`
+        option with an error naming the address and the likely causes."""
+        super().setup_environment()  # type: ignore[misc]  # the strategy's Lightning base
+        timeout = self.lightning_options.timeout
         reset_seed()
         self.set_world_ranks()
         owner, env, device = type(self).__name__, self.cluster_environment, self.root_device

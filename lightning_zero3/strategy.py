@@ -115,11 +115,6 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         else:
             self._launcher = _WholeWeightsLauncher(self, start_method=self.lightning_options.start_method)
 
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.join_world(self.lightning_options.timeout)  # options.py: RanksAndDevices
-
     # ---- setup ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
