@@ -12,7 +12,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 from torch.optim import Optimizer
 
@@ -21,9 +20,8 @@ from lightning_zero3.checkpoint.errors import run_and_agree
 from lightning_zero3.checkpoint.format import ShardedCheckpoint
 from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers
 from lightning_zero3.checkpoint.remote import as_path
-from lightning_zero3.core import ReadFile, ShardedRun
+from lightning_zero3.core import ReadFile, ShardedRun, WriteFile
 from lightning_zero3.engine.state import load_full_optimizer_state
-from lightning_zero3.options import checkpoint_io_files
 
 OWNER = "ZeRO3FabricStrategy"  # the class these functions serve, named in their messages
 
@@ -61,7 +59,7 @@ def _split(
 
 def save(
     run_of: Callable[[nn.Module], ShardedRun], path: str | os.PathLike, state: dict[str, Any],
-    checkpoint_io: CheckpointIO, *, filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    write_file: WriteFile | None, *, filter: dict[str, Callable[[str, Any], bool]] | None = None,
 ) -> None:  # fmt: skip
     module_key, run, optimizers, rest = _split(run_of, state, "save")
     if run.sharded_checkpoints:
@@ -88,7 +86,7 @@ def save(
             if key in filter and isinstance(value, dict):
                 value = {k: v for k, v in value.items() if filter[key](k, v)}
             checkpoint[key] = value
-    run.save(path, checkpoint, checkpoint_io_files(checkpoint_io).write)
+    run.save(path, checkpoint, write_file)
 
 
 def load(

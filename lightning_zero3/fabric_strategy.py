@@ -245,7 +245,8 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         "full" one ordinary file from rank 0 with whole tensors. Both load at any world size."""
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
-        fabric_checkpoint.save(self._run_of, self.broadcast(str(path)), state, self.checkpoint_io, filter=filter)
+        write = checkpoint_io_files(self.checkpoint_io).write
+        fabric_checkpoint.save(self._run_of, self.broadcast(str(path)), state, write, filter=filter)
 
     @override
     def load_checkpoint(
