@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar, get_args
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
@@ -39,9 +39,8 @@ from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.config import ShardingConfig, config_field_names
 
 T = TypeVar("T")
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
+StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-STATE_DICT_TYPES = ("sharded", "full")
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class LightningOptions:
             (engine/accumulate.py).
     """
 
-    state_dict_type: Literal["sharded", "full"] = "sharded"
+    state_dict_type: StateDictType = "sharded"
     trust_checkpoint: bool = False
     timeout: timedelta = timedelta(minutes=30)
     start_method: StartMethod = "popen"
@@ -68,12 +67,12 @@ class LightningOptions:
 
     def __post_init__(self) -> None:
         for option, valid, expected in (
-            ("state_dict_type", self.state_dict_type in STATE_DICT_TYPES, f"one of {STATE_DICT_TYPES}"),
+            ("state_dict_type", self.state_dict_type in get_args(StateDictType), f"one of {get_args(StateDictType)}"),
             ("trust_checkpoint", isinstance(self.trust_checkpoint, bool), "a bool"),
             ("timeout", isinstance(self.timeout, timedelta), "a datetime.timedelta"),
             ("async_save", isinstance(self.async_save, bool), "a bool"),
             ("accumulate_unsharded", isinstance(self.accumulate_unsharded, bool), "a bool"),
-            ("start_method", self.start_method in START_METHODS, f"one of {START_METHODS}"),
+            ("start_method", self.start_method in get_args(StartMethod), f"one of {get_args(StartMethod)}"),
         ):
             if not valid:
                 raise ValueError(f"LightningOptions({option}=...) must be {expected}; got {getattr(self, option)!r}.")
