@@ -130,7 +130,13 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizer_state_to_params(self.optimizers)
+            # As Lightning's strategies: the optimizer state next to its parameter (offloaded: in
+            # host memory); "step" counters stay on the CPU, where torch keeps them.
+            for optimizer in self.optimizers:
+                for param, state in optimizer.state.items():
+                    for key, value in state.items():
+                        if key != "step" and isinstance(value, Tensor):
+                            state[key] = value.to(param.device)
         count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
 
     @override
@@ -379,17 +385,6 @@ def _last_batch_of_epoch(trainer: Any) -> bool:
     last = progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
     regular_step = progress.current.ready % trainer.accumulate_grad_batches == 0
     return bool(last) and not (regular_step and 0 <= trainer.max_steps <= trainer.global_step + 1)
-
-
-def _optimizer_state_to_params(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Move the optimizers' state tensors next to their parameters (the device, or host memory
-    for offloaded shards), as Lightning's strategies do after setup; "step" counters stay where
-    they are (torch keeps them on the CPU)."""
-    for optimizer in optimizers:
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    state[key] = value.to(param.device)
 
 
 __all__ = ["ZeRO3Strategy"]
