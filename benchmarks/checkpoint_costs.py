@@ -32,7 +32,6 @@ import lightning_zero3
 from benchmarks.measure import peak_rss_bytes, reset_peak_rss
 from lightning_zero3 import ShardedModel
 from lightning_zero3.checkpoint import load_sharded
-from lightning_zero3.checkpoint.remote import as_path
 from lightning_zero3.core import ShardedRun
 from lightning_zero3.options import LightningOptions
 from tests.models import TinyGPT
@@ -74,14 +73,14 @@ def _save(rank: int, world_size: int, directory: str, env: dict[str, str], kind:
     os.environ.update(env)
     _, engine, optimizer = _trained(0)
     state_dict_type, path, background = SAVES[kind]
-    options = LightningOptions(state_dict_type=state_dict_type)
+    options = LightningOptions(state_dict_type=state_dict_type, async_save=background)
     run = ShardedRun(engine, lambda: options)
     dist.barrier()
     before = reset_peak_rss()
     start = time.perf_counter()
     checkpoint: dict[str, Any] = {"state_dict": run.model_state_dict(), "pytorch-lightning_version": pl.__version__,
                                   "optimizer_states": [run.optimizer_state(optimizer)]}  # fmt: skip
-    run.save(as_path(path if "://" in path else os.path.join(directory, path)), checkpoint, None, background=background)
+    run.save(path if "://" in path else os.path.join(directory, path), checkpoint, None)
     del checkpoint
     blocked = time.perf_counter() - start
     run.wait_for_save()

@@ -23,8 +23,9 @@ nothing. In every state the engine still reads: stats, and the optimizer's shard
 from __future__ import annotations
 
 import logging
+import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -37,22 +38,25 @@ from lightning_zero3.checkpoint import load_full, save_full, save_sharded, shard
 from lightning_zero3.checkpoint.background import BackgroundSave, saver_comm
 from lightning_zero3.checkpoint.errors import CheckpointError, require_exists
 from lightning_zero3.checkpoint.errors import agree as agree_on_error
-from lightning_zero3.checkpoint.load import open_checked
-from lightning_zero3.checkpoint.remote import RemotePath
+from lightning_zero3.checkpoint.files import remove_checkpoint as remove_checkpoint_path
+from lightning_zero3.checkpoint.format import ShardedCheckpoint, ShardedOptimizerStates, ShardedStateDict
+from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers, open_checked
+from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.accumulate import SyncState
 from lightning_zero3.engine.comm import Comm, destroy_group
 from lightning_zero3.engine.left_sharded import forget, holder, remember_sharded
-from lightning_zero3.engine.state import full_optimizer_state
+from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 
 if TYPE_CHECKING:
     from lightning_zero3.options import LightningOptions
 
-# How a strategy's checkpoint plugin writes and reads one full file; None: the package's own
-# atomic writer and memory-mapped reader (checkpoint/full.py).
+# How a strategy's checkpoint plugin writes, reads and removes one full file; None: the package's
+# own atomic writer, memory-mapped reader and remover (checkpoint/full.py).
 WriteFile = Callable[[dict[str, Any], Any], None]  # (checkpoint, a Path or a URL string)
 ReadFile = Callable[[Any], Any]
+RemoveFile = Callable[[Any], None]
 
 
 log = logging.getLogger(__name__)
@@ -147,7 +151,10 @@ class ShardedRun:
         with self.own_reads():
             return self.engine.full_state_dict(to_rank=0 if rank0_only else None)
 
-    # ---- checkpoints: "sharded" a directory of every rank's shards, "full" one file from rank 0
+    # ---- checkpoints: "sharded" a directory of every rank's shards (nothing gathered), "full" one
+    # file from rank 0. Loading takes either, at any world size; ranks agree that a checkpoint is
+    # readable and fits the model before any collective loads it (checkpoint/errors.py, Note: no
+    # hang on a bad checkpoint).
     @property
     def sharded_checkpoints(self) -> bool:
         return self.options().state_dict_type == "sharded"
@@ -165,20 +172,15 @@ class ShardedRun:
             return sharded_optimizer_state(self.engine, optimizer)
         return full_optimizer_state(self.engine, optimizer, to_rank=0)
 
-    def save(
-        self,
-        path: Path | RemotePath,
-        checkpoint: dict[str, Any],
-        write_file: WriteFile | None,
-        *,
-        background: bool = False,
-    ) -> None:
+    def save(self, path: str | os.PathLike, checkpoint: dict[str, Any], write_file: WriteFile | None) -> None:
         """Write `checkpoint` (built from `model_state_dict` and `optimizer_state`) at `path`,
-        replacing what a save put there before, atomically. `background`: a sharded save while
-        the module is sharded returns once its snapshot is in host memory (Note: background saves)."""
+        replacing what a save put there before, atomically. With `async_save`, a sharded save
+        while the module is sharded returns once its snapshot is in host memory (Note: background
+        saves)."""
+        target = as_path(path)
         if self.engine.gradient_sync.state is not SyncState.SYNCED:
             warnings.warn(
-                f"Saving {path} while gradients summed with sync off are owed (between the micro-batches of "
+                f"Saving {target} while gradients summed with sync off are owed (between the micro-batches of "
                 "`no_backward_sync` / `no_sync`): the checkpoint holds the parameters and optimizer state from "
                 "before them, not the partial sums, so a resume repeats those micro-batches. Save after the "
                 "synced backward and the optimizer step.",
@@ -186,15 +188,15 @@ class ShardedRun:
             )
         self.wait_for_save()
         if not self.sharded_checkpoints:
-            save_full(checkpoint, path, self.engine.world_comm, write=write_file)
-        elif background and self.state is Lifecycle.SHARDED:
-            planned = plan_sharded(path, self.engine, checkpoint, copy=True)
+            save_full(checkpoint, target, self.engine.world_comm, write=write_file)
+        elif self.options().async_save and self.state is Lifecycle.SHARDED:
+            planned = plan_sharded(target, self.engine, checkpoint, copy=True)
             if self._saver is None:
                 self._saver = saver_comm(self.engine.world_comm)
             saver = self._saver
-            self.saving = BackgroundSave(lambda: write_sharded(path, planned, saver), what=f"the checkpoint {path}")
+            self.saving = BackgroundSave(lambda: write_sharded(target, planned, saver), what=f"the checkpoint {target}")
         else:
-            save_sharded(path, self.engine, checkpoint)
+            save_sharded(target, self.engine, checkpoint)
 
     def wait_for_save(self, *, agree: bool = True) -> CheckpointError | None:
         """Wait for the save writing in the background, if any. `agree` (collective): its error
@@ -212,31 +214,60 @@ class ShardedRun:
             return CheckpointError(f"{context}: {error}")
         return None
 
-    def trusted(self, weights_only: bool | None) -> bool:
-        """Unpickle without restriction only when asked to (checkpoint/trust.py)."""
-        return self.options().trust_checkpoint or weights_only is False
-
-    def open_sharded(self, path: Path | RemotePath, *, strict: bool, trusted: bool, context: str) -> Any:
-        """A sharded checkpoint directory, checked on every rank against the model."""
-        self.wait_for_save()
+    def open(
+        self, path: Path | RemotePath, read_file: ReadFile | None, *, weights_only: bool | None, strict: bool,
+        context: str, key: str | None,
+    ) -> ShardedCheckpoint | dict[str, Any]:  # fmt: skip
+        """A sharded directory (opened, its tensors still on disk) or a full file whose entry `key`
+        (None: the file itself) is the model's state dict, checked on every rank against the model
+        before anything loads. Unpickled without restriction only when asked to: `trust_checkpoint`
+        or `weights_only=False` (checkpoint/trust.py)."""
+        self.wait_for_save()  # it may be writing this very path
         require_exists(self.engine.world_comm, path, context=context)
-        return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
-
-    def read_full(
-        self,
-        path: Path | RemotePath,
-        read_file: ReadFile | None,
-        *,
-        trusted: bool,
-        strict: bool,
-        context: str,
-        key: str | None,
-    ) -> dict[str, Any]:
-        """A full file, read on every rank and checked against the model before anything loads:
-        its entry `key` (None: the file itself) is the model's state dict."""
-        self.wait_for_save()
-        require_exists(self.engine.world_comm, path, context=context)
+        trusted = self.options().trust_checkpoint or weights_only is False
+        if path.is_dir():
+            return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
         return load_full(path, self.engine, key=key, strict=strict, trusted=trusted, read=read_file)
 
+    # ---- a Lightning checkpoint dict's entries, as the Trainer saves them (and Fabric's sharded saves)
+    def load_model_state(self, state_dict: Mapping[str, Any], *, strict: bool) -> None:
+        """Its "state_dict" into the shards, in place: a sharded checkpoint's (still on disk, each
+        rank reads the chunks of its own shards) or a whole one."""
+        if isinstance(state_dict, ShardedStateDict):
+            load_sharded_model(state_dict.checkpoint, self.engine)
+        else:
+            self.engine.load_full_state_dict(dict(state_dict), strict=strict)
 
-__all__ = ["Lifecycle", "ReadFile", "ShardedRun", "WriteFile"]
+    def load_optimizer_states(self, states: list[Any], optimizers: list[Optimizer]) -> None:
+        """Its "optimizer_states" into `optimizers`, in the order saved."""
+        if isinstance(states, ShardedOptimizerStates):
+            load_sharded_optimizers(states.checkpoint, self.engine, optimizers)
+            return
+        if len(states) != len(optimizers):
+            raise CheckpointError(
+                f"The checkpoint has state for {len(states)} optimizers but `configure_optimizers` returned "
+                f"{len(optimizers)}; resume with the same optimizers."
+            )
+        for optimizer, state in zip(optimizers, states):
+            load_full_optimizer_state(self.engine, optimizer, state)
+
+
+def remove_checkpoint(
+    path: str | os.PathLike, remove_file: RemoveFile | None, *, after: BackgroundSave | None = None
+) -> None:
+    """Rank 0 only, as Lightning calls it; no collective. After a save writing in the background
+    (`after`), once it has succeeded (Note: background saves in checkpoint/background.py)."""
+    if after is not None:
+        after.then(lambda: remove_checkpoint(path, remove_file))
+    elif remove_file is not None and not as_path(path).is_dir():
+        remove_file(path)  # a full file in the plugin's format
+    else:
+        try:
+            remove_checkpoint_path(path)  # a sharded directory, a file, or a link to either
+        except CheckpointError as err:
+            # A warning, not an exception, keeps the ranks in step; what is not a checkpoint stays
+            # (Note: what a save may replace).
+            log.warning(str(err))
+
+
+__all__ = ["Lifecycle", "ReadFile", "RemoveFile", "ShardedRun", "WriteFile", "remove_checkpoint"]

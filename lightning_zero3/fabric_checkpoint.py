@@ -12,17 +12,16 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import CheckpointError
 from lightning_zero3.checkpoint.errors import run_and_agree
+from lightning_zero3.checkpoint.format import ShardedCheckpoint
 from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers
 from lightning_zero3.checkpoint.remote import as_path
-from lightning_zero3.core import ReadFile, ShardedRun
+from lightning_zero3.core import ReadFile, ShardedRun, WriteFile
 from lightning_zero3.engine.state import load_full_optimizer_state
-from lightning_zero3.options import checkpoint_io_files
 
 OWNER = "ZeRO3FabricStrategy"  # the class these functions serve, named in their messages
 
@@ -60,7 +59,7 @@ def _split(
 
 def save(
     run_of: Callable[[nn.Module], ShardedRun], path: str | os.PathLike, state: dict[str, Any],
-    checkpoint_io: CheckpointIO, *, filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    write_file: WriteFile | None, *, filter: dict[str, Callable[[str, Any], bool]] | None = None,
 ) -> None:  # fmt: skip
     module_key, run, optimizers, rest = _split(run_of, state, "save")
     if run.sharded_checkpoints:
@@ -87,7 +86,7 @@ def save(
             if key in filter and isinstance(value, dict):
                 value = {k: v for k, v in value.items() if filter[key](k, v)}
             checkpoint[key] = value
-    run.save(as_path(path), checkpoint, checkpoint_io_files(checkpoint_io)[0], background=run.options().async_save)
+    run.save(path, checkpoint, write_file)
 
 
 def load(
@@ -104,13 +103,11 @@ def load(
         )
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         run = run_of(state)
-        run.wait_for_save()  # it may be writing this very path: before `is_dir`
-        trusted = run.trusted(weights_only)
-        if file.is_dir():
-            load_sharded_model(run.open_sharded(file, strict=strict, trusted=trusted, context=context), run.engine)
+        opened = run.open(file, read_file, weights_only=weights_only, strict=strict, context=context, key=None)
+        if isinstance(opened, ShardedCheckpoint):
+            load_sharded_model(opened, run.engine)
         else:
-            raw = run.read_full(file, read_file, trusted=trusted, strict=strict, context=context, key=None)
-            run.engine.load_full_state_dict(raw, strict=strict)
+            run.engine.load_full_state_dict(opened, strict=strict)
         return {}
     if not state:
         raise ValueError(
@@ -118,12 +115,10 @@ def load(
             f"`fabric.load(path, {{'model': model, 'optimizer': optimizer}})`: the model's shards are loaded in place."
         )
     module_key, run, optimizers, rest = _split(run_of, state, "load")
-    run.wait_for_save()
-    trusted = run.trusted(weights_only)
     # Every check runs before anything is loaded: a refused load leaves the model and optimizers as they were.
-    if file.is_dir():
-        ckpt = run.open_sharded(file, strict=strict, trusted=trusted, context=context)
-        saved = run_and_agree(run.engine.world_comm, ckpt.trainer_state, context=context)
+    opened = run.open(file, read_file, weights_only=weights_only, strict=strict, context=context, key=module_key)
+    if isinstance(opened, ShardedCheckpoint):
+        saved = run_and_agree(run.engine.world_comm, opened.trainer_state, context=context)
         extra = dict(saved["extra"])
         # A Trainer's checkpoint has no "fabric" entry: its optimizers are in order, the rest is metadata.
         info = extra.pop(FABRIC_KEY, None) or {"optimizers": [key for key, _ in optimizers], "metadata": extra}
@@ -135,17 +130,16 @@ def load(
             )
         metadata = dict(info["metadata"])
         _check_holds(rest, metadata, strict=strict, context=context)
-        load_sharded_model(ckpt, run.engine)
+        load_sharded_model(opened, run.engine)
         if optimizers:
-            load_sharded_optimizers(ckpt, run.engine, [by_key[key] for key in info["optimizers"]])
+            load_sharded_optimizers(opened, run.engine, [by_key[key] for key in info["optimizers"]])
     else:
-        checkpoint = run.read_full(file, read_file, trusted=trusted, strict=strict, context=context, key=module_key)
-        absent = [key for key, _ in optimizers if key not in checkpoint]
+        absent = [key for key, _ in optimizers if key not in opened]
         if strict and absent:
             raise KeyError(f"{context}: it has no entry {absent}. Pass strict=False to load without it.")
-        model_state = checkpoint.pop(module_key)
-        optimizer_states = {key: checkpoint.pop(key) for key, _ in optimizers if key in checkpoint}
-        metadata = checkpoint
+        model_state = opened.pop(module_key)
+        optimizer_states = {key: opened.pop(key) for key, _ in optimizers if key in opened}
+        metadata = opened
         _check_holds(rest, metadata, strict=strict, context=context)
         run.engine.load_full_state_dict(model_state, strict=strict)
         for key, optimizer in optimizers:

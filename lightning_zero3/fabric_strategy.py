@@ -84,11 +84,6 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         else:  # also for ranks started outside: it sets each rank's torch threads to its share of cores
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.join_world(self.lightning_options.timeout)
-
     # ---- building and sharding the model ----------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -135,18 +130,12 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: LRScheduler | None = None
     ) -> tuple[nn.Module, list[Optimizer], LRScheduler | None]:
         # Checked before sharding, so that a mistake leaves the model untouched.
-        _check_no_state(optimizers, type(self).__name__)
+        owner, mine = type(self).__name__, {id(p) for p in module.parameters()}
+        _check_no_state(optimizers, owner)
         for optimizer in optimizers:
-            check_optimizer_fits_shards(optimizer, type(self).__name__, warn=False)  # warned in setup_optimizer
-        mine = {id(p) for p in module.parameters()}
-        for optimizer in optimizers:
-            foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
-            if foreign:
-                raise ValueError(
-                    f"{type(self).__name__}: the optimizer {type(optimizer).__name__} holds parameters that are not "
-                    f"the model's (shapes {foreign[:4]}). Build it from `model.parameters()` of the model passed "
-                    f"to `fabric.setup`."
-                )
+            check_optimizer_fits_shards(optimizer, owner, warn=False)  # warned in setup_optimizer
+            _refuse_foreign(optimizer, mine, owner, "that are not the model's", "Build it from `model.parameters()` "
+                            "of the model passed to `fabric.setup`.")  # fmt: skip
         module = self.setup_module(module)  # the optimizers are pointed at the shards next
         return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
 
@@ -159,14 +148,11 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             for group in optimizer.param_groups:
                 group["params"] = [shard if (shard := self._shard_of(p)) is not None else p for p in group["params"]]
         known = {id(p) for run in self._runs.values() for p in run.engine.module.parameters()}
-        unknown = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in known]
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__}: the optimizer {type(optimizer).__name__} holds parameters of no model set up "
-                f"with Fabric (shapes {unknown[:4]}). Call `model = fabric.setup_module(model)` first, then build the "
-                f"optimizer from `model.parameters()` and call `fabric.setup_optimizers(optimizer)`; or pass both to "
-                f"`fabric.setup(model, optimizer)`."
-            )
+        _refuse_foreign(
+            optimizer, known, type(self).__name__, "of no model set up with Fabric",
+            "Call `model = fabric.setup_module(model)` first, then build the optimizer from `model.parameters()` and "
+            "call `fabric.setup_optimizers(optimizer)`; or pass both to `fabric.setup(model, optimizer)`.",
+        )  # fmt: skip
         return optimizer
 
     def _shard_of(self, param: Tensor) -> nn.Parameter | None:
@@ -259,7 +245,8 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         "full" one ordinary file from rank 0 with whole tensors. Both load at any world size."""
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
-        fabric_checkpoint.save(self._run_of, self.broadcast(str(path)), state, self.checkpoint_io, filter=filter)
+        write = checkpoint_io_files(self.checkpoint_io).write
+        fabric_checkpoint.save(self._run_of, self.broadcast(str(path)), state, write, filter=filter)
 
     @override
     def load_checkpoint(
@@ -267,7 +254,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         strict: bool = True, weights_only: bool | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """`fabric.load`: a sharded directory or a full file, saved at any world size."""
-        read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only)[1]
+        read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
         file = self.broadcast(str(path))  # a path or a URL (Note: remote checkpoints)
         return fabric_checkpoint.load(self._run_of, file, state, read, strict=strict, weights_only=weights_only)
 
@@ -317,6 +304,16 @@ def _check_no_state(optimizers: list[Optimizer], owner: str) -> None:
                 f"whole parameters' shapes, not the shards'. Build the optimizer after `fabric.setup_module(model)` "
                 f"(or pass a fresh one to `fabric.setup(model, optimizer)`), and load saved state with `fabric.load`."
             )
+
+
+
+def _refuse_foreign(optimizer: Optimizer, known: set[int], owner: str, whose: str, fix: str) -> None:
+    """Raise if `optimizer` holds a parameter whose id is not in `known`, naming the first shapes."""
+    foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in known]
+    if foreign:
+        raise ValueError(
+            f"{owner}: the optimizer {type(optimizer).__name__} holds parameters {whose} (shapes {foreign[:4]}). {fix}"
+        )
 
 
 __all__ = ["ZeRO3FabricStrategy"]

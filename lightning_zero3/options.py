@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar, get_args
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
@@ -39,9 +39,8 @@ from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.config import ShardingConfig, config_field_names
 
 T = TypeVar("T")
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
+StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-STATE_DICT_TYPES = ("sharded", "full")
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class LightningOptions:
             (engine/accumulate.py).
     """
 
-    state_dict_type: Literal["sharded", "full"] = "sharded"
+    state_dict_type: StateDictType = "sharded"
     trust_checkpoint: bool = False
     timeout: timedelta = timedelta(minutes=30)
     start_method: StartMethod = "popen"
@@ -68,12 +67,12 @@ class LightningOptions:
 
     def __post_init__(self) -> None:
         for option, valid, expected in (
-            ("state_dict_type", self.state_dict_type in STATE_DICT_TYPES, f"one of {STATE_DICT_TYPES}"),
+            ("state_dict_type", self.state_dict_type in get_args(StateDictType), f"one of {get_args(StateDictType)}"),
             ("trust_checkpoint", isinstance(self.trust_checkpoint, bool), "a bool"),
             ("timeout", isinstance(self.timeout, timedelta), "a datetime.timedelta"),
             ("async_save", isinstance(self.async_save, bool), "a bool"),
             ("accumulate_unsharded", isinstance(self.accumulate_unsharded, bool), "a bool"),
-            ("start_method", self.start_method in START_METHODS, f"one of {START_METHODS}"),
+            ("start_method", self.start_method in get_args(StartMethod), f"one of {get_args(StartMethod)}"),
         ):
             if not valid:
                 raise ValueError(f"LightningOptions({option}=...) must be {expected}; got {getattr(self, option)!r}.")
@@ -119,15 +118,24 @@ def build_engine(
     return ShardedModel(module, config, device=device)
 
 
-def checkpoint_io_files(
-    checkpoint_io: CheckpointIO, *, weights_only: bool | None = None
-) -> tuple[Callable[[dict[str, Any], Path], None] | None, Callable[[Path], Any] | None]:
-    """How a full checkpoint file is written and read: by the user's CheckpointIO plugin (its own
-    format and guarantees), or None for Lightning's default plugin, which the package's atomic
-    writer and memory-mapped reader replace (checkpoint/full.py)."""
+class CheckpointFiles(NamedTuple):
+    """How a full checkpoint file is written, read and removed: by the user's CheckpointIO plugin
+    (its own format and guarantees), or None for Lightning's default plugin, which the package's
+    atomic writer, memory-mapped reader and remover replace (checkpoint/full.py)."""
+
+    write: Callable[[dict[str, Any], Path], None] | None  # core.py's WriteFile, ReadFile, RemoveFile
+    read: Callable[[Path], Any] | None
+    remove: Callable[[Path], None] | None
+
+
+def checkpoint_io_files(checkpoint_io: CheckpointIO, *, weights_only: bool | None = None) -> CheckpointFiles:
     if type(checkpoint_io) is TorchCheckpointIO:
-        return None, None
-    return checkpoint_io.save_checkpoint, lambda path: checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        return CheckpointFiles(None, None, None)
+    return CheckpointFiles(
+        checkpoint_io.save_checkpoint,
+        lambda path: checkpoint_io.load_checkpoint(path, weights_only=weights_only),
+        checkpoint_io.remove_checkpoint,
+    )
 
 
 def _leave_process_group() -> None:
@@ -162,17 +170,6 @@ def all_reduce(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -
     return tensor
 
 
-def optimizer_state_to_params(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Move the optimizers' state tensors next to their parameters (the device, or host memory
-    for offloaded shards), as Lightning's strategies do after setup; "step" counters stay where
-    they are (torch keeps them on the CPU)."""
-    for optimizer in optimizers:
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    state[key] = value.to(param.device)
-
-
 class RanksAndDevices:
     """Lightning's rank and device properties and control collectives, the same for the Trainer's
     `ZeRO3Strategy` and Fabric's `ZeRO3FabricStrategy`: mixed in before Lightning's
@@ -186,6 +183,7 @@ class RanksAndDevices:
         local_rank: int
         global_rank: int
         node_rank: int
+        lightning_options: LightningOptions  # set in the strategy's __init__
 
     @property
     def root_device(self) -> torch.device:
@@ -224,10 +222,12 @@ class RanksAndDevices:
 
     _set_world_ranks = set_world_ranks
 
-    def join_world(self, timeout: timedelta) -> None:
-        """`setup_environment` after Lightning's own: seed, ranks, backend, then join (or reuse) the
-        default process group; a rank that never arrives fails the others after `timeout` with an
-        error naming the address and the likely causes."""
+    def setup_environment(self) -> None:
+        """After the Lightning base's (next in the MRO): seed, ranks, backend, then join (or reuse)
+        the default process group; a rank that never arrives fails the others after the `timeout`
+        option with an error naming the address and the likely causes."""
+        super().setup_environment()  # type: ignore[misc]  # the strategy's Lightning base
+        timeout = self.lightning_options.timeout
         reset_seed()
         self.set_world_ranks()
         owner, env, device = type(self).__name__, self.cluster_environment, self.root_device

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero3 import trainer_checkpoint
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
-from lightning_zero3.core import Lifecycle, ShardedRun
+from lightning_zero3.checkpoint.errors import run_and_agree
+from lightning_zero3.checkpoint.format import ShardedCheckpoint
+from lightning_zero3.checkpoint.remote import as_path
+from lightning_zero3.core import Lifecycle, ShardedRun, remove_checkpoint
 from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
 from lightning_zero3.engine.materialize import parameters_on_meta
-from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, optimizer_state_to_params, split_options
+from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 from lightning_zero3.precision import sharded_precision
 from lightning_zero3.summary import count_full_parameters, sharded_stats
 
@@ -52,16 +54,11 @@ class _RootCall(nn.Module):
 class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
 
-    Takes keyword options only: those of the engine (`lightning_zero3.engine.ShardingConfig`:
-    wrap_policy, prefetch, persistence_threshold, shard_size, param_dtype, reduce_dtype,
-    param_init_fn, reductions_in_flight, rank_checks) and the Lightning-only ones (`LightningOptions`:
-    state_dict_type, trust_checkpoint, async_save, timeout, start_method), documented there and in
-    the README;
-    plus Lightning's own (accelerator, parallel_devices, cluster_environment, checkpoint_io,
-    precision_plugin, process_group_backend). They are read back as `strategy.config` and
-    `strategy.lightning_options`; replace one with `dataclasses.replace(strategy.config, prefetch=2)`,
-    which validates it again. A ``param_dtype`` of None follows the Trainer's precision
-    ("bf16-mixed" -> bf16, "16-mixed" -> fp16).
+    Takes keyword options only: the engine's (`lightning_zero3.engine.ShardingConfig`), the
+    Lightning-only ones (`LightningOptions` in options.py), both in the README's table, and
+    Lightning's own below. They are read back as `strategy.config` and `strategy.lightning_options`;
+    `dataclasses.replace(strategy.config, prefetch=2)` validates again. A ``param_dtype`` of None
+    follows the Trainer's precision ("bf16-mixed" -> bf16, "16-mixed" -> fp16).
     """
 
     strategy_name = "zero3"
@@ -118,11 +115,6 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         else:
             self._launcher = _WholeWeightsLauncher(self, start_method=self.lightning_options.start_method)
 
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.join_world(self.lightning_options.timeout)  # options.py: RanksAndDevices
-
     # ---- setup ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
@@ -138,7 +130,13 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            optimizer_state_to_params(self.optimizers)
+            # As Lightning's strategies: the optimizer state next to its parameter (offloaded: in
+            # host memory); "step" counters stay on the CPU, where torch keeps them.
+            for optimizer in self.optimizers:
+                for param, state in optimizer.state.items():
+                    for key, value in state.items():
+                        if key != "step" and isinstance(value, Tensor):
+                            state[key] = value.to(param.device)
         count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
 
     @override
@@ -202,12 +200,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @property
     def sharded_model(self) -> ShardedModel:
-        if self.run is None:
-            raise RuntimeError(
-                f"{type(self).__name__} has no sharded model yet: it is built in `Trainer.fit/validate/test/"
-                f"predict` setup. Call this from a LightningModule hook that runs after setup."
-            )
-        return self.run.engine
+        return self._run.engine
 
     # ---- per-step accounting ------------------------------------------------------------
     # `stats["last_step"]` is the traffic of the last optimizer step: every micro-batch's
@@ -255,21 +248,17 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         return all_reduce(tensor, group, reduce_op)
 
     # ---- whole parameters on demand -------------------------------------------------------
-    @contextmanager
     def gathered_parameters(
         self, module: nn.Module | None = None, *, modifier_rank: int | None = None
-    ) -> Generator[None, None, None]:
+    ) -> AbstractContextManager:
         """Make `module`'s parameters (default: the whole LightningModule) whole on every rank
         inside the block. With `modifier_rank=r`, what rank r wrote is kept on exit."""
-        with self.sharded_model.gathered_parameters(module, modifier_rank=modifier_rank):
-            yield
+        return self.sharded_model.gathered_parameters(module, modifier_rank=modifier_rank)
 
-    @contextmanager
-    def gathered_for_inference(self) -> Generator[None, None, None]:
+    def gathered_for_inference(self) -> AbstractContextManager:
         """Keep every unit gathered inside the block (no gradients), so `generate()` and
         evaluation run at DDP's speed; see `ShardedModel.gathered_for_inference`."""
-        with self.sharded_model.gathered_for_inference():
-            yield
+        return self.sharded_model.gathered_for_inference()
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The LightningModule's whole state dict, gathered one unit at a time into host memory,
@@ -283,13 +272,15 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         """What this rank holds and sends: see docs/accounting.md."""
         return sharded_stats(self.sharded_model, self.optimizers)
 
-    # ---- checkpoints (core.py's run, lightning_zero3/trainer_checkpoint.py) -----------------
-    # "sharded": a directory, each rank its shards; "full": one ordinary Lightning file from rank 0.
+    # ---- checkpoints (core.py's run): "sharded" a directory, each rank its shards; "full" one
+    # ordinary Lightning file from rank 0.
     @property
     def _run(self) -> ShardedRun:
         if self.run is None:
-            self.sharded_model  # noqa: B018 - raises the explanation
-        assert self.run is not None
+            raise RuntimeError(
+                f"{type(self).__name__} has no sharded model yet: it is built in `Trainer.fit/validate/test/"
+                f"predict` setup. Call this from a LightningModule hook that runs after setup."
+            )
         return self.run
 
     @override
@@ -310,28 +301,32 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
                 f"is written by {type(self).__name__}, not by a CheckpointIO plugin."
             )
         path = self.broadcast(os.fspath(filepath))  # a path or a URL (Note: remote checkpoints)
-        trainer_checkpoint.save_checkpoint(self._run, checkpoint, path, self.checkpoint_io)
+        self._run.save(path, checkpoint, checkpoint_io_files(self.checkpoint_io).write)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = self.broadcast(os.fspath(checkpoint_path))
+        path = as_path(self.broadcast(os.fspath(checkpoint_path)))
+        context = f"Cannot load the checkpoint {path}"
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
-        return trainer_checkpoint.load_checkpoint(
-            self._run, path, self.checkpoint_io, weights_only=weights_only, strict=strict
-        )
+        read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
+        opened = self._run.open(path, read, weights_only=weights_only, strict=strict, context=context, key="state_dict")
+        if isinstance(opened, ShardedCheckpoint):  # its Lightning dict, the tensors still on disk
+            return run_and_agree(self._run.engine.world_comm, opened.lightning_dict, context=context)
+        return opened
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        trainer_checkpoint.load_model_state_dict(self._run, checkpoint, strict)
+        self._run.load_model_state(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        trainer_checkpoint.load_optimizer_state_dict(self._run, checkpoint, list(self.optimizers))
+        self._run.load_optimizer_states(checkpoint["optimizer_states"], list(self.optimizers))
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
         if self.is_global_zero:
-            trainer_checkpoint.remove_checkpoint(filepath, self.checkpoint_io, self.run)
+            saving = self.run.saving if self.run is not None else None
+            remove_checkpoint(filepath, checkpoint_io_files(self.checkpoint_io).remove, after=saving)
 
     # ---- teardown ---------------------------------------------------------------------------
     @override

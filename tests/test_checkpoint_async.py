@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +225,27 @@ def test_an_error_of_the_last_background_write_is_raised_at_teardown_after_it_co
     for result in run_ranks(_last_background_write_fails_on_rank_1, 2, str(tmp_path)):
         assert "in the background failed" in result["raised"], result
         assert result["state"] and result["dim"] == 1, result  # this rank's shard
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_removal_asked_for_while_a_save_writes_runs_once_it_succeeded(tmp_path, fails: bool) -> None:
+    """ModelCheckpoint's rotation under async_save (core.remove_checkpoint): the old checkpoint
+    goes only once the new one is in place, and stays if the new one failed."""
+    from lightning_zero3.checkpoint.background import BackgroundSave
+    from lightning_zero3.core import remove_checkpoint
+
+    old = tmp_path / "old.ckpt"
+    old.touch()  # an empty file: something a save may replace
+    release = threading.Event()
+
+    def write() -> None:
+        release.wait()
+        if fails:
+            raise OSError("injected failure in the background")
+
+    saving = BackgroundSave(write, what="the new checkpoint")
+    remove_checkpoint(old, None, after=saving)
+    assert old.exists()  # the new one is still being written
+    release.set()
+    saving.wait()
+    assert old.exists() == fails
