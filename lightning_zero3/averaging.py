@@ -38,7 +38,7 @@ class ShardedWeightAveraging(Callback):
     SWA's equal weights); override `should_update` to choose when, as with Lightning's."""
 
     def __init__(self, *, avg_fn: AvgFn | None = None, use_buffers: bool = True) -> None:
-        self.avg_fn = avg_fn or get_swa_avg_fn()
+        self.avg_fn = avg_fn
         self.use_buffers = use_buffers
         self.num_averaged = 0
         self.buffer_averages: dict[str, Tensor] = {}
@@ -49,6 +49,11 @@ class ShardedWeightAveraging(Callback):
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
         """After each optimizer step (`step_idx`, zero-based) or epoch (`epoch_idx`): update?"""
         return step_idx is not None
+
+    def average_fn(self) -> AvgFn:
+        # Built when used, not kept: torch's avg functions are closures, which do not pickle, and
+        # a spawning launcher (spawn, forkserver) pickles the Trainer with its callbacks.
+        return self.avg_fn or get_swa_avg_fn()
 
     # ---- when, as Lightning's WeightAveraging --------------------------------------------------
     @override
@@ -82,11 +87,12 @@ class ShardedWeightAveraging(Callback):
     @torch.no_grad()
     def update(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """One averaging step of every parameter the optimizers hold (and of the buffers)."""
+        average = self.average_fn()
         for table, key, current in self._averaged(trainer, pl_module):
             if self.num_averaged == 0 or key not in table:
                 table[key] = current.clone()
             else:
-                table[key].copy_(self.avg_fn(table[key], current, self.num_averaged))
+                table[key].copy_(average(table[key], current, self.num_averaged))
         self.num_averaged += 1
 
     def _averaged(self, trainer: Trainer, pl_module: LightningModule) -> list[tuple[dict[str, Any], str, Tensor]]:
@@ -139,10 +145,15 @@ class ShardedEMAWeightAveraging(ShardedWeightAveraging):
         update_starting_at_epoch: int | None = None,
         use_buffers: bool = True,
     ) -> None:
-        super().__init__(avg_fn=get_ema_avg_fn(decay=decay), use_buffers=use_buffers)
+        super().__init__(use_buffers=use_buffers)
+        self.decay = decay
         self.update_every_n_steps = update_every_n_steps
         self.update_starting_at_step = update_starting_at_step
         self.update_starting_at_epoch = update_starting_at_epoch
+
+    @override
+    def average_fn(self) -> AvgFn:
+        return get_ema_avg_fn(decay=self.decay)
 
     @override
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
