@@ -242,6 +242,8 @@ class HookDriver:
         """A unit starts forward (or every unit is held) with nothing open, no backward running."""
         self.checks.check()  # tags left by a pass without backward (checks.py)
         self.checks.closely = self.schedule.forward_order is None  # watch closely until a record exists
+        if self.units[0].offload is not None:
+            self.units[0].offload.begin_pass()  # offload.py, Note: host offload
         # Prefetches may predate an optimizer step; a call still on its modules is a leftover of a
         # pass that raised (Note: exceptions).
         self.prefetch.drop_stale()

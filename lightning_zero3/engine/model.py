@@ -29,7 +29,7 @@ from lightning_zero3.engine.generation import install_synced_generate, remove_sy
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import restore_whole, shard_parameters
-from lightning_zero3.engine.offload import HostOffload, OffloadHooks, move_module
+from lightning_zero3.engine.offload import HostOffload, move_module
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.record import LiveUnits, Step, StepRecord, UnitStats
@@ -113,8 +113,7 @@ class ShardedModel:
         reductions = Reductions(in_flight=self.reductions_in_flight, offload=self.offload)
         self.gradient_sync = GradientSync(self.units, reductions=reductions, persistent=self.persistent_grads,
                                           record=self.record)  # fmt: skip
-        driver = HookDriver if self.offload is None else OffloadHooks
-        self.hooks = driver(
+        self.hooks = HookDriver(
             self.units, schedule=self.schedule, checks=self.checks, grads=self.gradient_sync,
             persistent=self.persistent_grads, live=self.live,
             record=self.record, world_comm=self.world_comm, reshard=self.reshard,

@@ -54,6 +54,7 @@ class ShardSource(Protocol):
     device: torch.device
 
     def fill(self, unit: Unit, out: torch.Tensor, *, exact: bool) -> None: ...
+    def begin_pass(self) -> None: ...
 
 
 @dataclass
