@@ -242,10 +242,6 @@ class Comm:
         self.stats.current["object"].add(0, 0)  # control messages, never on the per-step path
         return out
 
-    @staticmethod
-    def completed(work: Any) -> bool:
-        return work is None or bool(work.is_completed())
-
     def wait(self, work: Any, device: torch.device | None = None) -> None:
         """Wait on an All-Gather, charging the time blocked to `gather_wait_s` (events on CUDA)."""
         if work is None:

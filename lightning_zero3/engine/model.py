@@ -21,7 +21,7 @@ from lightning_zero3.engine.accumulate import GradientSync
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import RankChecks
-from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
+from lightning_zero3.engine.comm import Comm, CommStats, consecutive_group, hybrid_groups
 from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.disk import DiskState
 from lightning_zero3.engine.gathered import gathered_parameters
@@ -34,7 +34,7 @@ from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.record import LiveUnits, Step, StepRecord, UnitStats
 from lightning_zero3.engine.reduce import Reductions
-from lightning_zero3.engine.reshard import resolve, slice_group
+from lightning_zero3.engine.reshard import resolve
 from lightning_zero3.engine.schedule import Schedule
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
@@ -68,7 +68,7 @@ class ShardedModel:
         replicate = Comm(replicate_group, pool=self.pool, device=target) if replicate_group is not None else None
         self.replicate_comm = replicate
         self.reshard = resolve(config.reshard_after_forward, shard_group=self.comm.world_size)
-        group_of_g = slice_group(self.reshard)
+        group_of_g = consecutive_group(self.reshard) if type(self.reshard) is int else None  # collective
         self.slice_comm = Comm(group_of_g, pool=self.pool, device=target) if group_of_g is not None else None
         self.world_comm = Comm(None, device=target)  # control traffic: broadcasts, order check, edits
         restore_if_left_sharded(module, world_comm=self.world_comm, device=target)

@@ -187,7 +187,8 @@ class Unit:
 
     def _settle_if_arrived(self) -> None:
         """checks.py, Note: deferred tag checks: record the tags of a completed gather, never wait."""
-        if self._pending is None or not self.comm.completed(self._pending.work):
+        pending = self._pending
+        if pending is None or (pending.work is not None and not pending.work.is_completed()):
             return
         try:
             gathered = self._wait_gather()
