@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_zero3.engine.record import LiveUnits, StepRecord
+from lightning_zero3.engine.record import StepRecord, UnitStats
 from lightning_zero3.engine.unit import Unit
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
@@ -189,7 +189,7 @@ class CallTable:
     """Per unit its `Slot`; the one place where a call changes state (Note: call states) and a
     slot's depth changes."""
 
-    def __init__(self, units: list[Unit], *, live: LiveUnits, record: StepRecord) -> None:
+    def __init__(self, units: list[Unit], *, live: UnitStats, record: StepRecord) -> None:
         self.units = units
         self.slots = [Slot() for _ in units]
         self.open = 0  # slots with depth > 0: 0 between passes

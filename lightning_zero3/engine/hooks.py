@@ -64,7 +64,7 @@ from lightning_zero3.engine.comm import CollectiveError, Comm
 from lightning_zero3.engine.departure import announce_departure
 from lightning_zero3.engine.held import UNSYNCED_HINT, HeldUnits
 from lightning_zero3.engine.persistent import PersistentGrads
-from lightning_zero3.engine.record import LiveUnits, StepRecord
+from lightning_zero3.engine.record import StepRecord, UnitStats
 from lightning_zero3.engine.reshard import after_forward
 from lightning_zero3.engine.schedule import Prefetcher, Schedule
 from lightning_zero3.engine.unit import Unit
@@ -84,7 +84,7 @@ class HookDriver:
 
     def __init__(
         self, units: list[Unit], *, schedule: Schedule, checks: RankChecks, grads: GradientSync,
-        persistent: PersistentGrads, live: LiveUnits, record: StepRecord, world_comm: Comm, reshard: bool | int,
+        persistent: PersistentGrads, live: UnitStats, record: StepRecord, world_comm: Comm, reshard: bool | int,
     ) -> None:  # fmt: skip
         self.units = units
         self.schedule = schedule

@@ -32,7 +32,7 @@ from lightning_zero3.engine.materialize import restore_whole, shard_parameters
 from lightning_zero3.engine.offload import HostOffload, move_module
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
-from lightning_zero3.engine.record import LiveUnits, Step, StepRecord, UnitStats
+from lightning_zero3.engine.record import Step, StepRecord, UnitStats
 from lightning_zero3.engine.reduce import Reductions
 from lightning_zero3.engine.reshard import resolve
 from lightning_zero3.engine.schedule import Schedule
@@ -81,7 +81,6 @@ class ShardedModel:
         )  # fmt: skip
         self.record = StepRecord()
         self.unit_stats = UnitStats()
-        self.live = LiveUnits(len(self.plan.units), self.unit_stats)
         groups = self.replicate_comm.world_size if self.replicate_comm is not None else 1
         self.checks = RankChecks(rank=self.comm.rank, names=[u.name for u in self.plan.units],
                                  every=config.check_every, groups=groups)  # fmt: skip
@@ -115,7 +114,7 @@ class ShardedModel:
                                           record=self.record)  # fmt: skip
         self.hooks = HookDriver(
             self.units, schedule=self.schedule, checks=self.checks, grads=self.gradient_sync,
-            persistent=self.persistent_grads, live=self.live,
+            persistent=self.persistent_grads, live=self.unit_stats,
             record=self.record, world_comm=self.world_comm, reshard=self.reshard,
         )  # fmt: skip
         held = lambda: self.hooks.state is PassState.HELD
@@ -187,7 +186,7 @@ class ShardedModel:
         return self.world_comm.rank
 
     def reset_peaks(self) -> None:
-        self.live.reset_peaks()
+        self.unit_stats.reset_peaks()
 
     # ---- gradient sync (accumulate.py, Note: unsynced accumulation) ---------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:

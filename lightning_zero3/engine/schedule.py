@@ -8,7 +8,7 @@ issued) and becomes the new record. Ranks compare records once, after the first 
 from __future__ import annotations
 
 from lightning_zero3.engine.calls import CallTable, engine_mode
-from lightning_zero3.engine.record import LiveUnits
+from lightning_zero3.engine.record import UnitStats
 from lightning_zero3.engine.unit import Unit
 
 
@@ -86,7 +86,7 @@ class Schedule:
 class Prefetcher:
     """The gathers issued ahead of the units that run next in the record."""
 
-    def __init__(self, units: list[Unit], *, schedule: Schedule, calls: CallTable, live: LiveUnits) -> None:
+    def __init__(self, units: list[Unit], *, schedule: Schedule, calls: CallTable, live: UnitStats) -> None:
         self.units = units
         self.schedule = schedule
         self.calls = calls  # a unit on its modules or kept needs no prefetch
