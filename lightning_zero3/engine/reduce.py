@@ -19,14 +19,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from lightning_zero3.engine.offload import HostOffload
 from lightning_zero3.engine.unit import Unit
 
-__all__ = ["GradSink", "PendingReduce", "Reductions", "Summed", "grad_blocks"]
+__all__ = ["PendingReduce", "Reductions", "Summed", "grad_blocks"]
 
 
 @dataclass(eq=False)
@@ -65,20 +66,12 @@ class PendingReduce:
     scattered: bool = False
 
 
-class GradSink(Protocol):
-    """Where reduced shard gradients go instead of `.grad` (offload.py)."""
-
-    def download(self, unit: Unit, grads: list[torch.Tensor | None]) -> None: ...
-    def settle(self) -> None: ...
-    def drop(self) -> None: ...
-
-
 class Reductions:
     """Reduce-Scatters in flight, oldest first; at most `in_flight` stay pending."""
 
-    def __init__(self, *, in_flight: int, offload: GradSink | None = None) -> None:
+    def __init__(self, *, in_flight: int, offload: HostOffload | None = None) -> None:
         self.in_flight = in_flight
-        self.offload = offload
+        self.offload = offload  # reduced shard gradients go to the host instead of `.grad`
         self._pending: deque[PendingReduce] = deque()
         # Reductions whose All-Reduce across shard groups is not issued yet, oldest first.
         self._awaiting_replication: list[PendingReduce] = []
