@@ -85,10 +85,11 @@ class _Record:
 class RankChecks:
     """Tags stamped into the check slots and read back, checked once per step."""
 
-    def __init__(self, *, rank: int, names: list[str], every: int | None = 1, groups: int = 1) -> None:
+    def __init__(self, *, rank: int, names: list[str], rank_checks: str | int = "every_step", groups: int = 1) -> None:
         self.rank = rank
         self.names = names  # unit names by id, for messages
-        self.every = every  # None: the first step only (Note: rank check modes)
+        # Steps between checks; None: the first step only (Note: rank check modes).
+        self.every = None if rank_checks == "first_step" else 1 if rank_checks == "every_step" else int(rank_checks)
         self.groups = groups  # shard groups whose All-Reduce adds the reduce codes
         self.steps = 0  # backwards finished
         self._records: list[_Record] = []

@@ -83,7 +83,7 @@ class ShardedModel:
         self.unit_stats = UnitStats()
         groups = self.replicate_comm.world_size if self.replicate_comm is not None else 1
         self.checks = RankChecks(rank=self.comm.rank, names=[u.name for u in self.plan.units],
-                                 every=config.check_every, groups=groups)  # fmt: skip
+                                 rank_checks=config.rank_checks, groups=groups)  # fmt: skip
         self.units = [
             Unit(uid=uid, name=unit_plan.name, module=unit_plan.module,
                  params=[shards[id(entry)] for entry in unit_plan.params], comm=self.comm, checks=self.checks,
