@@ -96,11 +96,6 @@ class GradientSync:
         self._step_hook: Any = None  # the global optimizer-step pre-hook while owed
         self._began_unsynced = False  # whether the backward running began with sync off
 
-    @property
-    def held_units(self) -> list[int]:
-        """Ids of the units holding gradients summed with sync off."""
-        return sorted(self._held)
-
     def _move(self, state: SyncState) -> None:
         assert (self.state, state) in LEGAL, f"ZeRO-3 internal error: sync {self.state.name} -> {state.name}"
         if state is _S.SYNCED:
