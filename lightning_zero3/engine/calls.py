@@ -243,10 +243,9 @@ class CallTable:
     def drop_leftovers(self) -> None:
         """Between passes: release kept calls and slices (a backward that still comes gathers
         again); close a call a pass that raised left on its modules (Note: exceptions)."""
+        self.release_kept()
         for unit, slot in zip(self.units, self.slots):
             unit.drop_slice()
-            if slot.kept is not None:
-                self.move(slot.kept, S.RESHARDED)
             if slot.call is not None:
                 self.move(slot.call, S.DONE)
 
