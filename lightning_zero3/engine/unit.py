@@ -63,8 +63,7 @@ class _PendingGather:
     the wait: the collective writes it on its own stream after `start_gather` returns."""
 
     work: Any
-    recv: torch.Tensor
-    dtype: torch.dtype
+    recv: torch.Tensor  # in the dtype asked for
     issued: Any  # event after the issue (CUDA), else None
     tag: int  # the tag this rank stamped
     stamped: bool  # whether the step's rank checks stamped it (checks.py)
@@ -180,7 +179,7 @@ class Unit:
         with streams.on("gather", after=copied):
             work = comm.all_gather(recv, mine, async_op=True, what=f"unit '{self.name}'")
             issued = streams.event()
-        self._pending = _PendingGather(work, recv, dtype, issued, tag, stamped, comm, s)
+        self._pending = _PendingGather(work, recv, issued, tag, stamped, comm, s)
         self.record.add("gathered" if kept is None else "gathered_slice", self.uid)
         if stamped:
             self.checks.in_flight[self.uid] = self._settle_if_arrived
@@ -241,7 +240,7 @@ class Unit:
         values). With `into` (tensors `release` emptied), refill their storage without bumping
         their version (Note: full-parameter blocks)."""
         asked, dtype = dtype, dtype or self.param_dtype
-        if self._pending is not None and self._pending.dtype != dtype:
+        if self._pending is not None and self._pending.recv.dtype != dtype:
             self.discard_gather()
         self.start_gather(asked)
         gathered = self._wait_gather()
