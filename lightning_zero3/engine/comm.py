@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event
-from lightning_zero3.engine.transport import Transport, choose_transport
+from lightning_zero3.engine.transport import GlooInPlace, Local, NativeCollectives, Transport
 
 
 @dataclass
@@ -146,9 +146,12 @@ class Comm:
         self.describe_step: Callable[[], str] | None = None
 
     def _choose(self) -> Transport:
-        group = self.group if self.distributed else None
-        return choose_transport(group, world_size=self.world_size, rank=self.rank, pool=self.pool,
-                                device_type=self._device_type, one_rank_shortcut=self._one_rank_shortcut)  # fmt: skip
+        if not self.distributed or (self.world_size == 1 and self._one_rank_shortcut):
+            return Local()
+        assert self.group is not None
+        if self._device_type == "cpu" and self.world_size > 1 and "gloo" in str(dist.get_backend(self.group)):
+            return GlooInPlace(self.group, rank=self.rank, world_size=self.world_size, pool=self.pool)
+        return NativeCollectives(self.group, rank=self.rank)
 
     @property
     def one_rank_shortcut(self) -> bool:

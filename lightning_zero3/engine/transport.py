@@ -1,7 +1,7 @@
 """How a process group moves the rows of an All-Gather and a Reduce-Scatter, chosen once per
-group: `Local` (one rank), `NativeCollectives` (torch's own, for NCCL; tests run it on gloo too),
-`GlooInPlace` (CPU tensors under gloo). A transport knows rows and ranks, never units; `Comm`
-counts around it.
+group by `Comm`: `Local` (one rank), `NativeCollectives` (torch's own, for NCCL; tests run it
+on gloo too), `GlooInPlace` (CPU tensors under gloo). A transport knows rows and ranks, never
+units; `Comm` counts around it.
 
 [Note: gloo]
 gloo's All-Gather receives into a temporary buffer and copies it out; its Reduce-Scatter clones
@@ -101,15 +101,4 @@ class GlooInPlace:
         return Works(works, then=add_up)
 
 
-def choose_transport(
-    group: dist.ProcessGroup | None, *, world_size: int, rank: int, pool: BufferPool, device_type: str = "cpu",
-    one_rank_shortcut: bool = True,
-) -> Transport:  # fmt: skip
-    if group is None or (world_size == 1 and one_rank_shortcut):
-        return Local()
-    if device_type == "cpu" and world_size > 1 and "gloo" in str(dist.get_backend(group)):
-        return GlooInPlace(group, rank=rank, world_size=world_size, pool=pool)
-    return NativeCollectives(group, rank=rank)
-
-
-__all__ = ["GlooInPlace", "Local", "NativeCollectives", "Transport", "choose_transport"]
+__all__ = ["GlooInPlace", "Local", "NativeCollectives", "Transport"]
