@@ -48,6 +48,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -119,15 +120,15 @@ PASS_LEGAL = {
 }  # fmt: skip
 
 
+@dataclass(eq=False)
 class UnitCall:
     """One forward execution of a unit and the full tensors it produced."""
 
-    def __init__(self, unit: Unit, *, reduces: bool) -> None:
-        self.unit = unit
-        self.reduces = reduces  # produced by GatherParams: its backward Reduce-Scatters
-        self.fulls: list[torch.Tensor] = []
-        self.state = CallState.SHARDED
-        self.versions: tuple[int, ...] = ()
+    unit: Unit
+    reduces: bool  # produced by GatherParams: its backward Reduce-Scatters
+    fulls: list[torch.Tensor] = field(default_factory=list)
+    state: CallState = CallState.SHARDED
+    versions: tuple[int, ...] = ()
 
 
 def engine_mode() -> AbstractContextManager[object]:
@@ -173,16 +174,14 @@ def autograd_running() -> bool:
     return task_id is None or task_id() != -1
 
 
+@dataclass(slots=True, eq=False)
 class Slot:
     """Per unit: the call on the modules, the call KEPT for backward, and the open forward hooks
     (they nest: a unit called inside itself; only the outermost gathers)."""
 
-    __slots__ = ("call", "kept", "depth")
-
-    def __init__(self) -> None:
-        self.call: UnitCall | None = None
-        self.kept: UnitCall | None = None
-        self.depth = 0
+    call: UnitCall | None = None
+    kept: UnitCall | None = None
+    depth: int = 0
 
 
 class CallTable:
