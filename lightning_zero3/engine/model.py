@@ -128,10 +128,6 @@ class ShardedModel:
         text = "; ".join(f"{phase} {[self.units[uid].name for uid in order]}" for phase, order in orders)
         return f"The recorded unit order, which every rank must follow: {text}"
 
-    def check_tags(self) -> None:
-        """Raise `OrderMismatchError` if a collective since the last check met another unit (checks.py)."""
-        self.checks.check()
-
     # ---- lookups ----------------------------------------------------------------------------
     @property
     def sharded_params(self) -> list[ShardedParam]:
