@@ -88,7 +88,7 @@ class ShardedModel:
             Unit(uid=uid, name=unit_plan.name, module=unit_plan.module,
                  params=[shards[id(entry)] for entry in unit_plan.params], comm=self.comm, checks=self.checks,
                  replicate=self.replicate_comm, param_dtype=config.param_dtype,
-                 reduce_dtype=config.reduce_dtype, pool=self.pool, record=self.record,
+                 reduce_dtype=config.reduce_dtype, record=self.record,
                  slice_comm=self.slice_comm)  # fmt: skip
             for uid, unit_plan in enumerate(self.plan.units)
         ]
