@@ -346,9 +346,9 @@ class HookDriver:
         self.grads.finish_backward()  # the persistent gradients' All-Reduce, unless sync is off
         self.schedule.end_backward()
         self._leave()
-        if self.schedule.passes_recorded == 1:
+        if self.checks.steps == 0:  # the first step's record, once
             orders = self.schedule.forward_order or [], self.schedule.backward_order or []
-            self.checks.agree_on_orders(self.world_comm, *orders)  # the first step's record, once
+            self.checks.agree_on_orders(self.world_comm, *orders)
         self.checks.step_done()
 
     def _close_pending(self) -> None:

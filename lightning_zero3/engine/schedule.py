@@ -46,7 +46,6 @@ class Schedule:
     def __init__(self, prefetch: int) -> None:
         self.prefetch = prefetch
         self.forward, self.backward = _Phase(), _Phase()
-        self.passes_recorded = 0
 
     @property
     def forward_order(self) -> list[int] | None:
@@ -80,7 +79,6 @@ class Schedule:
     def end_backward(self) -> None:
         self.forward.adopt()
         self.backward.adopt()
-        self.passes_recorded += 1
 
 
 class Prefetcher:
