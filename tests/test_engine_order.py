@@ -176,3 +176,23 @@ def test_recorded_orders_that_differ_between_ranks_raise_naming_the_position_and
     checks = RankChecks(rank=0, names=["<root>", "a", "b", "c"])
     with pytest.raises(OrderMismatchError, match="forward orders: at position 1 rank 0 ran 'b' but rank 1 ran 'c'"):
         checks.agree_on_orders(_World(), [1, 2], [2, 1])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_pass_that_leaves_the_record_announces_it_once(prefetch: int) -> None:
+    """One process: an evaluation pass running the blocks in reverse (alike on every rank) leaves
+    the training record once: one departure notice, then none (with prefetch=0 the pass stayed
+    'on track' and announced again at every later position that differed: 5 more unit-size
+    All-Gathers here)."""
+    model = RoutedMLP(depth=6)
+    sharded = ShardedModel(model, prefetch=prefetch)
+    x, y = mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    sharded.end_step()
+    model.route = [5, 4, 3, 2, 1, 0]
+    with torch.no_grad():
+        model(x)
+    sharded.end_step()
+    units = len([u for u in sharded.units if u.params])
+    # Every unit once, the notice, and with prefetch the one gather issued ahead and dropped.
+    assert sharded.stats.last_step["all_gather"].calls == units + 1 + prefetch

@@ -26,15 +26,12 @@ class _Phase:
 
     def advance(self, uid: int, count: int) -> list[int]:
         """Record that unit `uid` starts; the `count` units to prefetch now."""
-        position = len(self.seen)
+        position, order = len(self.seen), self.order
         self.seen.append(uid)
-        if self.order is None or not self.on_track or count == 0:
-            self.on_track = self.on_track and self.order is not None
+        if order is None or not self.on_track or position >= len(order) or order[position] != uid:
+            self.on_track = False  # for the rest of the pass, whatever `count` (prefetch=0 too)
             return []
-        if position >= len(self.order) or self.order[position] != uid:
-            self.on_track = False
-            return []
-        return self.order[position + 1 : position + 1 + count]
+        return order[position + 1 : position + 1 + count]
 
     def adopt(self) -> None:
         """The pass just finished becomes the record if it differs from it."""
