@@ -31,7 +31,7 @@ def _in_flight_while_each_block_runs(rank: int, world_size: int, mode: str) -> d
         block.register_forward_hook(partial(note_in_flight, name))
     with {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]():
         out = model(x)
-    sharded.check_tags()
+    sharded.checks.check()
     return {"seen": seen, "finite": bool(torch.isfinite(out).all())}
 
 

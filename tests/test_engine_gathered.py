@@ -119,18 +119,24 @@ def test_evaluation_forwards_return_their_blocks_to_the_pool() -> None:
     assert sharded.pool.cached_bytes == receive + unit.block_numel * 4  # one of each, reused
 
 
-def test_a_tag_check_that_raises_on_entry_leaves_every_parameter_its_shard() -> None:
+@pytest.mark.parametrize("modifier_rank", [None, 0])
+def test_a_tag_check_that_raises_on_entry_leaves_every_parameter_its_shard(modifier_rank: int | None) -> None:
     """One process; the check after the gathers raises (as a mismatch between ranks would):
-    no parameter keeps the gathered whole data (was: all of them did, for good)."""
+    no parameter keeps the gathered whole data (was: all of them did, for good), and no
+    modifier's broadcast runs (the other ranks may be gone)."""
     model = MLP()
-    sharded = ShardedModel(model)
+    sharded = ShardedModel(model, persistence_threshold=16)
     before = {name: (p.shape, p.data_ptr()) for name, p in model.named_parameters()}
 
     def mismatch() -> None:
         raise OrderMismatchError("ranks gathered different units")
 
+    def broadcast(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a collective after a failed entry")
+
     sharded.checks.closely = False  # the gathers defer their checks to that one
     sharded.checks.check = mismatch  # type: ignore[method-assign]
-    with pytest.raises(OrderMismatchError), sharded.gathered_parameters():
+    sharded.world_comm.broadcast = broadcast  # type: ignore[method-assign]
+    with pytest.raises(OrderMismatchError), sharded.gathered_parameters(modifier_rank=modifier_rank):
         pass
     assert {name: (p.shape, p.data_ptr()) for name, p in model.named_parameters()} == before

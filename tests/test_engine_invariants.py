@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.native import NativeCollectives
+from lightning_zero3.engine.transport import NativeCollectives
 from tests.models import MLP, TinyGPT, gpt_batch, mlp_batch, mlp_frozen_block
 from tests.parity import lm_loss, local_slice, max_param_difference, step_side_by_side
 from tests.ranks import run_ranks
@@ -227,7 +227,7 @@ def _torch_distributed_calls(rank: int, world_size: int) -> dict:
 
 
 def test_on_gloo_a_gather_is_one_broadcast_per_rank_and_a_reduce_scatter_sends_each_peer_its_row():
-    """An independent count of what one step asks of torch.distributed on gloo (gloo.py, Note:
+    """An independent count of what one step asks of torch.distributed on gloo (transport.py, Note:
     gloo): per unit and pass N in-place broadcasts covering the gathered buffer once; per unit
     reduced, N-1 sends and N-1 receives of one row each, i.e. (N-1)/N of the Reduce-Scatter's
     payload, what a ring would send. Nothing else on the per-step path."""
@@ -340,7 +340,7 @@ def _trained_with(rank: int, world_size: int, model_name: str, gloo_in_place: bo
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_native_collectives_and_gloo_in_place_ones_train_alike(world_size):
-    """On CPU the engine gathers with broadcasts and reduces with send/recv (gloo.py, Note:
+    """On CPU the engine gathers with broadcasts and reduces with send/recv (transport.py, Note:
     gloo); on GPUs it calls all_gather_single (in place: the input is the output's row) and
     reduce_scatter_single. Running the native path on gloo proves it here: same shard
     gradients and parameters after 3 SGD steps (bitwise at 2 ranks, where a sum of two does
@@ -399,7 +399,7 @@ def _one_rank_without_the_shortcut(rank: int, world_size: int) -> dict:
 
 
 def test_one_rank_without_the_local_shortcut_runs_real_native_collectives():
-    """gloo's in-place Reduce-Scatter sums the rows of N >= 2 ranks (gloo.py); one rank with the
+    """gloo's in-place Reduce-Scatter sums the rows of N >= 2 ranks (transport.py); one rank with the
     shortcut off takes the native collectives (was: an IndexError in the gloo sum)."""
     (result,) = run_ranks(_one_rank_without_the_shortcut, 1)
     assert result["transport"] == "NativeCollectives" and result["diff"] < 1e-6, result

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel
-from tests.models import RoutedMLP, mlp_batch
+from lightning_zero3.engine.checks import OrderMismatchError, RankChecks
+from tests.models import MLP, RoutedMLP, mlp_batch
 from tests.parity import local_slice, max_param_difference, step_side_by_side
 from tests.ranks import RankFailure, run_ranks
 
@@ -152,3 +153,46 @@ def test_rank_stalled_inside_backward_fails_the_others_after_the_timeout_naming_
     message, seconds = waiting
     assert message.startswith("CollectiveError: Reduce-Scatter of gradients of unit 'blocks.0'"), message
     assert timeout_s - 0.5 < seconds < stall_s - 1, seconds
+
+
+def test_the_first_backward_hands_its_recorded_orders_to_the_cross_rank_comparison_once() -> None:
+    """One process: the first backward, and only it, compares the recorded orders (the backstop
+    behind the tags, for positions no collective checks, e.g. units kept whole into backward)."""
+    model = MLP()
+    sharded = ShardedModel(model)
+    compared = []
+    sharded.checks.agree_on_orders = lambda comm, forward, backward: compared.append((forward, backward))  # type: ignore[method-assign]
+    for step in range(3):
+        x, y = mlp_batch(step)
+        F.mse_loss(model(x), y).backward()
+    assert compared == [(sharded.schedule.forward_order, sharded.schedule.backward_order)]
+
+
+def test_recorded_orders_that_differ_between_ranks_raise_naming_the_position_and_both_units() -> None:
+    class _World:  # every rank's (forward, backward), as all_gather_object returns them
+        def all_gather_object(self, obj: object) -> list[object]:
+            return [([1, 2], [2, 1]), ([1, 3], [3, 1])]
+
+    checks = RankChecks(rank=0, names=["<root>", "a", "b", "c"])
+    with pytest.raises(OrderMismatchError, match="forward orders: at position 1 rank 0 ran 'b' but rank 1 ran 'c'"):
+        checks.agree_on_orders(_World(), [1, 2], [2, 1])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_pass_that_leaves_the_record_announces_it_once(prefetch: int) -> None:
+    """One process: an evaluation pass running the blocks in reverse (alike on every rank) leaves
+    the training record once: one departure notice, then none (with prefetch=0 the pass stayed
+    'on track' and announced again at every later position that differed: 5 more unit-size
+    All-Gathers here)."""
+    model = RoutedMLP(depth=6)
+    sharded = ShardedModel(model, prefetch=prefetch)
+    x, y = mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    sharded.end_step()
+    model.route = [5, 4, 3, 2, 1, 0]
+    with torch.no_grad():
+        model(x)
+    sharded.end_step()
+    units = len([u for u in sharded.units if u.params])
+    # Every unit once, the notice, and with prefetch the one gather issued ahead and dropped.
+    assert sharded.stats.last_step["all_gather"].calls == units + 1 + prefetch

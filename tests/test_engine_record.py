@@ -39,15 +39,18 @@ def _steps(rank: int, world_size: int, model_name: str, prefetch: int, reshard: 
         g = sharded.slice_comm.world_size if sharded.slice_comm is not None else 1
         slice_row = {u.uid: g * u.row_numel(per=world_size // g) * u.param_dtype.itemsize for u in units}
         reduce_row = {u.uid: world_size * u.reduce_row_numel * u.reduce_dtype.itemsize for u in units}
+        # The formula's gathers per unit: (over the shard group, inside the groups of G).
+        sizes = {uid: size for uid, size in accounting.unit_sizes(units, record.orders).items() if units[uid].params}
+        oracle = {uid: accounting.gathers(size, reshard) for uid, size in sizes.items()}
         out.append({
             "gathered": dict(record.gathered),
             "kept": set(record.kept),
             "reduced": dict(record.reduced),
-            "oracle_gathered": accounting.expected_gathers(units, record.orders, reshard),
-            "oracle_kept": accounting.expected_kept(units, record.orders, reshard),
+            "oracle_gathered": {uid: k for uid, (k, _) in oracle.items()},
+            "oracle_kept": {uid for uid, size in sizes.items() if accounting.keeps_whole(size, reshard)},
             "gathered_slice": dict(record.gathered_slice),
             "kept_slice": dict(record.kept_slice),
-            "oracle_slices": accounting.expected_gathers(units, record.orders, reshard, slices=True),
+            "oracle_slices": {uid: k for uid, (_, k) in oracle.items() if k},
             "trainable": {u.uid for u in units if any(p.requires_grad for p in u.params)},
             "record_bytes": {
                 "all_gather": sum(row[uid] * k for uid, k in record.gathered.items()),

@@ -89,7 +89,7 @@ def test_bf16_gathers_train_alike_under_every_setting():
 def _held_and_gathered(rank: int, world_size: int, reshard: bool | int) -> dict:
     """Per block, the bytes of full weights autograd saved inside it after forward and after
     backward; the All-Gather bytes per process-group size in forward and in backward, counted at
-    torch.distributed (gloo's All-Gather is one broadcast per rank, engine/gloo.py)."""
+    torch.distributed (gloo's All-Gather is one broadcast per rank, engine/transport.py)."""
     torch.manual_seed(0)
     model = MLP(dim=DIM)
     sharded = ShardedModel(model, reshard_after_forward=reshard)

@@ -77,7 +77,7 @@ def _host_reads_per_step(rank: int, world_size: int, steps: int) -> dict:
     with _counting_host_reads() as reads, torch.no_grad():
         for _ in range(steps):
             model(x)
-        sharded.check_tags()  # what the next pass would do first
+        sharded.checks.check()  # what the next pass would do first
     return {"train": train, "eval": reads.count, "units": len(sharded.units)}
 
 

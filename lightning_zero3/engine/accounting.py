@@ -16,8 +16,8 @@ from lightning_zero3.engine.record import Orders
 from lightning_zero3.engine.unit import Unit
 
 __all__ = [
-    "UnitSizes", "expected_gathers", "expected_kept", "expected_step_bytes", "gathers", "keeps_whole",
-    "live_peak", "model_state_bytes", "step_bytes",
+    "UnitSizes", "expected_step_bytes", "gathers", "keeps_whole", "live_peak", "model_state_bytes", "step_bytes",
+    "unit_sizes",
 ]  # fmt: skip
 
 
@@ -91,22 +91,7 @@ def live_peak(full: Sequence[int], reshard: bool | int, *, prefetch: int, ends_f
     return sum(kept) + sum(rest[: 1 + prefetch]) + slices
 
 
-def expected_kept(units: list[Unit], orders: Orders, reshard: bool | int = True) -> set[int]:
-    """Ids of the units kept whole from forward into backward (hooks.py, Note: kept for backward)."""
-    sizes = _sizes(units, orders)
-    return {u.uid for u in units if u.params and keeps_whole(sizes[u.uid], reshard)}
-
-
-def expected_gathers(
-    units: list[Unit], orders: Orders, reshard: bool | int = True, *, slices: bool = False
-) -> dict[int, int]:
-    """`gathers` by unit id, over the shard group (or with `slices` inside the groups of G)."""
-    sizes = _sizes(units, orders)
-    counts = {u.uid: gathers(sizes[u.uid], reshard)[int(slices)] for u in units if u.params}
-    return {uid: k for uid, k in counts.items() if k} if slices else counts
-
-
-def _sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:
+def unit_sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:
     """The engine's units as `UnitSizes`, from their exact rows (unit.py, Note: flat layout). A
     frozen unit runs backward if the recorded backward order has it (assumed before any)."""
     forward_order, backward_order = orders
@@ -137,7 +122,7 @@ def expected_step_bytes(
     n = units[0].world_size
     hybrid = units[0].replicate is not None
     persistent_bytes = sum((p.numel() + 1) * p.element_size() for p in persistent if p.requires_grad)
-    sized = _sizes(units, orders)
+    sized = unit_sizes(units, orders)
     by_group = step_bytes([sized[u.uid] for u in units if u.params], reshard, persistent=persistent_bytes,
                           micro_batches=micro_batches, synced=synced)  # fmt: skip
     if slices:

@@ -1,28 +1,25 @@
-"""`GradientSync`: whether a unit's backward Reduce-Scatters its full gradients now (reduce.py)
-or adds them into a buffer it keeps until a backward with sync on: gradient accumulation without
-communication (`ShardedModel.set_requires_gradient_sync`, `ShardedModel.no_sync`; FSDP2's
-`set_requires_gradient_sync(False)`, Lightning's `no_backward_sync`). The driver (hooks.py)
-hands it every unit's full gradients and the ends of backward.
+"""`GradientSync`: gradient accumulation without communication (`ShardedModel.no_sync`,
+`set_requires_gradient_sync`; FSDP2's `set_requires_gradient_sync(False)`, Lightning's
+`no_backward_sync`). The driver (hooks.py) hands it every unit's full gradients and the ends of
+backward; it Reduce-Scatters them now (reduce.py) or adds them up.
 
 [Note: unsynced accumulation]
 While sync is off, a unit's post-backward adds its full gradients into a buffer of its own,
 laid out as the Reduce-Scatter input's (N, S) columns (unit.py, Note: flat layout), and sends
-nothing; the persistent parameters' gradients accumulate where autograd puts them, in `.grad`,
-and their All-Reduce waits too. The first backward with sync on adds its gradients into the
-buffer and Reduce-Scatters the sum once; a unit holding a buffer that this backward does not
-reach (unused in the last micro-batch) is reduced when it ends, in unit order (the same on
-every rank); then the persistent gradients are All-Reduced. Each buffer is dropped as its
-reduction starts. So one Reduce-Scatter per unit per optimizer step instead of one per
-micro-batch, and the shard gradients equal k synced micro-batches' to float rounding.
-The buffers are fp32 (the reduce dtype when wider), not the reduce dtype: with the default fp32
-reduction the sums are then exact to fp32 rounding against one process, and with a bf16
-reduction the sum of k micro-batches is rounded to bf16 once, whatever k, where a bf16 buffer
-would round every addition against the growing sum. Measured on the test MLP at k = 4, 2 ranks,
-bf16 reduction, largest difference from one process: 8.0e-4 with these sums, 6.4e-4 with bf16
-sums, 3.2e-4 with every micro-batch reduced (smaller pieces rounded): all bf16 rounding, none
-better by design (tests/test_engine_no_sync.py bounds it at k = 16). The cost: 4 bytes per
-parameter of every unit that ran backward, N times its shard gradient, from the first unsynced
-backward to the sync (docs/accounting.md, "Accumulation without communication").
+nothing; persistent parameters' gradients accumulate in `.grad`, their All-Reduce waiting too.
+The first backward with sync on adds into the buffer and Reduce-Scatters the sum once; a unit
+holding a buffer this backward does not reach (unused in the last micro-batch) is reduced when
+it ends, in unit order (alike on every rank); then the persistent gradients are All-Reduced.
+Each buffer is dropped as its reduction starts: one Reduce-Scatter per unit per optimizer step,
+and the shard gradients equal k synced micro-batches' to float rounding.
+The buffers are fp32 (the reduce dtype when wider): with an fp32 reduction the sums are exact to
+fp32 rounding against one process; with bf16 the sum of k micro-batches is rounded once, where
+a bf16 buffer would round every addition against the growing sum. Measured on the test MLP at
+k = 4, 2 ranks, bf16 reduction, largest difference from one process: 8.0e-4 with these sums,
+6.4e-4 with bf16 sums, 3.2e-4 with every micro-batch reduced (smaller pieces rounded): all bf16
+rounding, none better by design (tests/test_engine_no_sync.py bounds it at k = 16). The cost:
+4 bytes per parameter of every unit that ran backward, N times its shard gradient, from the
+first unsynced backward to the sync (docs/accounting.md, "Accumulation without communication").
 
 [Note: gradients owed]
     SYNCED --a backward with sync off ends--> OWED --the backward with sync on ends--> SYNCED
@@ -30,13 +27,12 @@ backward to the sync (docs/accounting.md, "Accumulation without communication").
     OWED or INCOMPLETE --discard()--> SYNCED
 While OWED or INCOMPLETE, `optimizer.step()` of an optimizer holding the model's parameters
 raises (a global step pre-hook, registered only then; a step given a closure, as Lightning's,
-is checked after the closure's backward, before the update), as does every backward while
-INCOMPLETE: the gradients of the micro-batches since the last sync are not all in `.grad`.
-`optimizer.zero_grad()` cannot clear the buffers, so it is caught: when a backward with sync off
-ends, every trainable shard of a unit holding a buffer has a `.grad` (where it had none, a
-zero-stride zero tensor: no memory), whose object and version are noted; zero_grad sets it to
-None or zeroes it in place, and the next backward refuses to start (-> INCOMPLETE) rather than
-add micro-batches that one process would have cleared. The backward with sync on removes the
+is checked after the closure's backward), as does every backward while INCOMPLETE: `.grad`
+lacks micro-batches since the last sync. `optimizer.zero_grad()` cannot clear the buffers, so
+it is caught: when a backward with sync off ends, every trainable shard of a held unit has a
+`.grad` (where it had none, a zero-stride zero: no memory) whose object and version are noted;
+zero_grad replaces or zeroes it, and the next backward refuses to start (-> INCOMPLETE) rather
+than add micro-batches one process would have cleared. The backward with sync on removes the
 placeholders before its reductions land. Between unsynced backwards `.grad` reads zero.
 """
 
@@ -95,11 +91,6 @@ class GradientSync:
         self._watched: dict[int, tuple[ShardedParam, torch.Tensor, int, bool]] = {}
         self._step_hook: Any = None  # the global optimizer-step pre-hook while owed
         self._began_unsynced = False  # whether the backward running began with sync off
-
-    @property
-    def held_units(self) -> list[int]:
-        """Ids of the units holding gradients summed with sync off."""
-        return sorted(self._held)
 
     def _move(self, state: SyncState) -> None:
         assert (self.state, state) in LEGAL, f"ZeRO-3 internal error: sync {self.state.name} -> {state.name}"

@@ -8,7 +8,7 @@ never moves to a stream its role does not use, whatever sizes coincide:
 "gather" (receive rows) is taken on copy-in and given back on the compute stream after the
 gather stream wrote it; "block" (full parameters) lives on the compute stream; "reduce" is filled
 and given back there, read by the reduce stream; "slice" (reshard.py) lives on copy-in;
-"received" (gloo.py) is CPU only.
+"received" (transport.py, gloo) is CPU only.
 `give` records an event once the giving stream has waited for every use; `take` makes the
 taker's stream wait for it. On CPU program order suffices.
 """

@@ -48,12 +48,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
 
 import torch
 
-from lightning_zero3.engine.record import LiveUnits, StepRecord
+from lightning_zero3.engine.record import StepRecord, UnitStats
 from lightning_zero3.engine.unit import Unit
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
@@ -119,15 +120,15 @@ PASS_LEGAL = {
 }  # fmt: skip
 
 
+@dataclass(eq=False)
 class UnitCall:
     """One forward execution of a unit and the full tensors it produced."""
 
-    def __init__(self, unit: Unit, *, reduces: bool) -> None:
-        self.unit = unit
-        self.reduces = reduces  # produced by GatherParams: its backward Reduce-Scatters
-        self.fulls: list[torch.Tensor] = []
-        self.state = CallState.SHARDED
-        self.versions: tuple[int, ...] = ()
+    unit: Unit
+    reduces: bool  # produced by GatherParams: its backward Reduce-Scatters
+    fulls: list[torch.Tensor] = field(default_factory=list)
+    state: CallState = CallState.SHARDED
+    versions: tuple[int, ...] = ()
 
 
 def engine_mode() -> AbstractContextManager[object]:
@@ -173,23 +174,21 @@ def autograd_running() -> bool:
     return task_id is None or task_id() != -1
 
 
+@dataclass(slots=True, eq=False)
 class Slot:
     """Per unit: the call on the modules, the call KEPT for backward, and the open forward hooks
     (they nest: a unit called inside itself; only the outermost gathers)."""
 
-    __slots__ = ("call", "kept", "depth")
-
-    def __init__(self) -> None:
-        self.call: UnitCall | None = None
-        self.kept: UnitCall | None = None
-        self.depth = 0
+    call: UnitCall | None = None
+    kept: UnitCall | None = None
+    depth: int = 0
 
 
 class CallTable:
     """Per unit its `Slot`; the one place where a call changes state (Note: call states) and a
     slot's depth changes."""
 
-    def __init__(self, units: list[Unit], *, live: LiveUnits, record: StepRecord) -> None:
+    def __init__(self, units: list[Unit], *, live: UnitStats, record: StepRecord) -> None:
         self.units = units
         self.slots = [Slot() for _ in units]
         self.open = 0  # slots with depth > 0: 0 between passes
@@ -243,10 +242,9 @@ class CallTable:
     def drop_leftovers(self) -> None:
         """Between passes: release kept calls and slices (a backward that still comes gathers
         again); close a call a pass that raised left on its modules (Note: exceptions)."""
+        self.release_kept()
         for unit, slot in zip(self.units, self.slots):
             unit.drop_slice()
-            if slot.kept is not None:
-                self.move(slot.kept, S.RESHARDED)
             if slot.call is not None:
                 self.move(slot.call, S.DONE)
 

@@ -79,21 +79,20 @@ class _Record:
     collective: str  # "All-Gather", "Reduce-Scatter" or "All-Reduce"
     unit: str  # the unit this rank ran
     expected: list[int]  # what the received integers must be
-    start: int  # offset of this record's integers in the concatenation
+    received: torch.Tensor  # `expect`'s
 
 
 class RankChecks:
     """Tags stamped into the check slots and read back, checked once per step."""
 
-    def __init__(self, *, rank: int, names: list[str], every: int | None = 1, groups: int = 1) -> None:
+    def __init__(self, *, rank: int, names: list[str], rank_checks: str | int = "every_step", groups: int = 1) -> None:
         self.rank = rank
         self.names = names  # unit names by id, for messages
-        self.every = every  # None: the first step only (Note: rank check modes)
+        # Steps between checks; None: the first step only (Note: rank check modes).
+        self.every = None if rank_checks == "first_step" else 1 if rank_checks == "every_step" else int(rank_checks)
         self.groups = groups  # shard groups whose All-Reduce adds the reduce codes
         self.steps = 0  # backwards finished
         self._records: list[_Record] = []
-        self._values: list[torch.Tensor] = []  # int64 device tensors, one per record
-        self._numel = 0
         self.closely = True  # Note: deferred tag checks
         # What the checks cost: device-to-host reads (the engine's only per-step sync), integers read.
         self.host_reads = 0
@@ -155,9 +154,7 @@ class RankChecks:
     def expect(self, collective: str, unit: str, received: torch.Tensor, expected: list[int]) -> None:
         """Remember `received` (int64 on the device, a copy nothing else writes) that should equal
         `expected`; check at once when watching closely."""
-        self._records.append(_Record(collective, unit, expected, self._numel))
-        self._values.append(received)
-        self._numel += len(expected)
+        self._records.append(_Record(collective, unit, expected, received))
         if self.closely:
             self.check()
 
@@ -166,13 +163,14 @@ class RankChecks:
         for the first that differs. No sync when nothing is pending."""
         if not self._records:
             return
-        records, values = self._records, self._values
-        self._records, self._values, self._numel = [], [], 0
+        records, self._records = self._records, []
         self.host_reads += 1
-        got = torch.cat(values).tolist()  # the one device-to-host copy
+        got = torch.cat([record.received for record in records]).tolist()  # the one device-to-host copy
         self.tags_read += len(got)
+        start = 0
         for record in records:
-            seen = got[record.start : record.start + len(record.expected)]
+            seen = got[start : start + len(record.expected)]
+            start += len(seen)
             if seen != record.expected:
                 raise OrderMismatchError(self._message(record, seen))
 

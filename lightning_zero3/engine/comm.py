@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event
-from lightning_zero3.engine.transport import Transport, choose_transport
+from lightning_zero3.engine.transport import GlooInPlace, Local, NativeCollectives, Transport
 
 
 @dataclass
@@ -146,9 +146,12 @@ class Comm:
         self.describe_step: Callable[[], str] | None = None
 
     def _choose(self) -> Transport:
-        group = self.group if self.distributed else None
-        return choose_transport(group, world_size=self.world_size, rank=self.rank, pool=self.pool,
-                                device_type=self._device_type, one_rank_shortcut=self._one_rank_shortcut)  # fmt: skip
+        if not self.distributed or (self.world_size == 1 and self._one_rank_shortcut):
+            return Local()
+        assert self.group is not None
+        if self._device_type == "cpu" and self.world_size > 1 and "gloo" in str(dist.get_backend(self.group)):
+            return GlooInPlace(self.group, rank=self.rank, world_size=self.world_size, pool=self.pool)
+        return NativeCollectives(self.group, rank=self.rank)
 
     @property
     def one_rank_shortcut(self) -> bool:
@@ -175,8 +178,8 @@ class Comm:
         )
 
     def _count(self, collective: str, what: str, payload: torch.Tensor, ring: float, *others: torch.Tensor) -> None:
-        """Check the tensors' device (Note: collective device) and count the bytes under
-        "all_gather", "reduce_scatter", ..."""
+        """Check the tensors' device (Note: collective device), count the bytes under
+        "all_gather", "reduce_scatter", ... and note the collective in `recent`."""
         for tensor in (payload, *others):
             if self.device is not None and tensor.device.type != self.device.type:
                 raise CollectiveError(
@@ -188,11 +191,11 @@ class Comm:
         n, nbytes = self.world_size, payload.numel() * payload.element_size()
         key = collective.lower().replace("-", "_")
         self.stats.current[key].add(nbytes, int(round(ring * (n - 1) / n * nbytes)))
+        self.recent.append(f"{collective} of {what}")
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
         """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row."""
         self._count("All-Gather", what, output, 1.0)
-        self.recent.append(f"All-Gather of {what}")
         rows = output.view(self.world_size, -1)
         if shard.data_ptr() != rows[self.rank].data_ptr():
             rows[self.rank].copy_(shard.view(-1))
@@ -202,7 +205,6 @@ class Comm:
         """Sum `full` (world_size x chunk) over ranks into this rank's `output`; `full` must not
         change until the work is waited for."""
         self._count("Reduce-Scatter", what, full, 1.0, output)
-        self.recent.append(f"Reduce-Scatter of {what}")
         rows = full.view(self.world_size, -1)
         return self._run("Reduce-Scatter", what, lambda: self.transport.reduce_scatter(output, rows), async_op)
 
@@ -219,7 +221,6 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum", async_op: bool = False) -> Any:
         """Reduce `tensor` over ranks in place (`op`: "sum" or "max")."""
         self._count("All-Reduce", what, tensor, 2.0)
-        self.recent.append(f"All-Reduce of {what}")
         if not self.distributed:
             return None
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
@@ -241,10 +242,6 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         self.stats.current["object"].add(0, 0)  # control messages, never on the per-step path
         return out
-
-    @staticmethod
-    def completed(work: Any) -> bool:
-        return work is None or bool(work.is_completed())
 
     def wait(self, work: Any, device: torch.device | None = None) -> None:
         """Wait on an All-Gather, charging the time blocked to `gather_wait_s` (events on CUDA)."""

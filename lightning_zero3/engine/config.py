@@ -87,13 +87,6 @@ class ShardingConfig:
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
 
-    @property
-    def check_every(self) -> int | None:
-        """`rank_checks` as `RankChecks(every=...)` takes it."""
-        if self.rank_checks == "every_step":
-            return 1
-        return None if self.rank_checks == "first_step" else int(self.rank_checks)
-
 
 def config_field_names(config_type: type[Any]) -> frozenset[str]:
     return frozenset(f.name for f in fields(config_type))

@@ -33,18 +33,9 @@ def gathered_parameters(
     # Persistent parameters are whole already; without a modifier, writes to them must be
     # discarded like writes to gathered ones, or the ranks drift apart.
     saved = [p.detach().clone() for p in persistent] if modifier_rank is None else []
-    shards: dict[int, torch.Tensor] = {}
+    shards: dict[ShardedParam, torch.Tensor] = {}
     gathered: list[tuple[Unit, list[torch.Tensor]]] = []
-
-    def put_shards_back() -> list[tuple[ShardedParam, torch.Tensor]]:
-        wholes = []
-        for unit in units:
-            for sharded in unit.params:
-                if id(sharded) in shards:
-                    wholes.append((sharded, sharded.param.data))
-                    sharded.param.data = shards.pop(id(sharded))
-        return wholes
-
+    entered = False  # False in `finally`: a gather or tag check failed, so no collective there
     try:
         for unit in units:
             with engine_mode():
@@ -52,30 +43,24 @@ def gathered_parameters(
             gathered.append((unit, fulls))
             for sharded, full in zip(unit.params, fulls):
                 if sharded in chosen:
-                    shards[id(sharded)] = sharded.param.data
+                    shards[sharded] = sharded.param.data
                     sharded.param.data = full
         checks.check()  # outside any pass: check these gathers now
-    except BaseException:  # a failed gather or tag check: shards back, no collective
-        put_shards_back()
-        with engine_mode():
-            for unit, fulls in gathered:
-                unit.release(fulls)
-        raise
-    try:
+        entered = True
         yield
     finally:
-        for sharded, full in put_shards_back():
-            if modifier_rank is not None:
-                what = f"'{sharded.name}' from rank {modifier_rank}"
-                world_comm.broadcast(full, src=modifier_rank, what=what)
+        for sharded, shard in shards.items():
+            full, sharded.param.data = sharded.param.data, shard
+            if entered and modifier_rank is not None:
+                world_comm.broadcast(full, src=modifier_rank, what=f"'{sharded.name}' from rank {modifier_rank}")
                 sharded.load_full(full)
         with engine_mode():
             for unit, fulls in gathered:
                 unit.release(fulls)  # the blocks go back to the pool
-        if modifier_rank is not None:
-            for p in persistent:
-                world_comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")
-        else:
+        if modifier_rank is None:
             with torch.no_grad():
                 for p, value in zip(persistent, saved):
                     p.copy_(value)
+        elif entered:
+            for p in persistent:
+                world_comm.broadcast(p.data, src=modifier_rank, what="persistent parameter")

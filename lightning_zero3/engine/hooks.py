@@ -64,7 +64,7 @@ from lightning_zero3.engine.comm import CollectiveError, Comm
 from lightning_zero3.engine.departure import announce_departure
 from lightning_zero3.engine.held import UNSYNCED_HINT, HeldUnits
 from lightning_zero3.engine.persistent import PersistentGrads
-from lightning_zero3.engine.record import LiveUnits, StepRecord
+from lightning_zero3.engine.record import StepRecord, UnitStats
 from lightning_zero3.engine.reshard import after_forward
 from lightning_zero3.engine.schedule import Prefetcher, Schedule
 from lightning_zero3.engine.unit import Unit
@@ -84,7 +84,7 @@ class HookDriver:
 
     def __init__(
         self, units: list[Unit], *, schedule: Schedule, checks: RankChecks, grads: GradientSync,
-        persistent: PersistentGrads, live: LiveUnits, record: StepRecord, world_comm: Comm, reshard: bool | int,
+        persistent: PersistentGrads, live: UnitStats, record: StepRecord, world_comm: Comm, reshard: bool | int,
     ) -> None:  # fmt: skip
         self.units = units
         self.schedule = schedule
@@ -242,6 +242,8 @@ class HookDriver:
         """A unit starts forward (or every unit is held) with nothing open, no backward running."""
         self.checks.check()  # tags left by a pass without backward (checks.py)
         self.checks.closely = self.schedule.forward_order is None  # watch closely until a record exists
+        if self.units[0].offload is not None:
+            self.units[0].offload.begin_pass()  # offload.py, Note: host offload
         # Prefetches may predate an optimizer step; a call still on its modules is a leftover of a
         # pass that raised (Note: exceptions).
         self.prefetch.drop_stale()
@@ -344,9 +346,9 @@ class HookDriver:
         self.grads.finish_backward()  # the persistent gradients' All-Reduce, unless sync is off
         self.schedule.end_backward()
         self._leave()
-        if self.schedule.passes_recorded == 1:
+        if self.checks.steps == 0:  # the first step's record, once
             orders = self.schedule.forward_order or [], self.schedule.backward_order or []
-            self.checks.agree_on_orders(self.world_comm, *orders)  # the first step's record, once
+            self.checks.agree_on_orders(self.world_comm, *orders)
         self.checks.step_done()
 
     def _close_pending(self) -> None:

@@ -13,6 +13,7 @@ way, its hooks kept and its engine held by a state_dict pre-hook.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -31,15 +32,11 @@ _HOW_TO_USE = (
 )
 
 
-class _RefuseForward:
-    def __init__(self, engine: ShardedModel) -> None:
-        self.engine = engine
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        raise RuntimeError(
-            f"{type(module).__name__}'s parameters are still this rank's 1-D shards: the run that sharded it ended "
-            f"without making it whole (it failed, or Fabric's strategy was torn down). {_HOW_TO_USE}"
-        )
+def _refuse_forward(engine: ShardedModel, module: nn.Module, args: Any) -> None:  # the hook holds `engine`
+    raise RuntimeError(
+        f"{type(module).__name__}'s parameters are still this rank's 1-D shards: the run that sharded it ended "
+        f"without making it whole (it failed, or Fabric's strategy was torn down). {_HOW_TO_USE}"
+    )
 
 
 # Module -> (the engine that left it sharded, the pre-hook holding it).
@@ -47,7 +44,7 @@ _LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ShardedModel], Any
 
 
 def leave_sharded(module: nn.Module, engine: ShardedModel) -> None:
-    remember_sharded(module, engine, module.register_forward_pre_hook(_RefuseForward(engine)))
+    remember_sharded(module, engine, module.register_forward_pre_hook(partial(_refuse_forward, engine)))
 
 
 def remember_sharded(module: nn.Module, engine: ShardedModel, handle: Any) -> None:

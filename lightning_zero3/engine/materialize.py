@@ -83,7 +83,6 @@ def shard_parameters(
     init = param_init_fn or reset_parameters
     entry_of = {(id(m), a): entry for unit in plan.units for entry in unit.params for m, a in entry.owners}
     persistent_entry_of = {(id(m), a): entry for entry in plan.persistent for m, a in entry.owners}
-    persistent = set(persistent_entry_of)
     # Note: shards before full tensors
     home = torch.device("cpu") if on_host else device
     pin = on_host and device.type == "cuda"
@@ -93,10 +92,10 @@ def shard_parameters(
     def shard_own_tensors(module: nn.Module) -> None:
         """Broadcast and cut this module's own whole tensors (a tied parameter once)."""
         whole = [
-            (attr, p, _on(p, device, keep=(id(module), attr) in persistent))
+            (attr, p, _on(p, device, keep=(id(module), attr) in persistent_entry_of))
             for attr, p in module._parameters.items()
             if p is not None
-            and ((id(module), attr) in persistent or id(entry_of.get((id(module), attr))) not in shards)
+            and ((id(module), attr) in persistent_entry_of or id(entry_of.get((id(module), attr))) not in shards)
         ]
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.device != device:
@@ -214,9 +213,6 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
             continue
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for group in by_kind.values():
-        if len(group) == 1 and group[0].is_contiguous():
-            comm.broadcast(group[0], src=0, what="initial model states")  # in place: no copy
-            continue
         flat = torch.cat([t.reshape(-1) for t in group])
         comm.broadcast(flat, src=0, what="initial model states")
         offset = 0

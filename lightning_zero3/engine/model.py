@@ -21,7 +21,7 @@ from lightning_zero3.engine.accumulate import GradientSync
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import RankChecks
-from lightning_zero3.engine.comm import Comm, CommStats, hybrid_groups
+from lightning_zero3.engine.comm import Comm, CommStats, consecutive_group, hybrid_groups
 from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.disk import DiskState
 from lightning_zero3.engine.gathered import gathered_parameters
@@ -29,12 +29,12 @@ from lightning_zero3.engine.generation import install_synced_generate, remove_sy
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import restore_whole, shard_parameters
-from lightning_zero3.engine.offload import HostOffload, OffloadHooks, move_module
+from lightning_zero3.engine.offload import HostOffload, move_module
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
-from lightning_zero3.engine.record import LiveUnits, Step, StepRecord, UnitStats
+from lightning_zero3.engine.record import Step, StepRecord, UnitStats
 from lightning_zero3.engine.reduce import Reductions
-from lightning_zero3.engine.reshard import resolve, slice_group
+from lightning_zero3.engine.reshard import resolve
 from lightning_zero3.engine.schedule import Schedule
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
@@ -68,7 +68,7 @@ class ShardedModel:
         replicate = Comm(replicate_group, pool=self.pool, device=target) if replicate_group is not None else None
         self.replicate_comm = replicate
         self.reshard = resolve(config.reshard_after_forward, shard_group=self.comm.world_size)
-        group_of_g = slice_group(self.reshard)
+        group_of_g = consecutive_group(self.reshard) if type(self.reshard) is int else None  # collective
         self.slice_comm = Comm(group_of_g, pool=self.pool, device=target) if group_of_g is not None else None
         self.world_comm = Comm(None, device=target)  # control traffic: broadcasts, order check, edits
         restore_if_left_sharded(module, world_comm=self.world_comm, device=target)
@@ -81,15 +81,14 @@ class ShardedModel:
         )  # fmt: skip
         self.record = StepRecord()
         self.unit_stats = UnitStats()
-        self.live = LiveUnits(len(self.plan.units), self.unit_stats)
         groups = self.replicate_comm.world_size if self.replicate_comm is not None else 1
         self.checks = RankChecks(rank=self.comm.rank, names=[u.name for u in self.plan.units],
-                                 every=config.check_every, groups=groups)  # fmt: skip
+                                 rank_checks=config.rank_checks, groups=groups)  # fmt: skip
         self.units = [
             Unit(uid=uid, name=unit_plan.name, module=unit_plan.module,
                  params=[shards[id(entry)] for entry in unit_plan.params], comm=self.comm, checks=self.checks,
                  replicate=self.replicate_comm, param_dtype=config.param_dtype,
-                 reduce_dtype=config.reduce_dtype, pool=self.pool, record=self.record,
+                 reduce_dtype=config.reduce_dtype, record=self.record,
                  slice_comm=self.slice_comm)  # fmt: skip
             for uid, unit_plan in enumerate(self.plan.units)
         ]
@@ -113,10 +112,9 @@ class ShardedModel:
         reductions = Reductions(in_flight=self.reductions_in_flight, offload=self.offload)
         self.gradient_sync = GradientSync(self.units, reductions=reductions, persistent=self.persistent_grads,
                                           record=self.record)  # fmt: skip
-        driver = HookDriver if self.offload is None else OffloadHooks
-        self.hooks = driver(
+        self.hooks = HookDriver(
             self.units, schedule=self.schedule, checks=self.checks, grads=self.gradient_sync,
-            persistent=self.persistent_grads, live=self.live,
+            persistent=self.persistent_grads, live=self.unit_stats,
             record=self.record, world_comm=self.world_comm, reshard=self.reshard,
         )  # fmt: skip
         held = lambda: self.hooks.state is PassState.HELD
@@ -129,10 +127,6 @@ class ShardedModel:
             return "No unit order is recorded yet (first step)"
         text = "; ".join(f"{phase} {[self.units[uid].name for uid in order]}" for phase, order in orders)
         return f"The recorded unit order, which every rank must follow: {text}"
-
-    def check_tags(self) -> None:
-        """Raise `OrderMismatchError` if a collective since the last check met another unit (checks.py)."""
-        self.checks.check()
 
     # ---- lookups ----------------------------------------------------------------------------
     @property
@@ -188,7 +182,7 @@ class ShardedModel:
         return self.world_comm.rank
 
     def reset_peaks(self) -> None:
-        self.live.reset_peaks()
+        self.unit_stats.reset_peaks()
 
     # ---- gradient sync (accumulate.py, Note: unsynced accumulation) ---------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:

@@ -20,12 +20,10 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from lightning_zero3.engine.calls import PassState
-from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
 
-__all__ = ["HostOffload", "OffloadHooks", "move_module"]
+__all__ = ["HostOffload", "move_module"]
 
 
 class HostOffload:
@@ -56,7 +54,7 @@ class HostOffload:
         self._arrived.clear()
         self._sources.clear()
 
-    def begin_pass(self) -> None:
+    def begin_pass(self) -> None:  # the driver's: every pass uploads anew
         self._uploaded.clear()
 
     def fill(self, unit: Unit, out: torch.Tensor, *, exact: bool) -> None:
@@ -122,16 +120,6 @@ class HostOffload:
         if self._stream is not None and self._sources:
             self._stream.synchronize()
         self._sources.clear()
-
-
-class OffloadHooks(HookDriver):
-    """Each pass refreshes the device copies (Note: host offload)."""
-
-    def _begin_pass(self, state: PassState = PassState.FORWARD) -> None:
-        offload = self.units[0].offload
-        assert isinstance(offload, HostOffload)
-        offload.begin_pass()
-        super()._begin_pass(state)
 
 
 def move_module(module: nn.Module, shards: list[ShardedParam], device: torch.device) -> None:

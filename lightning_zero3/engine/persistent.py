@@ -56,20 +56,19 @@ class PersistentGrads:
     def __init__(self, params: list[nn.Parameter], comm: Comm) -> None:
         self.params = params
         self.comm = comm
-        self._buckets: dict[tuple[int, ...], list[_Bucket]] = {}
+        self._key: tuple[int, ...] = ()  # the trainable parameters `_buckets` were made for
+        self._buckets: list[_Bucket] = []
         self.copies = 0  # reductions that took the copy path
 
     def _buckets_for(self, params: list[nn.Parameter]) -> list[_Bucket]:
         """Kept while the set of trainable parameters holds."""
         key = tuple(id(p) for p in params)
-        buckets = self._buckets.get(key)
-        if buckets is None:
+        if key != self._key:
             by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
             for p in params:
                 by_kind.setdefault((p.dtype, p.device), []).append(p)
-            self._buckets = {key: [_Bucket(group) for group in by_kind.values()]}
-            buckets = self._buckets[key]
-        return buckets
+            self._key, self._buckets = key, [_Bucket(group) for group in by_kind.values()]
+        return self._buckets
 
     def reduce(self) -> None:
         """Average the gradients over the ranks; collective."""

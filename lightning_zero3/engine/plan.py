@@ -141,14 +141,9 @@ def make_plan(
 
     persistent: list[ParamEntry] = []
     for key, entry in entries.items():
-        # Each owner once, but every name: `state_dict()` lists the tensor under each path.
-        seen: set[tuple[int, str]] = set()
-        owners = []
-        for module, attr in entry.owners:
-            if (id(module), attr) not in seen:
-                seen.add((id(module), attr))
-                owners.append((module, attr))
-        entry.owners, entry.names = owners, list(dict.fromkeys(entry.names))
+        # Each owner once (modules hash by identity), but every name: `state_dict()` lists the
+        # tensor under each path.
+        entry.owners, entry.names = list(dict.fromkeys(entry.owners)), list(dict.fromkeys(entry.names))
         if entry.param.numel() <= max(persistence_threshold, shard_group_size):
             persistent.append(entry)
         else:

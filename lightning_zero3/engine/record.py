@@ -1,5 +1,5 @@
 """What the engine did, counted where it does it (accounting.py is the oracle): `StepRecord`, per
-step, which units it gathered, kept and reduced; `LiveUnits`, the units holding full parameters."""
+step, which units it gathered, kept and reduced; `UnitStats`, the units holding full parameters."""
 
 from __future__ import annotations
 
@@ -44,29 +44,23 @@ class UnitStats:
     alive: int = 0
     peak: int = 0
     peak_without_root: int = 0
-
-
-class LiveUnits:
-    def __init__(self, units: int, stats: UnitStats) -> None:
-        self.calls = [0] * units
-        self._alive: set[int] = set()
-        self.stats = stats
+    _calls: Counter[int] = field(default_factory=Counter, init=False, repr=False)  # holding full parameters
+    _alive: set[int] = field(default_factory=set, init=False, repr=False)
 
     def change(self, uid: int, delta: int, gather_in_flight: bool) -> None:
         """Unit `uid` gained (+1) or lost (-1) a call holding full parameters, or (0) a gather."""
-        self.calls[uid] += delta
-        if self.calls[uid] > 0 or gather_in_flight:
+        self._calls[uid] += delta
+        if self._calls[uid] > 0 or gather_in_flight:
             self._alive.add(uid)
         else:
             self._alive.discard(uid)
-        s = self.stats
-        s.alive = len(self._alive)
-        s.peak = max(s.peak, s.alive)
-        s.peak_without_root = max(s.peak_without_root, s.alive - (0 in self._alive))
+        self.alive = len(self._alive)
+        self.peak = max(self.peak, self.alive)
+        self.peak_without_root = max(self.peak_without_root, self.alive - (0 in self._alive))
 
     def reset_peaks(self) -> None:
-        self.stats.peak = self.stats.alive
-        self.stats.peak_without_root = self.stats.alive - (0 in self._alive)
+        self.peak = self.alive
+        self.peak_without_root = self.alive - (0 in self._alive)
 
 
-__all__ = ["LiveUnits", "Orders", "Step", "StepRecord", "UnitStats"]
+__all__ = ["Orders", "Step", "StepRecord", "UnitStats"]

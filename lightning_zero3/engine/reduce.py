@@ -19,14 +19,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from lightning_zero3.engine.offload import HostOffload
 from lightning_zero3.engine.unit import Unit
 
-__all__ = ["GradSink", "PendingReduce", "Reductions", "Summed", "grad_blocks"]
+__all__ = ["PendingReduce", "Reductions", "Summed", "grad_blocks"]
 
 
 @dataclass(eq=False)
@@ -62,26 +63,16 @@ class PendingReduce:
     present: list[bool] = field(default_factory=list)  # which parameters had a gradient
     done: object = None  # event after the last queued operation (CUDA), else None
     stamped: bool = False  # whether the rank checks stamped its column (checks.py)
-    scattered: bool = False
-
-
-class GradSink(Protocol):
-    """Where reduced shard gradients go instead of `.grad` (offload.py)."""
-
-    def download(self, unit: Unit, grads: list[torch.Tensor | None]) -> None: ...
-    def settle(self) -> None: ...
-    def drop(self) -> None: ...
+    replicated: bool = False  # whether its All-Reduce across shard groups went out
 
 
 class Reductions:
     """Reduce-Scatters in flight, oldest first; at most `in_flight` stay pending."""
 
-    def __init__(self, *, in_flight: int, offload: GradSink | None = None) -> None:
+    def __init__(self, *, in_flight: int, offload: HostOffload | None = None) -> None:
         self.in_flight = in_flight
-        self.offload = offload
+        self.offload = offload  # reduced shard gradients go to the host instead of `.grad`
         self._pending: deque[PendingReduce] = deque()
-        # Reductions whose All-Reduce across shard groups is not issued yet, oldest first.
-        self._awaiting_replication: list[PendingReduce] = []
 
     def start(self, unit: Unit, grads: list[torch.Tensor | None] | Summed) -> None:
         """Start reducing `unit`'s full gradients (None: frozen) or their sum with sync off."""
@@ -141,21 +132,15 @@ class Reductions:
             done = streams.event()
         present = grads.present if isinstance(grads, Summed) else [g is not None for g in grads]
         pending = PendingReduce(unit=unit, work=work, out=out, full=full, present=present, done=done, stamped=stamped)
-        if unit.replicate is not None:
-            self._awaiting_replication.append(pending)
-            if streams.enabled:
-                self._advance()  # stream-ordered: no host wait
+        if unit.replicate is not None and streams.enabled:
+            _replicate(pending)  # stream-ordered: no host wait
         return pending
 
-    def _advance(self, until: PendingReduce | None = None) -> None:
-        """Issue the All-Reduces across shard groups still waiting (up to `until`), in order."""
-        if until is not None and all(p is not until for p in self._awaiting_replication):
-            return
-        while self._awaiting_replication:
-            pending = self._awaiting_replication.pop(0)
-            _replicate(pending)
-            if pending is until:
-                return
+    def _advance(self) -> None:
+        """Issue the All-Reduces across shard groups not issued yet, oldest first."""
+        for pending in self._pending:
+            if pending.unit.replicate is not None and not pending.replicated:
+                _replicate(pending)
 
     def _finish(self, pending: PendingReduce) -> list[torch.Tensor | None]:
         """Wait for the reduction; this rank's averaged shard gradients in the shard dtype (views
@@ -163,11 +148,12 @@ class Reductions:
         unit = pending.unit
         n = unit.world_size
         if unit.replicate is not None:
-            self._advance(until=pending)
+            if not pending.replicated:  # the oldest: every older one is finished
+                _replicate(pending)
             _wait(pending, "All-Reduce", None)
             n *= unit.replicate.world_size
         else:
-            _wait_scatter(pending)
+            _wait(pending, "Reduce-Scatter", None)
             unit.comm.streams(pending.out.device).wait_for(pending.done)
         unit.pool.give("reduce", pending.full.view(-1))
         present = pending.present
@@ -197,19 +183,12 @@ def _wait(pending: PendingReduce, collective: str, stream: str | None) -> None:
         unit.checks.read_reduce(collective, unit.name, received, unit.uid, unit.reduce_dtype)
 
 
-def _wait_scatter(pending: PendingReduce) -> None:
-    """Wait for the Reduce-Scatter, once; with shard groups on the "replicate" stream, so the
-    reduce stream goes on to the next unit."""
-    if not pending.scattered:
-        pending.scattered = True
-        _wait(pending, "Reduce-Scatter", "replicate" if pending.unit.replicate is not None else None)
-
-
 def _replicate(pending: PendingReduce) -> None:
     """With shard groups: All-Reduce this rank's piece with the other groups', after the scatter."""
     unit = pending.unit
     assert unit.replicate is not None
-    _wait_scatter(pending)
+    pending.replicated = True
+    _wait(pending, "Reduce-Scatter", "replicate")  # on its stream: the reduce stream goes on to the next unit
     streams = unit.comm.streams(pending.out.device)
     with streams.on("replicate", after=pending.done, wait_current=False):  # not behind the compute
         what = f"gradients of unit '{unit.name}' across shard groups"

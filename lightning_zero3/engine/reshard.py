@@ -16,12 +16,9 @@ with FSDP2's meaning; the driver asks `after_forward` at each post-forward owing
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from lightning_zero3.engine.calls import CallState, CallTable, UnitCall, engine_mode
-from lightning_zero3.engine.comm import consecutive_group
 
-__all__ = ["after_forward", "resolve", "slice_group"]
+__all__ = ["after_forward", "resolve"]
 
 
 def resolve(setting: bool | int, *, shard_group: int) -> bool | int:
@@ -35,11 +32,6 @@ def resolve(setting: bool | int, *, shard_group: int) -> bool | int:
             f"consecutive ranks. Pick a divisor such as the processes per node, or True/False."
         )
     return setting
-
-
-def slice_group(setting: bool | int) -> dist.ProcessGroup | None:
-    """This rank's group of G for an int `setting` (resolved), else None. Collective."""
-    return consecutive_group(setting) if type(setting) is int else None
 
 
 def after_forward(setting: bool | int, call: UnitCall, calls: CallTable, *, ends_forward: bool) -> None:

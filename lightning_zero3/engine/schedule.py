@@ -8,7 +8,7 @@ issued) and becomes the new record. Ranks compare records once, after the first 
 from __future__ import annotations
 
 from lightning_zero3.engine.calls import CallTable, engine_mode
-from lightning_zero3.engine.record import LiveUnits
+from lightning_zero3.engine.record import UnitStats
 from lightning_zero3.engine.unit import Unit
 
 
@@ -26,15 +26,12 @@ class _Phase:
 
     def advance(self, uid: int, count: int) -> list[int]:
         """Record that unit `uid` starts; the `count` units to prefetch now."""
-        position = len(self.seen)
+        position, order = len(self.seen), self.order
         self.seen.append(uid)
-        if self.order is None or not self.on_track or count == 0:
-            self.on_track = self.on_track and self.order is not None
+        if order is None or not self.on_track or position >= len(order) or order[position] != uid:
+            self.on_track = False  # for the rest of the pass, whatever `count` (prefetch=0 too)
             return []
-        if position >= len(self.order) or self.order[position] != uid:
-            self.on_track = False
-            return []
-        return self.order[position + 1 : position + 1 + count]
+        return order[position + 1 : position + 1 + count]
 
     def adopt(self) -> None:
         """The pass just finished becomes the record if it differs from it."""
@@ -46,7 +43,6 @@ class Schedule:
     def __init__(self, prefetch: int) -> None:
         self.prefetch = prefetch
         self.forward, self.backward = _Phase(), _Phase()
-        self.passes_recorded = 0
 
     @property
     def forward_order(self) -> list[int] | None:
@@ -80,13 +76,12 @@ class Schedule:
     def end_backward(self) -> None:
         self.forward.adopt()
         self.backward.adopt()
-        self.passes_recorded += 1
 
 
 class Prefetcher:
     """The gathers issued ahead of the units that run next in the record."""
 
-    def __init__(self, units: list[Unit], *, schedule: Schedule, calls: CallTable, live: LiveUnits) -> None:
+    def __init__(self, units: list[Unit], *, schedule: Schedule, calls: CallTable, live: UnitStats) -> None:
         self.units = units
         self.schedule = schedule
         self.calls = calls  # a unit on its modules or kept needs no prefetch

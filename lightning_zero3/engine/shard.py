@@ -72,10 +72,9 @@ class ShardedParam:
     def requires_grad(self) -> bool:
         return self.param.requires_grad
 
-    def valid_numel(self, rank: int | None = None) -> int:
-        """Elements of rank `rank`'s shard that are not padding."""
-        r = self.rank if rank is None else rank
-        return max(0, min(self.shard_numel, self.numel - r * self.shard_numel))
+    def valid_numel(self) -> int:
+        """Elements of this rank's shard that are not padding."""
+        return max(0, min(self.shard_numel, self.numel - self.rank * self.shard_numel))
 
     def is_shard_shaped(self, value: object) -> bool:
         """Whether `value` is laid out like the shard (per-element optimizer state)."""

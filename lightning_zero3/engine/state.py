@@ -18,8 +18,7 @@ def gather_shard_tensor(model: ShardedModel, sharded: ShardedParam, shard: torch
     device = model.comm.device or shard.device
     gathered = torch.empty(n * sharded.shard_numel, dtype=shard.dtype, device=device)
     what = f"state of '{sharded.name}'"
-    work = model.comm.all_gather(gathered, shard.detach().contiguous(), async_op=False, what=what)
-    model.comm.wait(work)
+    model.comm.all_gather(gathered, shard.detach().contiguous(), async_op=False, what=what)
     return gathered[: sharded.numel].view(sharded.full_shape)
 
 

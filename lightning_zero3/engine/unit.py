@@ -26,12 +26,12 @@ and a pooled block carries its last stream's event (buffers.py), a freed storage
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.checks import OrderMismatchError, RankChecks, read_tags, tag_numel
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.record import StepRecord
@@ -54,6 +54,7 @@ class ShardSource(Protocol):
     device: torch.device
 
     def fill(self, unit: Unit, out: torch.Tensor, *, exact: bool) -> None: ...
+    def begin_pass(self) -> None: ...
 
 
 @dataclass
@@ -62,8 +63,7 @@ class _PendingGather:
     the wait: the collective writes it on its own stream after `start_gather` returns."""
 
     work: Any
-    recv: torch.Tensor
-    dtype: torch.dtype
+    recv: torch.Tensor  # in the dtype asked for
     issued: Any  # event after the issue (CUDA), else None
     tag: int  # the tag this rank stamped
     stamped: bool  # whether the step's rank checks stamped it (checks.py)
@@ -76,8 +76,8 @@ class Unit:
 
     def __init__(
         self, *, uid: int, name: str, module: nn.Module, params: list[ShardedParam], comm: Comm, checks: RankChecks,
-        replicate: Comm | None, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, pool: BufferPool,
-        record: StepRecord, slice_comm: Comm | None,
+        replicate: Comm | None, slice_comm: Comm | None, param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None, record: StepRecord,
     ) -> None:  # fmt: skip
         dtypes = {p.param.dtype for p in params}
         if len(dtypes) > 1:
@@ -92,20 +92,17 @@ class Unit:
         self.params = params
         self.comm = comm
         self.checks = checks  # stamps and reads the check slots (checks.py)
-        self.pool = pool
+        self.pool = comm.pool  # every group's buffers come from the model's one pool
         self.replicate = replicate  # hierarchical sharding: the same shards in the other groups
         self.record = record
         shard_dtype = params[0].param.dtype if params else torch.float32
         self.shard_dtype = shard_dtype
         self.param_dtype = param_dtype or shard_dtype
         self.reduce_dtype = reduce_dtype or (shard_dtype if shard_dtype.itemsize >= 4 else torch.float32)
-        self.offsets: list[int] = []
-        total = 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.shard_numel
-        self.shard_numel = total  # S (Note: flat layout)
-        self.reduce_row_numel = aligned_numel(total + 1, self.reduce_dtype)
+        numels = [p.shard_numel for p in params]
+        self.offsets = [0, *accumulate(numels)][:-1]  # o_i (Note: flat layout)
+        self.shard_numel = sum(numels)  # S
+        self.reduce_row_numel = aligned_numel(self.shard_numel + 1, self.reduce_dtype)
         self._pending: _PendingGather | None = None
         # reshard_after_forward=G: the group of G and the slice kept after forward, with the shard
         # versions it was cut at (reshard.py).
@@ -179,14 +176,15 @@ class Unit:
         with streams.on("gather", after=copied):
             work = comm.all_gather(recv, mine, async_op=True, what=f"unit '{self.name}'")
             issued = streams.event()
-        self._pending = _PendingGather(work, recv, dtype, issued, tag, stamped, comm, s)
+        self._pending = _PendingGather(work, recv, issued, tag, stamped, comm, s)
         self.record.add("gathered" if kept is None else "gathered_slice", self.uid)
         if stamped:
             self.checks.in_flight[self.uid] = self._settle_if_arrived
 
     def _settle_if_arrived(self) -> None:
         """checks.py, Note: deferred tag checks: record the tags of a completed gather, never wait."""
-        if self._pending is None or not self.comm.completed(self._pending.work):
+        pending = self._pending
+        if pending is None or (pending.work is not None and not pending.work.is_completed()):
             return
         try:
             gathered = self._wait_gather()
@@ -239,7 +237,7 @@ class Unit:
         values). With `into` (tensors `release` emptied), refill their storage without bumping
         their version (Note: full-parameter blocks)."""
         asked, dtype = dtype, dtype or self.param_dtype
-        if self._pending is not None and self._pending.dtype != dtype:
+        if self._pending is not None and self._pending.recv.dtype != dtype:
             self.discard_gather()
         self.start_gather(asked)
         gathered = self._wait_gather()
