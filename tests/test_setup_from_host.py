@@ -6,6 +6,7 @@ can only see which tensors the strategy asks to move, not device memory."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -95,3 +96,37 @@ def test_a_second_setup_moves_no_whole_parameter_to_the_device():
     for moved in run_ranks(_second_setup_moves, 2):
         assert moved, "the check saw no parameter move at all"
         assert [shape for shape in moved if len(shape) > 1] == [], moved  # shards are 1-D; whole weights not
+
+
+def _whole_tensors_after_a_step(rank: int, world_size: int, model: nn.Module) -> dict[str, Any]:
+    shared_on_arrival = all(t.is_shared() for t in [*model.parameters(), *model.buffers()])
+    ShardedModel(model, persistence_threshold=10**6)  # every parameter stays whole
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.manual_seed(rank)  # each rank its own batch: the running statistics differ by rank
+    model(torch.randn(8, 4)).square().sum().backward()
+    optimizer.step()
+    torch.distributed.barrier()  # both ranks have stepped before either reads
+    return {"shared_on_arrival": shared_on_arrival, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_whole_tensors_a_forkserver_start_left_in_shared_memory_become_each_ranks_own():
+    """Engine Note: memory shared by ranks. Passed to the ranks as a forkserver launcher passes it,
+    the model's CPU tensors arrive in one shared memory; the persistent parameters and the
+    BatchNorm statistics each rank updates must be its own (else the step lands twice, and the
+    statistics mix the ranks' batches)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    reference = {}
+    for rank in range(2):  # one process: the gradients are averaged, the statistics are each rank's
+        twin = copy.deepcopy(model)
+        torch.manual_seed(rank)
+        twin(torch.randn(8, 4)).square().sum().backward()
+        reference[rank] = twin
+    grads = [dict((n, p.grad) for n, p in twin.named_parameters()) for twin in reference.values()]
+    averaged = {n: (grads[0][n] + grads[1][n]) / 2 for n in grads[0]}
+    for rank, result in enumerate(run_ranks(_whole_tensors_after_a_step, 2, model)):
+        assert result["shared_on_arrival"], "the ranks did not receive the model in shared memory"
+        expected = {n: p.detach() - 0.5 * averaged[n] for n, p in model.named_parameters()}
+        expected |= {n: b for n, b in reference[rank].named_buffers()}
+        for name, tensor in result["state"].items():
+            torch.testing.assert_close(tensor, expected[name], msg=f"rank {rank}: {name}")

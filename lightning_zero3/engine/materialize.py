@@ -18,6 +18,12 @@ A model whole in host memory is sharded from there: each module's own parameters
 target device only to be broadcast and cut, so it never holds more than the shards and one
 module; persistent parameters and buffers move for good. So the strategy does not move the
 module before sharding (strategy.py, `model_to_device`).
+
+[Note: memory shared by ranks]
+A multiprocessing launcher started by forkserver hands every rank the parent's module with its
+CPU tensors in shared memory (Lightning's makes private copies for spawn only). What stays whole
+(persistent parameters, buffers) is then one tensor that every rank updates in place: steps and
+running statistics applied once per rank, racing. So each becomes this rank's own copy here.
 """
 
 from __future__ import annotations
@@ -100,6 +106,8 @@ def shard_parameters(
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.device != device:
                 module._buffers[name] = buffer.to(device)
+            elif buffer is not None and _shared_by_ranks(buffer):
+                module._buffers[name] = buffer.clone()  # Note: memory shared by ranks
         buffers = [b for b in module._buffers.values() if b is not None]
         if sync_module_states and world_comm.world_size > 1:
             _broadcast_from_rank0([full for _, _, full in whole] + buffers, world_comm)
@@ -224,12 +232,18 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
 
 def _on(param: nn.Parameter, device: torch.device, *, keep: bool) -> torch.Tensor:
     """`param`'s values on `device`: moved for good with `keep` (Note: sharding from host memory)."""
+    if keep and _shared_by_ranks(param):
+        param.data = param.data.clone()  # Note: memory shared by ranks
     if param.device == device:
         return param.data
     if keep:
         param.data = param.data.to(device)
         return param.data
     return param.detach().to(device)
+
+
+def _shared_by_ranks(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.is_shared()  # a CUDA tensor always says shared
 
 
 def _shard(
