@@ -34,6 +34,7 @@ from typing_extensions import override
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.core import ShardedRun
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
+from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.grads import sharded_grad_norm
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 
@@ -87,11 +88,12 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     # ---- building and sharding the model ----------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        # empty_init: on the meta device, materialised one module at a time by setup_module
-        # (engine/materialize.py); otherwise in host memory, as under Lightning's FSDP.
+        # empty_init: parameters on the meta device, buffers real (Note: only parameters on meta),
+        # materialised one module at a time by setup_module (engine/materialize.py); otherwise in
+        # host memory, as under Lightning's FSDP. As the Trainer's strategy (strategy.py).
         stack = ExitStack()
         if empty_init:
-            stack.enter_context(torch.device("meta"))
+            stack.enter_context(parameters_on_meta(self.root_device))
         stack.enter_context(self.precision.module_init_context())
         return stack
 

@@ -5,6 +5,7 @@ metric states come out real (engine/materialize.py, Note: only parameters on met
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.materialize import parameters_on_meta
+from tests import fabric_helpers
 from tests.lit import LitMLP, become_lightning_rank, dataset, loader, trainer
 from tests.ranks import run_ranks
 
@@ -113,3 +115,32 @@ def _validate_after_empty_init(rank: int, world_size: int) -> Any:
 def test_init_module_empty_init_with_a_torchmetrics_attribute_validates_exactly() -> None:
     for mae, expected in run_ranks(_validate_after_empty_init, 2):
         assert abs(mae - expected) < TOL
+
+
+class _WithComputedBuffer(nn.Module):
+    """A buffer computed in `__init__` (as a rotary `inv_freq`), which nothing re-creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.arange(1.0, 5.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def _buffer_after_fabric_empty_init(fabric: Any) -> tuple[list[float], list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fabric.init_module(empty_init=True):
+            model = _WithComputedBuffer()
+        model = fabric.setup(model)
+    return model.module.scale.tolist(), [str(w.message) for w in caught if "meta device" in str(w.message)]
+
+
+def test_fabric_init_module_empty_init_keeps_the_values_of_buffers_computed_in_init() -> None:
+    """Fabric's `init_module(empty_init=True)` defers only parameters, as the Trainer's does
+    (engine/materialize.py, Note: only parameters on meta)."""
+    scale, warned = fabric_helpers.launch(_buffer_after_fabric_empty_init)
+    assert scale == [1.0, 2.0, 3.0, 4.0]
+    assert warned == []
