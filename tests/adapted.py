@@ -76,6 +76,18 @@ class HandsBack(pl.Callback):
         trainer.callback_metrics.update({name: [rank[name] for rank in every_rank] for name in seen})
 
 
+class SavesAfterFit(pl.Callback):
+    """`trainer.save_checkpoint(path)` on every rank after `fit`, the strategy torn down (its
+    `on_fit_end`), as a user's script saves after `fit` returns."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
 def _attribute(obj: Any, path: str) -> Any:
     for name in path.split("."):
         obj = obj[name] if isinstance(obj, dict) else getattr(obj, name)

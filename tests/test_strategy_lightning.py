@@ -16,7 +16,7 @@ import torchmetrics
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader
 
-from tests.adapted import HandsBack, launched
+from tests.adapted import HandsBack, SavesAfterFit, launched
 from tests.lit import LitMLP, dataset, loader, max_difference, reference_fit, trainer
 
 TOL = 1e-5
@@ -189,22 +189,12 @@ def test_stats_report_formula_bytes_and_sharded_model_state(world_size: int) -> 
         assert stats["peak_units_alive_without_root"] <= 1 + 1
 
 
-class _SavesAfterFit(pl.Callback):
-    """`trainer.save_checkpoint(path)` after `fit`, the strategy torn down (its `on_fit_end`)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)
-
-
 @pytest.mark.parametrize("resume_world_size", [1, 3])
 def test_full_checkpoint_resumes_at_another_world_size(tmp_path: Any, resume_world_size: int) -> None:
     path = str(tmp_path / "model.ckpt")
     torch.manual_seed(0)
     first = LitMLP()
-    _launched(2, {"state_dict_type": "full"}, max_epochs=1, callbacks=[_SavesAfterFit(path)]).fit(first, loader(2))
+    _launched(2, {"state_dict_type": "full"}, max_epochs=1, callbacks=[SavesAfterFit(path)]).fit(first, loader(2))
     checkpoint = torch.load(path, weights_only=False)
     assert checkpoint["state_dict"]["net.head.weight"].shape == (5, 13)  # whole tensors on disk
     assert checkpoint["optimizer_states"][0]["state"][0]["exp_avg"].shape == (13, 7)
