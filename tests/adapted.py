@@ -18,7 +18,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from typing_extensions import override
 
 import lightning_zero3
@@ -49,8 +51,26 @@ def launched(strategy: str, **options: Any) -> Strategy:
     the forkserver of tests/ranks.py (which preloads torch, Lightning and these tests, so a launch
     costs well under a second), with a collective timeout so that a hang fails the test."""
     _mp_context()  # the forkserver's preload is set before it starts
-    cls = DDPStrategy if strategy == "ddp" else lightning_zero3.ZeRO3Strategy
+    cls = _UnsharedDDP if strategy == "ddp" else lightning_zero3.ZeRO3Strategy
     return cls(start_method="forkserver", timeout=timedelta(seconds=60), **options)
+
+
+class _UnsharedLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher, but each rank copies the module's tensors it unpickled. torch pickles a
+    CPU tensor into memory shared by every rank; Lightning copies them for "spawn" only
+    (`_disable_module_memory_sharing`), not for "forkserver", which pickles alike: DDP's ranks then
+    step the same weights (twice the update, racing)."""
+
+    @override
+    def _wrapping_function(self, process_idx: int, trainer: Any, function: Any, args: Any, *rest: Any) -> None:
+        args = _disable_module_memory_sharing(args)
+        super()._wrapping_function(process_idx, trainer, function, args, *rest)
+
+
+class _UnsharedDDP(DDPStrategy):
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = _UnsharedLauncher(self, start_method=self._start_method)
 
 
 def hand_back(trainer: pl.Trainer, **values: Any) -> None:
