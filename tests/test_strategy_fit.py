@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from tests.adapted import HandsBack, launched
@@ -14,11 +15,13 @@ from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer
 TOL = 1e-5
 
 
-def _fit(options: dict[str, Any], model_kwargs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+def _fit(
+    options: dict[str, Any], model_kwargs: dict[str, Any], **strategy_options: Any
+) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
     """The weights handed back after `fit`, and each rank's loss of every optimizer step."""
     torch.manual_seed(0)
     model = LitMLP(**model_kwargs)
-    strategy = launched("zero3", prefetch=options.pop("prefetch", 1))
+    strategy = launched("zero3", **strategy_options)
     fit = trainer(strategy, 2, callbacks=[HandsBack(losses="lightning_module.step_losses")], **options)
     fit.fit(model, loader(2))
     return model.state_dict(), fit.callback_metrics["losses"]
@@ -70,6 +73,18 @@ def test_manual_optimization_matches_single_process() -> None:
 
 
 def test_activation_checkpointing_inside_lightning_matches_single_process() -> None:
-    state, _ = _fit({"max_epochs": 1, "prefetch": 2}, {"checkpointing": "non_reentrant"})
+    state, _ = _fit({"max_epochs": 1}, {"checkpointing": "non_reentrant"}, prefetch=2)
     expected, _ = _reference({}, epochs=1)
+    assert max_difference(state, expected) < TOL
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect: under start_method='forkserver' on CPU the parameters kept whole stay in the memory torch "
+    "shares between the ranks that unpickled them (Lightning's launcher copies them for 'spawn' only), so "
+    "every rank's optimizer step updates the same tensors",
+)
+def test_parameters_kept_whole_train_exactly_under_a_forkserver_launch() -> None:
+    state, _ = _fit({"max_steps": 2}, {}, persistence_threshold=13)  # norms and small biases kept whole
+    expected, _ = _reference({}, max_steps=2)
     assert max_difference(state, expected) < TOL
