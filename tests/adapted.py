@@ -18,7 +18,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from typing_extensions import override
 
 import lightning_zero3
 from tests.lit import become_lightning_rank
@@ -43,20 +46,72 @@ def lightning_trainer(strategy: str, root: str | Path, **kwargs: Any) -> pl.Trai
     return pl.Trainer(**options)
 
 
-def launched(strategy: str) -> Strategy:
-    """The strategy named, started by Lightning's multiprocessing launcher from the forkserver of
-    tests/ranks.py (which preloads torch, Lightning and these tests, so a launch costs well under
-    a second), with a collective timeout so that a hang fails the test."""
+def launched(strategy: str, **options: Any) -> Strategy:
+    """The strategy named (with `options`), started by Lightning's multiprocessing launcher from
+    the forkserver of tests/ranks.py (which preloads torch, Lightning and these tests, so a launch
+    costs well under a second), with a collective timeout so that a hang fails the test."""
     _mp_context()  # the forkserver's preload is set before it starts
-    if strategy == "ddp":
-        return DDPStrategy(start_method="forkserver", timeout=timedelta(seconds=60))
-    return lightning_zero3.ZeRO3Strategy(start_method="forkserver", timeout=timedelta(seconds=60))
+    cls = _UnsharedDDP if strategy == "ddp" else lightning_zero3.ZeRO3Strategy
+    return cls(start_method="forkserver", timeout=timedelta(seconds=60), **options)
+
+
+class _UnsharedLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher, but each rank copies the module's tensors it unpickled. torch pickles a
+    CPU tensor into memory shared by every rank; Lightning copies them for "spawn" only
+    (`_disable_module_memory_sharing`), not for "forkserver", which pickles alike: DDP's ranks then
+    step the same weights (twice the update, racing)."""
+
+    @override
+    def _wrapping_function(self, process_idx: int, trainer: Any, function: Any, args: Any, *rest: Any) -> None:
+        args = _disable_module_memory_sharing(args)
+        super()._wrapping_function(process_idx, trainer, function, args, *rest)
+
+
+class _UnsharedDDP(DDPStrategy):
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = _UnsharedLauncher(self, start_method=self._start_method)
 
 
 def hand_back(trainer: pl.Trainer, **values: Any) -> None:
     """Put what a rank saw (numbers, lists of them, or strings) into `trainer.callback_metrics`,
     which the launcher hands back from rank 0 to the test process."""
     trainer.callback_metrics.update({k: v if isinstance(v, str) else torch.tensor(v) for k, v in values.items()})
+
+
+class HandsBack(pl.Callback):
+    """Hands back what every rank saw: at the end of each launched run (the `teardown` hook, after
+    the strategy's own: under zero3 the module at rest), each rank reads the trainer's attributes
+    named by dotted paths ("lightning_module.step_losses", "callback_metrics.val_loss"); in the test
+    process `trainer.callback_metrics[name]` is then a list of the ranks' values, in rank order."""
+
+    def __init__(self, **paths: str) -> None:
+        self.paths = paths
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        seen = {name: _attribute(trainer, path) for name, path in self.paths.items()}
+        every_rank: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(every_rank, seen)
+        trainer.callback_metrics.update({name: [rank[name] for rank in every_rank] for name in seen})
+
+
+class SavesAfterFit(pl.Callback):
+    """`trainer.save_checkpoint(path)` on every rank after `fit`, the strategy torn down (its
+    `on_fit_end`), as a user's script saves after `fit` returns."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def _attribute(obj: Any, path: str) -> Any:
+    for name in path.split("."):
+        obj = obj[name] if isinstance(obj, dict) else getattr(obj, name)
+    return obj
 
 
 def _as_lightning_rank(rank: int, world_size: int, fn: Callable[..., Any], args: tuple) -> Any:

@@ -9,6 +9,7 @@ imported torch once, so a launch costs ~0.1 s after the first.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import queue as queue_module
@@ -79,8 +80,12 @@ def _mp_context() -> Any:
     if _context is None:
         _context = mp.get_context("forkserver")
         preload = ["torch", "lightning.pytorch", "lightning_zero3", "tests.ranks", "tests.models", "tests.adapted"]
-        # The adapted Lightning tests, whose modules and callbacks their launched ranks unpickle.
-        preload += sorted(f"tests.{path.stem}" for path in Path(__file__).parent.glob("test_lightning_*.py"))
+        # The tests that launch Lightning's ranks (tests/adapted.py), whose modules and callbacks
+        # those ranks unpickle; the Hugging Face models some send; s3fs, which Lightning's
+        # `_atomic_save` imports at a rank's first save (0.5 s, each launch hands weights back so).
+        tests = Path(__file__).parent.glob("test_*.py")
+        preload += sorted(f"tests.{path.stem}" for path in tests if "from tests.adapted import" in path.read_text())
+        preload += [name for name in ("transformers", "peft", "s3fs") if importlib.util.find_spec(name) is not None]
         _context.set_forkserver_preload(preload)
     return _context
 

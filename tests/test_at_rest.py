@@ -2,7 +2,10 @@
 validate, test, predict and a second `fit` by the same strategy resume the same run and compute
 what one process computes; the module's own `state_dict()` is refused on every rank, naming the
 way to whole weights, `strategy.full_state_dict()`, which equals one process's; given to another
-strategy and back, the first strategy's run no longer holds it and builds anew. 2 gloo ranks against one process."""
+strategy and back, the first strategy's run no longer holds it and builds anew. 2 gloo ranks against one process.
+On the harness's ranks (tests/ranks.py), which run several Trainer calls in one process as a
+torchrun job does: Lightning's multiprocessing launcher starts new processes for each call, so no
+module stays at rest between its calls (tests/test_strategy_lightning.py runs that sequence launched)."""
 
 from __future__ import annotations
 

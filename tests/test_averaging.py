@@ -1,11 +1,15 @@
 """`ShardedEMAWeightAveraging` / `ShardedWeightAveraging` (lightning_zero3/averaging.py) under
 zero3 give the weights Lightning's `EMAWeightAveraging` / `WeightAveraging` give under DDP: after
 fit (the average copied into the model) and while validating (the average swapped in); and a
-run resumed from a sharded checkpoint at another world size continues the average exactly."""
+run resumed from a sharded checkpoint at another world size continues the average exactly. On the
+gloo harness (tests/ranks.py): a multiprocessing launcher pickles the callbacks to its ranks, and
+Lightning's EMAWeightAveraging, the reference, holds a local function, which no pickle takes (ours
+pickle: the last test)."""
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +100,11 @@ def test_the_average_resumes_exactly_from_a_sharded_checkpoint_at_another_world_
     uninterrupted = run_ranks(_fit_saving_after_epoch_1, 2, str(tmp_path))[0]
     for resumed in run_ranks(_resume, 3, str(tmp_path / "epoch=0.ckpt"), "sharded"):
         assert max_difference(resumed, uninterrupted) < TOL
+
+
+@pytest.mark.parametrize("kind", ["ema", "swa"])
+def test_the_averaging_callbacks_pickle_as_a_spawning_launcher_sends_them(kind: str) -> None:
+    callback = _callback(kind, sharded=True)
+    copy = pickle.loads(pickle.dumps(callback))
+    assert vars(copy).keys() == vars(callback).keys()
+    assert getattr(copy, "decay", None) == getattr(callback, "decay", None)

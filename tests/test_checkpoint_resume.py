@@ -1,6 +1,7 @@
 """`trainer.fit(model, ckpt_path=...)` under zero3 continues exactly where the saved run was: the
 resumed epoch's losses equal those of an uninterrupted single-process run, whatever the kind of
-checkpoint (sharded, full, Lightning DDP's) and the world sizes that wrote and read it."""
+checkpoint (sharded, full, Lightning DDP's) and the world sizes that wrote and read it. Every run's
+ranks are started by the strategy's launcher (tests/adapted.py `launched`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -17,38 +19,46 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero3 import consolidate_checkpoint
 from lightning_zero3.checkpoint import CheckpointError
 from lightning_zero3.checkpoint.full import read_full_file
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
-from tests.ranks import run_ranks
+from tests.adapted import HandsBack, SavesAfterFit, launched
+from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer
 
 TOL = 1e-5
 STEPS_PER_EPOCH = 4
 
 
-def _fit_one_epoch_and_save(rank: int, world_size: int, directory: str) -> None:
+class _SavesBothKinds(pl.Callback):
+    """After `fit`, at rest (its `on_fit_end`, the strategy torn down): sharded.ckpt and full.ckpt."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(os.path.join(self.directory, "sharded.ckpt"))
+        options = trainer.strategy.lightning_options
+        trainer.strategy.lightning_options = dataclasses.replace(options, state_dict_type="full")
+        trainer.save_checkpoint(os.path.join(self.directory, "full.ckpt"))
+
+
+def _fit_one_epoch_and_save(world_size: int, directory: str) -> None:
     """One epoch with a ModelCheckpoint (sharded, written during fit), then both kinds saved after
     fit, at rest."""
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
     torch.manual_seed(0)
     model = LitMLP()
-    callback = ModelCheckpoint(dirpath=directory, filename="during_fit")
-    t = trainer(ZeRO3Strategy(), world_size, max_epochs=1, enable_checkpointing=True, callbacks=[callback])
+    callbacks = [ModelCheckpoint(dirpath=directory, filename="during_fit"), _SavesBothKinds(directory)]
+    t = trainer(launched("zero3"), world_size, max_epochs=1, enable_checkpointing=True, callbacks=callbacks)
     t.fit(model, loader(world_size))
-    t.save_checkpoint(os.path.join(directory, "sharded.ckpt"))
-    t.strategy.lightning_options = dataclasses.replace(t.strategy.lightning_options, state_dict_type="full")
-    t.save_checkpoint(os.path.join(directory, "full.ckpt"))
 
 
-def _resume(rank: int, world_size: int, path: str, strategy: str = "zero3") -> tuple[list[float], dict]:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
+def _resume(world_size: int, path: str | Path, strategy: str = "zero3") -> list[tuple[list[float], dict]]:
+    """Each rank's losses of the resumed epoch, with the whole weights the launcher handed back."""
     torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
     model = LitMLP()
-    t = trainer(ZeRO3Strategy() if strategy == "zero3" else strategy, world_size, max_epochs=2)
+    t = trainer(
+        launched(strategy), world_size, max_epochs=2, callbacks=[HandsBack(losses="lightning_module.step_losses")]
+    )
     t.fit(model, loader(world_size), ckpt_path=path)
-    return model.step_losses, whole_state(model)
+    assert len(t.callback_metrics["losses"]) == world_size
+    return [(losses, model.state_dict()) for losses in t.callback_metrics["losses"]]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +69,7 @@ def saved_at(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def get(world_size: int) -> Path:
         if world_size not in cache:
             directory = tmp_path_factory.mktemp(f"saved_at_{world_size}")
-            run_ranks(_fit_one_epoch_and_save, world_size, str(directory))
+            _fit_one_epoch_and_save(world_size, str(directory))
             cache[world_size] = directory
         return cache[world_size]
 
@@ -88,18 +98,18 @@ def test_sharded_checkpoint_from_model_checkpoint_resumes_at_1_2_and_3_ranks(
 ):
     path = saved_at(2) / "during_fit.ckpt"
     assert (path / "meta.json").is_file()
-    _assert_continues_uninterrupted(run_ranks(_resume, resume_world_size, str(path)), uninterrupted)
+    _assert_continues_uninterrupted(_resume(resume_world_size, path), uninterrupted)
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 @pytest.mark.parametrize("saved_world_size", [1, 3])
 def test_checkpoint_saved_at_1_or_3_ranks_resumes_at_2(saved_at, uninterrupted, saved_world_size, kind):
     path = saved_at(saved_world_size) / f"{kind}.ckpt"
-    _assert_continues_uninterrupted(run_ranks(_resume, 2, str(path)), uninterrupted)
+    _assert_continues_uninterrupted(_resume(2, path), uninterrupted)
 
 
 def test_full_checkpoint_resumes_at_the_same_world_size(saved_at, uninterrupted):
-    _assert_continues_uninterrupted(run_ranks(_resume, 2, str(saved_at(2) / "full.ckpt")), uninterrupted)
+    _assert_continues_uninterrupted(_resume(2, saved_at(2) / "full.ckpt"), uninterrupted)
 
 
 def test_sharded_checkpoint_saved_after_fit_equals_the_one_saved_during_fit(saved_at, tmp_path):
@@ -145,15 +155,6 @@ def test_full_and_consolidated_checkpoints_load_without_lightning_zero3(saved_at
         assert max_difference(model.state_dict(), reference.state_dict()) < TOL
 
 
-def _validate(rank: int, world_size: int, path: str) -> float:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    torch.manual_seed(1)
-    (metrics,) = trainer(ZeRO3Strategy(), world_size).validate(LitMLP(), loader(world_size), ckpt_path=path)
-    return metrics["val_loss"]
-
-
 def test_validate_with_a_sharded_checkpoint_uses_its_weights(saved_at):
     torch.manual_seed(0)
     reference = LitMLP()
@@ -161,40 +162,26 @@ def test_validate_with_a_sharded_checkpoint_uses_its_weights(saved_at):
     x, y = loader(1).dataset.tensors
     with torch.no_grad():
         expected = float(torch.nn.functional.mse_loss(reference(x), y))
-    for val_loss in run_ranks(_validate, 3, str(saved_at(2) / "sharded.ckpt")):
+    torch.manual_seed(1)
+    validate = trainer(launched("zero3"), 3, callbacks=[HandsBack(val_loss="callback_metrics.val_loss")])
+    validate.validate(LitMLP(), loader(3), ckpt_path=saved_at(2) / "sharded.ckpt")
+    assert len(validate.callback_metrics["val_loss"]) == 3
+    for val_loss in validate.callback_metrics["val_loss"]:
         assert abs(val_loss - expected) < TOL
-
-
-def _ddp_fit_one_epoch_and_save(rank: int, world_size: int, directory: str) -> None:
-    become_lightning_rank(rank, world_size)
-    torch.manual_seed(0)
-    model = LitMLP()
-    t = trainer("ddp", world_size, max_epochs=1)
-    t.fit(model, loader(world_size))
-    t.save_checkpoint(os.path.join(directory, "ddp.ckpt"))
-    if rank == 0:
-        torch.save(model.state_dict(), os.path.join(directory, "weights.pt"))
 
 
 @pytest.fixture(scope="module")
 def saved_by_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("ddp")
-    run_ranks(_ddp_fit_one_epoch_and_save, 2, str(directory))
+    torch.manual_seed(0)
+    model = LitMLP()
+    trainer(launched("ddp"), 2, max_epochs=1, callbacks=[SavesAfterFit(directory / "ddp.ckpt")]).fit(model, loader(2))
+    torch.save(model.state_dict(), directory / "weights.pt")  # the weights DDP's launcher handed back
     return directory
 
 
 def test_ddp_checkpoint_resumes_under_zero3_at_another_world_size(saved_by_ddp, uninterrupted):
-    _assert_continues_uninterrupted(run_ranks(_resume, 3, str(saved_by_ddp / "ddp.ckpt")), uninterrupted)
-
-
-def _fine_tune(rank: int, world_size: int, path: str) -> list[float]:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    model = LitMLP()
-    model.load_state_dict(torch.load(path, weights_only=True))  # before fit: sharding starts from it
-    trainer(ZeRO3Strategy(), world_size, max_epochs=1).fit(model, loader(world_size))
-    return model.step_losses
+    _assert_continues_uninterrupted(_resume(3, saved_by_ddp / "ddp.ckpt"), uninterrupted)
 
 
 def test_plain_state_dict_file_fine_tunes_under_zero3(saved_by_ddp):
@@ -202,7 +189,14 @@ def test_plain_state_dict_file_fine_tunes_under_zero3(saved_by_ddp):
     reference = LitMLP()
     reference.load_state_dict(torch.load(weights, weights_only=True))
     expected = reference_fit(reference, epochs=1)  # a fresh optimizer from the loaded weights
-    for losses in run_ranks(_fine_tune, 2, str(weights)):
+    model = LitMLP()
+    model.load_state_dict(torch.load(weights, weights_only=True))  # before fit: sharding starts from it
+    fine_tune = trainer(
+        launched("zero3"), 2, max_epochs=1, callbacks=[HandsBack(losses="lightning_module.step_losses")]
+    )
+    fine_tune.fit(model, loader(2))
+    for losses in fine_tune.callback_metrics["losses"]:
+        assert len(losses) == len(expected)
         assert max(abs(a - b) for a, b in zip(losses, expected)) < TOL
 
 

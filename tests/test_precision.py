@@ -1,18 +1,23 @@
 """Mixed precision: 16-bit gathers (half the bytes), a configurable reduce dtype, fp32 master
-shards, and a GradScaler whose skip decision every rank shares."""
+shards, and a GradScaler whose skip decision every rank shares. The Trainer's ranks are started
+by the strategy's launcher (tests/adapted.py `launched`), but the refusal of a 16-bit param_dtype
+under fp32 precision runs on the gloo harness (tests/ranks.py), which reads every rank's error."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel
 from lightning_zero3.engine.shard import shard_slice
 from tests import models
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
+from tests.adapted import HandsBack, launched
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
 from tests.parity import local_slice
 from tests.ranks import run_ranks
 
@@ -108,52 +113,48 @@ def test_grad_scaler_skip_decision_is_the_same_on_every_rank() -> None:
         assert result["scale"] == 2.0**9  # and every rank backed off
 
 
-def _lightning_bf16(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
+class _WholeDtypes(pl.Callback):
+    """The dtypes of the whole weights after `fit`, read the user's way (`full_state_dict`)."""
 
-    class _Probe(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
-        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            self.stats = trainer.strategy.stats
-
-    probe = _Probe()
-    torch.manual_seed(0)
-    model = LitMLP(sgd=True)  # SGD: parameter differences track gradient differences
-    t = trainer(ZeRO3Strategy(), world_size, max_steps=3, precision="bf16-mixed", callbacks=[probe])
-    t.fit(model, loader(world_size))
-    return probe.stats, model.step_losses, whole_state(model)
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        whole = trainer.strategy.full_state_dict(rank0_only=False)
+        pl_module.dtypes = sorted({str(tensor.dtype) for tensor in whole.values()})
 
 
 def test_trainer_bf16_mixed_gathers_in_bf16_and_stays_close_to_single_process() -> None:
     torch.manual_seed(0)
     reference = LitMLP(sgd=True)
     losses = reference_fit(reference, max_steps=3, autocast=torch.bfloat16)
-    for stats, step_losses, state in run_ranks(_lightning_bf16, 2):
+    torch.manual_seed(0)
+    model = LitMLP(sgd=True)  # SGD: parameter differences track gradient differences
+    every_rank = HandsBack(
+        stats="strategy.stats", losses="lightning_module.step_losses", dtypes="lightning_module.dtypes"
+    )
+    fit = trainer(launched("zero3"), 2, max_steps=3, precision="bf16-mixed", callbacks=[_WholeDtypes(), every_rank])
+    fit.fit(model, loader(2))
+    back = fit.callback_metrics
+    for stats, step_losses, dtypes in zip(back["stats"], back["losses"], back["dtypes"], strict=True):
         assert (stats["param_dtype"], stats["reduce_dtype"]) == ("bfloat16", "float32")
         assert stats["last_step"]["all_gather"]["payload_bytes"] == stats["expected_step_bytes"]["all_gather"]
         assert max(abs(a - b) for a, b in zip(step_losses, losses)) < 2e-2
-        assert max_difference(state, reference.state_dict()) < 2e-2
-        assert all(v.dtype == torch.float32 for v in state.values())  # fp32 master weights
-
-
-def _bf16_true(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    torch.manual_seed(0)
-    model = LitMLP(sgd=True)
-    trainer(ZeRO3Strategy(), world_size, max_steps=3, precision="bf16-true").fit(model, loader(world_size))
-    return model.step_losses, whole_state(model)
+        assert dtypes == ["torch.float32"]  # fp32 master weights
+    assert max_difference(model.state_dict(), reference.state_dict()) < 2e-2
 
 
 def test_bf16_true_holds_bf16_shards_and_trains_like_a_bf16_single_process() -> None:
     torch.manual_seed(0)
     reference = LitMLP(sgd=True).to(torch.bfloat16)
     losses = reference_fit(reference, max_steps=3, input_dtype=torch.bfloat16)
-    for step_losses, state in run_ranks(_bf16_true, 2):
-        assert all(v.dtype == torch.bfloat16 for v in state.values())
+    torch.manual_seed(0)
+    model = LitMLP(sgd=True)
+    every_rank = HandsBack(losses="lightning_module.step_losses", dtypes="lightning_module.dtypes")
+    fit = trainer(launched("zero3"), 2, max_steps=3, precision="bf16-true", callbacks=[_WholeDtypes(), every_rank])
+    fit.fit(model, loader(2))
+    for step_losses, dtypes in zip(fit.callback_metrics["losses"], fit.callback_metrics["dtypes"], strict=True):
+        assert dtypes == ["torch.bfloat16"]
         assert max(abs(a - b) for a, b in zip(step_losses, losses)) < 2e-2
-        assert max_difference(state, reference.state_dict()) < 2e-2
+    # the launcher's bf16 weights, loaded into this process's fp32 module (every bf16 value is an fp32 one)
+    assert max_difference(model.state_dict(), reference.state_dict()) < 2e-2
 
 
 @pytest.mark.parametrize("value", ["int8", 3, torch.int32])
@@ -184,28 +185,13 @@ def test_sixteen_bit_param_dtype_under_fp32_precision_raises_a_clear_error() -> 
         assert "precision='bf16-mixed'" in message and "param_dtype" in message
 
 
-def _fp16_mixed_with_scaler(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    import lightning.pytorch as pl
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    from lightning_zero3 import ZeRO3Strategy
-
-    class _Probe(pl.Callback):
-        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            self.stats = trainer.strategy.stats
-            self.scaler = type(trainer.precision_plugin.scaler).__name__
-
-    probe = _Probe()
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    t = trainer(ZeRO3Strategy(), world_size, max_steps=2, plugins=[plugin], callbacks=[probe])
-    t.fit(LitMLP(), loader(world_size))
-    return probe.scaler, probe.stats
-
-
 def test_trainer_16_mixed_loss_scaling_agrees_on_skips_and_counts_the_flag() -> None:
-    for scaler, stats in run_ranks(_fp16_mixed_with_scaler, 2):
-        assert scaler == "AgreeingGradScaler"
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    every_rank = HandsBack(scaler="precision_plugin.scaler.__class__.__name__", stats="strategy.stats")
+    fit = trainer(launched("zero3"), 2, max_steps=2, plugins=[plugin], callbacks=[every_rank])
+    fit.fit(LitMLP(), loader(2))
+    assert fit.callback_metrics["scaler"] == ["AgreeingGradScaler"] * 2
+    for stats in fit.callback_metrics["stats"]:
         assert stats["param_dtype"] == "float16"
         assert stats["last_step_control"]["all_reduce"]["calls"] == 1  # the inf/NaN flag, once per step
 
@@ -217,30 +203,19 @@ class _FusedAdamW(LitMLP):
         return torch.optim.AdamW(param_groups(self), lr=self.lr, fused=True)
 
 
-def _fp16_mixed_fused_clipped(rank: int, world_size: int) -> dict:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    torch.manual_seed(0)
-    model = _FusedAdamW()
-    from lightning.pytorch.plugins import MixedPrecision
-
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))  # the flag means bf16 on CPU
-    t = trainer(ZeRO3Strategy(), world_size, max_steps=4, plugins=[plugin], gradient_clip_val=0.05)
-    t.fit(model, loader(world_size))
-    torch.manual_seed(0)
-    reference = LitMLP()
-    ref_losses = reference_fit(reference, max_steps=4, clip_norm=0.05, autocast=torch.float16)
-    return {
-        "losses": model.step_losses,
-        "ref_losses": ref_losses,
-        "param": max_difference(whole_state(model), reference.state_dict()),
-    }
-
-
 def test_trainer_16_mixed_clips_with_a_fused_optimizer_like_one_process() -> None:
     """Lightning's own 16-mixed plugin raises for clipping with a fused optimizer (its gradients
     are still scaled when clipping runs); ours unscales first, then clips by the global norm."""
-    for result in run_ranks(_fp16_mixed_fused_clipped, 2):
-        assert result["losses"] == pytest.approx(result["ref_losses"], rel=2e-3)
-        assert result["param"] < 2e-3, result["param"]
+    torch.manual_seed(0)
+    model = _FusedAdamW()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))  # the flag means bf16 on CPU
+    losses_back = HandsBack(losses="lightning_module.step_losses")
+    fit = trainer(launched("zero3"), 2, max_steps=4, plugins=[plugin], gradient_clip_val=0.05, callbacks=[losses_back])
+    fit.fit(model, loader(2))
+    torch.manual_seed(0)
+    reference = LitMLP()
+    ref_losses = reference_fit(reference, max_steps=4, clip_norm=0.05, autocast=torch.float16)
+    for losses in fit.callback_metrics["losses"]:
+        assert losses == pytest.approx(ref_losses, rel=2e-3)
+    param = max_difference(model.state_dict(), reference.state_dict())
+    assert param < 2e-3, param

@@ -1,8 +1,11 @@
-"""The Lightning behaviour users rely on keeps working under `strategy="zero3"`."""
+"""The Lightning behaviour users rely on keeps working under `strategy="zero3"`: ranks started
+by the strategy's launcher (tests/adapted.py `launched`), each rank's view handed back
+(`HandsBack`), the whole weights handed back by the launcher."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -10,19 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader
 
-from tests.lit import (
-    LitMLP,
-    become_lightning_rank,
-    dataset,
-    loader,
-    max_difference,
-    reference_fit,
-    trainer,
-    whole_state,
-)
-from tests.ranks import run_ranks
+from tests.adapted import HandsBack, SavesAfterFit, launched
+from tests.lit import LitMLP, dataset, loader, max_difference, reference_fit, trainer
 
 TOL = 1e-5
 
@@ -33,42 +28,51 @@ def _eval_loss(model: torch.nn.Module) -> float:
         return float(F.mse_loss(model(x), y))
 
 
-def _validate_fit_validate_fit(rank: int, world_size: int) -> dict[str, Any]:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
+def _launched(world_size: int = 2, options: dict[str, Any] | None = None, **kwargs: Any) -> pl.Trainer:
+    """A Trainer whose ranks the strategy's launcher starts, as users of `ddp_spawn` start theirs."""
+    return trainer(launched("zero3", **(options or {})), world_size, **kwargs)
 
+
+class _WritesPredictions(BasePredictionWriter):
+    """Each rank's predictions into a file, as users get them under a spawning launcher (which
+    returns none)."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__("epoch")
+        self.directory = directory
+
+    def write_on_epoch_end(self, trainer: pl.Trainer, pl_module: Any, predictions: Any, batch_indices: Any) -> None:
+        torch.save(torch.cat(predictions), os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))
+
+
+def test_validate_fit_test_fit_again_and_predict_match_single_process(tmp_path: Path) -> None:
+    """Each call launches its ranks; between calls this process holds the whole weights the launcher
+    handed back (a module at rest in the same process: tests/test_at_rest.py)."""
     torch.manual_seed(0)
     model = LitMLP()
-    out: dict[str, Any] = {}
-    out["validate_before"] = trainer(ZeRO3Strategy(), world_size).validate(model, loader(world_size))[0]["val_loss"]
-    trainer(ZeRO3Strategy(), world_size, max_steps=2).fit(model, loader(world_size))
-    out["test_after_first_fit"] = trainer(ZeRO3Strategy(), world_size).test(model, loader(world_size))[0]["test_loss"]
-    trainer(ZeRO3Strategy(), world_size, max_steps=2).fit(model, loader(world_size))
-    predictions = trainer(ZeRO3Strategy(), world_size).predict(model, DataLoader(dataset(), batch_size=6))
-    out["predictions"] = torch.cat(predictions)
-    out["state"] = whole_state(model)
-    return out
-
-
-def test_validate_fit_test_fit_again_and_predict_match_single_process() -> None:
-    results = run_ranks(_validate_fit_validate_fit, 2)
+    validate = _launched(callbacks=[HandsBack(loss="callback_metrics.val_loss")])
+    validate.validate(model, loader(2))
+    _launched(max_steps=2).fit(model, loader(2))
+    test = _launched(callbacks=[HandsBack(loss="callback_metrics.test_loss")])
+    test.test(model, loader(2))
+    _launched(max_steps=2).fit(model, loader(2))
+    _launched(callbacks=[_WritesPredictions(str(tmp_path))]).predict(model, DataLoader(dataset(), batch_size=6))
     torch.manual_seed(0)
     reference = LitMLP()
     before = _eval_loss(reference)
     reference_fit(reference, max_steps=2)
     after_first = _eval_loss(reference)
     reference_fit(reference, max_steps=2)  # a second fit starts a fresh optimizer, like the Trainer
-    for result in results:
-        assert abs(float(result["validate_before"]) - before) < TOL
-        assert abs(float(result["test_after_first_fit"]) - after_first) < TOL
-        # Each new strategy makes the module at rest whole first, then shards it (left_sharded.py).
-        assert max_difference(result["state"], reference.state_dict()) < TOL
+    assert all(abs(float(loss) - before) < TOL for loss in validate.callback_metrics["loss"])
+    assert all(abs(float(loss) - after_first) < TOL for loss in test.callback_metrics["loss"])
+    assert max_difference(model.state_dict(), reference.state_dict()) < TOL
     # predict: each rank predicts its DistributedSampler share (rank r gets samples r, r+2, ...).
     x = dataset().tensors[0]
     with torch.no_grad():
         expected = reference(x)
-    for rank, result in enumerate(results):
-        assert torch.allclose(result["predictions"], expected[rank::2], atol=TOL)
+    for rank in range(2):
+        predictions = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert torch.allclose(predictions, expected[rank::2], atol=TOL)
 
 
 class _SummaryProbe(pl.Callback):
@@ -78,21 +82,12 @@ class _SummaryProbe(pl.Callback):
         pl_module.summary_counts = (summary.total_parameters, summary.trainable_parameters, summary.param_nums)
 
 
-def _summary(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    model = LitMLP()
-    shard_numels = sum(p.numel() for p in model.parameters())
-    t = trainer(ZeRO3Strategy(), world_size, max_steps=1, enable_model_summary=True, callbacks=[_SummaryProbe()])
-    t.fit(model, loader(world_size))
-    return shard_numels, model.summary_counts
-
-
 def test_model_summary_shows_full_parameter_counts() -> None:
     full = sum(p.numel() for p in LitMLP().parameters())
-    for full_before, (total, trainable, per_layer) in run_ranks(_summary, 2):
-        assert full_before == full
+    counts = HandsBack(counts="lightning_module.summary_counts")
+    fit = _launched(max_steps=1, enable_model_summary=True, callbacks=[_SummaryProbe(), counts])
+    fit.fit(LitMLP(), loader(2))
+    for total, trainable, per_layer in fit.callback_metrics["counts"]:
         assert total == trainable == full
         assert per_layer == [full]  # max_depth=1: the one child `net`
 
@@ -123,30 +118,24 @@ class _LitMetrics(LitMLP):
         self.log("val_rank", float(self.global_rank), sync_dist=True, reduce_fx="sum")
 
 
-def _metrics(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
+def test_distributed_sampler_sync_dist_logging_and_torchmetrics_sync() -> None:
     torch.manual_seed(0)
     model = _LitMetrics()
-    metrics = trainer(ZeRO3Strategy(), world_size).validate(model, loader(world_size))[0]
-    return metrics, torch.cat(model.seen)
-
-
-def test_distributed_sampler_sync_dist_logging_and_torchmetrics_sync() -> None:
-    results = run_ranks(_metrics, 2)
+    every_rank = HandsBack(
+        seen="lightning_module.seen", mae="callback_metrics.val_mae", ranks="callback_metrics.val_rank"
+    )
+    validate = _launched(callbacks=[every_rank])
+    validate.validate(model, loader(2))
     x, y = dataset().tensors
-    torch.manual_seed(0)
-    reference = _LitMetrics()
     with torch.no_grad():
-        expected_mae = float((reference(x) - y).abs().mean())
-    seen = [seen for _, seen in results]
+        expected_mae = float((model(x) - y).abs().mean())
+    seen = [torch.cat(rank_seen) for rank_seen in validate.callback_metrics["seen"]]
     # DistributedSampler: each rank saw its own half of the data, together all of it.
     assert seen[0].shape[0] == seen[1].shape[0] == x.shape[0] // 2
     assert torch.equal(torch.sort(torch.cat(seen), dim=0).values, torch.sort(x, dim=0).values)
-    for metrics, _ in results:
-        assert abs(metrics["val_mae"] - expected_mae) < TOL  # torchmetrics state synced across ranks
-        assert metrics["val_rank"] == 4 * (0 + 1)  # sync_dist sum over ranks, summed over 4 batches
+    for mae, rank_sum in zip(validate.callback_metrics["mae"], validate.callback_metrics["ranks"]):
+        assert abs(mae - expected_mae) < TOL  # torchmetrics state synced across ranks
+        assert rank_sum == 4 * (0 + 1)  # sync_dist sum over ranks, summed over 4 batches
 
 
 class _LitEdit(LitMLP):
@@ -158,39 +147,28 @@ class _LitEdit(LitMLP):
                 self.net.head.bias.data.fill_(3.0)
 
 
-def _edit(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    model = _LitEdit(lr=0.0)
-    trainer(ZeRO3Strategy(), world_size, max_steps=1).fit(model, loader(world_size))
-    return model.full_head_shape, whole_state(model)["net.head.bias"]
-
-
 def test_gathered_parameters_in_a_hook_shows_whole_tensors_and_keeps_rank0_edits() -> None:
-    for shape, bias in run_ranks(_edit, 2):
-        assert shape == (5, 13)
-        assert torch.equal(bias, torch.full((5,), 3.0))
+    model = _LitEdit(lr=0.0)
+    fit = _launched(max_steps=1, callbacks=[HandsBack(shape="lightning_module.full_head_shape")])
+    fit.fit(model, loader(2))
+    assert fit.callback_metrics["shape"] == [(5, 13)] * 2
+    assert torch.equal(model.state_dict()["net.head.bias"], torch.full((5,), 3.0))
 
 
-def _stats(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    class _Probe(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if trainer.global_step == 2:  # the second step: the first also compares unit orders
-                self.stats = trainer.strategy.stats
-
-    probe = _Probe()
-    trainer(ZeRO3Strategy(prefetch=1), world_size, max_steps=2, callbacks=[probe]).fit(LitMLP(), loader(world_size))
-    return probe.stats
+class _StatsAtStep2(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 2:  # the second step: the first also compares unit orders
+            pl_module.stats_at_step_2 = trainer.strategy.stats
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_stats_report_formula_bytes_and_sharded_model_state(world_size: int) -> None:
     full = sum(p.numel() for p in LitMLP().parameters())
-    for stats in run_ranks(_stats, world_size):
+    stats_back = HandsBack(stats="lightning_module.stats_at_step_2")
+    fit = _launched(world_size, {"prefetch": 1}, max_steps=2, callbacks=[_StatsAtStep2(), stats_back])
+    fit.fit(LitMLP(), loader(world_size))
+    assert len(fit.callback_metrics["stats"]) == world_size
+    for stats in fit.callback_metrics["stats"]:
         assert stats["world_size"] == world_size
         assert stats["full_parameters"] == full
         last, expected = stats["last_step"], stats["expected_step_bytes"]
@@ -211,37 +189,29 @@ def test_stats_report_formula_bytes_and_sharded_model_state(world_size: int) -> 
         assert stats["peak_units_alive_without_root"] <= 1 + 1
 
 
-def _checkpoint_and_resume(rank: int, world_size: int, directory: str, resume: bool) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    torch.manual_seed(0)
-    model = LitMLP()
-    path = os.path.join(directory, "model.ckpt")
-    if not resume:
-        t = trainer(ZeRO3Strategy(state_dict_type="full"), world_size, max_epochs=1)
-        t.fit(model, loader(world_size))
-        t.save_checkpoint(path)
-        return None
-    t = trainer(ZeRO3Strategy(state_dict_type="full"), world_size, max_epochs=2)
-    t.fit(model, loader(world_size), ckpt_path=path)
-    return model.step_losses, whole_state(model)
-
-
 @pytest.mark.parametrize("resume_world_size", [1, 3])
 def test_full_checkpoint_resumes_at_another_world_size(tmp_path: Any, resume_world_size: int) -> None:
-    run_ranks(_checkpoint_and_resume, 2, str(tmp_path), False)
-    checkpoint = torch.load(tmp_path / "model.ckpt", weights_only=False)
+    path = str(tmp_path / "model.ckpt")
+    torch.manual_seed(0)
+    first = LitMLP()
+    _launched(2, {"state_dict_type": "full"}, max_epochs=1, callbacks=[SavesAfterFit(path)]).fit(first, loader(2))
+    checkpoint = torch.load(path, weights_only=False)
     assert checkpoint["state_dict"]["net.head.weight"].shape == (5, 13)  # whole tensors on disk
     assert checkpoint["optimizer_states"][0]["state"][0]["exp_avg"].shape == (13, 7)
     torch.manual_seed(0)
     reference = LitMLP()
     losses = reference_fit(reference, epochs=2)
-    for step_losses, state in run_ranks(_checkpoint_and_resume, resume_world_size, str(tmp_path), True):
+    torch.manual_seed(0)
+    model = LitMLP()
+    losses_back = HandsBack(losses="lightning_module.step_losses")
+    resumed = _launched(resume_world_size, {"state_dict_type": "full"}, max_epochs=2, callbacks=[losses_back])
+    resumed.fit(model, loader(resume_world_size), ckpt_path=path)
+    assert len(resumed.callback_metrics["losses"]) == resume_world_size
+    for step_losses in resumed.callback_metrics["losses"]:
         # The resumed run's second epoch equals that of an uninterrupted run, step by step.
         assert len(step_losses) == 4
         assert max(abs(a - b) for a, b in zip(step_losses, losses[4:8])) < TOL
-        assert max_difference(state, reference.state_dict()) < TOL
+    assert max_difference(model.state_dict(), reference.state_dict()) < TOL
 
 
 def test_spawn_launcher_hands_back_whole_weights() -> None:
@@ -274,27 +244,23 @@ def test_zero3_is_registered_and_bad_options_raise_clear_errors() -> None:
         lightning_zero3.ZeRO3Strategy(1)  # keyword arguments only
 
 
-def _hybrid(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    class _Probe(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            self.stats = trainer.strategy.stats
-
-    probe = _Probe()
-    torch.manual_seed(0)
-    model = LitMLP()
-    trainer(ZeRO3Strategy(shard_size=2), world_size, max_steps=3, callbacks=[probe]).fit(model, loader(world_size))
-    return probe.stats, whole_state(model)
+class _StatsEveryStep(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        pl_module.last_stats = trainer.strategy.stats
 
 
 def test_hierarchical_sharding_trains_exactly_and_reports_traffic_inside_and_across_groups() -> None:
     torch.manual_seed(0)
     reference = LitMLP()
     reference_fit(reference, max_steps=3)
-    for stats, state in run_ranks(_hybrid, 4):
-        assert max_difference(state, reference.state_dict()) < TOL
+    torch.manual_seed(0)
+    model = LitMLP()
+    stats_back = HandsBack(stats="lightning_module.last_stats")
+    fit = _launched(4, {"shard_size": 2}, max_steps=3, callbacks=[_StatsEveryStep(), stats_back])
+    fit.fit(model, loader(4))
+    assert max_difference(model.state_dict(), reference.state_dict()) < TOL
+    assert len(fit.callback_metrics["stats"]) == 4
+    for stats in fit.callback_metrics["stats"]:
         assert (stats["world_size"], stats["shard_size"]) == (4, 2)
         assert stats["last_step"]["all_gather"]["payload_bytes"] == stats["expected_step_bytes"]["all_gather"]
         across = stats["last_step_across_groups"]["all_reduce"]["payload_bytes"]

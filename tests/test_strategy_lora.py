@@ -1,7 +1,8 @@
 """A LoRA fine-tune under the Trainer, as a user moving from DDP runs it: peft's adapters on a
 Hugging Face GPT-2 (every base weight frozen), gradient accumulation and clipping by norm; fit,
 `save_checkpoint` into a new nested directory, resume with `ckpt_path`, then read the weights in
-one process. Every number equals one process training on the global batches."""
+one process. Every number equals one process training on the global batches. 2 ranks started by
+the strategy's launcher (tests/adapted.py `launched`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tests.lit import become_lightning_rank, max_difference, trainer, whole_state
-from tests.ranks import run_ranks
+from tests.adapted import HandsBack, SavesAfterFit, launched
+from tests.lit import max_difference, trainer
 from tests.test_engine_frozen import tiny_lora_gpt2
 
 TOL = 1e-5
@@ -42,25 +43,14 @@ class LitLora(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.02)
 
 
-def _fit(world_size: int, epochs: int, model: LitLora, ckpt_path: str | None = None) -> pl.Trainer:
-    from lightning_zero3 import ZeRO3Strategy
-
+def _fit(epochs: int, model: LitLora, saved: Path, ckpt_path: Path | None = None) -> list[list[float]]:
+    """Each rank's losses of a launched `fit` that saves into `saved` after it."""
     fit = trainer(
-        ZeRO3Strategy(), world_size, max_epochs=epochs, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP
-    )
+        launched("zero3"), 2, max_epochs=epochs, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP,
+        callbacks=[SavesAfterFit(saved), HandsBack(losses="lightning_module.losses")],
+    )  # fmt: skip
     fit.fit(model, DataLoader(TensorDataset(tokens()), batch_size=PER_RANK_BATCH), ckpt_path=ckpt_path)
-    return fit
-
-
-def _fit_save_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    become_lightning_rank(rank, world_size)
-    first = LitLora()
-    saved = str(Path(root, "runs", "lora", "epoch0"))  # none of these directories exists yet
-    _fit(world_size, 1, first).save_checkpoint(saved)
-    resumed = LitLora()
-    final = str(Path(root, "runs", "lora", "final"))
-    _fit(world_size, 2, resumed, ckpt_path=saved).save_checkpoint(final)
-    return {"losses": first.losses + resumed.losses, "state": whole_state(resumed), "final": final}
+    return fit.callback_metrics["losses"]
 
 
 def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
@@ -98,9 +88,15 @@ def test_lora_fit_save_resume_and_load_equal_one_process(tmp_path: Path) -> None
     lora = [k for k in state if "lora_" in k]
     assert max_difference({k: state[k] for k in lora}, {k: initial[k] for k in lora}) > 1e-3, "adapters did not train"
 
-    for result in run_ranks(_fit_save_resume, 2, str(tmp_path)):
-        assert len(result["losses"]) == len(losses)
-        assert max(abs(a - b) for a, b in zip(result["losses"], losses)) < TOL, (result["losses"], losses)
-        assert max_difference(result["state"], state) < TOL
-    loaded = lightning_zero3.load_from_checkpoint(LitLora, result["final"])  # one process, no group
+    saved = tmp_path / "runs" / "lora" / "epoch0"  # none of these directories exists yet
+    first_losses = _fit(1, LitLora(), saved)
+    resumed = LitLora()
+    final = tmp_path / "runs" / "lora" / "final"
+    resumed_losses = _fit(2, resumed, final, ckpt_path=saved)
+    for rank in range(2):
+        rank_losses = first_losses[rank] + resumed_losses[rank]
+        assert len(rank_losses) == len(losses)
+        assert max(abs(a - b) for a, b in zip(rank_losses, losses)) < TOL, (rank_losses, losses)
+    assert max_difference(resumed.state_dict(), state) < TOL  # the whole weights the launcher handed back
+    loaded = lightning_zero3.load_from_checkpoint(LitLora, final)  # one process, no group
     assert max_difference(loaded.state_dict(), state) < TOL

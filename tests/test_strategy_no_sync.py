@@ -8,15 +8,16 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine import accounting
 from tests import models
+from tests.adapted import HandsBack, launched
 from tests.fabric_helpers import adamw, every_rank, full_state, launch, max_difference
-from tests.lit import LitMLP, become_lightning_rank, loader, reference_fit, trainer, whole_state
+from tests.lit import LitMLP, loader, reference_fit, trainer
 from tests.parity import local_slice
-from tests.ranks import run_ranks
 
 TOL = 1e-5
 K = 2
@@ -67,52 +68,46 @@ def test_fabric_no_backward_sync_accumulates_locally_and_matches_single_process(
         assert max_difference(result["state"], reference) < TOL
 
 
-def _fit_accumulating(rank: int, world_size: int) -> dict[str, Any]:
-    become_lightning_rank(rank, world_size)
-    import lightning.pytorch as pl
+class _Accumulation(pl.Callback):
+    """Whether each backward synced; after `fit`, the last step's Reduce-Scatter bytes against the
+    formula's, and what `strategy.stats` (what users read) shows against its formula."""
 
-    from lightning_zero3 import ZeRO3Strategy
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        pl_module.syncs = [*getattr(pl_module, "syncs", []), trainer.strategy.sharded_model.gradient_sync.requires_sync]
 
-    syncs: list[bool] = []
-
-    class Syncs(pl.Callback):
-        def on_before_backward(self, trainer: Any, module: Any, loss: torch.Tensor) -> None:
-            syncs.append(trainer.strategy.sharded_model.gradient_sync.requires_sync)
-
-    torch.manual_seed(0)
-    model = LitMLP()
-    strategy = ZeRO3Strategy(accumulate_unsharded=True)
-    trainer(strategy, world_size, max_epochs=1, accumulate_grad_batches=K, callbacks=[Syncs()]).fit(
-        model, loader(world_size)
-    )
-    engine = strategy.sharded_model
-    assert engine.last_step_record is not None
-    stats = strategy.stats  # what users read: the last optimizer step beside its formula
-    shown = {kind: stats["last_step"][kind]["payload_bytes"] for kind in ("all_gather", "reduce_scatter")}
-    formula = accounting.expected_step_bytes(
-        engine.units, engine.persistent, orders=engine.last_step_record.orders, micro_batches=K, synced=1
-    )
-    return {
-        "state": whole_state(model),
-        "syncs": syncs,
-        "reduce_scatter": engine.stats.last_step["reduce_scatter"].payload_bytes,
-        "formula": formula["reduce_scatter"],
-        "shown": shown,
-        "shown_formula": {kind: stats["expected_step_bytes"][kind] for kind in shown},
-        "sync_state": engine.gradient_sync.state.name,
-    }
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = trainer.strategy.sharded_model
+        assert engine.last_step_record is not None
+        stats = trainer.strategy.stats
+        shown = {kind: stats["last_step"][kind]["payload_bytes"] for kind in ("all_gather", "reduce_scatter")}
+        formula = accounting.expected_step_bytes(
+            engine.units, engine.persistent, orders=engine.last_step_record.orders, micro_batches=K, synced=1
+        )
+        pl_module.accumulation = {
+            "reduce_scatter": engine.stats.last_step["reduce_scatter"].payload_bytes,
+            "formula": formula["reduce_scatter"],
+            "shown": shown,
+            "shown_formula": {kind: stats["expected_step_bytes"][kind] for kind in shown},
+            "sync_state": engine.gradient_sync.state.name,
+        }
 
 
 def test_trainer_accumulate_unsharded_matches_single_process_with_one_reduction_per_step() -> None:
     torch.manual_seed(0)
     reference = LitMLP()
     reference_fit(reference, epochs=1, accumulate=K)
-    for result in run_ranks(_fit_accumulating, 2):
-        assert result["syncs"] == [False, True] * 2, result["syncs"]  # Lightning's non-final micro-batches unsynced
+    torch.manual_seed(0)
+    model = LitMLP()
+    every_rank = HandsBack(syncs="lightning_module.syncs", accumulation="lightning_module.accumulation")
+    strategy = launched("zero3", accumulate_unsharded=True)
+    fit = trainer(strategy, 2, max_epochs=1, accumulate_grad_batches=K, callbacks=[_Accumulation(), every_rank])
+    fit.fit(model, loader(2))
+    assert max_difference(model.state_dict(), reference.state_dict()) < TOL
+    for syncs, result in zip(fit.callback_metrics["syncs"], fit.callback_metrics["accumulation"], strict=True):
+        assert syncs == [False, True] * 2, syncs  # Lightning's non-final micro-batches unsynced
         assert result["reduce_scatter"] == result["formula"], result
         assert result["shown"] == result["shown_formula"], result
         assert result["sync_state"] == "SYNCED"
-        assert max_difference(result["state"], reference.state_dict()) < TOL
 
 
 def _fabric_saves_while_owed(f: Any, directory: str) -> list[list[str]]:

@@ -1,5 +1,7 @@
 """A setup that fails is reported with its own error: the strategy's teardown after the failure
-must not raise a second error of its own that hides the first."""
+must not raise a second error of its own that hides the first. On the gloo harness's ranks
+(tests/ranks.py), not the launcher's: it reads the error of every rank, and Lightning's launcher
+re-raises only the first failed rank's (torch's ProcessRaisedException) and terminates the others."""
 
 from __future__ import annotations
 

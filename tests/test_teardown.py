@@ -3,7 +3,10 @@ lifecycle): no whole copy anywhere. Putting whole parameters back on the modules
 (`ShardedModel.restore_module`, what a new engine does with a module left sharded or at rest)
 builds the output one unit at a time on the device asked for: the shards' device holds one unit
 more than before, never the whole model (engine/materialize.py, Note: restoring unit by unit). On
-CPU, "meta" stands in for "host memory while the shards are on a GPU"."""
+CPU, "meta" stands in for "host memory while the shards are on a GPU". The `fit` runs on the gloo
+harness's ranks (tests/ranks.py), as a torchrun job: it measures each rank's memory after `fit`
+returns, and Lightning's multiprocessing launcher, by design, gathers whole weights to rank 0 then
+(to hand them back), which is the copy this test rules out."""
 
 from __future__ import annotations
 

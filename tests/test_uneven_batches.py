@@ -1,6 +1,8 @@
 """A rank given more training batches than its peers fails fast on every rank with an error that
 names uneven batch counts and the fix, never a timeout or an abort (engine/checks.py, Note:
-uneven batches). Lightning's real Trainer, a DataLoader without a DistributedSampler."""
+uneven batches). Lightning's real Trainer, a DataLoader without a DistributedSampler. On the gloo
+harness's ranks (tests/ranks.py), not the launcher's: it reads the error and its time on every
+rank, and Lightning's launcher re-raises only the first failed rank's and terminates the others."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Code that reads or edits parameters outside forward: `grad_norm` reports the whole gradients'
 norms (DDP's numbers), not this rank's shards'. Lightning's weight-averaging and pruning callbacks
 are refused (tests/test_lightning_{stochastic_weight_avg,weight_averaging,pruning}.py); averaging
-on shards: tests/test_averaging.py."""
+on shards: tests/test_averaging.py. The Trainer's ranks are started by the strategy's launcher
+(tests/adapted.py `launched`); Fabric's by the gloo harness (tests/ranks.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 
 from tests import models
+from tests.adapted import HandsBack, launched
 from tests.fabric_helpers import every_rank, launch
-from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+from tests.lit import LitMLP, loader, trainer
 from tests.parity import local_slice
-from tests.ranks import run_ranks
 
 
 class _RecordsGradNorms(LitMLP):
@@ -26,20 +27,16 @@ class _RecordsGradNorms(LitMLP):
         self.norms = {k: float(v) for k, v in lightning_zero3.grad_norm(self, norm_type=2).items()}
 
 
-def _norms_under(rank: int, world_size: int) -> dict[str, dict[str, float]]:
-    become_lightning_rank(rank, world_size)
-    out = {}
-    for strategy in ("ddp", "zero3"):
-        torch.manual_seed(0)
-        model = _RecordsGradNorms()
-        trainer(strategy, world_size, max_steps=1).fit(model, loader(world_size))
-        out[strategy] = model.norms
-    return out
+def _norms_under(strategy: str) -> list[dict[str, float]]:
+    """Each rank's norms of the first step, launched."""
+    torch.manual_seed(0)
+    fit = trainer(launched(strategy), 2, max_steps=1, callbacks=[HandsBack(norms="lightning_module.norms")])
+    fit.fit(_RecordsGradNorms(), loader(2))
+    return fit.callback_metrics["norms"]
 
 
 def test_grad_norm_in_a_lightning_module_equals_ddps() -> None:
-    for result in run_ranks(_norms_under, 2):
-        ddp, zero3 = result["ddp"], result["zero3"]
+    for ddp, zero3 in zip(_norms_under("ddp"), _norms_under("zero3"), strict=True):
         assert zero3.keys() == ddp.keys() and "grad_2.0_norm_total" in zero3 and len(zero3) > 10
         for key, value in ddp.items():
             assert abs(zero3[key] - value) < 1e-5 * max(1.0, value), key
