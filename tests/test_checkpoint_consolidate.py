@@ -204,3 +204,23 @@ def test_consolidation_peak_memory_is_about_one_parameter_not_the_output(tmp_pat
     message = f"consolidating {output / mib:.0f} MiB of {parameter / mib:.0f} MiB tensors took {growth / mib:.0f} MiB"
     assert growth < 2.5 * parameter, message
     assert growth < output / 4, message
+
+
+@pytest.mark.parametrize("failing", ["replace_path", "fsync"])
+def test_a_failed_swap_or_sync_is_a_checkpoint_error_and_leaves_nothing(saved, tmp_path, monkeypatch, failing):
+    """After the writing, the sync and the swap into place can fail too: the same CheckpointError
+    as a failed write (not the bare OSError), and no file at the destination or under a temporary name."""
+    from lightning_zero3.checkpoint import CheckpointError, files
+
+    def fail(*args: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    if failing == "fsync":
+        monkeypatch.setattr(files.os, "fsync", fail)
+    else:
+        monkeypatch.setattr(files, failing, fail)
+    out = tmp_path / "out" / "whole.ckpt"
+    out.parent.mkdir()
+    with pytest.raises(CheckpointError, match="whole.ckpt failed: OSError.*nothing was written there"):
+        consolidate_checkpoint(saved[0], out)
+    assert list(out.parent.iterdir()) == []

@@ -203,3 +203,24 @@ def test_plain_state_dict_file_fine_tunes_under_zero3(saved_by_ddp):
 def test_plain_state_dict_as_ckpt_path_says_how_to_fine_tune(saved_by_ddp):
     with pytest.raises(CheckpointError, match="plain state dict.*load it into the model before fit"):
         read_full_file(saved_by_ddp / "weights.pt", trusted=False)
+
+
+@pytest.mark.parametrize("saved, returned", [(2, 1), (1, 2)])
+def test_a_full_checkpoint_of_another_number_of_optimizers_is_refused_before_any_loads(saved, returned):
+    """One process: a full checkpoint's "optimizer_states" hold `saved` optimizers, the run
+    configured `returned`: a CheckpointError naming both counts, and no optimizer changed."""
+    from lightning_zero3.core import ShardedRun
+    from lightning_zero3.engine import ShardedModel
+    from lightning_zero3.options import LightningOptions
+    from tests.models import MLP
+
+    model = MLP()
+    run = ShardedRun(ShardedModel(model), lambda: LightningOptions(state_dict_type="full"))
+    trained = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 7)).sum().backward()
+    trained.step()
+    fresh = [torch.optim.Adam(model.parameters()) for _ in range(returned)]
+    with pytest.raises(CheckpointError, match=f"state for {saved} optimizers but `configure_optimizers` returned "
+                                              f"{returned}; resume with the same optimizers"):  # fmt: skip
+        run.load_optimizer_states([run.optimizer_state(trained)] * saved, fresh)
+    assert all(not optimizer.state for optimizer in fresh)

@@ -140,3 +140,19 @@ def test_a_tag_check_that_raises_on_entry_leaves_every_parameter_its_shard(modif
     with pytest.raises(OrderMismatchError), sharded.gathered_parameters(modifier_rank=modifier_rank):
         pass
     assert {name: (p.shape, p.data_ptr()) for name, p in model.named_parameters()} == before
+
+
+def test_a_broadcast_that_fails_on_exit_leaves_every_parameter_its_shard() -> None:
+    """One process; the modifier's first broadcast on exit raises (as a rank gone would): every
+    parameter has its shard back, not only those broadcast before the failure."""
+    model = MLP()
+    sharded = ShardedModel(model)
+    before = {name: (p.shape, p.data_ptr()) for name, p in model.named_parameters()}
+
+    def broadcast(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the broadcast failed")
+
+    sharded.world_comm.broadcast = broadcast  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the broadcast failed"), sharded.gathered_parameters(modifier_rank=0):
+        pass
+    assert {name: (p.shape, p.data_ptr()) for name, p in model.named_parameters()} == before

@@ -165,17 +165,17 @@ def consolidate_checkpoint(
             progress(done)
 
     def write(file: Any) -> None:
-        try:
-            if safetensors:
-                stream_safetensors(tensors, file, meta, on_tensor)
-            else:
-                stream_torch_save(output, file, on_tensor)
-        except CheckpointError:
-            raise
-        except Exception as err:
-            raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
+        if safetensors:
+            stream_safetensors(tensors, file, meta, on_tensor)
+        else:
+            stream_torch_save(output, file, on_tensor)
 
-    atomic_write(dst, write)  # at a URL the zip writer, unable to seek back, writes data descriptors
+    try:  # the sync, the swap and the upload's commit fail as the writing does
+        atomic_write(dst, write)  # at a URL the zip writer, unable to seek back, writes data descriptors
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
     return ConsolidationSummary(
         src=src, dst=dst, world_size=ckpt.meta["world_size"], tensors=done.tensors_done, bytes=done.bytes_done,
         file_bytes=dst.stat().st_size, seconds=time.perf_counter() - start,

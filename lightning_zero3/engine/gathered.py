@@ -49,9 +49,11 @@ def gathered_parameters(
         entered = True
         yield
     finally:
-        for sharded, shard in shards.items():
-            full, sharded.param.data = sharded.param.data, shard
-            if entered and modifier_rank is not None:
+        wholes = {sharded: sharded.param.data for sharded in shards}
+        for sharded, shard in shards.items():  # every shard back before a broadcast, which may fail
+            sharded.param.data = shard
+        if entered and modifier_rank is not None:
+            for sharded, full in wholes.items():
                 world_comm.broadcast(full, src=modifier_rank, what=f"'{sharded.name}' from rank {modifier_rank}")
                 sharded.load_full(full)
         with engine_mode():
