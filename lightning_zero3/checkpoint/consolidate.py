@@ -172,7 +172,7 @@ def consolidate_checkpoint(
 
     try:  # the sync, the swap and the upload's commit fail as the writing does
         atomic_write(dst, write)  # at a URL the zip writer, unable to seek back, writes data descriptors
-    except CheckpointError:
+    except (CheckpointError, FileExistsError):  # FileExistsError: the temporary name is taken (refused as is)
         raise
     except Exception as err:
         raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
