@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_zero3.engine.comm import CollectiveError, Comm
-from tests.lit import LitMLP, become_lightning_rank, loader, trainer
-from tests.ranks import run_ranks
+from tests.adapted import HandsBack, launched
+from tests.lit import LitMLP, loader, trainer
 
 
 def test_a_collective_refuses_a_tensor_off_its_groups_device() -> None:
@@ -41,30 +42,36 @@ def _moved_off_device(optimizers: list[torch.optim.Optimizer], device: torch.dev
                     state[key] = value.as_subclass(_OffDevice)
 
 
-def _full_save_after_fit(rank: int, world_size: int, path: str) -> Any:
-    become_lightning_rank(rank, world_size)
-    import lightning.pytorch.strategies.strategy as lightning_strategy
+class _SavesStateMovedOffTheDevice(pl.Callback):
+    """Records on the module each move of the module or the optimizer state to the host during the
+    run; after `fit` (the strategy torn down) moves the optimizer state off the device, as user code
+    could, and saves."""
 
-    from lightning_zero3 import ZeRO3Strategy
+    def __init__(self, path: str) -> None:
+        self.path = path
 
-    torch.manual_seed(0)
-    model = LitMLP()
-    t = trainer(ZeRO3Strategy(state_dict_type="full"), world_size, max_steps=2)
-    moves: list[str] = []
-    lightning_strategy._optimizers_to_device = lambda *args: moves.append("optimizer state")  # type: ignore[assignment]
-    model.cpu = lambda: moves.append("module")  # type: ignore[method-assign, assignment, return-value]
-    t.fit(model, loader(world_size))
-    # State moved off the device anyway (by user code): the full save still sends it from the group's.
-    _moved_off_device(t.optimizers, torch.device("cpu"))
-    t.save_checkpoint(path)
-    return moves
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import lightning.pytorch.strategies.strategy as lightning_strategy
+
+        moves: list[str] = []
+        pl_module.moves = moves
+        lightning_strategy._optimizers_to_device = lambda *args: moves.append("optimizer state")  # type: ignore[assignment]
+        pl_module.cpu = lambda: moves.append("module")  # type: ignore[method-assign, assignment, return-value]
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _moved_off_device(trainer.optimizers, torch.device("cpu"))
+        trainer.save_checkpoint(self.path)
 
 
 def test_full_save_after_fit_gathers_state_moved_off_the_device(tmp_path: Any) -> None:
     """Teardown moves neither the module nor the optimizer state to the host (as Lightning's
     FSDPStrategy); state moved off the device anyway is still sent from the group's device."""
     path = os.path.join(tmp_path, "model.ckpt")
-    assert run_ranks(_full_save_after_fit, 2, path) == [[], []]
+    torch.manual_seed(0)
+    callbacks = [_SavesStateMovedOffTheDevice(path), HandsBack(moves="lightning_module.moves")]
+    fit = trainer(launched("zero3", state_dict_type="full"), 2, max_steps=2, callbacks=callbacks)
+    fit.fit(LitMLP(), loader(2))
+    assert fit.callback_metrics["moves"] == [[], []]
     checkpoint = torch.load(path, weights_only=False)
     exp_avg = checkpoint["optimizer_states"][0]["state"][0]["exp_avg"]
     assert type(exp_avg) is torch.Tensor and exp_avg.shape == (13, 7) and exp_avg.abs().sum() > 0

@@ -6,14 +6,14 @@ one setting assumes of another (where tensors live, what a kept unit or a sum ho
 
 from __future__ import annotations
 
-import os
 import tempfile
 from functools import partial
-from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
+from tests.adapted import HandsBack, SavesAfterFit, launched
+from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer, whole_state
 from tests.models import MLP, mlp_batch, mlp_frozen_block
 from tests.parity import Recipe, adamw, run_parity
 from tests.ranks import run_ranks
@@ -84,32 +84,39 @@ SETTINGS = {"reshard_after_forward": False, "offload": "host", "accumulate_unsha
 FIT = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "accumulate_grad_batches": 2}
 
 
-def _fit_then_resume(rank: int, world_size: int, directory: str, resume: bool) -> Any:
-    """Epoch 1 at 2 ranks with every setting on, a sharded checkpoint, epoch 2 resumed from it."""
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    torch.manual_seed(0)
-    model = LitMLP()
-    path = os.path.join(directory, "combined.ckpt")
-    strategy = ZeRO3Strategy(**SETTINGS, offload_dir=directory)
-    if not resume:
-        t = trainer(strategy, world_size, max_epochs=1, **FIT)
-        t.fit(model, loader(world_size))
-        t.save_checkpoint(path)
-        return None
-    trainer(strategy, world_size, max_epochs=2, **FIT).fit(model, loader(world_size), ckpt_path=path)
-    return model.step_losses, whole_state(model)
-
-
 def test_trainer_with_the_settings_combined_resumes_at_another_world_size_like_one_process(tmp_path) -> None:
     """reshard_after_forward=False, host offload with optimizer state on disk, accumulation without
     communication, clipping: saved at 2 ranks, resumed at 3; epoch 2 equals an uninterrupted run."""
-    run_ranks(_fit_then_resume, 2, str(tmp_path), False)
+    path = str(tmp_path / "combined.ckpt")
+    torch.manual_seed(0)
+    first = trainer(
+        launched("zero3", **SETTINGS, offload_dir=str(tmp_path)),
+        2,
+        max_epochs=1,
+        callbacks=[SavesAfterFit(path)],
+        **FIT,
+    )
+    first.fit(LitMLP(), loader(2))
     torch.manual_seed(0)
     reference = LitMLP()
     losses = reference_fit(reference, epochs=2, accumulate=2, clip_norm=0.05)
-    for step_losses, state in run_ranks(_fit_then_resume, 3, str(tmp_path), True):
+    torch.manual_seed(0)
+    hands_back = HandsBack(losses="lightning_module.step_losses", state="lightning_module.whole")
+    resumed = trainer(
+        launched("zero3", **SETTINGS, offload_dir=str(tmp_path)),
+        3,
+        max_epochs=2,
+        callbacks=[_WholeAtRest(), hands_back],
+        **FIT,
+    )
+    resumed.fit(LitMLP(), loader(3), ckpt_path=path)
+    results = resumed.callback_metrics
+    for step_losses, state in zip(results["losses"], results["state"], strict=True):
         assert len(step_losses) == 4
         assert max(abs(a - b) for a, b in zip(step_losses, losses[4:8])) < TOL
         assert max_difference(state, reference.state_dict()) < TOL
+
+
+class _WholeAtRest(pl.Callback):
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        pl_module.whole = whole_state(pl_module)

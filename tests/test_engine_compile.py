@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from lightning_zero3.engine import ShardedModel
-from tests.lit import whole_state
+from tests.adapted import HandsBack, launched
+from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer
 from tests.models import MLP, mlp_batch
 from tests.parity import max_param_difference, step_side_by_side
 from tests.ranks import run_ranks
@@ -77,30 +78,23 @@ def test_a_model_compiled_whole_breaks_only_at_unit_boundaries_and_trains_exactl
         assert result["kept"] < result["block_bytes"] // 2, f"the compiled model keeps full weights: {result}"
 
 
-def _fit_blocks_compiled_in_configure_model(rank: int, world_size: int) -> dict:
-    from lightning_zero3 import ZeRO3Strategy
-    from tests.lit import LitMLP, become_lightning_rank, loader, trainer
-
-    class CompiledBlocks(LitMLP):
-        def configure_model(self) -> None:
-            for block in self.net.blocks:
-                block.compile(backend="aot_eager", fullgraph=True)
-
-    become_lightning_rank(rank, world_size)
-    torch.manual_seed(0)
-    model = CompiledBlocks()
-    trainer(ZeRO3Strategy(), world_size, max_epochs=1).fit(model, loader(world_size))
-    return {"state": whole_state(model), "losses": model.step_losses}
+class _CompiledBlocks(LitMLP):
+    def configure_model(self) -> None:
+        for block in self.net.blocks:
+            block.compile(backend="aot_eager", fullgraph=True)
 
 
 def test_trainer_fit_with_blocks_compiled_in_configure_model_matches_one_process():
-    """What the user guide recommends, through Lightning: exact against the eager reference."""
-    from tests.lit import LitMLP, max_difference, reference_fit
-
-    results = run_ranks(_fit_blocks_compiled_in_configure_model, 2)
+    """What the user guide recommends, through Lightning's launcher: exact against the eager
+    reference on every rank."""
+    torch.manual_seed(0)
+    model = _CompiledBlocks()
+    fit = trainer(launched("zero3"), 2, max_epochs=1, callbacks=[HandsBack(losses="lightning_module.step_losses")])
+    fit.fit(model, loader(2))
     torch.manual_seed(0)
     reference = LitMLP()
     losses = reference_fit(reference, epochs=1)
-    for result in results:
-        assert max_difference(result["state"], reference.state_dict()) < 1e-5
-        assert max(abs(a - b) for a, b in zip(result["losses"], losses)) < 1e-5
+    assert max_difference(model.state_dict(), reference.state_dict()) < 1e-5
+    for rank_losses in fit.callback_metrics["losses"]:
+        assert len(rank_losses) == len(losses)
+        assert max(abs(a - b) for a, b in zip(rank_losses, losses)) < 1e-5

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from lightning_zero3.engine import ShardedModel
+from tests.adapted import HandsBack, launched
+from tests.lit import LitMLP, dataset, trainer
 from tests.models import MLP, mlp_batch
 from tests.parity import max_param_difference, step_side_by_side
 from tests.ranks import run_ranks
@@ -247,36 +249,36 @@ def test_gathered_for_inference_inside_a_forward_with_gradients_is_refused_on_ev
 
 
 # ---- the thin strategy methods ------------------------------------------------------------------
-def _predict_held(rank: int, world_size: int) -> dict:
-    """Trainer: predict_step runs inside `trainer.strategy.gathered_for_inference()`."""
-    from torch.utils.data import DataLoader
+class _HeldPredict(LitMLP):
+    """predict_step runs inside `trainer.strategy.gathered_for_inference()`; each rank keeps its
+    predictions (NaN where a forward inside gathered)."""
 
-    from lightning_zero3 import ZeRO3Strategy
-    from tests.lit import LitMLP, become_lightning_rank, dataset, trainer
+    def __init__(self) -> None:
+        super().__init__()
+        self.predicted: list[torch.Tensor] = []
 
-    class HeldPredict(LitMLP):
-        def predict_step(self, batch: object, batch_idx: int) -> torch.Tensor:
-            sharded = self.trainer.strategy.sharded_model
-            with self.trainer.strategy.gathered_for_inference():
-                before = _gathers(sharded)
-                out = self(batch[0])
-                out = self(batch[0]) if _gathers(sharded) == before else torch.full_like(out, float("nan"))
-            return out
-
-    become_lightning_rank(rank, world_size)
-    torch.manual_seed(0)
-    model = HeldPredict()
-    x = dataset().tensors[0]
-    with torch.no_grad():
-        expected = model(x)
-    predictions = trainer(ZeRO3Strategy(), world_size).predict(model, DataLoader(dataset(), batch_size=6))
-    return {"got": torch.cat(predictions), "expected": expected}
+    def predict_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+        sharded = self.trainer.strategy.sharded_model
+        with self.trainer.strategy.gathered_for_inference():
+            before = _gathers(sharded)
+            out = self(batch[0])
+            out = self(batch[0]) if _gathers(sharded) == before else torch.full_like(out, float("nan"))
+        self.predicted.append(out)
+        return out
 
 
 def test_trainer_strategy_gathered_for_inference_predicts_without_gathers():
-    for rank, result in enumerate(run_ranks(_predict_held, 2)):
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    model = _HeldPredict()
+    with torch.no_grad():
+        expected = model(dataset().tensors[0])
+    predicting = trainer(launched("zero3"), 2, callbacks=[HandsBack(predicted="lightning_module.predicted")])
+    predicting.predict(model, DataLoader(dataset(), batch_size=6))
+    for rank, predicted in enumerate(predicting.callback_metrics["predicted"]):
         # Each rank predicts its DistributedSampler share: samples rank, rank + 2, ...
-        assert torch.allclose(result["got"], result["expected"][rank::2], atol=1e-6)
+        assert torch.allclose(torch.cat(predicted), expected[rank::2], atol=1e-6)
 
 
 def _fabric_held(f: Any) -> list[dict]:

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel
 from tests import models
-from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+from tests.adapted import HandsBack, launched
+from tests.lit import LitMLP, loader, trainer
 from tests.parity import local_slice
 from tests.ranks import run_ranks
 
@@ -58,44 +59,37 @@ def test_fused_optimizer_skips_on_every_rank_when_one_rank_overflows() -> None:
         assert result["scale"] == 2.0**9, results  # every rank backed off once
 
 
-def _lightning_fused_fp16(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    import lightning.pytorch as pl
-    from lightning.pytorch.plugins.precision import MixedPrecision
+class _FusedOverflowOnRank1(LitMLP):
+    """Fused AdamW; rank 1's gradients overflow in the first step. Each rank keeps the loss scale
+    and its first shard after every step."""
 
-    from lightning_zero3 import ZeRO3Strategy
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales: list[float] = []
+        self.shards: list[torch.Tensor] = []
 
-    class _FusedOverflowOnRank1(LitMLP):
-        def on_after_backward(self) -> None:
-            if self.global_step == 0 and self.global_rank == 1:
-                _overflow_in_this_ranks_shard(self)
+    def on_after_backward(self) -> None:
+        if self.global_step == 0 and self.global_rank == 1:
+            _overflow_in_this_ranks_shard(self)
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)
 
-    class _Probe(pl.Callback):
-        scales: list[float] = []
-        shards: list[torch.Tensor] = []
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-            self.scales.append(trainer.precision_plugin.scaler.get_scale())
-            self.shards.append(next(pl_module.parameters()).detach().clone())
-
-    probe = _Probe()
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    start = LitMLP()
-    t = trainer(ZeRO3Strategy(), world_size, max_steps=2, plugins=[plugin], callbacks=[probe])
-    model = _FusedOverflowOnRank1()
-    model.load_state_dict(start.state_dict())
-    t.fit(model, loader(world_size))
-    return {"scales": probe.scales, "shards": probe.shards}
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.scales.append(self.trainer.precision_plugin.scaler.get_scale())
+        self.shards.append(next(self.parameters()).detach().clone())
 
 
 def test_trainer_16_mixed_with_a_fused_optimizer_skips_on_every_rank() -> None:
-    results = run_ranks(_lightning_fused_fp16, 2)
-    assert results[0]["scales"] == results[1]["scales"] == [2.0**15, 2.0**15], results
-    for result in results:
-        first, second = result["shards"]
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    hands_back = HandsBack(scales="lightning_module.scales", shards="lightning_module.shards")
+    t = trainer(launched("zero3"), 2, max_steps=2, plugins=[plugin], callbacks=[hands_back])
+    t.fit(_FusedOverflowOnRank1(), loader(2))
+    scales, shards = t.callback_metrics["scales"], t.callback_metrics["shards"]
+    assert scales[0] == scales[1] == [2.0**15, 2.0**15], scales
+    for first, second in shards:
         assert not torch.equal(first, second)  # step 1 was taken
 
 

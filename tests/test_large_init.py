@@ -14,7 +14,8 @@ from torch import nn
 
 from lightning_zero3.engine import ShardedModel
 from tests import models
-from tests.lit import become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
+from tests.adapted import HandsBack, launched
+from tests.lit import loader, max_difference, reference_fit, trainer, whole_state
 from tests.parity import local_slice
 from tests.ranks import run_ranks
 
@@ -148,22 +149,27 @@ class _LitConfigured(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-
-def _configure_model(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    model = _LitConfigured()
-    trainer(ZeRO3Strategy(param_init_fn=constant_init), world_size, max_steps=3).fit(model, loader(world_size))
-    return model.built_on_meta, model.step_losses, whole_state(model)
+    def on_fit_end(self) -> None:
+        self.whole = whole_state(self)
 
 
 def test_configure_model_builds_on_meta_and_trains_exactly_from_param_init_fn() -> None:
+
     reference = _LitConfigured()
     reference.net = _constant_reference()
     losses = _reference_losses(reference)
-    for built_on_meta, step_losses, state in run_ranks(_configure_model, 2):
-        assert built_on_meta is True
+    model = _LitConfigured()
+    hands_back = HandsBack(
+        built_on_meta="lightning_module.built_on_meta",
+        losses="lightning_module.step_losses",
+        state="lightning_module.whole",
+    )
+    strategy = launched("zero3", param_init_fn=constant_init)
+    fit = trainer(strategy, 2, max_steps=3, callbacks=[hands_back])
+    fit.fit(model, loader(2))  # the parent's model has no `net`: the weights come back from each rank
+    assert fit.callback_metrics["built_on_meta"] == [True, True]
+    for step_losses, state in zip(fit.callback_metrics["losses"], fit.callback_metrics["state"]):
+        assert len(step_losses) == len(losses) == 3
         assert max(abs(a - b) for a, b in zip(step_losses, losses)) < TOL
         assert max_difference(state, reference.state_dict()) < TOL
 

@@ -8,6 +8,7 @@ import math
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
@@ -16,7 +17,8 @@ from torch import nn
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.materialize import parameters_on_meta
 from tests import fabric_helpers
-from tests.lit import LitMLP, become_lightning_rank, dataset, loader, trainer
+from tests.adapted import HandsBack, launched
+from tests.lit import LitMLP, dataset, loader, trainer
 from tests.ranks import run_ranks
 
 TOL = 1e-5
@@ -98,23 +100,24 @@ class _LitMetrics(LitMLP):
         self.log("val_mae", self.mae, sync_dist=True)
 
 
-def _validate_after_empty_init(rank: int, world_size: int) -> Any:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
+class _ExpectedAtRest(pl.Callback):
+    """After `validate`, the module at rest: the MAE of a forward over the whole dataset (every
+    rank gathers), kept on the module."""
 
-    t = trainer(ZeRO3Strategy(), world_size)
-    with t.init_module(empty_init=True):
-        model = _LitMetrics()
-    metrics = t.validate(model, loader(world_size))[0]
-    x, y = dataset().tensors
-    with torch.no_grad():  # at rest after validate: a forward on every rank gathers
-        expected = float(F.l1_loss(model(x), y))
-    return metrics["val_mae"], expected
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        x, y = dataset().tensors
+        with torch.no_grad():
+            pl_module.expected = float(F.l1_loss(pl_module(x), y))
 
 
 def test_init_module_empty_init_with_a_torchmetrics_attribute_validates_exactly() -> None:
-    for mae, expected in run_ranks(_validate_after_empty_init, 2):
-        assert abs(mae - expected) < TOL
+    hands_back = HandsBack(mae="callback_metrics.val_mae", expected="lightning_module.expected")
+    t = trainer(launched("zero3"), 2, callbacks=[_ExpectedAtRest(), hands_back])
+    with t.init_module(empty_init=True):
+        model = _LitMetrics()
+    t.validate(model, loader(2))
+    for mae, expected in zip(t.callback_metrics["mae"], t.callback_metrics["expected"], strict=True):
+        assert abs(float(mae) - expected) < TOL
 
 
 class _WithComputedBuffer(nn.Module):

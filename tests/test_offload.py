@@ -9,15 +9,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel, ShardingConfig, clip_grad_norm_
 from tests import models
+from tests.adapted import HandsBack, launched
 from tests.fabric_helpers import adamw as fabric_adamw
 from tests.fabric_helpers import every_rank, full_state, launch, max_difference, reference, train_step
-from tests.lit import LitMLP, become_lightning_rank, loader, reference_fit, trainer, whole_state
+from tests.lit import LitMLP, loader, reference_fit, trainer, whole_state
 from tests.parity import Recipe, adamw, local_slice, run_parity
 from tests.ranks import run_ranks
 from tests.test_engine_syncs import _counting_host_reads
@@ -207,37 +209,42 @@ def test_bad_offload_options_name_the_option_and_the_fix(tmp_path) -> None:
 
 
 # ---- Lightning end to end ------------------------------------------------------------------
-def _fit(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
+class _LitOffloaded(LitMLP):
+    """Keeps, at the end of training, the engine's uploads and which optimizer states live on disk."""
 
-    torch.manual_seed(0)
-    model = LitMLP()
-    seen = []
+    def on_train_end(self) -> None:
+        engine = self.trainer.strategy.sharded_model
+        state = [v for s in self.trainer.optimizers[0].state.values() for v in s.values() if v.dim() > 0]
+        self.seen = [(engine.offload.uploads, [engine.disk.on_disk(v) for v in state])]
 
-    def on_train_end() -> None:
-        engine = model.trainer.strategy.sharded_model
-        state = [v for s in model.trainer.optimizers[0].state.values() for v in s.values() if v.dim() > 0]
-        seen.append((engine.offload.uploads, [engine.disk.on_disk(v) for v in state]))
 
-    model.on_train_end = on_train_end  # type: ignore[method-assign]
-    options = {"max_epochs": 1, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
-    strategy = ZeRO3Strategy(offload="host", offload_dir=directory)
-    trainer(strategy, world_size, **options).fit(model, loader(world_size))
-    after_fit = strategy.run.engine.offload.device_bytes()  # the device copies of the shards
-    return {"state": whole_state(model), "seen": seen, "after_fit": after_fit}
+class _AfterFit(pl.Callback):
+    """After the strategy's teardown: the bytes of the shards' device copies, the whole weights."""
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        pl_module.after_fit = trainer.strategy.run.engine.offload.device_bytes()
+        pl_module.whole = whole_state(pl_module)
 
 
 def test_trainer_fit_with_host_and_disk_offload_matches_one_process(tmp_path) -> None:
-    results = run_ranks(_fit, 2, str(tmp_path))
     torch.manual_seed(0)
-    model = LitMLP()
-    reference_fit(model, epochs=1, clip_norm=0.05)
-    for result in results:
-        assert max_difference(result["state"], model.state_dict()) < TOL
-        [(uploads, on_disk)] = result["seen"]  # the strategy passed the options on
+    model = _LitOffloaded()
+    hands_back = HandsBack(
+        state="lightning_module.whole", seen="lightning_module.seen", after_fit="lightning_module.after_fit"
+    )
+    options = {"max_epochs": 1, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
+    strategy = launched("zero3", offload="host", offload_dir=str(tmp_path))
+    fit = trainer(strategy, 2, callbacks=[_AfterFit(), hands_back], **options)
+    fit.fit(model, loader(2))
+    torch.manual_seed(0)
+    reference = LitMLP()
+    reference_fit(reference, epochs=1, clip_norm=0.05)
+    results = fit.callback_metrics
+    for state, seen, after_fit in zip(results["state"], results["seen"], results["after_fit"], strict=True):
+        assert max_difference(state, reference.state_dict()) < TOL
+        [(uploads, on_disk)] = seen  # the strategy passed the options on
         assert uploads > 0 and on_disk and all(on_disk)
-        assert result["after_fit"] == 0, "teardown must free the device copies of the shards"
+        assert after_fit == 0, "teardown must free the device copies of the shards"
     assert os.listdir(tmp_path) == []
 
 

@@ -2,7 +2,9 @@
 does with a module at rest after `fit`) is sharded from there: its whole parameters reach the
 device one module at a time, never as a whole model (engine/materialize.py, Note: sharding from
 host memory). On CPU, "meta" stands in for the accelerator in the engine test; the strategy test
-can only see which tensors the strategy asks to move, not device memory."""
+can only see which tensors the strategy asks to move, not device memory. The strategy test stays
+on the run_ranks harness: it needs `fit` then `validate` on one Trainer in one process (the second
+setup resumes the run at rest), which the launcher starts as two fresh sets of ranks."""
 
 from __future__ import annotations
 
