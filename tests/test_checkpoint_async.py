@@ -1,5 +1,8 @@
 """`ZeRO3Strategy(async_save=True)`: sharded saves write in a background thread while training
-goes on (Note: background saves in lightning_zero3/checkpoint/background.py)."""
+goes on (Note: background saves in lightning_zero3/checkpoint/background.py). Trainer runs are
+started by the strategy's launcher (tests/adapted.py `launched`), except those where every rank
+must raise the same error (a failing background write on rank 1, also at teardown, where each
+rank's module state is checked too) or one rank is killed (kill -9)."""
 
 from __future__ import annotations
 
@@ -9,12 +12,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_zero3
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state
+from tests.adapted import HandsBack, launched
+from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer
 from tests.ranks import RankFailure, run_ranks
 
 TOL = 1e-5
@@ -22,19 +27,24 @@ STEPS_PER_EPOCH = 4
 
 
 class _SeesSavesInFlight(Callback):
-    """Records, at each batch, whether a save was left writing in the background."""
+    """Records, at each batch, whether a save was left writing in the background; at the end of
+    the run (its `teardown`, after the strategy's) asserts on this rank that training went on
+    while a save was in flight exactly when saving in the background, and that the end of fit
+    waited."""
 
-    def __init__(self) -> None:
+    def __init__(self, async_save: bool) -> None:
+        self.async_save = async_save
         self.seen: list[bool] = []
 
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
         self.seen.append(trainer.strategy.run.saving is not None)
 
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        assert any(self.seen) == self.async_save, self.seen
+        assert trainer.strategy.run is not None and trainer.strategy.run.saving is None
 
-def _fit_saving_every_2_steps(rank: int, world_size: int, directory: str, async_save: bool) -> list[float]:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
 
+def _fit_saving_every_2_steps(strategy: Any, world_size: int, directory: str, async_save: bool) -> pl.Trainer:
     torch.manual_seed(0)
     model = LitMLP()
     every = ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=2, save_top_k=-1)
@@ -42,13 +52,10 @@ def _fit_saving_every_2_steps(rank: int, world_size: int, directory: str, async_
     rotating = ModelCheckpoint(
         dirpath=directory, filename="latest-{step}", every_n_train_steps=2, save_top_k=1, monitor="step", mode="max"
     )
-    strategy = ZeRO3Strategy(async_save=async_save)
-    sees = _SeesSavesInFlight()
-    t = trainer(strategy, world_size, max_epochs=2, enable_checkpointing=True, callbacks=[every, rotating, sees])
+    callbacks = [every, rotating, _SeesSavesInFlight(async_save), HandsBack(losses="lightning_module.step_losses")]
+    t = trainer(strategy, world_size, max_epochs=2, enable_checkpointing=True, callbacks=callbacks)
     t.fit(model, loader(world_size))
-    assert any(sees.seen) == async_save  # training went on while a save was in flight
-    assert strategy.run is not None and strategy.run.saving is None  # the end of fit waited
-    return model.step_losses
+    return t
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +63,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list
     out = {}
     for mode in ("sync", "async"):
         directory = tmp_path_factory.mktemp(mode)
-        losses = run_ranks(_fit_saving_every_2_steps, 2, str(directory), mode == "async")[0]
-        out[mode] = (directory, losses)
+        async_save = mode == "async"
+        t = _fit_saving_every_2_steps(launched("zero3", async_save=async_save), 2, str(directory), async_save)
+        out[mode] = (directory, t.callback_metrics["losses"][0])
     return out
 
 
@@ -76,21 +84,15 @@ def test_saving_in_the_background_equals_saving_synchronously(runs):
         assert a["global_step"] == b["global_step"] == int(name.split("=")[1].split(".")[0])
 
 
-def _resume(rank: int, world_size: int, path: str) -> tuple[list[float], dict]:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
-    model = LitMLP()
-    trainer(ZeRO3Strategy(), world_size, max_epochs=2).fit(model, loader(world_size), ckpt_path=path)
-    return model.step_losses, whole_state(model)
-
-
 def test_a_background_checkpoint_resumes_exactly_at_another_world_size(runs):
     torch.manual_seed(0)
     model = LitMLP()
     losses = reference_fit(model, epochs=2)
-    ((step_losses, final),) = run_ranks(_resume, 1, str(runs["async"][0] / "step=4.ckpt"))
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    resumed = LitMLP()
+    t = trainer(launched("zero3"), 1, max_epochs=2, callbacks=[HandsBack(losses="lightning_module.step_losses")])
+    t.fit(resumed, loader(1), ckpt_path=runs["async"][0] / "step=4.ckpt")
+    (step_losses,), final = t.callback_metrics["losses"], resumed.state_dict()
     assert len(step_losses) == STEPS_PER_EPOCH
     assert max(abs(a - b) for a, b in zip(step_losses, losses[STEPS_PER_EPOCH:])) < TOL
     assert max_difference(final, model.state_dict()) < TOL
@@ -114,7 +116,8 @@ def _fit_with_a_failing_background_write_on_rank_1(rank: int, world_size: int, d
     the agreement at the next save can tell rank 0."""
     if rank == 1:
         _fail_background_writes()
-    _fit_saving_every_2_steps(rank, world_size, directory, True)
+    become_lightning_rank(rank, world_size)
+    _fit_saving_every_2_steps(lightning_zero3.ZeRO3Strategy(async_save=True), world_size, directory, True)
 
 
 def test_an_error_in_the_background_write_is_raised_on_every_rank(tmp_path):

@@ -1,6 +1,8 @@
 """A save either replaces the checkpoint at its path with a complete new one or leaves the old one
 as it was: a full disk, a rank that dies, an exception in a callback never leave a half checkpoint
-where a good one was; ModelCheckpoint's rotation removes whole directories."""
+where a good one was; ModelCheckpoint's rotation removes whole directories. Trainer runs are started by the strategy's
+launcher (tests/adapted.py `launched`); the engine's saves run on the harness's ranks, where a
+save failing on one rank must raise on every rank and a rank is killed mid-save."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.multiprocessing import ProcessRaisedException
 
 from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3 import consolidate_checkpoint
 from lightning_zero3.checkpoint.files import atomic_torch_save
 from lightning_zero3.checkpoint.format import open_sharded
-from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+from tests.adapted import HandsBack, launched
+from tests.lit import LitMLP, loader, trainer
 from tests.ranks import _entry, _mp_context, run_ranks
 from tests.test_checkpoint_sharded import save_trained_gpt, trained_gpt
 
@@ -141,20 +145,12 @@ class _FailInSecondEpoch(Callback):
             raise RuntimeError("callback failed while saving")
 
 
-def _fit_with_a_callback_failing_in_epoch_1(rank: int, world_size: int, directory: str) -> str:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    callback = ModelCheckpoint(dirpath=directory, filename="latest")  # the same name every epoch
-    t = trainer(ZeRO3Strategy(), world_size, max_epochs=2, enable_checkpointing=True,
-                callbacks=[_FailInSecondEpoch(), callback])  # fmt: skip
-    with pytest.raises(RuntimeError, match="callback failed") as raised:
-        t.fit(LitMLP(), loader(world_size))
-    return str(raised.value)
-
-
 def test_an_exception_in_a_callback_while_saving_leaves_the_previous_checkpoint(tmp_path):
-    run_ranks(_fit_with_a_callback_failing_in_epoch_1, 2, str(tmp_path))
+    callback = ModelCheckpoint(dirpath=tmp_path, filename="latest")  # the same name every epoch
+    t = trainer(launched("zero3"), 2, max_epochs=2, enable_checkpointing=True,
+                callbacks=[_FailInSecondEpoch(), callback])  # fmt: skip
+    with pytest.raises(ProcessRaisedException, match="RuntimeError: callback failed while saving"):
+        t.fit(LitMLP(), loader(2))
     assert os.listdir(tmp_path) == ["latest.ckpt"]
     saved = open_sharded(tmp_path / "latest.ckpt")  # complete, checksums match
     assert saved.meta["lightning"]["epoch"] == 0
@@ -186,28 +182,22 @@ def test_a_full_file_and_a_sharded_directory_replace_each_other(tmp_path):
     assert os.listdir(tmp_path) == ["model.ckpt"]
 
 
-def _fit_with_top_k(rank: int, world_size: int, directory: str, save_last: Any) -> dict[str, Any]:
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    torch.manual_seed(0)
-    callback = ModelCheckpoint(
-        dirpath=directory, monitor="train_loss", save_top_k=2, every_n_train_steps=1, save_last=save_last
-    )
-    t = trainer(ZeRO3Strategy(), world_size, max_epochs=2, enable_checkpointing=True, callbacks=[callback])
-    t.fit(LitMLP(), loader(world_size))
-    return {"best": sorted(os.path.basename(p) for p in callback.best_k_models), "steps": t.global_step}
-
-
 @pytest.mark.parametrize("save_last", [True, "link"], ids=["last_copy", "last_link"])
 def test_model_checkpoint_top_k_keeps_only_the_best_directories_and_last(tmp_path, save_last):
-    result = run_ranks(_fit_with_top_k, 2, str(tmp_path), save_last)[0]
-    assert sorted(os.listdir(tmp_path)) == sorted([*result["best"], "last.ckpt"])  # nothing else, nothing hidden
+    torch.manual_seed(0)
+    callback = ModelCheckpoint(
+        dirpath=tmp_path, monitor="train_loss", save_top_k=2, every_n_train_steps=1, save_last=save_last
+    )
+    hands_back = HandsBack(best="checkpoint_callback.best_k_models", steps="global_step")
+    t = trainer(launched("zero3"), 2, max_epochs=2, enable_checkpointing=True, callbacks=[callback, hands_back])
+    t.fit(LitMLP(), loader(2))
+    best = sorted(os.path.basename(p) for p in t.callback_metrics["best"][0])
+    assert sorted(os.listdir(tmp_path)) == sorted([*best, "last.ckpt"])  # nothing else, nothing hidden
     assert (tmp_path / "last.ckpt").is_symlink() == (save_last == "link")
     for name in os.listdir(tmp_path):
         open_sharded(tmp_path / name)  # every one complete
     if save_last is True:
-        assert open_sharded(tmp_path / "last.ckpt").meta["lightning"]["global_step"] == result["steps"]
+        assert open_sharded(tmp_path / "last.ckpt").meta["lightning"]["global_step"] == t.callback_metrics["steps"][0]
 
 
 def test_removing_a_link_keeps_its_target_and_removing_a_directory_leaves_nothing(tmp_path):

@@ -1,7 +1,8 @@
 """Saving never destroys what is not a checkpoint (Note: what a save may replace): a directory or
 file of the user's at the path is refused, untouched, on every rank, for both state_dict_types;
 removal leaves it too; `consolidate` never writes into its source and leaves nothing half-written
-when the disk is full."""
+when the disk is full. The Trainer test stays on the harness's ranks: every rank must raise the
+same error, for each kind in turn."""
 
 from __future__ import annotations
 

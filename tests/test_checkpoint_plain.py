@@ -4,7 +4,8 @@ Lightning checkpoint dict with whole tensors, `lightning_zero3.load_from_checkpo
 LightningModule built from its hyper-parameters, as `LightningModule.load_from_checkpoint` does for
 a file. Adapted from Lightning's `test_running_test_pretrained_model_distrib_ddp_spawn`
 (tests_pytorch/models/test_restore.py): 2 ranks fit with `ModelCheckpoint`, then the best model
-is loaded in this process and predicts what the strategy predicts from the same checkpoint."""
+is loaded in this process and predicts what the strategy predicts from the same checkpoint. The
+Trainer runs are started by the strategy's launcher (tests/adapted.py `launched`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -21,8 +23,8 @@ import lightning_zero3
 from lightning_zero3 import CheckpointError
 from lightning_zero3.checkpoint.full import read_full_file
 from lightning_zero3.checkpoint.trust import read_dcp_index
-from tests.lit import LitMLP, become_lightning_rank, dataset, loader, trainer, whole_state
-from tests.ranks import run_ranks
+from tests.adapted import HandsBack, launched
+from tests.lit import LitMLP, dataset, loader, trainer, whole_state
 from tests.test_checkpoint_trust import craft, save_mlp
 
 
@@ -36,48 +38,82 @@ class HparamsMLP(LitMLP):
 
 class CountingCheckpoint(ModelCheckpoint):
     """ModelCheckpoint that counts its saves on this rank (as Lightning's
-    ModelCheckpointTestInvocations does)."""
+    ModelCheckpointTestInvocations does) and, from `setup` to `teardown`, the calls of torch.save
+    (counted as Lightning's tests count them): `saves`, the type of what each saved."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.on_save_checkpoint_count = 0
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._patch = mock.patch("torch.save", wraps=torch.save)
+        self._save_mock = self._patch.start()
+
+    @property
+    def saves(self) -> list[str]:
+        return [type(call.args[0]).__name__ for call in self._save_mock.call_args_list]
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._patch.stop()
+        super().teardown(trainer, pl_module, stage)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
         self.on_save_checkpoint_count += 1
 
 
-def _fit_and_predict_best(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    become_lightning_rank(rank, world_size)
-    torch.manual_seed(0)
-    model = HparamsMLP(lr=0.02, note="trained")
-    checkpoint = CountingCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1)
-    options = dict(max_epochs=2, enable_checkpointing=True, callbacks=[checkpoint])
-    fit = trainer(lightning_zero3.ZeRO3Strategy(), world_size, **options)
-    with mock.patch("torch.save", wraps=torch.save) as save_mock:  # counted as Lightning's tests count
-        fit.fit(model, loader(world_size), loader(world_size))
-    # DCP serializes each tensor chunk with torch.save; anything else is a torch.save of ours.
-    saves = [type(call.args[0]).__name__ for call in save_mock.call_args_list]
-    predict = trainer(lightning_zero3.ZeRO3Strategy(), world_size)
-    predictions = predict.predict(model, DataLoader(dataset(), batch_size=8), ckpt_path=checkpoint.best_model_path)
-    state = whole_state(model)
-    return {
-        "best": checkpoint.best_model_path,
-        "predictions": torch.cat(predictions),
-        "state": state,
-        "checkpoints": checkpoint.on_save_checkpoint_count,
-        "chunk_saves": saves.count("Tensor"),
-        "other_saves": [name for name in saves if name != "Tensor"],
-    }
+class Predicted(pl.Callback):
+    """What a predict run gives, in `callback_metrics` (which the launcher hands back from rank
+    0; under a launcher `predict` returns no predictions): "predictions", this rank's batches'
+    outputs; at the end of the run (after the strategy's teardown, as a script reads it after
+    the call returns), "state", the module's weights whole, read the user's way."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        self.outputs.append(outputs)
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.callback_metrics["predictions"] = self.outputs
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        trainer.callback_metrics["state"] = whole_state(pl_module)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One 2-rank fit; the sharded best checkpoint and what the strategy predicts from it."""
-    rank0, rank1 = run_ranks(_fit_and_predict_best, 2, str(tmp_path_factory.mktemp("plain")))
+    torch.manual_seed(0)
+    model = HparamsMLP(lr=0.02, note="trained")
+    checkpoint = CountingCheckpoint(dirpath=tmp_path_factory.mktemp("plain"), monitor="val_loss", save_top_k=1)
+    hands_back = HandsBack(
+        checkpoints="checkpoint_callback.on_save_checkpoint_count", saves="checkpoint_callback.saves"
+    )
+    fit = trainer(launched("zero3"), 2, max_epochs=2, enable_checkpointing=True, callbacks=[checkpoint, hands_back])
+    fit.fit(model, loader(2), loader(2))
+    predict = trainer(
+        launched("zero3"), 2, callbacks=[Predicted(), HandsBack(predictions="callback_metrics.predictions")]
+    )
+    predict.predict(model, DataLoader(dataset(), batch_size=8), ckpt_path=checkpoint.best_model_path)
     # Predict's DistributedSampler (no shuffle) gives rank r the samples r, r + 2, ...
-    predictions = torch.stack([rank0["predictions"], rank1["predictions"]], dim=1).flatten(0, 1)
-    return {**rank0, "predictions": predictions, "ranks": [rank0, rank1]}
+    predictions = torch.stack([torch.cat(rank) for rank in predict.callback_metrics["predictions"]], dim=1)
+    # DCP serializes each tensor chunk with torch.save; anything else is a torch.save of ours.
+    ranks = [
+        {
+            "checkpoints": count,
+            "chunk_saves": saves.count("Tensor"),
+            "other_saves": [name for name in saves if name != "Tensor"],
+        }
+        for count, saves in zip(fit.callback_metrics["checkpoints"], fit.callback_metrics["saves"])
+    ]
+    return {
+        "best": checkpoint.best_model_path,
+        "predictions": predictions.flatten(0, 1),
+        "state": predict.callback_metrics["state"],
+        "ranks": ranks,
+    }
 
 
 def test_best_model_path_is_a_sharded_directory_that_load_from_checkpoint_loads_in_one_process(trained):

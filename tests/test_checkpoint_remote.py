@@ -1,6 +1,8 @@
 """Checkpoints at `s3://` URLs, against a real S3 endpoint on this machine: moto's server on
 127.0.0.1, through s3fs, with two ranks writing to one bucket (Note: remote checkpoints in
-lightning_zero3/checkpoint/remote.py)."""
+lightning_zero3/checkpoint/remote.py). Trainer runs are started by the strategy's launcher
+(tests/adapted.py `launched`); the Fabric saves cut short on rank 0 (a kill, a raise) stay on the
+harness's ranks: a rank is killed, or every rank must raise."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -24,7 +27,8 @@ moto_server = pytest.importorskip("moto.server", reason="the test extra installs
 import lightning_zero3  # noqa: E402
 from lightning_zero3.checkpoint import CheckpointError, remove_checkpoint  # noqa: E402
 from lightning_zero3.checkpoint.full import read_full_file  # noqa: E402
-from tests.lit import LitMLP, become_lightning_rank, loader, max_difference, reference_fit, trainer, whole_state  # noqa: E402
+from tests.adapted import HandsBack, launched  # noqa: E402
+from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer  # noqa: E402
 from tests.ranks import RankFailure, run_ranks  # noqa: E402
 
 TOL = 1e-5
@@ -77,28 +81,28 @@ def _objects(prefix: str) -> list[str]:
     return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
 
 
-def _fit_and_save(rank: int, world_size: int, env: dict[str, str], url: str) -> None:
-    os.environ.update(env)  # the forkserver's children do not see the test's environment
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
+class _InEnvironment(pl.Callback):
+    """Sets `env` in each rank at `setup`, before anything reads a URL: the forkserver's children
+    do not see the test's environment."""
 
-    torch.manual_seed(0)
-    callback = ModelCheckpoint(dirpath=url, filename="during_fit")
-    t = trainer(ZeRO3Strategy(), world_size, max_epochs=1, enable_checkpointing=True, callbacks=[callback])
-    t.fit(LitMLP(), loader(world_size))
-    t.strategy.lightning_options = dataclasses.replace(t.strategy.lightning_options, state_dict_type="full")
-    t.save_checkpoint(f"{url}/full.ckpt")
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        os.environ.update(self.env)
 
 
-def _resume(rank: int, world_size: int, env: dict[str, str], url: str) -> tuple[list[float], dict]:
-    os.environ.update(env)
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
+class _SavesFull(pl.Callback):
+    """After `fit`, at rest (its `on_fit_end`, the strategy torn down): a full checkpoint at `path`."""
 
-    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
-    model = LitMLP()
-    trainer(ZeRO3Strategy(), world_size, max_epochs=2).fit(model, loader(world_size), ckpt_path=url)
-    return model.step_losses, whole_state(model)
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.lightning_options = dataclasses.replace(
+            trainer.strategy.lightning_options, state_dict_type="full"
+        )
+        trainer.save_checkpoint(self.path)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +113,16 @@ def saved(s3: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
     before = os.getcwd()
     os.chdir(cwd)
     try:
-        run_ranks(_fit_and_save, 2, s3, f"s3://{BUCKET}/run")
+        url = f"s3://{BUCKET}/run"
+        torch.manual_seed(0)
+        callbacks = [
+            _InEnvironment(s3),
+            ModelCheckpoint(dirpath=url, filename="during_fit"),
+            _SavesFull(f"{url}/full.ckpt"),
+        ]
+        trainer(launched("zero3"), 2, max_epochs=1, enable_checkpointing=True, callbacks=callbacks).fit(
+            LitMLP(), loader(2)
+        )
     finally:
         os.chdir(before)
     assert list(cwd.iterdir()) == []  # nothing local, e.g. no `s3:/ckpts/run` directory
@@ -133,7 +146,12 @@ def test_checkpoint_at_a_url_resumes_exactly_at_another_world_size(saved, s3, ki
     torch.manual_seed(0)
     model = LitMLP()
     losses = reference_fit(model, epochs=2)
-    ((step_losses, final),) = run_ranks(_resume, 1, s3, f"{saved}/{kind}.ckpt")
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    resumed = LitMLP()
+    callbacks = [_InEnvironment(s3), HandsBack(losses="lightning_module.step_losses")]
+    t = trainer(launched("zero3"), 1, max_epochs=2, callbacks=callbacks)
+    t.fit(resumed, loader(1), ckpt_path=f"{saved}/{kind}.ckpt")
+    (step_losses,), final = t.callback_metrics["losses"], resumed.state_dict()
     assert len(step_losses) == STEPS_PER_EPOCH  # only the second epoch ran
     assert max(abs(a - b) for a, b in zip(step_losses, losses[STEPS_PER_EPOCH:])) < TOL
     assert max_difference(final, model.state_dict()) < TOL

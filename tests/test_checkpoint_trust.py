@@ -3,7 +3,8 @@ trust model): a crafted pickle in DCP's `.metadata` or in `trainer_state.pt` is 
 every loader (engine, `fit`/`validate(ckpt_path=)`, consolidate) with a `CheckpointError` naming
 the file and the forbidden global; file names in meta.json and in the index must be plain names
 inside the directory; a hand-edited meta.json is a `CheckpointError`, not a TypeError.
-`trust_checkpoint=True` / `--trust-checkpoint` restores plain unpickling."""
+`trust_checkpoint=True` / `--trust-checkpoint` restores plain unpickling. Trainer runs are started
+by the strategy's launcher (tests/adapted.py `launched`)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ from typing import Any
 
 import pytest
 import torch
+from torch.multiprocessing import ProcessRaisedException
 
 from lightning_zero3 import ShardedModel
 from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3.__main__ import main
 from lightning_zero3.checkpoint.files import crc32
-from tests.lit import LitMLP, become_lightning_rank, loader, trainer
+from tests.adapted import HandsBack, SavesAfterFit, launched
+from tests.lit import LitMLP, loader, trainer
 from tests.models import MLP
-from tests.ranks import run_ranks
 
 
 # ---- helpers (also used by test_checkpoint_overwrite.py) ------------------------------------
@@ -150,45 +152,42 @@ def test_an_index_with_byte_items_is_refused(copy):
         load_mlp(copy)
 
 
-def _load_crafted_under_lightning(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+def _load_crafted_under_lightning(directory: Path) -> dict[str, Any]:
     """Fit one step and save; then, for a payload in each pickle, `fit` and `validate` with
-    ckpt_path= on a crafted copy: the error each raised, and whether the payload ran."""
-    become_lightning_rank(rank, world_size)
-    from lightning_zero3 import ZeRO3Strategy
-
-    saved = Path(directory, "mlp.ckpt")
-    t = trainer(ZeRO3Strategy(), world_size, max_steps=1)
-    t.fit(LitMLP(), loader(world_size))
-    t.save_checkpoint(saved)
+    ckpt_path= on a crafted copy: the error each raised (the failed rank's traceback), and whether
+    the payload ran. Every run is started by the strategy's launcher."""
+    saved = directory / "mlp.ckpt"
+    trainer(launched("zero3"), 1, max_steps=1, callbacks=[SavesAfterFit(saved)]).fit(LitMLP(), loader(1))
     results = {}
     for name in (".metadata", "trainer_state.pt"):
-        crafted, marker = Path(directory, f"crafted{name}"), Path(directory, f"ran{name}")
+        crafted, marker = directory / f"crafted{name}", directory / f"ran{name}"
         shutil.copytree(saved, crafted)
         craft(crafted, name, marker)
         for entry in ("fit", "validate"):
-            t = trainer(ZeRO3Strategy(), world_size, max_epochs=2)
+            t = trainer(launched("zero3"), 1, max_epochs=2)
             try:
-                getattr(t, entry)(LitMLP(), loader(world_size), ckpt_path=crafted)
+                getattr(t, entry)(LitMLP(), loader(1), ckpt_path=crafted)
                 error = None
-            except ckpt.CheckpointError as err:
+            except ProcessRaisedException as err:
                 error = str(err)
             results[(name, entry)] = (error, str(crafted / name), marker.exists())
-    t = trainer(ZeRO3Strategy(trust_checkpoint=True), world_size, max_epochs=2)
-    t.fit(LitMLP(), loader(world_size), ckpt_path=Path(directory, "crafted.metadata"))
-    results["trusted"] = (t.global_step, Path(directory, "ran.metadata").exists())
+    t = trainer(launched("zero3", trust_checkpoint=True), 1, max_epochs=2, callbacks=[HandsBack(steps="global_step")])
+    t.fit(LitMLP(), loader(1), ckpt_path=directory / "crafted.metadata")
+    results["trusted"] = (t.callback_metrics["steps"][0], (directory / "ran.metadata").exists())
     return results
 
 
 @pytest.fixture(scope="module")
 def lightning_loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_ranks(_load_crafted_under_lightning, 1, str(tmp_path_factory.mktemp("lightning")))[0]
+    return _load_crafted_under_lightning(tmp_path_factory.mktemp("lightning"))
 
 
 @pytest.mark.parametrize("entry", ["fit", "validate"])
 @pytest.mark.parametrize("name", [".metadata", "trainer_state.pt"])
 def test_a_crafted_pickle_is_refused_unrun_by_ckpt_path(lightning_loads, name, entry):
     error, file, ran = lightning_loads[(name, entry)]
-    assert error is not None and file in error and FORBIDDEN[name] in error
+    assert error is not None and f"{ckpt.CheckpointError.__module__}.CheckpointError: " in error
+    assert file in error and FORBIDDEN[name] in error
     assert not ran
 
 

@@ -5,7 +5,10 @@ restarting after an exception, and loading a trained module in one process. By d
 checkpoint is a directory: it is read with `lightning_zero3.load_checkpoint` /
 `load_from_checkpoint` where Lightning's tests call `torch.load` / `Model.load_from_checkpoint`
 (tests/adapted.py). `test_running_test_pretrained_model_distrib_ddp_spawn` is adapted for zero3 in
-tests/test_checkpoint_plain.py."""
+tests/test_checkpoint_plain.py. On the harness's ranks: `resumed` (two fits in one process, the
+save after fit in the ranks, where the fit's loop state is; each rank's resumed start state),
+`test_fit_twice` (one Trainer, two fits) and `test_restarting_mid_epoch_raises_warning` (a failed
+fit, then a save and a fit in the same process; which rank warned)."""
 
 from __future__ import annotations
 
