@@ -5,6 +5,7 @@ by the strategy's launcher (tests/adapted.py `launched`), each rank's view hande
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +220,7 @@ def test_spawn_launcher_hands_back_whole_weights() -> None:
 
     torch.manual_seed(0)
     model = LitMLP()
-    strategy = lightning_zero3.ZeRO3Strategy(start_method="spawn", timeout=__import__("datetime").timedelta(seconds=60))
+    strategy = lightning_zero3.ZeRO3Strategy(start_method="spawn", timeout=timedelta(seconds=60))
     trainer(strategy, 2, max_steps=2).fit(model, loader(2))
     torch.manual_seed(0)
     reference = LitMLP()
