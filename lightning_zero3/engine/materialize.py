@@ -232,9 +232,9 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
 
 def _on(param: nn.Parameter, device: torch.device, *, keep: bool) -> torch.Tensor:
     """`param`'s values on `device`: moved for good with `keep` (Note: sharding from host memory)."""
-    if keep and _shared_by_ranks(param):
-        param.data = param.data.clone()  # Note: memory shared by ranks
     if param.device == device:
+        if keep and _shared_by_ranks(param):
+            param.data = param.data.clone()  # Note: memory shared by ranks
         return param.data
     if keep:
         param.data = param.data.to(device)
