@@ -165,6 +165,7 @@ def test_the_first_backward_hands_its_recorded_orders_to_the_cross_rank_comparis
     for step in range(3):
         x, y = mlp_batch(step)
         F.mse_loss(model(x), y).backward()
+        assert len(compared) == 1, f"after backward {step}: {len(compared)} comparisons"  # from the first on
     assert compared == [(sharded.schedule.forward_order, sharded.schedule.backward_order)]
 
 
