@@ -248,7 +248,9 @@ def test_a_removal_asked_for_while_a_save_writes_runs_once_it_succeeded(tmp_path
 
     saving = BackgroundSave(write, what="the new checkpoint")
     remove_checkpoint(old, None, after=saving)
-    assert old.exists()  # the new one is still being written
-    release.set()
+    try:
+        assert old.exists()  # the new one is still being written
+    finally:
+        release.set()  # else a failure here leaves the writer waiting and pytest hanging at exit
     saving.wait()
     assert old.exists() == fails

@@ -104,9 +104,10 @@ def deferred_checkpoint(
         key, kind = entry["key"], entry["kind"]
         if kind == "alias":
             state_dict[key] = state_dict[entry["of"]]
+        elif kind == "object":
+            state_dict[key] = trainer_state["state_dict"][key]
         else:
-            objects = trainer_state["state_dict"]
-            state_dict[key] = objects[key] if kind == "object" else _deferred(reader, f"state_dict/{key}", entry, cast)
+            state_dict[key] = _deferred(reader, f"state_dict/{key}", entry, cast)
     extra = dict(trainer_state["extra"])
     optimizer_states = None
     if weights_only:
