@@ -13,11 +13,27 @@ their checkpoint plugin.
     SHARDED --end(failed=True)---> LEFT_SHARDED   hooks removed, shards kept, forward refused, no
                                                   collective (other ranks may be gone)
 At rest a forward still runs (collective: every rank calls it), checkpoints save, and
-`full_state_dict` gathers whole weights; the module's own `state_dict()` is refused (it would
-be 1-D shards) except inside the run's own reads. A new engine for a module at rest or left
-sharded (another strategy, Fabric) makes it whole first (engine/left_sharded.py); this run then
-no longer holds it (`at_rest` is False). LEFT_SHARDED is final; `end` on it or AT_REST does
-nothing. In every state the engine still reads: stats, and the optimizer's sharded state.
+`full_state_dict` gathers whole weights. A new engine for a module at rest or left sharded
+(another strategy, Fabric) makes it whole first (engine/left_sharded.py); this run then no longer
+holds it (`at_rest` is False). LEFT_SHARDED is final; `end` on it or AT_REST does nothing. In
+every state the engine still reads: stats, and the optimizer's sharded state.
+
+[Note: a module's own state_dict]
+From setup on, in every state, a module's own `state_dict()` and `load_state_dict()` never meet a
+shard by surprise: `_ShardGuard` puts pre-hooks on every module that owns a shard, so the root and
+each submodule (a Hugging Face model's `save_pretrained` calls its own) answer alike:
+- inside `gathered_parameters` over them (on every rank, as the context requires) the parameters
+  are whole (engine/shard.py, Note: whole inside gathered_parameters): `state_dict()` returns whole
+  tensors of their own, valid after the block; `load_state_dict(whole)` needs `modifier_rank=r`
+  (rank r's load is kept on exit; without it the load would be dropped, so it is refused);
+- elsewhere (during `fit` in callbacks and hooks, at rest, left sharded) both raise, naming the
+  fixes: `gathered_parameters`, `full_state_dict()`, a checkpoint. Returning whole tensors there
+  would need a collective, which a rank-0-only call (`if rank == 0: torch.save(...)`) would hang;
+  loading into shards would be right only if every rank made the same call;
+- the run's own reads (checkpoints, `full_state_dict`, the spawn launcher's hand-back) pass, in
+  `own_reads`. `named_parameters()` and `p.shape` still show the 1-D shards, as the message says.
+The bare engine (`ShardedModel` without a strategy) has no guard: there `state_dict()` is this
+rank's shards, what a sharded checkpoint stores.
 """
 
 from __future__ import annotations
@@ -28,10 +44,11 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from enum import Enum
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import load_full, save_full, save_sharded, sharded_optimizer_state
@@ -46,7 +63,8 @@ from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.accumulate import SyncState
 from lightning_zero3.engine.comm import Comm, destroy_group
-from lightning_zero3.engine.left_sharded import forget, holder, remember_sharded
+from lightning_zero3.engine.left_sharded import HOW_TO_USE, forget, holder, remember_sharded
+from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 
 if TYPE_CHECKING:
@@ -70,27 +88,90 @@ class Lifecycle(Enum):
     LEFT_SHARDED = "left sharded"
 
 
-class _RefuseStateDict:
-    """The state_dict pre-hook on a module at rest; it holds the run, so the engine lives as long
-    as the module (Note: a module left sharded)."""
+class Fixes(NamedTuple):
+    """How a strategy's user reads and loads whole weights, named in the guard's messages."""
 
-    def __init__(self, run: ShardedRun) -> None:
+    read: str
+    load: str
+
+
+class _ShardGuard:
+    """The state_dict and load_state_dict pre-hooks on every module that owns a shard (Note: a
+    module's own state_dict). Held by the hooks, it keeps the run, so the engine lives as long as
+    the module; `remove()` (by `forget`, engine/left_sharded.py) takes the hooks off."""
+
+    def __init__(self, run: ShardedRun, fixes: Fixes) -> None:
         self.run = run
-
-    def __call__(self, module: Any, prefix: str, keep_vars: bool) -> None:
-        if not self.run.reading_own:  # registered only while at rest
-            raise RuntimeError(
-                f"{type(module).__name__}.state_dict() after `fit`: the module stays sharded (its parameters are "
-                f"this rank's 1-D shards), as under FSDP. For whole weights call "
-                f"`trainer.strategy.full_state_dict()` on every rank (rank 0 gets them), or save a checkpoint "
-                f"with `trainer.save_checkpoint(path)`."
+        self.fixes = fixes
+        owned: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
+        for sharded in run.engine.sharded_params:
+            for module, attr in sharded.owners:
+                owned.setdefault(module, []).append((attr, sharded))
+        self.handles = [
+            handle
+            for module, params in owned.items()
+            for handle in (
+                module.register_state_dict_pre_hook(partial(self.before_save, params)),
+                module.register_load_state_dict_pre_hook(partial(self.before_load, params)),
             )
+        ]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    @staticmethod
+    def _shards(module: nn.Module, params: list[tuple[str, ShardedParam]]) -> list[tuple[str, ShardedParam]]:
+        """The parameters the module still holds as shards (a module made whole holds others).
+        Its registered ones, what `state_dict()` reads: during forward whole tensors shadow them."""
+        held = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+        return [(attr, sharded) for attr, sharded in params if held.get(attr) is sharded.param]
+
+    def _refusal(self, call: str, key: str, sharded: ShardedParam, fix: str) -> RuntimeError:
+        if self.run.state is Lifecycle.LEFT_SHARDED:  # no gather any more: set up again
+            return RuntimeError(
+                f"{call}: '{key}' is this rank's 1-D shard of a {tuple(sharded.full_shape)} parameter, and the run "
+                f"that sharded it ended without making it whole (it failed, or Fabric's strategy was torn down). "
+                f"{HOW_TO_USE}"
+            )
+        return RuntimeError(
+            f"{call}: '{key}' is this rank's 1-D shard ({sharded.shard_numel} of the {sharded.numel} elements of a "
+            f"{tuple(sharded.full_shape)} parameter): under ZeRO-3 the parameters are 1-D shards outside forward and "
+            f"outside `gathered_parameters`, during and after `fit`. {fix}"
+        )
+
+    def before_save(
+        self, params: list[tuple[str, ShardedParam]], module: nn.Module, prefix: str, keep_vars: bool
+    ) -> None:
+        if self.run.reading_own:
+            return
+        for attr, sharded in self._shards(module, params):
+            if not sharded.gathered:
+                raise self._refusal("state_dict()", prefix + attr, sharded, self.fixes.read)
+
+    def before_load(
+        self, params: list[tuple[str, ShardedParam]], module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+        *args: Any,
+    ) -> None:  # fmt: skip
+        if self.run.reading_own:
+            return
+        for attr, sharded in self._shards(module, params):
+            key = prefix + attr
+            if key not in state_dict:
+                continue
+            if not sharded.gathered:  # each rank would load what its own call gives, into its shard
+                raise self._refusal("load_state_dict()", key, sharded, self.fixes.load)
+            if sharded.gathered[-1] is None:
+                raise RuntimeError(
+                    f"load_state_dict() inside `gathered_parameters` without `modifier_rank`: '{key}' goes back to its "
+                    f"shard on exit, so the load would be dropped. {self.fixes.load}"
+                )
 
 
 class ShardedRun:
     """The engine for one module plus what both strategies do with it the same way."""
 
-    def __init__(self, engine: ShardedModel, options: Callable[[], LightningOptions]) -> None:
+    def __init__(self, engine: ShardedModel, options: Callable[[], LightningOptions], fixes: Fixes) -> None:
         self.engine = engine
         # The strategy's options, read at each save and load: `strategy.lightning_options =
         # replace(...)` after setup (e.g. a full save after a sharded one) reaches this run.
@@ -100,8 +181,11 @@ class ShardedRun:
         # created at the first (Note: background saves in checkpoint/background.py).
         self.saving: BackgroundSave | None = None
         self._saver: Comm | None = None
-        # At rest: the module's state_dict() refused (_RefuseStateDict) but inside `own_reads`.
+        # The module's state_dict() on shards is refused but inside `own_reads` (Note: a module's
+        # own state_dict); the guard's hooks hold this run.
         self.reading_own = False
+        self.fixes = fixes
+        self.guard = _ShardGuard(self, fixes)
 
     def end(self, *, failed: bool) -> None:
         """The strategy's teardown (Note: run lifecycle)."""
@@ -110,11 +194,10 @@ class ShardedRun:
         if failed:
             self.engine.leave_sharded()
             self.state = Lifecycle.LEFT_SHARDED
+            remember_sharded(self.engine.module, self.engine, self.guard)  # with the forward's refusal
         else:
             self.state = Lifecycle.AT_REST
-            module = self.engine.module
-            refusal = module.register_state_dict_pre_hook(_RefuseStateDict(self))
-            remember_sharded(module, self.engine, refusal)  # a new engine for it makes it whole first
+            remember_sharded(self.engine.module, self.engine, self.guard)  # a new engine makes it whole first
             # The optimizer's state stays, for a save after `fit` or the next `fit`.
             for sharded in self.engine.sharded_params:
                 sharded.param.grad = None
@@ -133,7 +216,8 @@ class ShardedRun:
     def resume(self) -> None:
         """AT_REST -> SHARDED: the same strategy sets the same module up again (Note: run lifecycle)."""
         assert self.at_rest, f"ZeRO-3 internal error: resume from {self.state.name}"
-        forget(self.engine.module)  # removes the state_dict hook
+        forget(self.engine.module)  # removes the guard's hooks
+        self.guard = _ShardGuard(self, self.fixes)
         self.state = Lifecycle.SHARDED
 
     @contextmanager
@@ -177,14 +261,17 @@ class ShardedRun:
         replacing what a save put there before, atomically. With `async_save`, a sharded save
         while the module is sharded returns once its snapshot is in host memory (Note: background
         saves)."""
-        target = as_path(path)
+        with self.own_reads():  # the sharded format reads the module's state_dict()
+            self._save(as_path(path), checkpoint, write_file)
+
+    def _save(self, target: Path | RemotePath, checkpoint: dict[str, Any], write_file: WriteFile | None) -> None:
         if self.engine.gradient_sync.state is not SyncState.SYNCED:
             warnings.warn(
                 f"Saving {target} while gradients summed with sync off are owed (between the micro-batches of "
                 "`no_backward_sync` / `no_sync`): the checkpoint holds the parameters and optimizer state from "
                 "before them, not the partial sums, so a resume repeats those micro-batches. Save after the "
                 "synced backward and the optimizer step.",
-                stacklevel=3,
+                stacklevel=4,
             )
         self.wait_for_save()
         if not self.sharded_checkpoints:
@@ -225,18 +312,20 @@ class ShardedRun:
         self.wait_for_save()  # it may be writing this very path
         require_exists(self.engine.world_comm, path, context=context)
         trusted = self.options().trust_checkpoint or weights_only is False
-        if path.is_dir():
-            return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
-        return load_full(path, self.engine, key=key, strict=strict, trusted=trusted, read=read_file)
+        with self.own_reads():  # checked against the names and shapes of the module's state_dict()
+            if path.is_dir():
+                return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
+            return load_full(path, self.engine, key=key, strict=strict, trusted=trusted, read=read_file)
 
     # ---- a Lightning checkpoint dict's entries, as the Trainer saves them (and Fabric's sharded saves)
     def load_model_state(self, state_dict: Mapping[str, Any], *, strict: bool) -> None:
         """Its "state_dict" into the shards, in place: a sharded checkpoint's (still on disk, each
         rank reads the chunks of its own shards) or a whole one."""
-        if isinstance(state_dict, ShardedStateDict):
-            load_sharded_model(state_dict.checkpoint, self.engine)
-        else:
-            self.engine.load_full_state_dict(dict(state_dict), strict=strict)
+        with self.own_reads():
+            if isinstance(state_dict, ShardedStateDict):
+                load_sharded_model(state_dict.checkpoint, self.engine)
+            else:
+                self.engine.load_full_state_dict(dict(state_dict), strict=strict)
 
     def load_optimizer_states(self, states: list[Any], optimizers: list[Optimizer]) -> None:
         """Its "optimizer_states" into `optimizers`, in the order saved."""

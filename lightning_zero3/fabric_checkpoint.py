@@ -105,7 +105,8 @@ def load(
         run = run_of(state)
         opened = run.open(file, read_file, weights_only=weights_only, strict=strict, context=context, key=None)
         if isinstance(opened, ShardedCheckpoint):
-            load_sharded_model(opened, run.engine)
+            with run.own_reads():  # it reads the module's state_dict()
+                load_sharded_model(opened, run.engine)
         else:
             run.engine.load_full_state_dict(opened, strict=strict)
         return {}
@@ -130,7 +131,8 @@ def load(
             )
         metadata = dict(info["metadata"])
         _check_holds(rest, metadata, strict=strict, context=context)
-        load_sharded_model(opened, run.engine)
+        with run.own_reads():
+            load_sharded_model(opened, run.engine)
         if optimizers:
             load_sharded_optimizers(opened, run.engine, [by_key[key] for key in info["optimizers"]])
     else:

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
-from lightning_zero3.core import ShardedRun
+from lightning_zero3.core import Fixes, ShardedRun
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.grads import sharded_grad_norm
@@ -115,7 +115,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             type(self).__name__, module, self.config,
             precision=self.precision, world_size=self.world_size, device=self.root_device,
         )  # fmt: skip
-        self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options)
+        self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options, _FIXES)
         sharded.move_module(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
         for name, old in before.items():
@@ -284,6 +284,18 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     def __repr__(self) -> str:
         # Shown by the Trainer when given this class: say which one it wants.
         return f"{type(self).__name__}(a Fabric strategy: for the Trainer use ZeRO3Strategy or strategy='zero3')"
+
+
+# Named where a module's own state_dict() or load_state_dict() meets shards (core.py, Note: a module's own state_dict).
+_FIXES = Fixes(
+    read="For whole weights, read them inside `with fabric.strategy.gathered_parameters(model):` on every rank (there "
+    "`state_dict()` of the model and of any submodule is whole), or save with `fabric.save(path, {'model': model})` "
+    "(with `ZeRO3FabricStrategy(state_dict_type='full')`: one ordinary file of whole tensors).",
+    load="To load whole weights, call `model.load_state_dict(state_dict)` inside `with fabric.strategy."
+    "gathered_parameters(model, modifier_rank=0):` on every rank (rank 0's load is kept), or use "
+    "`fabric.load_raw(path, model)` or `fabric.load(path, {'model': model})` on every rank, or load before "
+    "`fabric.setup`.",
+)
 
 
 class _NoBackwardSync(_BackwardSyncControl):

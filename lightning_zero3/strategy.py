@@ -30,7 +30,7 @@ from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.checkpoint.errors import run_and_agree
 from lightning_zero3.checkpoint.format import ShardedCheckpoint
 from lightning_zero3.checkpoint.remote import as_path
-from lightning_zero3.core import Lifecycle, ShardedRun, remove_checkpoint
+from lightning_zero3.core import Fixes, Lifecycle, ShardedRun, remove_checkpoint
 from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
@@ -151,7 +151,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
                 type(self).__name__, module, self.config,
                 precision=self.precision_plugin, world_size=self.world_size, device=self.root_device,
             )  # fmt: skip
-            self.run = ShardedRun(engine, lambda: self.lightning_options)
+            self.run = ShardedRun(engine, lambda: self.lightning_options, _FIXES)
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, engine, device=self.root_device)
         return _RootCall(module)
@@ -359,6 +359,17 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def __repr__(self) -> str:
         # Shown by Fabric when given this class: say which one it wants.
         return f"{type(self).__name__}(a Trainer strategy: for Fabric use ZeRO3FabricStrategy or strategy='zero3')"
+
+
+# Named where a module's own state_dict() or load_state_dict() meets shards (core.py, Note: a module's own state_dict).
+_FIXES = Fixes(
+    read="For whole weights, read them inside `with trainer.strategy.gathered_parameters(model):` on every rank (there "
+    "`state_dict()` of the model and of any submodule is whole), or call `trainer.strategy.full_state_dict()` on every "
+    "rank (rank 0 gets them), or save a checkpoint with `trainer.save_checkpoint(path)`.",
+    load="To load whole weights, call `model.load_state_dict(state_dict)` inside `with trainer.strategy."
+    "gathered_parameters(model, modifier_rank=0):` on every rank (rank 0's load is kept), or resume from a checkpoint "
+    "with `trainer.fit(model, ckpt_path=path)`, or load before `fit`, while the module is whole.",
+)
 
 
 class _WholeWeightsLauncher(_MultiProcessingLauncher):

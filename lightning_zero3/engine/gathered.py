@@ -24,8 +24,11 @@ def gathered_parameters(
     world_comm: Comm, modifier_rank: int | None = None,
 ) -> Iterator[None]:  # fmt: skip
     """The parameters under `scope` whole on every rank: the registered parameters hold the full
-    data inside the block. With `modifier_rank=r`, rank r's values are broadcast on exit and kept;
-    otherwise changes are discarded. The tensors go back to the pool on exit: copy what you need."""
+    data inside the block, in tensors of their own (not views of a pooled block), so a state dict
+    taken inside stays valid after it, as under DeepSpeed's `GatheredParameters`. With
+    `modifier_rank=r`, rank r's values are broadcast on exit and kept; otherwise changes are
+    discarded. Each `ShardedParam.gathered` says which block holds it whole (Note: whole inside
+    gathered_parameters in shard.py)."""
     in_scope = {id(p) for p in scope.parameters()}
     chosen = [p for u in units for p in u.params if id(p.param) in in_scope]
     persistent = [p for p in persistent if id(p) in in_scope]
@@ -34,31 +37,30 @@ def gathered_parameters(
     # discarded like writes to gathered ones, or the ranks drift apart.
     saved = [p.detach().clone() for p in persistent] if modifier_rank is None else []
     shards: dict[ShardedParam, torch.Tensor] = {}
-    gathered: list[tuple[Unit, list[torch.Tensor]]] = []
     entered = False  # False in `finally`: a gather or tag check failed, so no collective there
     try:
         for unit in units:
             with engine_mode():
                 fulls = unit.gather(dtype=unit.shard_dtype)
-            gathered.append((unit, fulls))
-            for sharded, full in zip(unit.params, fulls):
-                if sharded in chosen:
-                    shards[sharded] = sharded.param.data
-                    sharded.param.data = full
+                # Each its own storage, so the user's references stay valid; the block goes back.
+                wholes = [(sharded, full.clone()) for sharded, full in zip(unit.params, fulls) if sharded in chosen]
+                unit.release(fulls)
+            for sharded, whole in wholes:
+                shards[sharded] = sharded.param.data
+                sharded.param.data = whole
+                sharded.gathered.append(modifier_rank)
         checks.check()  # outside any pass: check these gathers now
         entered = True
         yield
     finally:
-        wholes = {sharded: sharded.param.data for sharded in shards}
+        written = {sharded: sharded.param.data for sharded in shards}
         for sharded, shard in shards.items():  # every shard back before a broadcast, which may fail
             sharded.param.data = shard
+            sharded.gathered.pop()
         if entered and modifier_rank is not None:
-            for sharded, full in wholes.items():
+            for sharded, full in written.items():
                 world_comm.broadcast(full, src=modifier_rank, what=f"'{sharded.name}' from rank {modifier_rank}")
                 sharded.load_full(full)
-        with engine_mode():
-            for unit, fulls in gathered:
-                unit.release(fulls)  # the blocks go back to the pool
         if modifier_rank is None:
             with torch.no_grad():
                 for p, value in zip(persistent, saved):

@@ -7,7 +7,8 @@ engine first asks every rank (one all_gather_object): left sharded everywhere, t
 makes it whole; on some ranks only, every rank raises. A forward pre-hook keeps the old engine
 alive and refuses a forward on the shards; the registry holds both weakly.
 A module at rest after a Trainer's `fit` (core.py, Note: run lifecycle) is remembered the same
-way, its hooks kept and its engine held by a state_dict pre-hook.
+way, its hooks kept and its engine held by the strategies' state-dict guard, which `forget`
+removes with the forward refusal once the module is whole or resumed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class ShardedModel(Protocol):
     def restore_module(self, *, device: torch.device | str = "cpu") -> None: ...
 
 
-_HOW_TO_USE = (
+HOW_TO_USE = (
     "Fit, validate, test or predict with it again on every rank, or set it up again with `fabric.setup` (the new run "
     "makes it whole first), or build a new module and load a checkpoint into it."
 )
@@ -35,12 +36,12 @@ _HOW_TO_USE = (
 def _refuse_forward(engine: ShardedModel, module: nn.Module, args: Any) -> None:  # the hook holds `engine`
     raise RuntimeError(
         f"{type(module).__name__}'s parameters are still this rank's 1-D shards: the run that sharded it ended "
-        f"without making it whole (it failed, or Fabric's strategy was torn down). {_HOW_TO_USE}"
+        f"without making it whole (it failed, or Fabric's strategy was torn down). {HOW_TO_USE}"
     )
 
 
-# Module -> (the engine that left it sharded, the pre-hook holding it).
-_LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ShardedModel], Any]] = weakref.WeakKeyDictionary()
+# Module -> (the engine that left it sharded, the hooks holding it: handles with `remove()`).
+_LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ShardedModel], list[Any]]] = weakref.WeakKeyDictionary()
 
 
 def leave_sharded(module: nn.Module, engine: ShardedModel) -> None:
@@ -49,8 +50,11 @@ def leave_sharded(module: nn.Module, engine: ShardedModel) -> None:
 
 def remember_sharded(module: nn.Module, engine: ShardedModel, handle: Any) -> None:
     """`engine` holds `module` sharded (left, or at rest after `fit`: core.py, Note: run
-    lifecycle); `handle`, a hook of the module that holds the engine, is removed by `forget`."""
-    _LEFT[module] = (weakref.ref(engine), handle)
+    lifecycle); `handle`, a hook of the module that holds the engine, is removed by `forget`,
+    with those remembered before for the same engine."""
+    entry = _LEFT.get(module)
+    before = entry[1] if entry is not None and entry[0]() is engine else []
+    _LEFT[module] = (weakref.ref(engine), [*before, handle])
 
 
 def holder(module: nn.Module) -> ShardedModel | None:
@@ -62,8 +66,8 @@ def holder(module: nn.Module) -> ShardedModel | None:
 def forget(module: nn.Module) -> None:
     """`module` is whole again, or sharded by a live engine."""
     entry = _LEFT.pop(module, None)
-    if entry is not None:
-        entry[1].remove()
+    for handle in entry[1] if entry is not None else []:
+        handle.remove()
 
 
 def restore_if_left_sharded(module: nn.Module, *, world_comm: Comm, device: torch.device) -> None:

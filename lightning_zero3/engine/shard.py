@@ -9,6 +9,13 @@ padding stays zero: a zero with a zero gradient stays zero under element-wise op
 One unit's shards live back to back in one buffer, in gather-row order, allocated before any
 full tensor (materialize.py). Each is a tensor of its own on it (`set_`, not a slice), with its
 own version counter, so writing one shard does not make the others look changed.
+
+[Note: whole inside gathered_parameters]
+`param` holds this rank's shard except inside `gathered_parameters` (gathered.py), which puts the
+whole data in it and pushes the block's `modifier_rank` on `gathered` (None: writes are dropped on
+exit), popped on exit. During forward the whole tensors only shadow `param` (hooks.py, Note: one
+unit call), so `gathered` empty means `param`, what `state_dict()` reads, is a shard. The
+strategies' state-dict guard (core.py) reads it.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class ShardedParam:
     rank: int
     numel: int = field(init=False)
     shard_numel: int = field(init=False)
+    # The modifier_rank of each `gathered_parameters` block holding `param` whole, innermost last
+    # (Note: whole inside gathered_parameters).
+    gathered: list[int | None] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.numel = math.prod(self.full_shape)
