@@ -41,8 +41,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from enum import Enum
 from functools import partial
 from pathlib import Path
@@ -143,7 +143,7 @@ class _ShardGuard:
     def before_save(
         self, params: list[tuple[str, ShardedParam]], module: nn.Module, prefix: str, keep_vars: bool
     ) -> None:
-        if self.run.reading_own:
+        if self.run.engine.reading_own:
             return
         for attr, sharded in self._shards(module, params):
             if not sharded.gathered:
@@ -153,7 +153,7 @@ class _ShardGuard:
         self, params: list[tuple[str, ShardedParam]], module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
         *args: Any,
     ) -> None:  # fmt: skip
-        if self.run.reading_own:
+        if self.run.engine.reading_own:
             return
         for attr, sharded in self._shards(module, params):
             key = prefix + attr
@@ -183,7 +183,6 @@ class ShardedRun:
         self._saver: Comm | None = None
         # The module's state_dict() on shards is refused but inside `own_reads` (Note: a module's
         # own state_dict); the guard's hooks hold this run.
-        self.reading_own = False
         self.fixes = fixes
         self.guard = _ShardGuard(self, fixes)
 
@@ -220,20 +219,15 @@ class ShardedRun:
         self.guard = _ShardGuard(self, self.fixes)
         self.state = Lifecycle.SHARDED
 
-    @contextmanager
-    def own_reads(self) -> Iterator[None]:
-        """The module's state_dict() as the run's saves read it, also at rest."""
-        before, self.reading_own = self.reading_own, True
-        try:
-            yield
-        finally:
-            self.reading_own = before
+    def own_reads(self) -> AbstractContextManager[None]:
+        """The module's state_dict() as the run's saves and loads read it: this rank's shards, in any
+        state (Note: a module's own state_dict)."""
+        return self.engine.own_reads()
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The module's whole state dict, gathered one unit at a time, in host memory: on rank 0
         only (others get {}) or on every rank. Collective: call it on every rank."""
-        with self.own_reads():
-            return self.engine.full_state_dict(to_rank=0 if rank0_only else None)
+        return self.engine.full_state_dict(to_rank=0 if rank0_only else None)
 
     # ---- checkpoints: "sharded" a directory of every rank's shards (nothing gathered), "full" one
     # file from rank 0. Loading takes either, at any world size; ranks agree that a checkpoint is

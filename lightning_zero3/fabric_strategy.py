@@ -286,8 +286,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         return f"{type(self).__name__}(a Fabric strategy: for the Trainer use ZeRO3Strategy or strategy='zero3')"
 
 
-# Named where a module's own state_dict() or load_state_dict() meets shards (core.py, Note: a module's own state_dict).
-_FIXES = Fixes(
+_FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (core.py)
     read="For whole weights, read them inside `with fabric.strategy.gathered_parameters(model):` on every rank (there "
     "`state_dict()` of the model and of any submodule is whole), or save with `fabric.save(path, {'model': model})` "
     "(with `ZeRO3FabricStrategy(state_dict_type='full')`: one ordinary file of whole tensors).",

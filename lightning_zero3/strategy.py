@@ -361,8 +361,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         return f"{type(self).__name__}(a Trainer strategy: for Fabric use ZeRO3FabricStrategy or strategy='zero3')"
 
 
-# Named where a module's own state_dict() or load_state_dict() meets shards (core.py, Note: a module's own state_dict).
-_FIXES = Fixes(
+_FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (core.py)
     read="For whole weights, read them inside `with trainer.strategy.gathered_parameters(model):` on every rank (there "
     "`state_dict()` of the model and of any submodule is whole), or call `trainer.strategy.full_state_dict()` on every "
     "rank (rank 0 gets them), or save a checkpoint with `trainer.save_checkpoint(path)`.",

@@ -68,6 +68,7 @@ def _fit_then_read(rank: int, world_size: int, directory: str) -> dict[str, Any]
         state = attempt(model.state_dict)
         if rank == 0 and isinstance(state, dict):
             torch.save(state, Path(directory) / "model.pt")
+        out["root_inside"] = shapes(state)
         out["block_inside"] = attempt(lambda: shapes(model.net.blocks[0].state_dict()))
         out["head_weight"] = model.net.head.weight.clone()
         copies = {k: v.clone() for k, v in state.items()} if isinstance(state, dict) else {}
@@ -115,11 +116,12 @@ def test_torch_save_of_state_dict_inside_gathered_parameters_loads_into_a_fresh_
     assert max_difference(fresh.state_dict(), one_process.state_dict()) < TOL
 
 
-def test_inside_gathered_parameters_a_submodule_and_a_weight_are_whole_on_every_rank(
+def test_inside_gathered_parameters_the_model_a_submodule_and_a_weight_are_whole_on_every_rank(
     results: list[dict[str, Any]], one_process: LitMLP
 ) -> None:
     block = shapes(one_process.net.blocks[0].state_dict())
     for result in results:
+        assert result["root_inside"] == shapes(one_process.state_dict()), result["root_inside"]
         assert result["block_inside"] == block, result["block_inside"]
         assert float((result["head_weight"].detach() - one_process.net.head.weight.detach()).abs().max()) < TOL
 

@@ -119,6 +119,9 @@ class ShardedModel:
         )  # fmt: skip
         held = lambda: self.hooks.state is PassState.HELD
         self._synced_generate = install_synced_generate(module, held, ranks=self.comm.world_size * groups)
+        # Inside `own_reads`: the module's state_dict() is read for its shards, by this engine or a
+        # checkpoint; a strategy's guard lets those through (core.py, Note: a module's own state_dict).
+        self.reading_own = False
 
     def _describe_step(self) -> str:
         orders = [(phase, order) for phase, order in (("forward", self.schedule.forward_order),
@@ -227,13 +230,23 @@ class ShardedModel:
             self.hooks.release()
 
     # ---- state dicts ------------------------------------------------------------------------
+    @contextmanager
+    def own_reads(self) -> Iterator[None]:
+        """The module's `state_dict()` read for this rank's shards (a checkpoint, `full_state_dict`)."""
+        before, self.reading_own = self.reading_own, True
+        try:
+            yield
+        finally:
+            self.reading_own = before
+
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
         """`state_dict()` with whole parameters, gathered one unit at a time, in host memory and
         never views of the live module (persistent parameters and buffers copied); with `to_rank`
         only that rank gets them (others an empty dict)."""
         keep = to_rank is None or self.global_rank == to_rank
         full_by_id: dict[int, torch.Tensor] = {}
-        state = self.module.state_dict()
+        with self.own_reads():
+            state = self.module.state_dict()
         with engine_mode():
             for unit in self.units:
                 if not unit.params:
