@@ -95,6 +95,14 @@ class Fixes(NamedTuple):
     load: str
 
 
+_ANY_STRATEGY = Fixes(
+    read="For whole weights, read them inside the strategy's `gathered_parameters(model)` on every rank, or save a "
+    "checkpoint.",
+    load="To load whole weights, call it inside the strategy's `gathered_parameters(model, modifier_rank=0)` on every "
+    "rank.",
+)
+
+
 class _ShardGuard:
     """The state_dict and load_state_dict pre-hooks on every module that owns a shard (Note: a
     module's own state_dict). Held by the hooks, it keeps the run, so the engine lives as long as
@@ -171,7 +179,9 @@ class _ShardGuard:
 class ShardedRun:
     """The engine for one module plus what both strategies do with it the same way."""
 
-    def __init__(self, engine: ShardedModel, options: Callable[[], LightningOptions], fixes: Fixes) -> None:
+    def __init__(
+        self, engine: ShardedModel, options: Callable[[], LightningOptions], *, fixes: Fixes = _ANY_STRATEGY
+    ) -> None:
         self.engine = engine
         # The strategy's options, read at each save and load: `strategy.lightning_options =
         # replace(...)` after setup (e.g. a full save after a sharded one) reaches this run.

@@ -115,7 +115,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             type(self).__name__, module, self.config,
             precision=self.precision, world_size=self.world_size, device=self.root_device,
         )  # fmt: skip
-        self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options, _FIXES)
+        self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options, fixes=_FIXES)
         sharded.move_module(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
         for name, old in before.items():
