@@ -265,17 +265,14 @@ class ShardedRun:
         replacing what a save put there before, atomically. With `async_save`, a sharded save
         while the module is sharded returns once its snapshot is in host memory (Note: background
         saves)."""
-        with self.own_reads():  # the sharded format reads the module's state_dict()
-            self._save(as_path(path), checkpoint, write_file)
-
-    def _save(self, target: Path | RemotePath, checkpoint: dict[str, Any], write_file: WriteFile | None) -> None:
+        target = as_path(path)
         if self.engine.gradient_sync.state is not SyncState.SYNCED:
             warnings.warn(
                 f"Saving {target} while gradients summed with sync off are owed (between the micro-batches of "
                 "`no_backward_sync` / `no_sync`): the checkpoint holds the parameters and optimizer state from "
                 "before them, not the partial sums, so a resume repeats those micro-batches. Save after the "
                 "synced backward and the optimizer step.",
-                stacklevel=4,
+                stacklevel=3,
             )
         self.wait_for_save()
         if not self.sharded_checkpoints:
