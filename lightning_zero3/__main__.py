@@ -11,7 +11,7 @@ from typing import TextIO
 
 from lightning_zero3 import estimate
 from lightning_zero3.checkpoint import CheckpointError, Progress, consolidate_checkpoint
-from lightning_zero3.engine.dtypes import DTYPE_NAMES
+from lightning_zero3.engine import DTYPE_NAMES
 
 
 class ProgressLine:

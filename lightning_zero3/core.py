@@ -43,11 +43,17 @@ from lightning_zero3.checkpoint.format import ShardedCheckpoint, ShardedOptimize
 from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers, open_checked
 from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
-from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.accumulate import SyncState
-from lightning_zero3.engine.comm import Comm, destroy_group
-from lightning_zero3.engine.left_sharded import forget, holder, remember_sharded
-from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
+from lightning_zero3.engine import (
+    Comm,
+    ShardedModel,
+    SyncState,
+    destroy_group,
+    forget,
+    full_optimizer_state,
+    holder,
+    load_full_optimizer_state,
+    remember_sharded,
+)
 
 if TYPE_CHECKING:
     from lightning_zero3.options import LightningOptions

@@ -36,11 +36,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_zero3.engine.accounting import UnitSizes, live_peak, step_bytes
-from lightning_zero3.engine.config import ShardingConfig
-from lightning_zero3.engine.dtypes import DTYPE_NAMES, parse_dtype
-from lightning_zero3.engine.plan import make_plan
-from lightning_zero3.engine.reshard import resolve
+from lightning_zero3.engine import (
+    DTYPE_NAMES,
+    ShardingConfig,
+    UnitSizes,
+    live_peak,
+    make_plan,
+    parse_dtype,
+    resolve,
+    step_bytes,
+)
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 

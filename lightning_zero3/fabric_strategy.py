@@ -33,8 +33,13 @@ from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.core import ShardedRun
-from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
-from lightning_zero3.engine.materialize import parameters_on_meta
+from lightning_zero3.engine import (
+    AgreeingGradScaler,
+    ShardedModel,
+    check_optimizer_fits_shards,
+    clip_grad_norm_,
+    parameters_on_meta,
+)
 from lightning_zero3.grads import sharded_grad_norm
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 

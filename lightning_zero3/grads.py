@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.optim import grad_norms
+from lightning_zero3.engine import ShardedModel, grad_norms
 
 
 def sharded_grad_norm(

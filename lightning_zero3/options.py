@@ -35,8 +35,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
-from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.config import ShardingConfig, config_field_names
+from lightning_zero3.engine import ShardedModel, ShardingConfig, config_field_names
 
 T = TypeVar("T")
 StateDictType = Literal["sharded", "full"]

@@ -31,8 +31,7 @@ from lightning_zero3.checkpoint.errors import run_and_agree
 from lightning_zero3.checkpoint.format import ShardedCheckpoint
 from lightning_zero3.checkpoint.remote import as_path
 from lightning_zero3.core import Lifecycle, ShardedRun, remove_checkpoint
-from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
-from lightning_zero3.engine.materialize import parameters_on_meta
+from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards, parameters_on_meta
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 from lightning_zero3.precision import sharded_precision
 from lightning_zero3.summary import count_full_parameters, sharded_stats

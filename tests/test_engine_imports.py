@@ -114,6 +114,36 @@ def test_collective_checker_sees_every_spelling():
 
 
 PACKAGE = ENGINE.parent
+
+
+def door_violations(root: Path) -> list[str]:
+    """Imports under `root`, outside engine/, of an engine module rather than a name of the
+    package `lightning_zero3.engine` (the one door; its `__all__` is what the glue may use)."""
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if ENGINE in path.parents:
+            continue
+        for line, module in _imported_modules(ast.parse(path.read_text())):
+            inside = module.startswith("lightning_zero3.engine.")
+            if inside and module.rsplit(".", 1)[-1] not in lightning_zero3.engine.__all__:
+                offenders.append(f"{path.relative_to(root.parent)}:{line} imports {module}")
+    return offenders
+
+
+def test_code_outside_the_engine_imports_only_the_engine_package():
+    """The package, its examples and benchmarks; the tests may reach inside (they test the insides)."""
+    offenders = [v for folder in ("lightning_zero3", "examples", "benchmarks") for v in door_violations(
+        PACKAGE.parent / folder)]  # fmt: skip
+    assert offenders == []
+
+
+def test_the_door_check_sees_an_engine_module(tmp_path):
+    """The test above can fail: importing a module of the engine, or a module from the package."""
+    (tmp_path / "glue.py").write_text("from lightning_zero3.engine.comm import Comm\nimport lightning_zero3.engine."
+                                      "hooks\nfrom lightning_zero3.engine import accounting, Comm\n")  # fmt: skip
+    assert door_violations(tmp_path) == [f"{tmp_path.name}/glue.py:{n}" for n in (
+        "1 imports lightning_zero3.engine.comm", "2 imports lightning_zero3.engine.hooks",
+        "3 imports lightning_zero3.engine.accounting")]  # fmt: skip
 # The Lightning glue's two cycles, which the other branch of issue 20 removes; then this is empty.
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module (dotted, under `root`'s package) -> the package's modules it imports, wherever the

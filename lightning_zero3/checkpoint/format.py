@@ -40,9 +40,7 @@ from lightning_zero3.checkpoint.trust import (
     load_torch_file,
     read_dcp_index,
 )
-from lightning_zero3.engine.comm import Comm
-from lightning_zero3.engine.model import ShardedModel
-from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine import Comm, ShardedModel, ShardedParam
 
 FORMAT_VERSION = 1
 TRAINER_STATE_FILE = "trainer_state.pt"
