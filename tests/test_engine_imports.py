@@ -7,6 +7,7 @@ TYPE_CHECKING (two modules that know each other only for types still know each o
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import lightning_zero3.engine
@@ -217,3 +218,45 @@ def test_the_cycle_finder_sees_a_type_only_import(tmp_path):
     (package / "c.py").write_text("import pkg.a\n")
     (package / "d.py").write_text("from pkg.a import x\n")
     assert import_cycles(import_graph(package)) == [{"pkg.a", "pkg.b", "pkg.c"}]
+
+
+def design_layers(text: str) -> dict[str, int]:
+    """Engine file -> its layer, as the numbered list under "The engine's layers" in design.md names them."""
+    section = text.split("## The engine's layers", 1)[1].split("\n## ", 1)[0]
+    layers, layer = {}, 0
+    for line in section.splitlines():
+        match = re.match(r"(\d+)\. \*\*", line)
+        layer = int(match.group(1)) if match else layer if line.startswith("   ") else 0  # an item, its lines
+        for name in re.findall(r"`(\w+\.py)`", line) if layer else []:
+            assert name not in layers, f"{name} stands in two layers"
+            layers[name] = layer
+    return layers
+
+
+def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Each engine import from a module to one of a lower layer (a higher number)."""
+    prefix, found = "lightning_zero3.engine.", []
+    for name, targets in graph.items():
+        for target in (t for t in targets if name.startswith(prefix) and t.startswith(prefix)):
+            low, high = name.removeprefix(prefix) + ".py", target.removeprefix(prefix) + ".py"
+            if layers[high] > layers[low]:
+                found.append(f"{low} (layer {layers[low]}) imports {high} (layer {layers[high]})")
+    return sorted(found)
+
+
+DESIGN = (PACKAGE.parent / "docs" / "design.md").read_text()
+
+
+def test_every_engine_file_stands_in_one_layer_of_design_md():
+    assert sorted(design_layers(DESIGN)) == sorted(f.name for f in _engine_files() if f.name != "__init__.py")
+
+
+def test_no_engine_module_imports_a_layer_below_its_own():
+    assert upward_imports(import_graph(PACKAGE), design_layers(DESIGN)) == []
+
+
+def test_the_layer_check_sees_an_import_going_up():
+    """The test above can fail: with reduce.py importing offload.py again (layer 4 -> layer 7)."""
+    graph = import_graph(PACKAGE)
+    graph["lightning_zero3.engine.reduce"] = graph["lightning_zero3.engine.reduce"] | {"lightning_zero3.engine.offload"}
+    assert upward_imports(graph, design_layers(DESIGN)) == ["reduce.py (layer 4) imports offload.py (layer 7)"]

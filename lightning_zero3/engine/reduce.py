@@ -24,8 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_zero3.engine.offload import HostOffload
-from lightning_zero3.engine.unit import Unit
+from lightning_zero3.engine.unit import ShardSource, Unit
 
 __all__ = ["PendingReduce", "Reductions", "Summed", "grad_blocks"]
 
@@ -69,7 +68,7 @@ class PendingReduce:
 class Reductions:
     """Reduce-Scatters in flight, oldest first; at most `in_flight` stay pending."""
 
-    def __init__(self, *, in_flight: int, offload: HostOffload | None = None) -> None:
+    def __init__(self, *, in_flight: int, offload: ShardSource | None = None) -> None:
         self.in_flight = in_flight
         self.offload = offload  # reduced shard gradients go to the host instead of `.grad`
         self._pending: deque[PendingReduce] = deque()

@@ -37,7 +37,7 @@ from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.record import StepRecord
 from lightning_zero3.engine.shard import ShardedParam
 
-__all__ = ["ALIGN_BYTES", "Unit", "aligned_numel"]
+__all__ = ["ALIGN_BYTES", "ShardSource", "Unit", "aligned_numel"]
 
 ALIGN_BYTES = 16  # Note: flat layout
 
@@ -49,12 +49,16 @@ def aligned_numel(numel: int, dtype: torch.dtype) -> int:
 
 
 class ShardSource(Protocol):
-    """Where gathers read shards that live off the compute device (offload.py)."""
+    """Where gathers read shards that live off the compute device, and reductions put their
+    gradients (offload.py, one `HostOffload`)."""
 
     device: torch.device
 
     def fill(self, unit: Unit, out: torch.Tensor, *, exact: bool) -> None: ...
     def begin_pass(self) -> None: ...
+    def download(self, unit: Unit, grads: list[torch.Tensor | None]) -> None: ...
+    def settle(self) -> None: ...
+    def drop(self) -> None: ...
 
 
 @dataclass
