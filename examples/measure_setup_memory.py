@@ -65,7 +65,7 @@ def measure(rank: int, world_size: int, mode: str, path: str, restore_to: str = 
     sharded = ShardedModel(model, device="cpu")
     result = {"setup_peak": status_bytes("VmHWM") - start, "setup_s": time.perf_counter() - t0}
     result["shard_bytes"] = sum(p.param.numel() * p.param.element_size() for p in sharded.sharded_params)
-    result["unit_bytes"] = max(u.numel * 4 for u in sharded.units)
+    result["unit_bytes"] = max(u.numel * 4 for u in sharded._units)
     if mode.startswith("meta +"):
         start, file_start = reset_peak_rss(), status_bytes("RssFile")
         t0 = time.perf_counter()

@@ -46,7 +46,6 @@ from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
 from lightning_zero3.engine import (
     Comm,
     ShardedModel,
-    SyncState,
     destroy_group,
     forget,
     full_optimizer_state,
@@ -121,12 +120,7 @@ class ShardedRun:
             module = self.engine.module
             refusal = module.register_state_dict_pre_hook(_RefuseStateDict(self))
             remember_sharded(module, self.engine, refusal)  # a new engine for it makes it whole first
-            # The optimizer's state stays, for a save after `fit` or the next `fit`.
-            for sharded in self.engine.sharded_params:
-                sharded.param.grad = None
-            if self.engine.offload is not None:
-                self.engine.offload.close()  # the shards' device copies, made again by the next gather
-        self.engine.pool.clear()  # buffers kept for the next step, which will not come soon
+            self.engine.rest()  # the optimizer's state stays, for a save after `fit` or the next `fit`
         if self._saver is not None and self._saver is not self.engine.world_comm:
             destroy_group(self._saver.group)  # later saves of this run write synchronously
         self._saver = None
@@ -184,7 +178,7 @@ class ShardedRun:
         while the module is sharded returns once its snapshot is in host memory (Note: background
         saves)."""
         target = as_path(path)
-        if self.engine.gradient_sync.state is not SyncState.SYNCED:
+        if self.engine.gradients_owed:
             warnings.warn(
                 f"Saving {target} while gradients summed with sync off are owed (between the micro-batches of "
                 "`no_backward_sync` / `no_sync`): the checkpoint holds the parameters and optimizer state from "

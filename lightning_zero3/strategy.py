@@ -34,7 +34,7 @@ from lightning_zero3.core import Lifecycle, ShardedRun, remove_checkpoint
 from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards, parameters_on_meta
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 from lightning_zero3.precision import sharded_precision
-from lightning_zero3.summary import count_full_parameters, sharded_stats
+from lightning_zero3.summary import count_full_parameters
 
 
 class _RootCall(nn.Module):
@@ -217,7 +217,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         # Ranks with uneven batch counts fail at the step where the shortest epoch ends, on every
         # rank (engine/checks.py, Note: uneven batches).
         assert self.lightning_module is not None
-        self.sharded_model.checks.final_batch = _last_batch_of_epoch(self.lightning_module.trainer)
+        self.sharded_model.mark_final_batch(_last_batch_of_epoch(self.lightning_module.trainer))
         return super().training_step(*args, **kwargs)
 
     @override
@@ -269,7 +269,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     @property
     def stats(self) -> dict[str, Any]:
         """What this rank holds and sends: see docs/accounting.md."""
-        return sharded_stats(self.sharded_model, self.optimizers)
+        return self.sharded_model.report(self.optimizers)
 
     # ---- checkpoints (core.py's run): "sharded" a directory, each rank its shards; "full" one
     # ordinary Lightning file from rank 0.

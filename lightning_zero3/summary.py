@@ -1,5 +1,5 @@
 """What users read about a sharded model: Lightning's model summary with the sizes of whole
-parameters, not of this rank's shards, and the figures behind `ZeRO3Strategy.stats`.
+parameters, not of this rank's shards (`ZeRO3Strategy.stats` is `ShardedModel.report`).
 
 [Note: ModelSummary._summary]
 Lightning's `ModelSummary` callback (and `RichModelSummary`) builds its table in the private
@@ -23,10 +23,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
-
-from lightning_zero3.engine import CommStats, ShardedModel
 
 
 def count_full_parameters(callbacks: Iterable[Any], numel: Callable[[Tensor], int]) -> None:
@@ -83,39 +80,4 @@ class FullSizeSummary(Summary):
         return sum(self._numel(p) for p in self._model.parameters() if p.requires_grad)
 
 
-def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[str, Any]:
-    """What this rank holds and sends (`ZeRO3Strategy.stats`): see docs/accounting.md. Measured
-    bytes of the last step next to the formula for it (the oracle: engine/accounting.py)."""
-
-    def measured(stats: CommStats | None) -> dict[str, dict[str, float]]:
-        return {kind: vars(b).copy() for kind, b in stats.last_step.items()} if stats is not None else {}
-
-    def expected(**group: bool) -> dict[str, int]:  # the last step's formula, else the next one's
-        return sharded.last_step_expected_bytes(**group) or sharded.expected_step_bytes(**group)
-
-    alive = sharded.unit_stats
-    return {
-        "world_size": sharded.world_comm.world_size,
-        "shard_size": sharded.comm.world_size,
-        "param_dtype": str(sharded.units[-1].param_dtype).removeprefix("torch."),
-        "reduce_dtype": str(sharded.units[-1].reduce_dtype).removeprefix("torch."),
-        "full_parameters": sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent),
-        "units": len([u for u in sharded.units if u.params]),
-        "last_step": measured(sharded.stats),
-        "expected_step_bytes": expected(),
-        "last_step_across_groups": measured(sharded.replicate_stats),
-        "expected_step_bytes_across_groups": expected(across_groups=True),
-        # reshard_after_forward=G: the backward's All-Gathers inside the groups of G.
-        "last_step_in_slice_groups": measured(sharded.slice_stats),
-        "expected_step_bytes_in_slice_groups": expected(slices=True),
-        # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
-        "last_step_control": measured(sharded.world_comm.stats),
-        "gather_wait_s": sharded.stats.last_step_gather_wait_s,
-        "units_alive": alive.alive,
-        "peak_units_alive": alive.peak,
-        "peak_units_alive_without_root": alive.peak_without_root,
-        "model_state_bytes": sharded.model_state_bytes(optimizers),
-    }
-
-
-__all__ = ["FullSizeSummary", "count_full_parameters", "sharded_stats"]
+__all__ = ["FullSizeSummary", "count_full_parameters"]

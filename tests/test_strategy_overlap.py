@@ -20,7 +20,7 @@ def test_overlapping_reductions_are_exact_under_lightning() -> None:
     torch.manual_seed(0)
     model = LitMLP()
     hands_back = HandsBack(
-        in_flight="strategy.sharded_model.gradient_sync.reductions.in_flight", losses="lightning_module.step_losses"
+        in_flight="strategy.sharded_model._gradient_sync.reductions.in_flight", losses="lightning_module.step_losses"
     )
     fit = trainer(launched("zero3", reductions_in_flight=2), 2, max_epochs=1, callbacks=[hands_back])
     fit.fit(model, loader(2))

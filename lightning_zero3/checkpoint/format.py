@@ -171,7 +171,7 @@ class Pieces:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        shard, replicate, kind = self.model.comm, self.model.replicate_comm, piece.device.type
+        (shard, replicate), kind = self.model.shard_comms, piece.device.type
         assert shard.group is not None  # distributed: every Comm has its group
         if kind not in self._meshes and replicate is None:
             self._meshes[kind] = DeviceMesh.from_group(shard.group, kind)

@@ -125,7 +125,7 @@ def plan_sharded(
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "world_size": model.world_comm.world_size,
-            "shard_size": model.comm.world_size,
+            "shard_size": model.shard_comms[0].world_size,
             "torch_version": torch.__version__,
             "fingerprint": fingerprint(parameters),
             "parameters": parameters,

@@ -20,10 +20,10 @@ def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type
     shares = _local_shares(model, list(parameters), order)
     if order == math.inf:
         local = shares.max() if len(shares) else shares.new_zeros(())
-        model.comm.all_reduce(local, what="gradient norm (max)", op="max")
+        model._comm.all_reduce(local, what="gradient norm (max)", op="max")
         return local.float()
     local = shares.sum()
-    model.comm.all_reduce(local, what="gradient norm")
+    model._comm.all_reduce(local, what="gradient norm")
     return (local ** (1.0 / order)).float()
 
 
@@ -35,9 +35,9 @@ def grad_norms(
     order = float(norm_type)
     local = _local_shares(model, parameters, order)
     if order == math.inf:
-        model.comm.all_reduce(local, what="gradient norms (max)", op="max")
+        model._comm.all_reduce(local, what="gradient norms (max)", op="max")
         return local.float(), (local.max() if len(local) else local.new_zeros(())).float()
-    model.comm.all_reduce(local, what="gradient norms")
+    model._comm.all_reduce(local, what="gradient norms")
     return (local ** (1.0 / order)).float(), (local.sum() ** (1.0 / order)).float()
 
 
@@ -50,7 +50,7 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     the share is the largest absolute value. `torch._foreach_norm` / `_foreach_mul_` are private:
     torch's `clip_grad_norm_` uses them (tried on 2.13); no fallback is kept."""
     device = model.device  # where the collective runs; offloaded shards' gradients are on the host
-    n = model.comm.world_size
+    n = model._comm.world_size
     if not parameters:
         return torch.zeros(0, dtype=torch.float64, device=device)
     present = [i for i, p in enumerate(parameters) if p.grad is not None and p.grad.numel() > 0]
