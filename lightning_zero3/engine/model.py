@@ -85,17 +85,17 @@ class ShardedModel:
         self._unit_stats = UnitStats()
         groups = self._replicate_comm.world_size if self._replicate_comm is not None else 1
         self._checks = RankChecks(rank=self._comm.rank, names=[u.name for u in self._plan.units],
-                                 rank_checks=config.rank_checks, groups=groups)  # fmt: skip
+                                  rank_checks=config.rank_checks, groups=groups)  # fmt: skip
+        self._offload = HostOffload(device=target) if config.offload is not None else None
         self._units = [
             Unit(uid=uid, name=unit_plan.name, module=unit_plan.module,
                  params=[shards[id(entry)] for entry in unit_plan.params], comm=self._comm, checks=self._checks,
                  replicate=self._replicate_comm, param_dtype=config.param_dtype,
                  reduce_dtype=config.reduce_dtype, record=self._record,
-                 slice_comm=self._slice_comm)  # fmt: skip
+                 slice_comm=self._slice_comm, offload=self._offload)  # fmt: skip
             for uid, unit_plan in enumerate(self._plan.units)
         ]
         self.device = target  # the compute device (with offload the shards are on the host)
-        self._offload = HostOffload(self._units, device=target) if config.offload is not None else None
         self._by_param: dict[int, ShardedParam] = {id(s.param): s for s in shards.values()}
         directory, rank = config.offload_dir, self._world_comm.rank
         self._disk = DiskState(directory, rank=rank, lookup=self.sharded_param) if directory is not None else None
@@ -117,7 +117,7 @@ class ShardedModel:
         self._hooks = HookDriver(
             self._units, schedule=self._schedule, checks=self._checks, grads=self._gradient_sync,
             persistent=self._persistent_grads, live=self._unit_stats,
-            record=self._record, world_comm=self._world_comm, reshard=self._reshard,
+            record=self._record, world_comm=self._world_comm, reshard=self._reshard, offload=self._offload,
         )  # fmt: skip
         held = lambda: self._hooks.state is PassState.HELD
         self._synced_generate = install_synced_generate(module, held, ranks=self._comm.world_size * groups)

@@ -28,9 +28,9 @@ __all__ = ["HostOffload", "move_module"]
 
 class HostOffload:
     """The device copies of host shards and the gradients on their way to the host; one per
-    `ShardedModel`, every unit's `offload`."""
+    `ShardedModel`, handed to its units, reductions and driver when they are built."""
 
-    def __init__(self, units: list[Unit], *, device: torch.device) -> None:
+    def __init__(self, *, device: torch.device) -> None:
         self.device = device  # the compute device
         self.pinned = device.type == "cuda"  # pinned host memory: asynchronous copies
         # Per unit id: the device copy and the host versions it holds.
@@ -41,8 +41,6 @@ class HostOffload:
         self._sources: list[torch.Tensor] = []  # device gradients kept alive until the copies end
         self._stream = torch.cuda.Stream(device) if self.pinned else None
         self.uploads = 0  # device copies refreshed, for tests
-        for unit in units:
-            unit.offload = self
 
     def device_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self._copies.values())

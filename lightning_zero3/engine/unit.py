@@ -81,7 +81,7 @@ class Unit:
     def __init__(
         self, *, uid: int, name: str, module: nn.Module, params: list[ShardedParam], comm: Comm, checks: RankChecks,
         replicate: Comm | None, slice_comm: Comm | None, param_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype | None, record: StepRecord,
+        reduce_dtype: torch.dtype | None, record: StepRecord, offload: ShardSource | None,
     ) -> None:  # fmt: skip
         dtypes = {p.param.dtype for p in params}
         if len(dtypes) > 1:
@@ -112,7 +112,7 @@ class Unit:
         # versions it was cut at (reshard.py).
         self.slice_comm = slice_comm
         self._slice: tuple[torch.Tensor, tuple[int, ...]] | None = None
-        self.offload: ShardSource | None = None  # offload.py
+        self.offload = offload  # where the shards live off the device (offload.py), else None
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
