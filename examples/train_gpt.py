@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero3 import ZeRO3Strategy
-from lightning_zero3.estimate import parse_reshard
+from lightning_zero3.estimate import parse_option
 
 # ---------------------------------------------------------------------------------------------
 # Model
@@ -360,7 +360,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--param-dtype", help="gather dtype, e.g. bf16; default: what --precision implies")
     parser.add_argument("--reduce-dtype", help="gradient reduction dtype, e.g. bf16; default fp32")
     parser.add_argument(
-        "--reshard-after-forward", type=parse_reshard, default=True,
+        "--reshard-after-forward", type=parse_option, default=True,
         help="true (default), false (units whole from forward to backward) or G (a 1/G slice, gathered in groups of G)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1337)

@@ -88,6 +88,11 @@ class ShardingConfig:
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
 
 
+    def in_flight(self, device_type: str) -> int:
+        """`reductions_in_flight` on a device of `device_type`: None is 2 on CUDA, 0 elsewhere."""
+        return self.reductions_in_flight if self.reductions_in_flight is not None else 2 * (device_type == "cuda")
+
+
 def config_field_names(config_type: type[Any]) -> frozenset[str]:
     return frozenset(f.name for f in fields(config_type))
 

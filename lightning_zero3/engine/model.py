@@ -108,8 +108,7 @@ class ShardedModel:
             persistent_comm = Comm(None, pool=self._pool, device=target, stats=self._replicate_comm.stats)
         self._persistent_grads = PersistentGrads(self._persistent, persistent_comm)
         self._comm.describe_step = self._describe_step
-        in_flight = config.reductions_in_flight
-        self._reductions_in_flight = in_flight if in_flight is not None else 2 * (target.type == "cuda")
+        self._reductions_in_flight = config.in_flight(target.type)
         self._schedule = Schedule(config.prefetch)
         reductions = Reductions(in_flight=self._reductions_in_flight, offload=self._offload)
         self._gradient_sync = GradientSync(self._units, reductions=reductions, persistent=self._persistent_grads,
