@@ -68,7 +68,7 @@ def verdict(ok: bool, dry: bool = False) -> str:
 
 def shortcut_off(sharded: ShardedModel) -> None:
     """Real collectives at world size 1 (no public option yet: fails loudly if the attribute goes)."""
-    comm = getattr(sharded, "comm", None)
+    comm = sharded.shard_comms[0]
     if not hasattr(comm, "one_rank_shortcut"):
         raise RuntimeError("the engine has no `comm.one_rank_shortcut` to turn off: give the check a new knob")
     comm.one_rank_shortcut = False  # type: ignore[union-attr]
@@ -364,7 +364,7 @@ class ShortcutOff(pl.Callback):
     """The engine the strategy builds runs real collectives from its first batch."""
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        shortcut_off(trainer.strategy.sharded_model)
+        shortcut_off(trainer.strategy.sharded_model())
 
     on_validation_start = on_predict_start = on_fit_start
 

@@ -26,7 +26,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -252,6 +252,32 @@ class ShardedRun:
             load_full_optimizer_state(self.engine, optimizer, state)
 
 
+class ShardedStrategy:
+    """What the Trainer's and Fabric's strategies offer on the models they shard, written once;
+    each finds the run holding a module with its own `_run_of` (the one LightningModule, or the
+    models `fabric.setup` was given)."""
+
+    def _run_of(self, module: Any = None, *, within: bool = False) -> ShardedRun:
+        raise NotImplementedError
+
+    def sharded_model(self, module: Any = None) -> ShardedModel:
+        """The engine holding `module`'s shards (a model set up, or the wrapper `fabric.setup`
+        returned); with one model set up, `module` may be omitted."""
+        return self._run_of(module).engine
+
+    def gathered_parameters(self, module: Any = None, *, modifier_rank: int | None = None) -> AbstractContextManager:
+        """Make the parameters of `module` (default: the whole model; or a submodule of it) whole
+        on every rank inside the block. With `modifier_rank=r`, what rank r wrote is kept on exit."""
+        owner = self._run_of(module, within=True).engine
+        target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
+        return owner.gathered_parameters(target, modifier_rank=modifier_rank)
+
+    def gathered_for_inference(self, module: Any = None) -> AbstractContextManager:
+        """Keep every unit of `module` (default: the only model) gathered inside the block (no
+        gradients), so `generate()` and evaluation run at DDP's speed (`ShardedModel.gathered_for_inference`)."""
+        return self._run_of(module, within=True).engine.gathered_for_inference()
+
+
 def remove_checkpoint(
     path: str | os.PathLike, remove_file: RemoveFile | None, *, after: BackgroundSave | None = None
 ) -> None:
@@ -270,4 +296,4 @@ def remove_checkpoint(
             log.warning(str(err))
 
 
-__all__ = ["Lifecycle", "ReadFile", "RemoveFile", "ShardedRun", "WriteFile", "remove_checkpoint"]
+__all__ = ["Lifecycle", "ReadFile", "RemoveFile", "ShardedRun", "ShardedStrategy", "WriteFile", "remove_checkpoint"]

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
-from lightning_zero3.core import ShardedRun
+from lightning_zero3.core import ShardedRun, ShardedStrategy
 from lightning_zero3.engine import (
     AgreeingGradScaler,
     ShardedModel,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 
-class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
+class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
 
     Takes the options of the Trainer's `ZeRO3Strategy` (its docstring, the README), read back as
@@ -85,10 +85,11 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.lightning_options.start_method != "popen":
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
-        else:  # also for ranks started outside: it sets each rank's torch threads to its share of cores
+        if self.lightning_options.start_method == "popen":  # also for ranks started outside: it sets each
+            # rank's torch threads to its share of cores
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
 
     # ---- building and sharding the model ----------------------------------------------------
     @override
@@ -167,11 +168,6 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         entry = self._replaced.get(id(param))
         return entry[1] if entry is not None and entry[0]() is param else None
 
-    def sharded_model(self, module: nn.Module | None = None) -> ShardedModel:
-        """The engine holding `module`'s shards (a module set up with Fabric, or the one inside
-        the wrapper `fabric.setup` returned); with one model set up, `module` may be omitted."""
-        return self._run_of(module).engine
-
     def _run_of(self, module: nn.Module | None = None, *, within: bool = False) -> ShardedRun:
         """`sharded_model`'s run; `within`: `module` may also be a submodule of a model set up."""
         if module is None and len(self._runs) == 1:
@@ -220,20 +216,6 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         norms of the whole gradient, the same on every rank (one All-Reduce)."""
         sharded = self.sharded_model(module)
         return sharded_grad_norm(sharded, sharded.module, norm_type)
-
-    def gathered_parameters(
-        self, module: nn.Module | None = None, *, modifier_rank: int | None = None
-    ) -> AbstractContextManager:
-        """Make the parameters of `module` (a model set up with Fabric, or a submodule of one)
-        whole on every rank inside the block; with `modifier_rank=r`, rank r's writes are kept."""
-        owner = self._run_of(module, within=True).engine
-        target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
-        return owner.gathered_parameters(target, modifier_rank=modifier_rank)
-
-    def gathered_for_inference(self, module: nn.Module | None = None) -> AbstractContextManager:
-        """Keep every unit of `module` (a model set up with Fabric; default: the only one)
-        gathered inside the block (`ShardedModel.gathered_for_inference`)."""
-        return self._run_of(module, within=True).engine.gathered_for_inference()
 
     # ---- collectives Fabric uses -----------------------------------------------------------
     @override

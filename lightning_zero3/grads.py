@@ -40,4 +40,4 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     if not isinstance(strategy, ZeRO3Strategy):
         # Lightning annotates dict[str, float] but returns tensors (lightning 2.5-2.6).
         return lightning_grad_norm(module, norm_type, group_separator)  # type: ignore[return-value]
-    return sharded_grad_norm(strategy.sharded_model, module, norm_type, group_separator)
+    return sharded_grad_norm(strategy.sharded_model(), module, norm_type, group_separator)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,8 @@ from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.checkpoint.errors import run_and_agree
 from lightning_zero3.checkpoint.format import ShardedCheckpoint
 from lightning_zero3.checkpoint.remote import as_path
-from lightning_zero3.core import Lifecycle, ShardedRun, remove_checkpoint
-from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards, parameters_on_meta
+from lightning_zero3.core import Lifecycle, ShardedRun, ShardedStrategy, remove_checkpoint
+from lightning_zero3.engine import check_optimizer_fits_shards, parameters_on_meta
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 from lightning_zero3.precision import sharded_precision
 from lightning_zero3.summary import count_full_parameters
@@ -50,7 +50,7 @@ class _RootCall(nn.Module):
         return self.module(*args, **kwargs)
 
 
-class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
+class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
 
     Takes keyword options only: the engine's (`lightning_zero3.engine.ShardingConfig`), the
@@ -136,7 +136,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
                     for key, value in state.items():
                         if key != "step" and isinstance(value, Tensor):
                             state[key] = value.to(param.device)
-        count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
+        count_full_parameters(trainer.callbacks, self.sharded_model().full_numel)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -158,7 +158,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        sharded = {id(p.param) for p in self.sharded_model.sharded_params}
+        sharded = {id(p.param) for p in self.sharded_model().sharded_params}
         for optimizer in self.optimizers:
             check_optimizer_fits_shards(optimizer, type(self).__name__)
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -195,11 +195,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         # whole model in host memory (built by `init_module()`) never goes to the device. What is left
         # (e.g. torchmetrics states) moves, and the LightningModule learns its device.
         assert self.lightning_module is not None
-        self.sharded_model.move_module(self.root_device)  # offloaded shards stay on the host
-
-    @property
-    def sharded_model(self) -> ShardedModel:
-        return self._run.engine
+        self.sharded_model().move_module(self.root_device)  # offloaded shards stay on the host
 
     # ---- per-step accounting ------------------------------------------------------------
     # `stats["last_step"]` is the traffic of the last optimizer step: every micro-batch's
@@ -207,23 +203,21 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     # traffic is left out.
     @override
     def on_train_start(self) -> None:
-        self.sharded_model.stats.current.clear()
-        if self.sharded_model.replicate_stats is not None:
-            self.sharded_model.replicate_stats.current.clear()
-        self.sharded_model.reset_peaks()
+        self.sharded_model().forget_traffic()
+        self.sharded_model().reset_peaks()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Ranks with uneven batch counts fail at the step where the shortest epoch ends, on every
         # rank (engine/checks.py, Note: uneven batches).
         assert self.lightning_module is not None
-        self.sharded_model.mark_final_batch(_last_batch_of_epoch(self.lightning_module.trainer))
+        self.sharded_model().mark_final_batch(_last_batch_of_epoch(self.lightning_module.trainer))
         return super().training_step(*args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.sharded_model.end_step()
+        self.sharded_model().end_step()
         return output
 
     @contextmanager
@@ -231,34 +225,20 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         # Lightning runs the micro-batches before the last of `accumulate_grad_batches` in here:
         # with `accumulate_unsharded`, their gradients are summed locally (ShardedModel.no_sync).
-        with self.sharded_model.no_sync() if self.lightning_options.accumulate_unsharded else nullcontext():
+        with self.sharded_model().no_sync() if self.lightning_options.accumulate_unsharded else nullcontext():
             yield
 
     @override
     def on_validation_end(self) -> None:
         if self.run is not None:
-            self.run.engine.stats.current.clear()
-            if self.run.engine.replicate_stats is not None:
-                self.run.engine.replicate_stats.current.clear()
+            self.run.engine.forget_traffic()
 
     # ---- collectives Lightning uses for metrics/logging -----------------------------------
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         return all_reduce(tensor, group, reduce_op)
 
-    # ---- whole parameters on demand -------------------------------------------------------
-    def gathered_parameters(
-        self, module: nn.Module | None = None, *, modifier_rank: int | None = None
-    ) -> AbstractContextManager:
-        """Make `module`'s parameters (default: the whole LightningModule) whole on every rank
-        inside the block. With `modifier_rank=r`, what rank r wrote is kept on exit."""
-        return self.sharded_model.gathered_parameters(module, modifier_rank=modifier_rank)
-
-    def gathered_for_inference(self) -> AbstractContextManager:
-        """Keep every unit gathered inside the block (no gradients), so `generate()` and
-        evaluation run at DDP's speed; see `ShardedModel.gathered_for_inference`."""
-        return self.sharded_model.gathered_for_inference()
-
+    # ---- whole parameters on demand (and core.py's ShardedStrategy) ------------------------
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The LightningModule's whole state dict, gathered one unit at a time into host memory,
         on rank 0 (others get {}) or with `rank0_only=False` on every rank. Collective: call it
@@ -269,10 +249,13 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     @property
     def stats(self) -> dict[str, Any]:
         """What this rank holds and sends: see docs/accounting.md."""
-        return self.sharded_model.report(self.optimizers)
+        return self.sharded_model().report(self.optimizers)
 
     # ---- checkpoints (core.py's run): "sharded" a directory, each rank its shards; "full" one
     # ordinary Lightning file from rank 0.
+    def _run_of(self, module: nn.Module | None = None, *, within: bool = False) -> ShardedRun:
+        return self._run  # one LightningModule: `module` is it or a submodule
+
     @property
     def _run(self) -> ShardedRun:
         if self.run is None:

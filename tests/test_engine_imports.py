@@ -270,3 +270,12 @@ def test_sharded_model_shows_three_attributes_and_documents_each_method():
     assert sorted(name for name in vars(sharded) if not name.startswith("_")) == ["config", "device", "module"]
     members = {name: m for name, m in vars(type(sharded)).items() if not name.startswith("_")}
     assert len(members) >= 20 and [name for name, m in members.items() if not (m.__doc__ or "").strip()] == []
+
+
+def test_the_trainer_and_fabric_strategies_share_one_surface_on_their_models():
+    """`sharded_model` and the gathered views: the same method in both, written once (core.py)."""
+    from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
+    from lightning_zero3.core import ShardedStrategy
+
+    for name in ("sharded_model", "gathered_parameters", "gathered_for_inference"):
+        assert getattr(ZeRO3Strategy, name) is getattr(ZeRO3FabricStrategy, name) is getattr(ShardedStrategy, name)

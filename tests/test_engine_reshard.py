@@ -228,7 +228,7 @@ def _build(rank: int, world_size: int) -> tuple[str, bool | int]:
         refused = ""
     except ValueError as err:
         refused = str(err)
-    return refused, ShardedModel(MLP(), reshard_after_forward=2).reshard
+    return refused, ShardedModel(MLP(), reshard_after_forward=2)._reshard
 
 
 def test_an_int_must_divide_the_shard_group_and_the_whole_group_means_true():

@@ -213,7 +213,7 @@ class _LitOffloaded(LitMLP):
     """Keeps, at the end of training, the engine's uploads and which optimizer states live on disk."""
 
     def on_train_end(self) -> None:
-        engine = self.trainer.strategy.sharded_model
+        engine = self.trainer.strategy.sharded_model()
         state = [v for s in self.trainer.optimizers[0].state.values() for v in s.values() if v.dim() > 0]
         self.seen = [(engine._offload.uploads, [engine._disk.on_disk(v) for v in state])]
 

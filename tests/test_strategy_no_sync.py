@@ -73,11 +73,11 @@ class _Accumulation(pl.Callback):
     formula's, and what `strategy.stats` (what users read) shows against its formula."""
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        sync = trainer.strategy.sharded_model._gradient_sync.requires_sync
+        sync = trainer.strategy.sharded_model()._gradient_sync.requires_sync
         pl_module.syncs = [*getattr(pl_module, "syncs", []), sync]
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = trainer.strategy.sharded_model
+        engine = trainer.strategy.sharded_model()
         assert engine.last_step_record is not None
         stats = trainer.strategy.stats
         shown = {kind: stats["last_step"][kind]["payload_bytes"] for kind in ("all_gather", "reduce_scatter")}

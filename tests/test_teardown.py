@@ -91,7 +91,7 @@ def _fit_and_look(rank: int, world_size: int) -> dict:
     trainer(strategy, world_size, max_steps=2, callbacks=[at_end]).fit(model, batches)
     grown = status_bytes("RssAnon") - at_end.rss
     params = list(model.parameters())
-    engine = strategy.sharded_model
+    engine = strategy.sharded_model()
     return {
         "grown": grown,
         "model": sum(p.numel * 4 for p in engine.sharded_params),

@@ -176,6 +176,12 @@ class ShardedModel:
                 comm.stats.end_step()
         self._record.end_step()
 
+    def forget_traffic(self) -> None:
+        """Drop the traffic counted in the groups since the last `end_step` (e.g. evaluation's)."""
+        for comm in (self._comm, self._replicate_comm):
+            if comm is not None:
+                comm.stats.current.clear()
+
     @property
     def last_step_record(self) -> Step | None:
         """What the last step did (units gathered, kept, reduced; record.py); None before `end_step`."""
