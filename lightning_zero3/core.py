@@ -257,8 +257,20 @@ class ShardedStrategy:
     each finds the run holding a module with its own `_run_of` (the one LightningModule, or the
     models `fabric.setup` was given)."""
 
+    description: str  # in Lightning's registry of strategies, under "zero3"
+    which: str  # which API the class serves, and the class the other one wants
+
     def _run_of(self, module: Any = None, *, within: bool = False) -> ShardedRun:
         raise NotImplementedError
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's: the name "zero3" for this class (each API has its own registry)."""
+        if "zero3" not in strategy_registry:
+            strategy_registry.register("zero3", cls, description=cls.description)
+
+    def __repr__(self) -> str:  # shown by the other API when given this class: say which one it wants
+        return f"{type(self).__name__}({self.which} or strategy='zero3')"
 
     def sharded_model(self, module: Any = None) -> ShardedModel:
         """The engine holding `module`'s shards (a model set up, or the wrapper `fabric.setup`

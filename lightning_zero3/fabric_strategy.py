@@ -56,6 +56,8 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """
 
     strategy_name = "zero3"
+    description = "ZeRO stage 3 for Fabric (lightning_zero3)"
+    which = "a Fabric strategy: for the Trainer use ZeRO3Strategy"
 
     def __init__(
         self,
@@ -262,15 +264,6 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
             if error is not None:
                 raise error
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "zero3" not in strategy_registry:
-            strategy_registry.register("zero3", cls, description="ZeRO stage 3 for Fabric (lightning_zero3)")
-
-    def __repr__(self) -> str:
-        # Shown by the Trainer when given this class: say which one it wants.
-        return f"{type(self).__name__}(a Fabric strategy: for the Trainer use ZeRO3Strategy or strategy='zero3')"
 
 
 class _NoBackwardSync(_BackwardSyncControl):

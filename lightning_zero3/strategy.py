@@ -61,6 +61,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """
 
     strategy_name = "zero3"
+    description, which = "ZeRO stage 3 (lightning_zero3)", "a Trainer strategy: for Fabric use ZeRO3FabricStrategy"
 
     def __init__(
         self,
@@ -332,15 +333,6 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "zero3" not in strategy_registry:
-            strategy_registry.register("zero3", cls, description="ZeRO stage 3 (lightning_zero3)")
-
-    def __repr__(self) -> str:
-        # Shown by Fabric when given this class: say which one it wants.
-        return f"{type(self).__name__}(a Trainer strategy: for Fabric use ZeRO3FabricStrategy or strategy='zero3')"
 
 
 class _WholeWeightsLauncher(_MultiProcessingLauncher):

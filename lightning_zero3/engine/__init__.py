@@ -2,7 +2,6 @@
 The only door into it: code outside engine/ imports these names from here (tests/test_engine_imports.py)."""
 
 from lightning_zero3.engine.accounting import UnitSizes, live_peak, step_bytes
-from lightning_zero3.engine.accumulate import SyncState
 from lightning_zero3.engine.checks import OrderMismatchError
 from lightning_zero3.engine.comm import CollectiveBytes, CollectiveError, Comm, CommStats, destroy_group, new_group
 from lightning_zero3.engine.config import ShardingConfig, config_field_names
@@ -25,7 +24,7 @@ from lightning_zero3.engine.state import full_optimizer_state, load_full_optimiz
 
 __all__ = [
     "DTYPE_NAMES", "AgreeingGradScaler", "CollectiveBytes", "CollectiveError", "Comm", "CommStats",
-    "OrderMismatchError", "ShardedModel", "ShardedParam", "ShardingConfig", "SyncState", "UnitSizes", "UnitStats",
+    "OrderMismatchError", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
     "check_optimizer_fits_shards", "clip_grad_norm_", "config_field_names", "destroy_group", "forget",
     "full_optimizer_state", "grad_norm", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",
     "make_plan", "new_group", "parameters_on_meta", "parse_dtype", "remember_sharded", "resolve", "shard_numel",

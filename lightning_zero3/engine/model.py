@@ -202,11 +202,6 @@ class ShardedModel:
         return accounting.expected_step_bytes(self._units, self._persistent, orders=last.orders, reshard=self._reshard,
                                               across_groups=across_groups, slices=slices, **passes)  # fmt: skip
 
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the world."""
-        return self._world_comm.rank
-
     def reset_peaks(self) -> None:
         """Start `unit_stats`' peaks afresh (e.g. when training starts after evaluation)."""
         self._unit_stats.reset_peaks()
@@ -268,7 +263,7 @@ class ShardedModel:
         """`state_dict()` with whole parameters, gathered one unit at a time, in host memory and
         never views of the live module (persistent parameters and buffers copied); with `to_rank`
         only that rank gets them (others an empty dict)."""
-        keep = to_rank is None or self.global_rank == to_rank
+        keep = to_rank is None or self._world_comm.rank == to_rank
         full_by_id: dict[int, torch.Tensor] = {}
         state = self.module.state_dict()
         with engine_mode():

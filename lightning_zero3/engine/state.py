@@ -25,7 +25,7 @@ def gather_shard_tensor(model: ShardedModel, sharded: ShardedParam, shard: torch
 def full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer, *, to_rank: int | None = 0) -> dict:
     """`optimizer.state_dict()` with shard-shaped state gathered whole. Collective; with
     `to_rank`, only that rank gets the result."""
-    keep = to_rank is None or model.global_rank == to_rank
+    keep = to_rank is None or model.world_comm.rank == to_rank
     packed = optimizer.state_dict()
     state: dict[int, Any] = {}
     for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
