@@ -33,13 +33,7 @@ from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.core import ShardedRun, ShardedStrategy
-from lightning_zero3.engine import (
-    AgreeingGradScaler,
-    ShardedModel,
-    check_optimizer_fits_shards,
-    clip_grad_norm_,
-    parameters_on_meta,
-)
+from lightning_zero3.engine import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, parameters_on_meta
 from lightning_zero3.grads import sharded_grad_norm
 from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
 
@@ -81,7 +75,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         # id(whole parameter replaced by a shard) -> (a weak reference to it, its shard) (Note:
         # optimizers created before setup); the weak reference tells a reused id apart.
         self._replaced: dict[int, tuple[weakref.ref[Tensor], nn.Parameter]] = {}
-        self._backward_sync_control = _NoBackwardSync(self.sharded_model)  # fabric.no_backward_sync
+        self._backward_sync_control = _NoBackwardSync(self._run_of)  # fabric.no_backward_sync
 
     # ---- what Fabric asks of a distributed strategy (and RanksAndDevices in options.py) -------
     @override
@@ -184,11 +178,11 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
             f"with this strategy ({len(self._runs)} set up). Pass the model returned by `fabric.setup(...)`."
         )
 
-    def _model_of_optimizer(self, optimizer: Optimizer) -> ShardedModel:
+    def _run_of_optimizer(self, optimizer: Optimizer) -> ShardedRun:
         first = next((p for group in optimizer.param_groups for p in group["params"]), None)
         for run in self._runs.values():
             if any(p is first for p in run.engine.module.parameters()):
-                return run.engine
+                return run
         raise ValueError(f"{type(self).__name__}: the optimizer holds no parameter of a model set up with Fabric.")
 
     # ---- a training step ------------------------------------------------------------------
@@ -197,7 +191,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         inner = getattr(optimizer, "optimizer", optimizer)
         if isinstance(inner, Optimizer):
-            self._model_of_optimizer(inner).end_step()  # close the step's traffic accounting
+            self._run_of_optimizer(inner).engine.end_step()  # close the step's traffic accounting
         return output
 
     @override
@@ -270,12 +264,12 @@ class _NoBackwardSync(_BackwardSyncControl):
     """`fabric.no_backward_sync(model)`: backwards inside sum the unsharded gradients locally and
     the first outside Reduce-Scatters once (`ShardedModel.no_sync`, engine/accumulate.py)."""
 
-    def __init__(self, engine_of: Callable[[nn.Module], ShardedModel]) -> None:
-        self.engine_of = engine_of
+    def __init__(self, run_of: Callable[[nn.Module], ShardedRun]) -> None:
+        self.run_of = run_of
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return self.engine_of(module).no_sync() if enabled else nullcontext()
+        return self.run_of(module).engine.no_sync() if enabled else nullcontext()
 
 
 def _check_no_state(optimizers: list[Optimizer], owner: str) -> None:

@@ -244,7 +244,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         """The LightningModule's whole state dict, gathered one unit at a time into host memory,
         on rank 0 (others get {}) or with `rank0_only=False` on every rank. Collective: call it
         on every rank, during or after `fit` (where `module.state_dict()` is refused)."""
-        return self._run.full_state_dict(rank0_only=rank0_only)
+        return self._run_of().full_state_dict(rank0_only=rank0_only)
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -255,10 +255,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     # ---- checkpoints (core.py's run): "sharded" a directory, each rank its shards; "full" one
     # ordinary Lightning file from rank 0.
     def _run_of(self, module: nn.Module | None = None, *, within: bool = False) -> ShardedRun:
-        return self._run  # one LightningModule: `module` is it or a submodule
-
-    @property
-    def _run(self) -> ShardedRun:
+        """The run of the one LightningModule (`module` is it or a submodule)."""
         if self.run is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no sharded model yet: it is built in `Trainer.fit/validate/test/"
@@ -268,11 +265,11 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._run.model_state_dict()
+        return self._run_of().model_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        return self._run.optimizer_state(getattr(optimizer, "optimizer", optimizer))  # a LightningOptimizer's own
+        return self._run_of().optimizer_state(getattr(optimizer, "optimizer", optimizer))  # a LightningOptimizer's own
 
     @override
     def save_checkpoint(
@@ -284,7 +281,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
                 f"is written by {type(self).__name__}, not by a CheckpointIO plugin."
             )
         path = self.broadcast(os.fspath(filepath))  # a path or a URL (Note: remote checkpoints)
-        self._run.save(path, checkpoint, checkpoint_io_files(self.checkpoint_io).write)
+        self._run_of().save(path, checkpoint, checkpoint_io_files(self.checkpoint_io).write)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -292,18 +289,19 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         context = f"Cannot load the checkpoint {path}"
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
-        opened = self._run.open(path, read, weights_only=weights_only, strict=strict, context=context, key="state_dict")
+        run = self._run_of()
+        opened = run.open(path, read, weights_only=weights_only, strict=strict, context=context, key="state_dict")
         if isinstance(opened, ShardedCheckpoint):  # its Lightning dict, the tensors still on disk
-            return run_and_agree(self._run.engine.world_comm, opened.lightning_dict, context=context)
+            return run_and_agree(run.engine.world_comm, opened.lightning_dict, context=context)
         return opened
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._run.load_model_state(checkpoint["state_dict"], strict=strict)
+        self._run_of().load_model_state(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self._run.load_optimizer_states(checkpoint["optimizer_states"], list(self.optimizers))
+        self._run_of().load_optimizer_states(checkpoint["optimizer_states"], list(self.optimizers))
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
@@ -344,7 +342,7 @@ class _WholeWeightsLauncher(_MultiProcessingLauncher):
         strategy = self._strategy
         assert isinstance(strategy, ZeRO3Strategy)
         whole = strategy.full_state_dict() if trainer.state.fn == TrainerFn.FITTING else {}
-        with strategy._run.own_reads():  # Lightning reads the module's state_dict() on every rank
+        with strategy._run_of().own_reads():  # Lightning reads the module's state_dict() on every rank
             output = super()._collect_rank_zero_results(trainer, results)
         if output is not None and output.weights_path is not None:
             strategy.checkpoint_io.save_checkpoint(whole, output.weights_path)  # over rank 0's shards
