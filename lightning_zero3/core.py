@@ -253,9 +253,8 @@ class ShardedRun:
 
 
 class ShardedStrategy:
-    """What the Trainer's and Fabric's strategies offer on the models they shard, written once;
-    each finds the run holding a module with its own `_run_of` (the one LightningModule, or the
-    models `fabric.setup` was given)."""
+    """What the Trainer's and Fabric's strategies offer on the models they shard, written once; each
+    finds a module's run with its own `_run_of` (one LightningModule, or each model `fabric.setup` got)."""
 
     description: str  # in Lightning's registry of strategies, under "zero3"
     which: str  # which API the class serves, and the class the other one wants

@@ -254,8 +254,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
 
     # ---- checkpoints (core.py's run): "sharded" a directory, each rank its shards; "full" one
     # ordinary Lightning file from rank 0.
-    def _run_of(self, module: nn.Module | None = None, *, within: bool = False) -> ShardedRun:
-        """The run of the one LightningModule (`module` is it or a submodule)."""
+    def _run_of(self, module: nn.Module | None = None, *, within: bool = False) -> ShardedRun:  # one LightningModule
         if self.run is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no sharded model yet: it is built in `Trainer.fit/validate/test/"

@@ -75,7 +75,7 @@ class ShardedModel:
         self._world_comm = Comm(None, device=target)  # control traffic: broadcasts, order check, edits
         restore_if_left_sharded(module, world_comm=self._world_comm, device=target)
         self._plan = make_plan(module, config.wrap_policy, config.persistence_threshold,
-                              shard_group_size=self._comm.world_size)  # fmt: skip
+                               shard_group_size=self._comm.world_size)  # fmt: skip
         shards = shard_parameters(
             module, self._plan, comm=self._comm, world_comm=self._world_comm, device=target,
             param_init_fn=config.param_init_fn, sync_module_states=sync_module_states,
@@ -112,7 +112,7 @@ class ShardedModel:
         self._schedule = Schedule(config.prefetch)
         reductions = Reductions(in_flight=self._reductions_in_flight, offload=self._offload)
         self._gradient_sync = GradientSync(self._units, reductions=reductions, persistent=self._persistent_grads,
-                                          record=self._record)  # fmt: skip
+                                           record=self._record)  # fmt: skip
         self._hooks = HookDriver(
             self._units, schedule=self._schedule, checks=self._checks, grads=self._gradient_sync,
             persistent=self._persistent_grads, live=self._unit_stats,
