@@ -10,8 +10,9 @@ CPU tensors. A `TorchDispatchMode` meanwhile
   the same vector clocks;
 - counts the host<->device value transfers a GPU would make: reads of device memory on the host
   (`aten._local_scalar_dense`, `is_nonzero`, `equal`, `Tensor.tolist()`), Python values written
-  into tensors (`aten.lift_fresh`: `t[i] = 3`, `torch.tensor(...)`) and `.to(device)` of 0-dim
-  tensors (each a blocking copy on a GPU whatever the devices are here);
+  into tensors (`aten.lift_fresh`: `t[i] = 3`, `torch.tensor(...)`) and `Tensor.to(device)` calls
+  ("moves", of 0-dim tensors also "scalar_moves"): a copy on a GPU when the devices differ, here
+  counted whatever they are, since on CPU they never differ;
 - records the devices of every collective's tensors.
 
 Collectives are modelled as NCCL's: they read and write their tensors on the stream current when
@@ -164,8 +165,8 @@ class StandIn(TorchDispatchMode):
             if other is not stream and stream.clock.get(other.id, 0) < when:
                 kind = "write" if write else "read"
                 self.races.append(
-                    f"{what}: {kind} on {stream.name} of a tensor {tuple(tensor.shape)} {tensor.dtype} last accessed on "
-                    f"{other.name} with no wait for it"
+                    f"{what}: {kind} on {stream.name} of a tensor {tuple(tensor.shape)} {tensor.dtype} last "
+                    f"accessed on {other.name} with no wait for it"
                 )
         if write:
             access.write, access.reads = (stream, tick), {}
@@ -190,8 +191,6 @@ class StandIn(TorchDispatchMode):
             return func(*args, **kwargs)
         if name == "lift_fresh":
             self.counts["host_writes"] += 1
-        if name == "_to_copy" and args[0].dim() == 0 and kwargs.get("device") is not None:
-            self.counts["scalar_copies"] += 1
         if namespace == "c10d":
             devices = tuple(t.device.type for t in _tensors(args, kwargs))
             self.collectives.append((name, devices))
@@ -230,6 +229,29 @@ def _tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
 
 
 @contextmanager
+def _patched(mode: StandIn) -> Iterator[None]:
+    """`Tensor.tolist` (reads memory without dispatching) and `Tensor.to` (a same-device move
+    dispatches nothing) counted."""
+    tolist, to = torch.Tensor.tolist, torch.Tensor.to
+
+    def counted_tolist(self: torch.Tensor) -> Any:
+        mode.read_on_host(self, "tolist")
+        return tolist(self)
+
+    def counted_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs or (args and isinstance(args[0], (torch.device, str, int))):
+            mode.counts["moves"] += 1
+            mode.counts["scalar_moves"] += self.dim() == 0
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.tolist, torch.Tensor.to = counted_tolist, counted_to  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist, torch.Tensor.to = tolist, to  # type: ignore[method-assign]
+
+
+@contextmanager
 def standin(*, as_cuda: bool = False) -> Iterator[StandIn]:
     """CUDA's streams and ordering rules for CPU tensors inside the block (the engine must be
     built inside it: `Streams` choose at construction). `as_cuda` also registers the fake for
@@ -238,20 +260,12 @@ def standin(*, as_cuda: bool = False) -> Iterator[StandIn]:
     types = ["cpu", "cuda"] if as_cuda else ["cpu"]
     saved = {t: buffers.STREAM_APIS.get(t) for t in types}
     mode = StandIn(api)
-    tolist = torch.Tensor.tolist
-
-    def counted_tolist(self: torch.Tensor) -> Any:  # reads memory without dispatching
-        mode.read_on_host(self, "tolist")
-        return tolist(self)
-
     for t in types:
         buffers.STREAM_APIS[t] = api
-    torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
     try:
-        with mode:
+        with _patched(mode), mode:
             yield mode
     finally:
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
         for t, saved_api in saved.items():
             if saved_api is None:
                 buffers.STREAM_APIS.pop(t, None)
@@ -263,15 +277,5 @@ def standin(*, as_cuda: bool = False) -> Iterator[StandIn]:
 def counting() -> Iterator[StandIn]:
     """The counts only, with no streams (a plain model, DDP): the same mode, no fake registered."""
     mode = StandIn(FakeCuda())
-    tolist = torch.Tensor.tolist
-
-    def counted_tolist(self: torch.Tensor) -> Any:
-        mode.read_on_host(self, "tolist")
-        return tolist(self)
-
-    torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
-    try:
-        with mode:
-            yield mode
-    finally:
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    with _patched(mode), mode:
+        yield mode

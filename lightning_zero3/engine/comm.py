@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_zero3.engine.buffers import BufferPool, current_event, stream_api
+from lightning_zero3.engine.buffers import BufferPool, current_event, indexed, stream_api
 from lightning_zero3.engine.transport import GlooInPlace, Local, NativeCollectives, Transport
 
 
@@ -175,6 +175,7 @@ class Comm:
         self.transport = self._choose()
 
     def streams(self, device: torch.device) -> Streams:
+        device = indexed(device)  # one set of streams per device, however it is named
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = Streams(device)
