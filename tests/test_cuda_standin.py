@@ -30,9 +30,13 @@ def _batch(rank: int, world_size: int, step: int = 0) -> tuple[torch.Tensor, tor
     return local_slice(x, rank, world_size), local_slice(y, rank, world_size)
 
 
+def _autocast(precision: str | None) -> Any:
+    return torch.autocast("cpu", dtype=AUTOCAST.get(precision or "", torch.float32), enabled=precision is not None)
+
+
 def _step(model: nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor, precision: str | None,
           scaler: Any = None) -> None:  # fmt: skip
-    with torch.autocast("cpu", dtype=AUTOCAST.get(precision or "", torch.float32), enabled=precision is not None):
+    with _autocast(precision):
         loss = F.mse_loss(model(x).float(), y)
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -56,11 +60,11 @@ def _train_evaluate_save_load(rank: int, world_size: int, precision: str | None,
         for _ in range(3):
             _step(model, optimizer, x, y, precision, scaler)
             sharded.end_step()
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(precision):
             model(x)
         state = sharded.full_state_dict(to_rank=None)
         sharded.load_full_state_dict(state)
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(precision):
             model(x)
         sharded.checks.check()
     return {
