@@ -19,8 +19,8 @@ streams; a counter at `torch.distributed` proves it), (a) and (g) on 2 ranks whe
 (f) `reshard_after_forward=False` bitwise equal to the plain sharded run, `offload="host"` and its
     unsynced accumulation within 1e-5 (CPU AdamW against CUDA AdamW: not bitwise); syncs per
     steady step with offload; offload saves at least AdamW's state.
-(g) 2 ranks (2 GPUs; gloo in a dry run): a real All-Gather; `shard_size`, integer and False
-    `reshard_after_forward`, offload against the default within 1e-5.
+(g) 2 ranks (2 GPUs; 4 with 4 GPUs and in a dry run, on gloo): a real All-Gather; `shard_size`,
+    integer (slices at 4 ranks) and False `reshard_after_forward`, offload, within 1e-5 of the default.
 `--dry-run`: every section's code runs on CPU; what CPU can show gets a verdict (collectives,
 losses, checkpoints, fp16 overflow, races through the stand-in); what only a GPU shows (syncs,
 device memory) prints `RAN`.
@@ -365,7 +365,8 @@ def check_c(dry: bool) -> None:
 def check_d(dry: bool) -> None:
     dev = torch.device("cpu" if dry else "cuda:0")
     precisions = ["bf16-mixed", "16-mixed"]  # on CPU fp16 with a CPU GradScaler (precision_option)
-    variants = [(False, False), (True, False), (True, True)] if FAST else [(f, c) for f in (False, True) for c in (False, True)]
+    every = [(fused, clip) for fused in (False, True) for clip in (False, True)]
+    variants = [(False, False), (True, False), (True, True)] if FAST else every
     for precision in precisions:
         overflow = 10 if precision == "16-mixed" else None
         for fused, clip in variants:
@@ -564,7 +565,7 @@ def check_f(dry: bool) -> None:
     report(verdict(diff <= TOLERANCE), "f", f"unsynced accumulation: offload host within {diff:.1e} of the device run")
 
 
-# ---- (g) two ranks -----------------------------------------------------------------------------
+# ---- (g) 2 or 4 ranks -----------------------------------------------------------------------------
 SETTINGS_G = {"shard_size 1": {"shard_size": 1}, "reshard_after_forward 2": {"reshard_after_forward": 2},
               "reshard_after_forward False": {"reshard_after_forward": False}, "offload host": {"offload": "host"}}
 
@@ -582,9 +583,11 @@ def check_g(dry: bool) -> None:
         report("INFO", "g", f"2 ranks need 2 GPUs; {torch.cuda.device_count()} present: not run")
         return
     device, backend = ("cpu", "gloo") if dry else ("cuda", "nccl")
-    runs = run_ranks(_two_rank_run, 2, device, backend=backend)[0]
+    world = 4 if dry or torch.cuda.device_count() >= 4 else 2  # reshard_after_forward=2 keeps slices at 4 only
+    runs = run_ranks(_two_rank_run, world, device, backend=backend)[0]
     base = runs["default"]
-    report(verdict(base["sent"] > 0), "g", f"All-Gather on 2 ranks: {base['sent']} bytes sent by rank 0 in a step")
+    sent = f"All-Gather on {world} ranks: {base['sent']} bytes sent by rank 0 in a step"
+    report(verdict(base["sent"] > 0), "g", sent)
     for name in SETTINGS_G:
         diff = close(runs[name]["losses"], base["losses"])
         report(verdict(diff <= TOLERANCE), "g", f"{name}: losses within {diff:.1e} of the default (<= {TOLERANCE})")

@@ -75,22 +75,22 @@ def _train_evaluate_save_load(rank: int, world_size: int, precision: str | None,
     }
 
 
-SETTINGS = {
-    "defaults": (None, {}),
-    "shard_size": (None, {"shard_size": 1}),
-    "reshard_after_forward False": (None, {"reshard_after_forward": False}),
-    "reshard_after_forward 2": (None, {"reshard_after_forward": 2}),
-    "offload host": (None, {"offload": "host"}),
-    "bf16-mixed": ("bf16-mixed", {}),
-    "16-mixed": ("16-mixed", {}),
+SETTINGS = {  # (ranks, precision, options)
+    "defaults": (2, None, {}),
+    "shard_size": (2, None, {"shard_size": 1}),
+    "reshard_after_forward False": (2, None, {"reshard_after_forward": False}),
+    "reshard_after_forward 2": (4, None, {"reshard_after_forward": 2}),  # slices need G < N
+    "offload host": (2, None, {"offload": "host"}),
+    "bf16-mixed": (2, "bf16-mixed", {}),
+    "16-mixed": (2, "16-mixed", {}),
 }
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_training_evaluation_save_and_load_order_every_cross_stream_read(setting: str) -> None:
     """A race here is a wrong result or a crash on a GPU, seen by no CPU test before."""
-    precision, options = SETTINGS[setting]
-    for result in run_ranks(_train_evaluate_save_load, 2, precision, options):
+    ranks, precision, options = SETTINGS[setting]
+    for result in run_ranks(_train_evaluate_save_load, ranks, precision, options):
         assert result["races"] == [], result
         assert {"copy_in", "gather", "reduce"} <= set(result["streams"]) and result["waits"] > 0, result
         assert result["devices"] == ["cpu"], result  # every collective on the group's device
