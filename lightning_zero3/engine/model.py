@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accumulate import GradientSync, SyncState
-from lightning_zero3.engine.buffers import BufferPool
+from lightning_zero3.engine.buffers import BufferPool, indexed
 from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import RankChecks
 from lightning_zero3.engine.comm import Comm, CommStats, consecutive_group, hybrid_groups
@@ -62,7 +62,7 @@ class ShardedModel:
                 raise ValueError("Pass either group or shard_size to ShardedModel, not both.")
             group, replicate_group = hybrid_groups(config.shard_size)
         real = (t.device for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
-        target = torch.device(device) if device is not None else next(real, torch.device("cpu"))
+        target = indexed(device) if device is not None else next(real, torch.device("cpu"))  # "cuda" -> "cuda:0"
         # Parameter data moves in the shard group; with `shard_size` gradients are also averaged
         # across `replicate_comm`, and with reshard_after_forward=G slices move in `slice_comm`.
         self._pool = BufferPool()

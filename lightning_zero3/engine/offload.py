@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from lightning_zero3.engine.buffers import stream_api
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
 
@@ -39,7 +40,8 @@ class HostOffload:
         # Downloads of this backward not yet in `.grad`: (shard, host gradient).
         self._arrived: list[tuple[ShardedParam, torch.Tensor]] = []
         self._sources: list[torch.Tensor] = []  # device gradients kept alive until the copies end
-        self._stream = torch.cuda.Stream(device) if self.pinned else None
+        self._api = stream_api(device)  # buffers.py, Note: stream seam
+        self._stream = self._api.Stream(device) if self._api is not None else None
         self.uploads = 0  # device copies refreshed, for tests
 
     def device_bytes(self) -> int:
@@ -88,8 +90,8 @@ class HostOffload:
         """Start copying the unit's reduced shard gradients to the host."""
         stream = self._stream
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            stream.wait_stream(self._api.current_stream(self.device))
+        with self._api.stream(stream) if stream is not None else nullcontext():
             for sharded, grad in zip(unit.params, grads):
                 if grad is None:
                     continue
