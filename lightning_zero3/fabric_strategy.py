@@ -36,12 +36,20 @@ from lightning_zero3.core import ShardedRun
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.grads import sharded_grad_norm
-from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
+from lightning_zero3.options import (
+    RanksAndDevices,
+    all_reduce,
+    build_engine,
+    checkpoint_io_files,
+    options_in_signature,
+    split_options,
+)
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 
+@options_in_signature
 class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
 
