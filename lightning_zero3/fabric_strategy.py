@@ -44,6 +44,7 @@ from lightning_zero3.options import (
     options_in_signature,
     split_options,
 )
+from lightning_zero3.summary import sharded_stats, step_metrics
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -223,6 +224,12 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         norms of the whole gradient, the same on every rank (one All-Reduce)."""
         sharded = self.sharded_model(module)
         return sharded_grad_norm(sharded, sharded.module, norm_type)
+
+    def step_metrics(self, module: nn.Module | None = None, prefix: str = "zero3/") -> dict[str, float]:
+        """What the last optimizer step of `module` (default: the only model) moved, waited and
+        held, as flat numbers for `fabric.log_dict(fabric.strategy.step_metrics(model))` after
+        `optimizer.step()` (summary.py `step_metrics`, the Trainer's `ShardingStatsMonitor`)."""
+        return step_metrics(sharded_stats(self.sharded_model(module), []), self.root_device, prefix)
 
     def gathered_parameters(
         self, module: nn.Module | None = None, *, modifier_rank: int | None = None
