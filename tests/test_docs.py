@@ -336,10 +336,10 @@ model = Hooks()
 trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2, max_epochs=2, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, callbacks=[LogHeadNorm(), Sample()])
 trainer.fit(model, DataLoader(torch.randint(0, 11, (16, 6)), batch_size=4))
+metrics = dict(trainer.callback_metrics)  # predict clears them
 predicted = trainer.predict(model, DataLoader(torch.randint(0, 11, (4, 3)), batch_size=2))
 '''
     postlude = '''
-metrics = trainer.callback_metrics
 seen = {"wte_row0": model.wte_row0, "head_norm": float(metrics["head_norm"]),
         "grad_total": "grad_2.0_norm_total" in metrics, "predicted": [list(p.shape) for p in predicted]}
 ''' + _report()
