@@ -35,12 +35,21 @@ from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.core import ShardedRun, ShardedStrategy
 from lightning_zero3.engine import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, parameters_on_meta
 from lightning_zero3.grads import sharded_grad_norm
-from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
+from lightning_zero3.options import (
+    RanksAndDevices,
+    all_reduce,
+    build_engine,
+    checkpoint_io_files,
+    options_in_signature,
+    split_options,
+)
+from lightning_zero3.summary import step_metrics
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 
+@options_in_signature
 class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
 
@@ -212,6 +221,12 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         norms of the whole gradient, the same on every rank (one All-Reduce)."""
         sharded = self.sharded_model(module)
         return sharded_grad_norm(sharded, sharded.module, norm_type)
+
+    def step_metrics(self, module: nn.Module | None = None, prefix: str = "zero3/") -> dict[str, float]:
+        """What the last optimizer step of `module` (default: the only model) moved, waited and
+        held, as flat numbers for `fabric.log_dict(fabric.strategy.step_metrics(model))` after
+        `optimizer.step()` (summary.py `step_metrics`, the Trainer's `ShardingStatsMonitor`)."""
+        return step_metrics(self.sharded_model(module).report([]), self.root_device, prefix)
 
     # ---- collectives Fabric uses -----------------------------------------------------------
     @override

@@ -32,7 +32,14 @@ from lightning_zero3.checkpoint.format import ShardedCheckpoint
 from lightning_zero3.checkpoint.remote import as_path
 from lightning_zero3.core import Lifecycle, ShardedRun, ShardedStrategy, remove_checkpoint
 from lightning_zero3.engine import check_optimizer_fits_shards, parameters_on_meta
-from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
+from lightning_zero3.options import (
+    RanksAndDevices,
+    all_reduce,
+    build_engine,
+    checkpoint_io_files,
+    options_in_signature,
+    split_options,
+)
 from lightning_zero3.precision import sharded_precision
 from lightning_zero3.summary import count_full_parameters
 
@@ -50,11 +57,13 @@ class _RootCall(nn.Module):
         return self.module(*args, **kwargs)
 
 
+@options_in_signature
 class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
 
     Takes keyword options only: the engine's (`lightning_zero3.engine.ShardingConfig`), the
-    Lightning-only ones (`LightningOptions` in options.py), both in the README's table, and
+    Lightning-only ones (`LightningOptions` in options.py), both in the README's table and in
+    `inspect.signature` (so LightningCLI's `init_args` take them; `options_in_signature`), and
     Lightning's own below. They are read back as `strategy.config` and `strategy.lightning_options`;
     `dataclasses.replace(strategy.config, prefetch=2)` validates again. A ``param_dtype`` of None
     follows the Trainer's precision ("bf16-mixed" -> bf16, "16-mixed" -> fp16).

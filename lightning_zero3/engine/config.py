@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -41,13 +41,15 @@ class ShardingConfig:
     prefetch: int = 1
     persistence_threshold: int = 0
     shard_size: int | None = None
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
+    # Given as a dtype or its name ("bf16"), held as a dtype: "given_as" is the type a signature
+    # shows (the strategies' signatures, which LightningCLI reads).
+    param_dtype: torch.dtype | None = field(default=None, metadata={"given_as": torch.dtype | str | None})
+    reduce_dtype: torch.dtype | None = field(default=None, metadata={"given_as": torch.dtype | str | None})
     param_init_fn: Callable[[nn.Module], None] | None = None
     reductions_in_flight: int | None = None
-    rank_checks: str | int = "every_step"
+    rank_checks: Literal["every_step", "first_step"] | int = "every_step"
     reshard_after_forward: bool | int = True
-    offload: str | None = None
+    offload: Literal["host"] | None = None
     offload_dir: str | None = None
 
     def __post_init__(self) -> None:
