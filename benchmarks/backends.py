@@ -143,7 +143,7 @@ def _run_raw(spec: RunSpec, model: nn.Module, batches: list, recorder: StepRecor
             loss.backward()
         optimizer.step()
         if sharded is not None:
-            sharded.stats.end_step()
+            sharded.end_step()  # the traffic and the record of the step (its orders and micro-batches)
         recorder.stop(loss, wait)
     # RssAnon after the last step: what optimizer state on disk saves.
     extra: dict[str, Any] = {"model_state_bytes": model_state_bytes(model.parameters(), [optimizer]),
@@ -151,12 +151,7 @@ def _run_raw(spec: RunSpec, model: nn.Module, batches: list, recorder: StepRecor
     if sharded is not None:
         extra.update(model_state_bytes=sharded.model_state_bytes([optimizer]), peak_units_alive=sharded.unit_stats.peak,
                      engine_step_bytes={k: vars(v).copy() for k, v in sharded.stats.last_step.items()})  # fmt: skip
-        from lightning_zero3.engine import accounting
-
-        orders = (sharded.schedule.forward_order, sharded.schedule.backward_order)
-        extra["expected_step_bytes"] = accounting.expected_step_bytes(
-            sharded.units, sharded.persistent, orders=orders, micro_batches=k, synced=1
-        )
+        extra["expected_step_bytes"] = sharded.last_step_expected_bytes()  # k micro-batches, the last synced
     return extra
 
 

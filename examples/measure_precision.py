@@ -70,14 +70,14 @@ def measure(rank: int, world_size: int, config: GPTConfig, policy: tuple, steps:
     last = {kind: (b.calls, b.payload_bytes) for kind, b in sharded.stats.last_step.items()}
     return {
         "psi": sum(p.numel for p in sharded.sharded_params),
-        "units": len([u for u in sharded.units if u.params]),
+        "units": len([u for u in sharded._units if u.params]),
         "shard": {p.dtype for p in model.parameters()},
         "gathered": gathered,
         "grad": grad_dtypes,
         "last": last,
         "expected": sharded.expected_step_bytes(),
         "state": state,
-        "reduce": sharded.units[0].reduce_dtype,
+        "reduce": sharded._units[0].reduce_dtype,
         "loss": float(loss.detach()),
     }
 

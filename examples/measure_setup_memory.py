@@ -37,8 +37,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.ranks
 
 from benchmarks.measure import reset_peak_rss, status_bytes  # noqa: E402
-from lightning_zero3.engine import ShardedModel  # noqa: E402
-from lightning_zero3.engine.materialize import parameters_on_meta  # noqa: E402
+from lightning_zero3.engine import (
+    ShardedModel,  # noqa: E402
+    parameters_on_meta,  # noqa: E402
+)
 from tests.ranks import run_ranks  # noqa: E402
 
 MB = 2**20
@@ -63,7 +65,7 @@ def measure(rank: int, world_size: int, mode: str, path: str, restore_to: str = 
     sharded = ShardedModel(model, device="cpu")
     result = {"setup_peak": status_bytes("VmHWM") - start, "setup_s": time.perf_counter() - t0}
     result["shard_bytes"] = sum(p.param.numel() * p.param.element_size() for p in sharded.sharded_params)
-    result["unit_bytes"] = max(u.numel * 4 for u in sharded.units)
+    result["unit_bytes"] = max(u.numel * 4 for u in sharded._units)
     if mode.startswith("meta +"):
         start, file_start = reset_peak_rss(), status_bytes("RssFile")
         t0 = time.perf_counter()
@@ -83,7 +85,7 @@ def measure(rank: int, world_size: int, mode: str, path: str, restore_to: str = 
 
 
 def _expected_slice(path: str, probe: object) -> torch.Tensor:
-    from lightning_zero3.engine.shard import shard_slice
+    from lightning_zero3.engine import shard_slice
 
     full = torch.load(path, mmap=True, weights_only=True)[probe.name]  # type: ignore[attr-defined]
     return shard_slice(full, probe.rank, probe.world_size)  # type: ignore[attr-defined]

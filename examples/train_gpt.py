@@ -17,6 +17,8 @@ children of a ModuleList); the embeddings, final LayerNorm and tied head form th
 At the end, rank 0 prints what the strategy measured: model-state bytes per rank against DDP's
 16 bytes per parameter, and the bytes each collective moved in the last training step against
 the formula in docs/accounting.md (with `--shard-size`, also what crossed between the groups).
+Every step's figures go to a CSV log by `ShardingStatsMonitor` (`--log-dir`, default `logs`),
+which `python examples/plot_stats.py logs/train_gpt/version_0/metrics.csv` plots.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_zero3 import ZeRO3Strategy
-from lightning_zero3.estimate import parse_reshard
+from lightning_zero3 import ShardingStatsMonitor, ZeRO3Strategy
+from lightning_zero3.estimate import parse_option
 
 # ---------------------------------------------------------------------------------------------
 # Model
@@ -360,12 +363,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--param-dtype", help="gather dtype, e.g. bf16; default: what --precision implies")
     parser.add_argument("--reduce-dtype", help="gradient reduction dtype, e.g. bf16; default fp32")
     parser.add_argument(
-        "--reshard-after-forward", type=parse_reshard, default=True,
+        "--reshard-after-forward", type=parse_option, default=True,
         help="true (default), false (units whole from forward to backward) or G (a 1/G slice, gathered in groups of G)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--save", metavar="PATH", help="write a sharded checkpoint (a directory) at the end")
     parser.add_argument("--resume", metavar="PATH", help="resume from a checkpoint, saved at any number of ranks")
+    parser.add_argument("--log-dir", default="logs", help="CSV logs: DIR/train_gpt/version_N/metrics.csv; default logs")
     return parser.parse_args()
 
 
@@ -405,7 +409,8 @@ def main() -> None:
         num_sanity_val_steps=0,
         gradient_clip_val=1.0,  # clipped by the global norm over all shards (one All-Reduce)
         log_every_n_steps=10,
-        logger=False,
+        logger=CSVLogger(args.log_dir, name="train_gpt"),
+        callbacks=[ShardingStatsMonitor()],  # each step's bytes, gather wait, units whole, memory
         enable_checkpointing=False,
     )
     start = time.perf_counter()
@@ -421,6 +426,7 @@ def main() -> None:
         plain.load_state_dict({key.removeprefix("model."): value for key, value in whole.items()})
         print("\nsample:", repr(sample(plain, tokenizer, "The ", 120)))
         val = trainer.callback_metrics.get("val_loss")
+        print(f"\nper-step figures: {trainer.logger.log_dir}/metrics.csv (python examples/plot_stats.py FILE)")
         report(
             module.zero3_stats,
             prefetch=args.prefetch,

@@ -15,6 +15,7 @@ from lightning_zero3.engine import OrderMismatchError, ShardedModel
 from lightning_zero3.fabric_strategy import ZeRO3FabricStrategy
 from lightning_zero3.grads import grad_norm
 from lightning_zero3.strategy import ZeRO3Strategy
+from lightning_zero3.summary import ShardingStatsMonitor
 
 __all__ = [
     "CheckpointError",
@@ -22,6 +23,7 @@ __all__ = [
     "ShardedEMAWeightAveraging",
     "ShardedModel",
     "ShardedWeightAveraging",
+    "ShardingStatsMonitor",
     "ZeRO3FabricStrategy",
     "ZeRO3Strategy",
     "consolidate_checkpoint",

@@ -6,39 +6,35 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import TextIO
+
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
 
 from lightning_zero3 import estimate
 from lightning_zero3.checkpoint import CheckpointError, Progress, consolidate_checkpoint
-from lightning_zero3.engine.dtypes import DTYPE_NAMES
+from lightning_zero3.engine import DTYPE_NAMES
 
 
-class ProgressLine:
-    """Tensors and bytes done of the total, rewritten in place on a terminal (at most 10 times a
-    second); nothing when `stream` is not a terminal."""
+class ProgressBar:
+    """tqdm's bar of the bytes written (tqdm comes with Lightning), the tensors done as its
+    postfix; nothing when `stream` is not a terminal."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
-        self.enabled = stream.isatty()
-        self._last = 0.0
+        self.bar: tqdm | None = None  # made at the first report, which knows the total
 
     def __call__(self, p: Progress) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self._last < 0.1 and p.tensors_done < p.tensors_total):
-            return
-        self._last = now
-        percent = 100 * p.bytes_done / p.bytes_total if p.bytes_total else 100.0
-        self.stream.write(
-            f"\r{p.tensors_done}/{p.tensors_total} tensors, {p.bytes_done / 2**20:.1f}/"
-            f"{p.bytes_total / 2**20:.1f} MiB ({percent:.0f}%)"
-        )
-        self.stream.flush()
+        if self.bar is None:
+            self.bar = tqdm(
+                total=p.bytes_total, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
+                disable=not self.stream.isatty(), desc="consolidate",
+            )  # fmt: skip
+        self.bar.set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors", refresh=False)
+        self.bar.update(p.bytes_done - self.bar.n)
 
     def close(self) -> None:
-        if self.enabled and self._last:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return 0
-    progress = ProgressLine(sys.stderr)
+    progress = ProgressBar(sys.stderr)
     try:
         summary = consolidate_checkpoint(
             args.src, args.dst, weights_only=args.weights_only, dtype=args.dtype, safetensors=args.safetensors,
             verify=not args.no_verify, progress=progress, trusted=args.trust_checkpoint,
         )  # fmt: skip
     except (CheckpointError, OSError) as err:
-        progress.close()  # ends the progress line before the error
+        progress.close()  # ends the bar's line before the error
         print(f"error: {err}", file=sys.stderr)
         return 1
     progress.close()

@@ -60,12 +60,18 @@ from lightning_zero3.checkpoint.format import ShardedCheckpoint, ShardedOptimize
 from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers, open_checked
 from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
-from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.accumulate import SyncState
-from lightning_zero3.engine.comm import Comm, destroy_group
-from lightning_zero3.engine.left_sharded import HOW_TO_USE, forget, holder, remember_sharded
-from lightning_zero3.engine.shard import ShardedParam
-from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
+from lightning_zero3.engine import (
+    HOW_TO_USE,
+    Comm,
+    ShardedModel,
+    ShardedParam,
+    destroy_group,
+    forget,
+    full_optimizer_state,
+    holder,
+    load_full_optimizer_state,
+    remember_sharded,
+)
 
 if TYPE_CHECKING:
     from lightning_zero3.options import LightningOptions
@@ -96,10 +102,8 @@ class Fixes(NamedTuple):
 
 
 _ANY_STRATEGY = Fixes(
-    read="For whole weights, read them inside the strategy's `gathered_parameters(model)` on every rank, or save a "
-    "checkpoint.",
-    load="To load whole weights, call it inside the strategy's `gathered_parameters(model, modifier_rank=0)` on every "
-    "rank.",
+    read="For whole weights, read inside `strategy.gathered_parameters(model)` on every rank, or save a checkpoint.",
+    load="To load whole weights, call it inside `strategy.gathered_parameters(model, modifier_rank=0)` on every rank.",
 )
 
 
@@ -207,12 +211,7 @@ class ShardedRun:
         else:
             self.state = Lifecycle.AT_REST
             remember_sharded(self.engine.module, self.engine, self.guard)  # a new engine makes it whole first
-            # The optimizer's state stays, for a save after `fit` or the next `fit`.
-            for sharded in self.engine.sharded_params:
-                sharded.param.grad = None
-            if self.engine.offload is not None:
-                self.engine.offload.close()  # the shards' device copies, made again by the next gather
-        self.engine.pool.clear()  # buffers kept for the next step, which will not come soon
+            self.engine.rest()  # the optimizer's state stays, for a save after `fit` or the next `fit`
         if self._saver is not None and self._saver is not self.engine.world_comm:
             destroy_group(self._saver.group)  # later saves of this run write synchronously
         self._saver = None
@@ -266,7 +265,7 @@ class ShardedRun:
         while the module is sharded returns once its snapshot is in host memory (Note: background
         saves)."""
         target = as_path(path)
-        if self.engine.gradient_sync.state is not SyncState.SYNCED:
+        if self.engine.gradients_owed:
             warnings.warn(
                 f"Saving {target} while gradients summed with sync off are owed (between the micro-batches of "
                 "`no_backward_sync` / `no_sync`): the checkpoint holds the parameters and optimizer state from "
@@ -342,6 +341,43 @@ class ShardedRun:
             load_full_optimizer_state(self.engine, optimizer, state)
 
 
+class ShardedStrategy:
+    """What the Trainer's and Fabric's strategies offer on the models they shard, written once; each
+    finds a module's run with its own `_run_of` (one LightningModule, or each model `fabric.setup` got)."""
+
+    description: str  # in Lightning's registry of strategies, under "zero3"
+    which: str  # which API the class serves, and the class the other one wants
+
+    def _run_of(self, module: Any = None, *, within: bool = False) -> ShardedRun:
+        raise NotImplementedError
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's: the name "zero3" for this class (each API has its own registry)."""
+        if "zero3" not in strategy_registry:
+            strategy_registry.register("zero3", cls, description=cls.description)
+
+    def __repr__(self) -> str:  # shown by the other API when given this class: say which one it wants
+        return f"{type(self).__name__}({self.which} or strategy='zero3')"
+
+    def sharded_model(self, module: Any = None) -> ShardedModel:
+        """The engine holding `module`'s shards (a model set up, or the wrapper `fabric.setup`
+        returned); with one model set up, `module` may be omitted."""
+        return self._run_of(module).engine
+
+    def gathered_parameters(self, module: Any = None, *, modifier_rank: int | None = None) -> AbstractContextManager:
+        """Make the parameters of `module` (default: the whole model; or a submodule of it) whole
+        on every rank inside the block. With `modifier_rank=r`, what rank r wrote is kept on exit."""
+        owner = self._run_of(module, within=True).engine
+        target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
+        return owner.gathered_parameters(target, modifier_rank=modifier_rank)
+
+    def gathered_for_inference(self, module: Any = None) -> AbstractContextManager:
+        """Keep every unit of `module` (default: the only model) gathered inside the block (no
+        gradients), so `generate()` and evaluation run at DDP's speed (`ShardedModel.gathered_for_inference`)."""
+        return self._run_of(module, within=True).engine.gathered_for_inference()
+
+
 def remove_checkpoint(
     path: str | os.PathLike, remove_file: RemoveFile | None, *, after: BackgroundSave | None = None
 ) -> None:
@@ -360,4 +396,4 @@ def remove_checkpoint(
             log.warning(str(err))
 
 
-__all__ = ["Lifecycle", "ReadFile", "RemoveFile", "ShardedRun", "WriteFile", "remove_checkpoint"]
+__all__ = ["Lifecycle", "ReadFile", "RemoveFile", "ShardedRun", "ShardedStrategy", "WriteFile", "remove_checkpoint"]

@@ -30,19 +30,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
-from lightning_zero3.engine.accounting import UnitSizes, live_peak, step_bytes
-from lightning_zero3.engine.config import ShardingConfig
-from lightning_zero3.engine.dtypes import DTYPE_NAMES, parse_dtype
-from lightning_zero3.engine.plan import make_plan
-from lightning_zero3.engine.reshard import resolve
+from lightning_zero3.engine import ShardingConfig, UnitSizes, live_peak, make_plan, resolve, step_bytes
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+# The engine options the command takes, named, defaulted, documented and validated by ShardingConfig.
+OPTIONS = ("shard_size", "prefetch", "param_dtype", "reduce_dtype", "reshard_after_forward", "reductions_in_flight",
+           "persistence_threshold")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def estimate_units(
     synced = 1 if no_sync else micro_batches
     whole = sum(persistent) * reduce if trainable and world_size > 1 else 0  # parameters kept whole: All-Reduced
     sent = step_bytes(units, reshard, persistent=whole, micro_batches=micro_batches, synced=synced)
-    in_flight = 2 if config.reductions_in_flight is None else config.reductions_in_flight  # as on CUDA
+    in_flight = config.in_flight("cuda")
     largest = max(full, default=0)
     live = live_peak([f * gather for f in full], reshard, prefetch=config.prefetch, ends_forward=ends)
     live += largest * gather + (in_flight + 1) * largest * reduce
@@ -205,15 +205,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=float, help="instead of a model: the parameter count, e.g. 7e9")
     parser.add_argument("--units", type=int, default=1, help="with --params: equal units (e.g. transformer blocks)")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
-    parser.add_argument("--shard-size", type=int, help="shard within groups of this many ranks")
-    parser.add_argument("--prefetch", type=int, default=1)
-    parser.add_argument("--param-dtype", choices=sorted(DTYPE_NAMES), help="gather dtype (default: the model's)")
-    parser.add_argument("--reduce-dtype", choices=sorted(DTYPE_NAMES), help="Reduce-Scatter dtype (default fp32)")
+    documented = dict(re.findall(r"^ {8}(\w+): (.+?)(?=^ {8}\w+: |\Z)", ShardingConfig.__doc__ or "", re.M | re.S))
+    for option in (f for f in fields(ShardingConfig) if f.name in OPTIONS):
+        help = " ".join(documented[option.name].split()) + f" (ShardingConfig; default {option.default})"
+        parser.add_argument(f"--{option.name.replace('_', '-')}", type=parse_option, default=option.default, help=help)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
-    parser.add_argument(
-        "--reshard-after-forward", type=parse_reshard, default=True, metavar="{true,false,G}",
-        help="true (default), false (units stay whole until backward), or G (keep 1/G, gathered in groups of G)",
-    )  # fmt: skip
     parser.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per optimizer step")
     parser.add_argument("--no-sync", action="store_true", help="with --accumulate: reduce once per optimizer step")
     parser.add_argument(
@@ -222,23 +218,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def parse_reshard(text: str) -> bool | int:
-    """A command line's `reshard_after_forward`: "true", "false" or an int."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if not lowered.isdigit():
-        raise argparse.ArgumentTypeError(f"expected true, false or an int G >= 2, got {text!r}")
-    return int(lowered)
+def parse_option(text: str) -> bool | int | str | None:
+    """A command line's value of a ShardingConfig option: true, false, none, an int, else the
+    text (a dtype's name); ShardingConfig validates it."""
+    named = {"true": True, "false": False, "none": None}
+    return named[text.lower()] if text.lower() in named else int(text) if text.isdigit() else text
 
 
 def run(args: argparse.Namespace) -> str:
     """The table for the parsed command line; `ValueError` for a bad combination."""
     config = ShardingConfig(
-        prefetch=args.prefetch, shard_size=args.shard_size, reshard_after_forward=args.reshard_after_forward,
-        param_dtype=parse_dtype(args.param_dtype, "--param-dtype"),
-        reduce_dtype=parse_dtype(args.reduce_dtype, "--reduce-dtype"),
-        offload=None if args.offload == "none" else "host",
+        **{name: getattr(args, name) for name in OPTIONS}, offload=None if args.offload == "none" else "host",
         offload_dir="." if args.offload == "disk" else None,  # the run's own; any existing directory stands in
     )  # fmt: skip
     if args.world_size < 1:
@@ -266,4 +256,4 @@ def run(args: argparse.Namespace) -> str:
     return result.table()
 
 
-__all__ = ["Estimate", "estimate", "estimate_units", "parse_reshard"]
+__all__ = ["Estimate", "estimate", "estimate_units", "parse_option"]

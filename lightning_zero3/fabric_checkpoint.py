@@ -21,7 +21,7 @@ from lightning_zero3.checkpoint.format import ShardedCheckpoint
 from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers
 from lightning_zero3.checkpoint.remote import as_path
 from lightning_zero3.core import ReadFile, ShardedRun, WriteFile
-from lightning_zero3.engine.state import load_full_optimizer_state
+from lightning_zero3.engine import load_full_optimizer_state
 
 OWNER = "ZeRO3FabricStrategy"  # the class these functions serve, named in their messages
 

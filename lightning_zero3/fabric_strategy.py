@@ -32,17 +32,25 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
-from lightning_zero3.core import Fixes, ShardedRun
-from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, check_optimizer_fits_shards, clip_grad_norm_
-from lightning_zero3.engine.materialize import parameters_on_meta
+from lightning_zero3.core import Fixes, ShardedRun, ShardedStrategy
+from lightning_zero3.engine import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, parameters_on_meta
 from lightning_zero3.grads import sharded_grad_norm
-from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
+from lightning_zero3.options import (
+    RanksAndDevices,
+    all_reduce,
+    build_engine,
+    checkpoint_io_files,
+    options_in_signature,
+    split_options,
+)
+from lightning_zero3.summary import step_metrics
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 
-class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
+@options_in_signature
+class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
 
     Takes the options of the Trainer's `ZeRO3Strategy` (its docstring, the README), read back as
@@ -51,6 +59,8 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
     """
 
     strategy_name = "zero3"
+    description = "ZeRO stage 3 for Fabric (lightning_zero3)"
+    which = "a Fabric strategy: for the Trainer use ZeRO3Strategy"
 
     def __init__(
         self,
@@ -74,16 +84,17 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         # id(whole parameter replaced by a shard) -> (a weak reference to it, its shard) (Note:
         # optimizers created before setup); the weak reference tells a reused id apart.
         self._replaced: dict[int, tuple[weakref.ref[Tensor], nn.Parameter]] = {}
-        self._backward_sync_control = _NoBackwardSync(self.sharded_model)  # fabric.no_backward_sync
+        self._backward_sync_control = _NoBackwardSync(self._run_of)  # fabric.no_backward_sync
 
     # ---- what Fabric asks of a distributed strategy (and RanksAndDevices in options.py) -------
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.lightning_options.start_method != "popen":
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
-        else:  # also for ranks started outside: it sets each rank's torch threads to its share of cores
+        if self.lightning_options.start_method == "popen":  # also for ranks started outside: it sets each
+            # rank's torch threads to its share of cores
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
 
     # ---- building and sharding the model ----------------------------------------------------
     @override
@@ -162,11 +173,6 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         entry = self._replaced.get(id(param))
         return entry[1] if entry is not None and entry[0]() is param else None
 
-    def sharded_model(self, module: nn.Module | None = None) -> ShardedModel:
-        """The engine holding `module`'s shards (a module set up with Fabric, or the one inside
-        the wrapper `fabric.setup` returned); with one model set up, `module` may be omitted."""
-        return self._run_of(module).engine
-
     def _run_of(self, module: nn.Module | None = None, *, within: bool = False) -> ShardedRun:
         """`sharded_model`'s run; `within`: `module` may also be a submodule of a model set up."""
         if module is None and len(self._runs) == 1:
@@ -181,11 +187,11 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             f"with this strategy ({len(self._runs)} set up). Pass the model returned by `fabric.setup(...)`."
         )
 
-    def _model_of_optimizer(self, optimizer: Optimizer) -> ShardedModel:
+    def _run_of_optimizer(self, optimizer: Optimizer) -> ShardedRun:
         first = next((p for group in optimizer.param_groups for p in group["params"]), None)
         for run in self._runs.values():
             if any(p is first for p in run.engine.module.parameters()):
-                return run.engine
+                return run
         raise ValueError(f"{type(self).__name__}: the optimizer holds no parameter of a model set up with Fabric.")
 
     # ---- a training step ------------------------------------------------------------------
@@ -194,7 +200,7 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         inner = getattr(optimizer, "optimizer", optimizer)
         if isinstance(inner, Optimizer):
-            self._model_of_optimizer(inner).end_step()  # close the step's traffic accounting
+            self._run_of_optimizer(inner).engine.end_step()  # close the step's traffic accounting
         return output
 
     @override
@@ -216,19 +222,11 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
         sharded = self.sharded_model(module)
         return sharded_grad_norm(sharded, sharded.module, norm_type)
 
-    def gathered_parameters(
-        self, module: nn.Module | None = None, *, modifier_rank: int | None = None
-    ) -> AbstractContextManager:
-        """Make the parameters of `module` (a model set up with Fabric, or a submodule of one)
-        whole on every rank inside the block; with `modifier_rank=r`, rank r's writes are kept."""
-        owner = self._run_of(module, within=True).engine
-        target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
-        return owner.gathered_parameters(target, modifier_rank=modifier_rank)
-
-    def gathered_for_inference(self, module: nn.Module | None = None) -> AbstractContextManager:
-        """Keep every unit of `module` (a model set up with Fabric; default: the only one)
-        gathered inside the block (`ShardedModel.gathered_for_inference`)."""
-        return self._run_of(module, within=True).engine.gathered_for_inference()
+    def step_metrics(self, module: nn.Module | None = None, prefix: str = "zero3/") -> dict[str, float]:
+        """What the last optimizer step of `module` (default: the only model) moved, waited and
+        held, as flat numbers for `fabric.log_dict(fabric.strategy.step_metrics(model))` after
+        `optimizer.step()` (summary.py `step_metrics`, the Trainer's `ShardingStatsMonitor`)."""
+        return step_metrics(self.sharded_model(module).report([]), self.root_device, prefix)
 
     # ---- collectives Fabric uses -----------------------------------------------------------
     @override
@@ -275,15 +273,6 @@ class ZeRO3FabricStrategy(RanksAndDevices, ParallelStrategy):
             if error is not None:
                 raise error
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "zero3" not in strategy_registry:
-            strategy_registry.register("zero3", cls, description="ZeRO stage 3 for Fabric (lightning_zero3)")
-
-    def __repr__(self) -> str:
-        # Shown by the Trainer when given this class: say which one it wants.
-        return f"{type(self).__name__}(a Fabric strategy: for the Trainer use ZeRO3Strategy or strategy='zero3')"
 
 
 _FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (core.py)
@@ -301,12 +290,12 @@ class _NoBackwardSync(_BackwardSyncControl):
     """`fabric.no_backward_sync(model)`: backwards inside sum the unsharded gradients locally and
     the first outside Reduce-Scatters once (`ShardedModel.no_sync`, engine/accumulate.py)."""
 
-    def __init__(self, engine_of: Callable[[nn.Module], ShardedModel]) -> None:
-        self.engine_of = engine_of
+    def __init__(self, run_of: Callable[[nn.Module], ShardedRun]) -> None:
+        self.run_of = run_of
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return self.engine_of(module).no_sync() if enabled else nullcontext()
+        return self.run_of(module).engine.no_sync() if enabled else nullcontext()
 
 
 def _check_no_state(optimizers: list[Optimizer], owner: str) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.optim import grad_norms
+from lightning_zero3.core import ShardedStrategy
+from lightning_zero3.engine import ShardedModel, grad_norms
 
 
 def sharded_grad_norm(
@@ -34,11 +34,9 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     other strategy it is Lightning's own utility."""
     from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 
-    from lightning_zero3.strategy import ZeRO3Strategy
-
     trainer = getattr(module, "_trainer", None)
     strategy = trainer.strategy if trainer is not None else None
-    if not isinstance(strategy, ZeRO3Strategy):
+    if not isinstance(strategy, ShardedStrategy):
         # Lightning annotates dict[str, float] but returns tensors (lightning 2.5-2.6).
         return lightning_grad_norm(module, norm_type, group_separator)  # type: ignore[return-value]
-    return sharded_grad_norm(strategy.sharded_model, module, norm_type, group_separator)
+    return sharded_grad_norm(strategy.sharded_model(), module, norm_type, group_separator)

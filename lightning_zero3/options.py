@@ -20,13 +20,14 @@ name, not mid-training.
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar, get_args, get_type_hints
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
@@ -35,10 +36,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
-from lightning_zero3.engine import ShardedModel
-from lightning_zero3.engine.config import ShardingConfig, config_field_names
+from lightning_zero3.engine import ShardedModel, ShardingConfig, config_field_names
 
 T = TypeVar("T")
+S = TypeVar("S", bound=type)
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -95,6 +96,29 @@ def split_options(owner: str, options: dict[str, Any]) -> tuple[ShardingConfig, 
         message = re.sub(r"^(ShardingConfig|LightningOptions)\(", f"{owner}(", str(err))
         raise ValueError(message if message != str(err) else f"{owner}: {err}") from None
     return config, lightning
+
+
+def options_in_signature(strategy: S) -> S:
+    """Class decorator: `strategy.__init__(..., **options)` shown with every option as a
+    keyword-only parameter, its type and default taken from `ShardingConfig` and
+    `LightningOptions` (the one definition), so that `inspect.signature`, `help()` and
+    LightningCLI (jsonargparse reads the signature: `init_args: {prefetch: 2}`,
+    `--trainer.strategy.prefetch=2`, `--print_config`) see them. A field's "given_as" metadata
+    is the type a user may pass where it differs from the type held (a dtype or its name)."""
+    init = strategy.__init__  # type: ignore[misc]  # the class's own function, not a bound method
+    own = [p for p in inspect.signature(init, eval_str=True).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    options = []
+    for config_type in (ShardingConfig, LightningOptions):
+        hints = get_type_hints(config_type)
+        options += [
+            inspect.Parameter(
+                f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                annotation=f.metadata.get("given_as", hints[f.name]),
+            )  # fmt: skip
+            for f in fields(config_type)
+        ]
+    init.__signature__ = inspect.Signature(own + options, return_annotation=None)
+    return strategy
 
 
 def build_engine(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,18 @@ from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.checkpoint.errors import run_and_agree
 from lightning_zero3.checkpoint.format import ShardedCheckpoint
 from lightning_zero3.checkpoint.remote import as_path
-from lightning_zero3.core import Fixes, Lifecycle, ShardedRun, remove_checkpoint
-from lightning_zero3.engine import ShardedModel, check_optimizer_fits_shards
-from lightning_zero3.engine.materialize import parameters_on_meta
-from lightning_zero3.options import RanksAndDevices, all_reduce, build_engine, checkpoint_io_files, split_options
+from lightning_zero3.core import Fixes, Lifecycle, ShardedRun, ShardedStrategy, remove_checkpoint
+from lightning_zero3.engine import check_optimizer_fits_shards, parameters_on_meta
+from lightning_zero3.options import (
+    RanksAndDevices,
+    all_reduce,
+    build_engine,
+    checkpoint_io_files,
+    options_in_signature,
+    split_options,
+)
 from lightning_zero3.precision import sharded_precision
-from lightning_zero3.summary import count_full_parameters, sharded_stats
+from lightning_zero3.summary import count_full_parameters
 
 
 class _RootCall(nn.Module):
@@ -51,17 +57,20 @@ class _RootCall(nn.Module):
         return self.module(*args, **kwargs)
 
 
-class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
+@options_in_signature
+class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
 
     Takes keyword options only: the engine's (`lightning_zero3.engine.ShardingConfig`), the
-    Lightning-only ones (`LightningOptions` in options.py), both in the README's table, and
+    Lightning-only ones (`LightningOptions` in options.py), both in the README's table and in
+    `inspect.signature` (so LightningCLI's `init_args` take them; `options_in_signature`), and
     Lightning's own below. They are read back as `strategy.config` and `strategy.lightning_options`;
     `dataclasses.replace(strategy.config, prefetch=2)` validates again. A ``param_dtype`` of None
     follows the Trainer's precision ("bf16-mixed" -> bf16, "16-mixed" -> fp16).
     """
 
     strategy_name = "zero3"
+    description, which = "ZeRO stage 3 (lightning_zero3)", "a Trainer strategy: for Fabric use ZeRO3FabricStrategy"
 
     def __init__(
         self,
@@ -137,7 +146,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
                     for key, value in state.items():
                         if key != "step" and isinstance(value, Tensor):
                             state[key] = value.to(param.device)
-        count_full_parameters(trainer.callbacks, self.sharded_model.full_numel)
+        count_full_parameters(trainer.callbacks, self.sharded_model().full_numel)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -159,7 +168,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        sharded = {id(p.param) for p in self.sharded_model.sharded_params}
+        sharded = {id(p.param) for p in self.sharded_model().sharded_params}
         for optimizer in self.optimizers:
             check_optimizer_fits_shards(optimizer, type(self).__name__)
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -196,11 +205,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         # whole model in host memory (built by `init_module()`) never goes to the device. What is left
         # (e.g. torchmetrics states) moves, and the LightningModule learns its device.
         assert self.lightning_module is not None
-        self.sharded_model.move_module(self.root_device)  # offloaded shards stay on the host
-
-    @property
-    def sharded_model(self) -> ShardedModel:
-        return self._run.engine
+        self.sharded_model().move_module(self.root_device)  # offloaded shards stay on the host
 
     # ---- per-step accounting ------------------------------------------------------------
     # `stats["last_step"]` is the traffic of the last optimizer step: every micro-batch's
@@ -208,23 +213,21 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     # traffic is left out.
     @override
     def on_train_start(self) -> None:
-        self.sharded_model.stats.current.clear()
-        if self.sharded_model.replicate_stats is not None:
-            self.sharded_model.replicate_stats.current.clear()
-        self.sharded_model.reset_peaks()
+        self.sharded_model().forget_traffic()
+        self.sharded_model().reset_peaks()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Ranks with uneven batch counts fail at the step where the shortest epoch ends, on every
         # rank (engine/checks.py, Note: uneven batches).
         assert self.lightning_module is not None
-        self.sharded_model.checks.final_batch = _last_batch_of_epoch(self.lightning_module.trainer)
+        self.sharded_model().mark_final_batch(_last_batch_of_epoch(self.lightning_module.trainer))
         return super().training_step(*args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.sharded_model.end_step()
+        self.sharded_model().end_step()
         return output
 
     @contextmanager
@@ -232,50 +235,35 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         # Lightning runs the micro-batches before the last of `accumulate_grad_batches` in here:
         # with `accumulate_unsharded`, their gradients are summed locally (ShardedModel.no_sync).
-        with self.sharded_model.no_sync() if self.lightning_options.accumulate_unsharded else nullcontext():
+        with self.sharded_model().no_sync() if self.lightning_options.accumulate_unsharded else nullcontext():
             yield
 
     @override
     def on_validation_end(self) -> None:
         if self.run is not None:
-            self.run.engine.stats.current.clear()
-            if self.run.engine.replicate_stats is not None:
-                self.run.engine.replicate_stats.current.clear()
+            self.run.engine.forget_traffic()
 
     # ---- collectives Lightning uses for metrics/logging -----------------------------------
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         return all_reduce(tensor, group, reduce_op)
 
-    # ---- whole parameters on demand -------------------------------------------------------
-    def gathered_parameters(
-        self, module: nn.Module | None = None, *, modifier_rank: int | None = None
-    ) -> AbstractContextManager:
-        """Make `module`'s parameters (default: the whole LightningModule) whole on every rank
-        inside the block. With `modifier_rank=r`, what rank r wrote is kept on exit."""
-        return self.sharded_model.gathered_parameters(module, modifier_rank=modifier_rank)
-
-    def gathered_for_inference(self) -> AbstractContextManager:
-        """Keep every unit gathered inside the block (no gradients), so `generate()` and
-        evaluation run at DDP's speed; see `ShardedModel.gathered_for_inference`."""
-        return self.sharded_model.gathered_for_inference()
-
+    # ---- whole parameters on demand (and core.py's ShardedStrategy) ------------------------
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The LightningModule's whole state dict, gathered one unit at a time into host memory,
         on rank 0 (others get {}) or with `rank0_only=False` on every rank. Collective: call it
         on every rank, during or after `fit` (where `module.state_dict()` is refused)."""
-        return self._run.full_state_dict(rank0_only=rank0_only)
+        return self._run_of().full_state_dict(rank0_only=rank0_only)
 
     # ---- accounting -------------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, Any]:
         """What this rank holds and sends: see docs/accounting.md."""
-        return sharded_stats(self.sharded_model, self.optimizers)
+        return self.sharded_model().report(self.optimizers)
 
     # ---- checkpoints (core.py's run): "sharded" a directory, each rank its shards; "full" one
     # ordinary Lightning file from rank 0.
-    @property
-    def _run(self) -> ShardedRun:
+    def _run_of(self, module: nn.Module | None = None, *, within: bool = False) -> ShardedRun:  # one LightningModule
         if self.run is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no sharded model yet: it is built in `Trainer.fit/validate/test/"
@@ -285,11 +273,11 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._run.model_state_dict()
+        return self._run_of().model_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        return self._run.optimizer_state(getattr(optimizer, "optimizer", optimizer))  # a LightningOptimizer's own
+        return self._run_of().optimizer_state(getattr(optimizer, "optimizer", optimizer))  # a LightningOptimizer's own
 
     @override
     def save_checkpoint(
@@ -301,7 +289,7 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
                 f"is written by {type(self).__name__}, not by a CheckpointIO plugin."
             )
         path = self.broadcast(os.fspath(filepath))  # a path or a URL (Note: remote checkpoints)
-        self._run.save(path, checkpoint, checkpoint_io_files(self.checkpoint_io).write)
+        self._run_of().save(path, checkpoint, checkpoint_io_files(self.checkpoint_io).write)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -309,18 +297,19 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
         context = f"Cannot load the checkpoint {path}"
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
-        opened = self._run.open(path, read, weights_only=weights_only, strict=strict, context=context, key="state_dict")
+        run = self._run_of()
+        opened = run.open(path, read, weights_only=weights_only, strict=strict, context=context, key="state_dict")
         if isinstance(opened, ShardedCheckpoint):  # its Lightning dict, the tensors still on disk
-            return run_and_agree(self._run.engine.world_comm, opened.lightning_dict, context=context)
+            return run_and_agree(run.engine.world_comm, opened.lightning_dict, context=context)
         return opened
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._run.load_model_state(checkpoint["state_dict"], strict=strict)
+        self._run_of().load_model_state(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self._run.load_optimizer_states(checkpoint["optimizer_states"], list(self.optimizers))
+        self._run_of().load_optimizer_states(checkpoint["optimizer_states"], list(self.optimizers))
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
@@ -350,15 +339,6 @@ class ZeRO3Strategy(RanksAndDevices, ParallelStrategy):
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "zero3" not in strategy_registry:
-            strategy_registry.register("zero3", cls, description="ZeRO stage 3 (lightning_zero3)")
-
-    def __repr__(self) -> str:
-        # Shown by Fabric when given this class: say which one it wants.
-        return f"{type(self).__name__}(a Trainer strategy: for Fabric use ZeRO3FabricStrategy or strategy='zero3')"
 
 
 _FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (core.py)
@@ -380,7 +360,7 @@ class _WholeWeightsLauncher(_MultiProcessingLauncher):
         strategy = self._strategy
         assert isinstance(strategy, ZeRO3Strategy)
         whole = strategy.full_state_dict() if trainer.state.fn == TrainerFn.FITTING else {}
-        with strategy._run.own_reads():  # Lightning reads the module's state_dict() on every rank
+        with strategy._run_of().own_reads():  # Lightning reads the module's state_dict() on every rank
             output = super()._collect_rank_zero_results(trainer, results)
         if output is not None and output.weights_path is not None:
             strategy.checkpoint_io.save_checkpoint(whole, output.weights_path)  # over rank 0's shards

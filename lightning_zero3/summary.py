@@ -1,5 +1,7 @@
 """What users read about a sharded model: Lightning's model summary with the sizes of whole
-parameters, not of this rank's shards, and the figures behind `ZeRO3Strategy.stats`.
+parameters, not of this rank's shards (`ZeRO3Strategy.stats` is `ShardedModel.report`), and those
+figures per optimizer step in the user's logger (`ShardingStatsMonitor`; Fabric:
+`fabric.log_dict(fabric.strategy.step_metrics(model))`).
 
 [Note: ModelSummary._summary]
 Lightning's `ModelSummary` callback (and `RichModelSummary`) builds its table in the private
@@ -19,14 +21,13 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelSummary
+import torch
+from lightning.pytorch.callbacks import Callback, ModelSummary
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
-
-from lightning_zero3.engine import CommStats, ShardedModel
 
 
 def count_full_parameters(callbacks: Iterable[Any], numel: Callable[[Tensor], int]) -> None:
@@ -83,39 +84,72 @@ class FullSizeSummary(Summary):
         return sum(self._numel(p) for p in self._model.parameters() if p.requires_grad)
 
 
-def sharded_stats(sharded: ShardedModel, optimizers: list[Optimizer]) -> dict[str, Any]:
-    """What this rank holds and sends (`ZeRO3Strategy.stats`): see docs/accounting.md. Measured
-    bytes of the last step next to the formula for it (the oracle: engine/accounting.py)."""
-
-    def measured(stats: CommStats | None) -> dict[str, dict[str, float]]:
-        return {kind: vars(b).copy() for kind, b in stats.last_step.items()} if stats is not None else {}
-
-    def expected(**group: bool) -> dict[str, int]:  # the last step's formula, else the next one's
-        return sharded.last_step_expected_bytes(**group) or sharded.expected_step_bytes(**group)
-
-    alive = sharded.unit_stats
-    return {
-        "world_size": sharded.world_comm.world_size,
-        "shard_size": sharded.comm.world_size,
-        "param_dtype": str(sharded.units[-1].param_dtype).removeprefix("torch."),
-        "reduce_dtype": str(sharded.units[-1].reduce_dtype).removeprefix("torch."),
-        "full_parameters": sum(p.numel for p in sharded.sharded_params) + sum(p.numel() for p in sharded.persistent),
-        "units": len([u for u in sharded.units if u.params]),
-        "last_step": measured(sharded.stats),
-        "expected_step_bytes": expected(),
-        "last_step_across_groups": measured(sharded.replicate_stats),
-        "expected_step_bytes_across_groups": expected(across_groups=True),
-        # reshard_after_forward=G: the backward's All-Gathers inside the groups of G.
-        "last_step_in_slice_groups": measured(sharded.slice_stats),
-        "expected_step_bytes_in_slice_groups": expected(slices=True),
-        # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
-        "last_step_control": measured(sharded.world_comm.stats),
-        "gather_wait_s": sharded.stats.last_step_gather_wait_s,
-        "units_alive": alive.alive,
-        "peak_units_alive": alive.peak,
-        "peak_units_alive_without_root": alive.peak_without_root,
-        "model_state_bytes": sharded.model_state_bytes(optimizers),
-    }
+def step_metrics(stats: dict[str, Any], device: torch.device, prefix: str = "zero3/") -> dict[str, float]:
+    """`stats` (`ShardedModel.report`) of the last optimizer step as flat numbers for a logger: the
+    payload bytes of each collective kind and the formula's figure for them (`<kind>_bytes`,
+    `<kind>_bytes_formula`; "_across_groups" with `shard_size`, "_in_slice_groups" with
+    `reshard_after_forward=G`), seconds waiting for All-Gathers, the peak of units whole since
+    fit started, and this process's memory: CUDA's `max_memory_allocated` on a CUDA device,
+    else the anonymous RSS (Linux), the memory the model, gradients and buffers live in."""
+    metrics: dict[str, float] = {}
+    for group in ("", "_across_groups", "_in_slice_groups"):
+        for kind, counted in stats[f"last_step{group}"].items():
+            metrics[f"{kind}_bytes{group}"] = counted["payload_bytes"]
+        for kind, formula in stats[f"expected_step_bytes{group}"].items():
+            if formula or f"{kind}_bytes{group}" in metrics:
+                metrics[f"{kind}_bytes{group}_formula"] = formula
+    metrics["gather_wait_s"] = stats["gather_wait_s"]
+    metrics["peak_units_alive"] = stats["peak_units_alive"]
+    if device.type == "cuda":
+        metrics["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    elif (anonymous := _rss_anon_bytes()) is not None:
+        metrics["rss_anon_bytes"] = anonymous
+    return {prefix + name: float(value) for name, value in metrics.items()}
 
 
-__all__ = ["FullSizeSummary", "count_full_parameters", "sharded_stats"]
+def _rss_anon_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):  # not Linux
+        return None
+
+
+class ShardingStatsMonitor(Callback):
+    """Logs what `ZeRO3Strategy` measured in each optimizer step (`step_metrics`: bytes per
+    collective and the formula's, All-Gather wait, units whole at the peak, memory) to the
+    Trainer's loggers, as Lightning's `DeviceStatsMonitor` logs device statistics: rank 0's
+    figures, at `trainer.global_step`. With `accumulate_grad_batches=k`, once per k batches.
+    On a GPU, reading the wait times the step's CUDA events (a sync per step)."""
+
+    def __init__(self, prefix: str = "zero3/") -> None:
+        self.prefix = prefix
+        self._logged_step = -1  # the last optimizer step logged
+
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not trainer.loggers:
+            raise MisconfigurationException("Cannot use ShardingStatsMonitor with Trainer(logger=False): add a logger.")
+        if not hasattr(type(trainer.strategy), "sharded_model"):  # ZeRO3Strategy's (strategy.py imports this file)
+            raise MisconfigurationException(
+                f"ShardingStatsMonitor logs what lightning_zero3's strategy measures; the Trainer's strategy is "
+                f"{type(trainer.strategy).__name__}. Use strategy='zero3' or remove the callback."
+            )
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._logged_step = trainer.global_step  # a resumed fit: its first step is a new one
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._logged_step or not trainer.is_global_zero:
+            return  # no optimizer step since the last log (accumulating), or not the logging rank
+        self._logged_step = trainer.global_step
+        metrics = step_metrics(trainer.strategy.stats, trainer.strategy.root_device, self.prefix)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+__all__ = ["FullSizeSummary", "ShardingStatsMonitor", "count_full_parameters", "step_metrics"]

@@ -30,7 +30,7 @@ def _fit_evaluate_fit_again(rank: int, world_size: int) -> dict[str, Any]:
     strategy = ZeRO3Strategy()
     fit = trainer(strategy, world_size, max_epochs=1)
     fit.fit(model, loader(world_size))
-    engine = strategy.sharded_model
+    engine = strategy.sharded_model()
     shard_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     try:
         model.state_dict()
@@ -45,12 +45,12 @@ def _fit_evaluate_fit_again(rank: int, world_size: int) -> dict[str, Any]:
     fit.fit_loop.max_epochs = 2  # the same Trainer fits one more epoch, with a new optimizer
     fit.fit(model, loader(world_size))
     second = strategy.full_state_dict(rank0_only=False)
-    reused = strategy.sharded_model is engine
+    reused = strategy.sharded_model() is engine
     # Another strategy takes the module (whole first, sharded anew); back with the first, its run
     # no longer holds the module and a new engine takes it from the other's shards.
     trainer(ZeRO3Strategy(), world_size).validate(model, loader(world_size), verbose=False)
     back = fit.validate(model, loader(world_size), verbose=False)[0]["val_loss"]
-    rebuilt = strategy.sharded_model is not engine
+    rebuilt = strategy.sharded_model() is not engine
     return {
         "shard_shapes": shard_shapes, "refused": refused, "val": val, "test": test, "predictions": predictions,
         "first": first, "first_losses": first_losses, "second": second, "losses": model.step_losses,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_zero3 import consolidate_checkpoint
-from lightning_zero3.__main__ import ProgressLine, main
+from lightning_zero3.__main__ import ProgressBar, main
 from lightning_zero3.checkpoint import Progress
 from tests.ranks import run_ranks
 from tests.test_checkpoint_sharded import save_trained_gpt
@@ -149,11 +149,13 @@ def test_progress_on_a_terminal_shows_tensors_and_bytes_done_of_the_total():
             return True
 
     stream = Terminal()
-    line = ProgressLine(stream)
-    line(Progress(tensors_done=1, tensors_total=4, bytes_done=2**20, bytes_total=4 * 2**20))
-    line(Progress(tensors_done=4, tensors_total=4, bytes_done=4 * 2**20, bytes_total=4 * 2**20))
-    line.close()
-    assert stream.getvalue() == "\r1/4 tensors, 1.0/4.0 MiB (25%)\r4/4 tensors, 4.0/4.0 MiB (100%)\n"
+    bar = ProgressBar(stream)
+    bar(Progress(tensors_done=1, tensors_total=4, bytes_done=2**20, bytes_total=4 * 2**20))
+    bar(Progress(tensors_done=4, tensors_total=4, bytes_done=4 * 2**20, bytes_total=4 * 2**20))
+    bar.close()
+    last = stream.getvalue().rstrip("\n").split("\r")[-1]  # tqdm rewrites its line in place
+    assert last.startswith("consolidate: 100%") and "4.00M/4.00M" in last and "4/4 tensors" in last, last
+    assert stream.getvalue().endswith("\n")
 
 
 LAYERS, WIDTH = 12, 2048  # 12 parameters of 16 MiB: a 192 MiB output

@@ -58,7 +58,7 @@ def _compiled_training(rank: int, world_size: int, how: str) -> dict:
         loss = model(mlp_batch(STEPS)[0][:6]).sum()
     kept = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in saved}.values())
     loss.backward()
-    block_bytes = sum(unit.block_numel * 4 for unit in sharded.units[1:])
+    block_bytes = sum(unit.block_numel * 4 for unit in sharded._units[1:])
     return {"param_diff": param_diff, "graphs": first_step, "kept": kept, "block_bytes": block_bytes}
 
 

@@ -25,13 +25,13 @@ def _in_flight_while_each_block_runs(rank: int, world_size: int, mode: str) -> d
     seen: dict[str, list[str]] = {}
 
     def note_in_flight(name: str, *_: object) -> None:
-        seen[name] = [unit.name for unit in sharded.units if unit.gather_in_flight]
+        seen[name] = [unit.name for unit in sharded._units if unit.gather_in_flight]
 
     for name, block in model.blocks.named_children():
         block.register_forward_hook(partial(note_in_flight, name))
     with {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]():
         out = model(x)
-    sharded.checks.check()
+    sharded._checks.check()
     return {"seen": seen, "finite": bool(torch.isfinite(out).all())}
 
 
@@ -54,7 +54,7 @@ def _evaluation_before_training(rank: int, world_size: int) -> dict:
     seen: list[dict[str, list[str]]] = []
 
     def note_in_flight(name: str, *_: object) -> None:
-        seen[-1][name] = [unit.name for unit in sharded.units if unit.gather_in_flight]
+        seen[-1][name] = [unit.name for unit in sharded._units if unit.gather_in_flight]
 
     for name, block in model.blocks.named_children():
         block.register_forward_pre_hook(partial(note_in_flight, name))
@@ -64,7 +64,7 @@ def _evaluation_before_training(rank: int, world_size: int) -> dict:
         with _counting_host_reads() as counted, torch.no_grad():
             model(x)
         reads.append(counted.count)
-    return {"seen": seen, "reads": reads, "record": sharded.schedule.forward_order}
+    return {"seen": seen, "reads": reads, "record": sharded._schedule.forward_order}
 
 
 def test_evaluation_before_any_training_step_prefetches_and_reads_the_host_once_per_pass():

@@ -66,7 +66,7 @@ def _write_on_rank0(rank: int, world_size: int, modifier_rank: int | None, persi
         "filled": {name: bool((full[name] == FILL).all()) for name in written},
         "untouched": max(float((full[k] - ref[k]).abs().max()) for k in ref if k not in written),
         "restored": {name: float((full[name] - ref[name]).abs().max()) for name in written},
-        "persistent": len(sharded.persistent),
+        "persistent": len(sharded._persistent),
     }
 
 
@@ -94,7 +94,7 @@ def test_whole_parameters_outside_forward_return_their_block_to_the_pool(use: st
     out of it into tensors of its own (they outlive the block), so one block serves every unit."""
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
     sharded = ShardedModel(model)  # one process: one unit per Linear, both of one size
-    unit = sharded.units[-1]
+    unit = sharded._units[-1]
     for _ in range(3):
         if use == "gathered_parameters":
             with sharded.gathered_parameters():
@@ -103,7 +103,7 @@ def test_whole_parameters_outside_forward_return_their_block_to_the_pool(use: st
             sharded.full_state_dict()
     receive = unit.world_size * unit.row_numel(unit.shard_dtype) * 4
     block = unit.block_numel * 4
-    assert sharded.pool.cached_bytes == receive + block  # reused by every unit and every call
+    assert sharded._pool.cached_bytes == receive + block  # reused by every unit and every call
 
 
 def test_evaluation_forwards_return_their_blocks_to_the_pool() -> None:
@@ -111,12 +111,12 @@ def test_evaluation_forwards_return_their_blocks_to_the_pool() -> None:
     the unit's forward ends, so evaluation steps reuse blocks instead of allocating new ones."""
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
     sharded = ShardedModel(model, prefetch=0)  # one process: one unit per Linear, both of one size
-    unit = sharded.units[-1]
+    unit = sharded._units[-1]
     for _ in range(3):
         with torch.no_grad():
             model(torch.randn(4, 32))
     receive = unit.world_size * unit.row_numel(unit.shard_dtype) * 4
-    assert sharded.pool.cached_bytes == receive + unit.block_numel * 4  # one of each, reused
+    assert sharded._pool.cached_bytes == receive + unit.block_numel * 4  # one of each, reused
 
 
 @pytest.mark.parametrize("modifier_rank", [None, 0])
@@ -134,8 +134,8 @@ def test_a_tag_check_that_raises_on_entry_leaves_every_parameter_its_shard(modif
     def broadcast(*args: object, **kwargs: object) -> None:
         raise AssertionError("a collective after a failed entry")
 
-    sharded.checks.closely = False  # the gathers defer their checks to that one
-    sharded.checks.check = mismatch  # type: ignore[method-assign]
+    sharded._checks.closely = False  # the gathers defer their checks to that one
+    sharded._checks.check = mismatch  # type: ignore[method-assign]
     sharded.world_comm.broadcast = broadcast  # type: ignore[method-assign]
     with pytest.raises(OrderMismatchError), sharded.gathered_parameters(modifier_rank=modifier_rank):
         pass

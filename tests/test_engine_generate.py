@@ -258,7 +258,7 @@ class _HeldPredict(LitMLP):
         self.predicted: list[torch.Tensor] = []
 
     def predict_step(self, batch: object, batch_idx: int) -> torch.Tensor:
-        sharded = self.trainer.strategy.sharded_model
+        sharded = self.trainer.strategy.sharded_model()
         with self.trainer.strategy.gathered_for_inference():
             before = _gathers(sharded)
             out = self(batch[0])

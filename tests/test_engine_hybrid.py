@@ -89,8 +89,8 @@ def _traffic(rank: int, world_size: int) -> dict:
         "across": across,
         "expected_inside": sharded.expected_step_bytes(),
         "expected_across": sharded.expected_step_bytes(across_groups=True),
-        "units": len([u for u in sharded.units if u.params]),
-        "psi": sum(u.numel for u in sharded.units),
+        "units": len([u for u in sharded._units if u.params]),
+        "psi": sum(u.numel for u in sharded._units),
         "shards": shard_sizes,
         "full": {name: p.numel() for name, p in models.MLP().named_parameters()},
     }

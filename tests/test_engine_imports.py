@@ -7,6 +7,7 @@ TYPE_CHECKING (two modules that know each other only for types still know each o
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import lightning_zero3.engine
@@ -114,6 +115,36 @@ def test_collective_checker_sees_every_spelling():
 
 
 PACKAGE = ENGINE.parent
+
+
+def door_violations(root: Path) -> list[str]:
+    """Imports under `root`, outside engine/, of an engine module rather than a name of the
+    package `lightning_zero3.engine` (the one door; its `__all__` is what the glue may use)."""
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if ENGINE in path.parents:
+            continue
+        for line, module in _imported_modules(ast.parse(path.read_text())):
+            inside = module.startswith("lightning_zero3.engine.")
+            if inside and module.rsplit(".", 1)[-1] not in lightning_zero3.engine.__all__:
+                offenders.append(f"{path.relative_to(root.parent)}:{line} imports {module}")
+    return offenders
+
+
+def test_code_outside_the_engine_imports_only_the_engine_package():
+    """The package, its examples and benchmarks; the tests may reach inside (they test the insides)."""
+    offenders = [v for folder in ("lightning_zero3", "examples", "benchmarks") for v in door_violations(
+        PACKAGE.parent / folder)]  # fmt: skip
+    assert offenders == []
+
+
+def test_the_door_check_sees_an_engine_module(tmp_path):
+    """The test above can fail: importing a module of the engine, or a module from the package."""
+    (tmp_path / "glue.py").write_text("from lightning_zero3.engine.comm import Comm\nimport lightning_zero3.engine."
+                                      "hooks\nfrom lightning_zero3.engine import accounting, Comm\n")  # fmt: skip
+    assert door_violations(tmp_path) == [f"{tmp_path.name}/glue.py:{n}" for n in (
+        "1 imports lightning_zero3.engine.comm", "2 imports lightning_zero3.engine.hooks",
+        "3 imports lightning_zero3.engine.accounting")]  # fmt: skip
 # The Lightning glue's two cycles, which the other branch of issue 20 removes; then this is empty.
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module (dotted, under `root`'s package) -> the package's modules it imports, wherever the
@@ -187,3 +218,64 @@ def test_the_cycle_finder_sees_a_type_only_import(tmp_path):
     (package / "c.py").write_text("import pkg.a\n")
     (package / "d.py").write_text("from pkg.a import x\n")
     assert import_cycles(import_graph(package)) == [{"pkg.a", "pkg.b", "pkg.c"}]
+
+
+def design_layers(text: str) -> dict[str, int]:
+    """Engine file -> its layer, as the numbered list under "The engine's layers" in design.md names them."""
+    section = text.split("## The engine's layers", 1)[1].split("\n## ", 1)[0]
+    layers, layer = {}, 0
+    for line in section.splitlines():
+        match = re.match(r"(\d+)\. \*\*", line)
+        layer = int(match.group(1)) if match else layer if line.startswith("   ") else 0  # an item, its lines
+        for name in re.findall(r"`(\w+\.py)`", line) if layer else []:
+            assert name not in layers, f"{name} stands in two layers"
+            layers[name] = layer
+    return layers
+
+
+def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Each engine import from a module to one of a lower layer (a higher number)."""
+    prefix, found = "lightning_zero3.engine.", []
+    for name, targets in graph.items():
+        for target in (t for t in targets if name.startswith(prefix) and t.startswith(prefix)):
+            low, high = name.removeprefix(prefix) + ".py", target.removeprefix(prefix) + ".py"
+            if layers[high] > layers[low]:
+                found.append(f"{low} (layer {layers[low]}) imports {high} (layer {layers[high]})")
+    return sorted(found)
+
+
+DESIGN = (PACKAGE.parent / "docs" / "design.md").read_text()
+
+
+def test_every_engine_file_stands_in_one_layer_of_design_md():
+    assert sorted(design_layers(DESIGN)) == sorted(f.name for f in _engine_files() if f.name != "__init__.py")
+
+
+def test_no_engine_module_imports_a_layer_below_its_own():
+    assert upward_imports(import_graph(PACKAGE), design_layers(DESIGN)) == []
+
+
+def test_the_layer_check_sees_an_import_going_up():
+    """The test above can fail: with reduce.py importing offload.py again (layer 4 -> layer 7)."""
+    graph = import_graph(PACKAGE)
+    graph["lightning_zero3.engine.reduce"] = graph["lightning_zero3.engine.reduce"] | {"lightning_zero3.engine.offload"}
+    assert upward_imports(graph, design_layers(DESIGN)) == ["reduce.py (layer 4) imports offload.py (layer 7)"]
+
+
+def test_sharded_model_shows_three_attributes_and_documents_each_method():
+    """The engine's surface (docs/design.md): collaborators private, each public member documented."""
+    from torch import nn
+
+    sharded = lightning_zero3.engine.ShardedModel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device="cpu")
+    assert sorted(name for name in vars(sharded) if not name.startswith("_")) == ["config", "device", "module"]
+    members = {name: m for name, m in vars(type(sharded)).items() if not name.startswith("_")}
+    assert len(members) >= 20 and [name for name, m in members.items() if not (m.__doc__ or "").strip()] == []
+
+
+def test_the_trainer_and_fabric_strategies_share_one_surface_on_their_models():
+    """`sharded_model` and the gathered views: the same method in both, written once (core.py)."""
+    from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
+    from lightning_zero3.core import ShardedStrategy
+
+    for name in ("sharded_model", "gathered_parameters", "gathered_for_inference"):
+        assert getattr(ZeRO3Strategy, name) is getattr(ZeRO3FabricStrategy, name) is getattr(ShardedStrategy, name)

@@ -98,10 +98,10 @@ def _kept_for_backward(sharded) -> set[int]:
     """The units gathered once per step, by the rule of hooks.py's Note: kept for backward: the
     root, the last unit of the recorded forward order, and the units around it (TinyGPT's
     blocks.1 around blocks.1.mlp.2), whose forward ends after it."""
-    assert sharded.schedule.forward_order is not None
-    last = sharded.units[sharded.schedule.forward_order[-1]].module
-    around = {u.uid for u in sharded.units if last in list(u.module.modules())}
-    return {sharded.units[0].uid} | around
+    assert sharded._schedule.forward_order is not None
+    last = sharded._units[sharded._schedule.forward_order[-1]].module
+    around = {u.uid for u in sharded._units if last in list(u.module.modules())}
+    return {sharded._units[0].uid} | around
 
 
 def _step_bytes(rank: int, world_size: int, model_name: str, prefetch: int, persistence_threshold: int = 0) -> dict:
@@ -117,7 +117,7 @@ def _step_bytes(rank: int, world_size: int, model_name: str, prefetch: int, pers
             "params": len(u.params),
             "kept": u.uid in kept,
         }
-        for u in sharded.units
+        for u in sharded._units
         if u.params
     ]
     return {
@@ -213,7 +213,7 @@ def _torch_distributed_calls(rank: int, world_size: int) -> dict:
         out = model(local_slice(x, rank, world_size))
         torch.nn.functional.mse_loss(out, local_slice(y, rank, world_size)).backward()
         optimizer.step()
-    units = [u for u in sharded.units if u.params]
+    units = [u for u in sharded._units if u.params]
     by_name: dict[str, tuple[int, int]] = {}
     for name, size in calls:
         count, total = by_name.get(name, (0, 0))
@@ -318,7 +318,7 @@ def _trained_with(rank: int, world_size: int, model_name: str, gloo_in_place: bo
     model = factory()
     sharded = ShardedModel(model, prefetch=1)
     if not gloo_in_place:  # the transport NCCL gets (transport.py)
-        sharded.comm.transport = NativeCollectives(sharded.comm.group, rank=sharded.comm.rank)
+        sharded._comm.transport = NativeCollectives(sharded._comm.group, rank=sharded._comm.rank)
     # SGD: Adam would scale the rounding noise of gradients that are zero in exact arithmetic
     # (the attention's key bias) up to steps of size lr.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -391,11 +391,11 @@ def _one_rank_without_the_shortcut(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = MLP()
     sharded = ShardedModel(model, prefetch=1, reductions_in_flight=1)
-    sharded.comm.one_rank_shortcut = False  # what benchmarks/gpu_check.py does on one GPU
+    sharded._comm.one_rank_shortcut = False  # what benchmarks/gpu_check.py does on one GPU
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
     for step in range(2):
         step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
-    return {"transport": type(sharded.comm.transport).__name__, "diff": max_param_difference(sharded, reference)}
+    return {"transport": type(sharded._comm.transport).__name__, "diff": max_param_difference(sharded, reference)}
 
 
 def test_one_rank_without_the_local_shortcut_runs_real_native_collectives():

@@ -251,7 +251,7 @@ def _root_called_inside_blocks(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = _SharedInBlocks()
     sharded = ShardedModel(model)
-    assert len(sharded.units) == 4 and len(sharded.units[0].params) == 2, "the root owns the shared layer"
+    assert len(sharded._units) == 4 and len(sharded._units[0].params) == 2, "the root owns the shared layer"
     saved: list[torch.Tensor] = []
     stack = ExitStack()
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
@@ -304,12 +304,12 @@ def test_a_failed_collective_settles_only_the_gathers_in_flight_that_completed()
     on one still running: its peer may never issue it (checks.py, Note: deferred tag checks)."""
     model = MLP(dim=DIM)
     sharded = ShardedModel(model)  # one process: collectives are local copies
-    running, arrived = sharded.units[1], sharded.units[2]
+    running, arrived = sharded._units[1], sharded._units[2]
     works = {}
     for unit, completed in ((running, False), (arrived, True)):
         unit.start_gather()
         works[unit.uid] = _Work(completed)
         unit._pending.work = works[unit.uid]
-    sharded.checks.raise_pending_mismatch()
+    sharded._checks.raise_pending_mismatch()
     assert not works[running.uid].waited and running.gather_in_flight, "waited on a gather still running"
     assert works[arrived.uid].waited and not arrived.gather_in_flight, "an arrived gather was not settled"

@@ -106,7 +106,7 @@ def _step(optimizers: list, set_to_none: bool = True) -> None:
 def _formula(sharded: ShardedModel, **counts: int) -> dict[str, int]:
     assert sharded.last_step_record is not None
     orders = sharded.last_step_record.orders
-    return accounting.expected_step_bytes(sharded.units, sharded.persistent, orders=orders, **counts)
+    return accounting.expected_step_bytes(sharded._units, sharded._persistent, orders=orders, **counts)
 
 
 def _bytes_and_buffers(rank: int, world_size: int, k: int) -> dict:
@@ -115,7 +115,7 @@ def _bytes_and_buffers(rank: int, world_size: int, k: int) -> dict:
     held: list[weakref.ref[torch.Tensor]] = []
 
     def note(micro: int) -> None:
-        totals = [summed.total for _, summed in sorted(sharded.gradient_sync._held.items())]
+        totals = [summed.total for _, summed in sorted(sharded._gradient_sync._held.items())]
         held.extend(weakref.ref(t) for t in totals)
         out["held_bytes"].append(sum(t.numel() * t.element_size() for t in totals))
 
@@ -142,7 +142,7 @@ def _bytes_and_buffers(rank: int, world_size: int, k: int) -> dict:
         if step == 3:
             out["unsynced_formula"] = sharded.last_step_expected_bytes()
             assert out["unsynced_formula"] == _formula(sharded, micro_batches=k, synced=1)
-    out["full_numel"] = sum(u.world_size * u.shard_numel for u in sharded.units)
+    out["full_numel"] = sum(u.world_size * u.shard_numel for u in sharded._units)
     return out
 
 
@@ -181,7 +181,7 @@ def _errors(rank: int, world_size: int) -> dict:
 
     # A step while owed.
     unsynced_backward(0)
-    out["owed_state"] = sharded.gradient_sync.state.name
+    out["owed_state"] = sharded._gradient_sync.state.name
     expect("step", optimizers[1].step)
     # zero_grad while owed, both ways: the next backward refuses; discard and go on.
     for set_to_none in (True, False):
@@ -192,7 +192,7 @@ def _errors(rank: int, world_size: int) -> dict:
         unsynced_backward(2)
         optimizers[1].zero_grad(set_to_none=set_to_none)
         expect(f"zero_grad_{set_to_none}", partial(backward, 3))
-        out[f"state_{set_to_none}"] = sharded.gradient_sync.state.name
+        out[f"state_{set_to_none}"] = sharded._gradient_sync.state.name
     # A backward that raises with sync off: the sums are incomplete until discarded.
     sharded.discard_unsynced_gradients()
     optimizers[1].zero_grad()
@@ -210,7 +210,7 @@ def _errors(rank: int, world_size: int) -> dict:
     handle.remove()
     with torch.no_grad():  # a forward closes the backward that raised (hooks.py, Note: exceptions)
         model(local_slice(x, rank, world_size))
-    out["incomplete_state"] = sharded.gradient_sync.state.name
+    out["incomplete_state"] = sharded._gradient_sync.state.name
     expect("after_raise_backward", partial(backward, 5))
     expect("after_raise_step", optimizers[1].step)
     # Discarded: a fresh accumulation, with evaluation passes between, equals one process again.
@@ -226,7 +226,7 @@ def _errors(rank: int, world_size: int) -> dict:
             model(local_slice(x, rank, world_size))
 
     out["diff_after"] = _micro_batches(sharded, model, reference, 6, 3, rank, world_size, between=infer)
-    out["final_state"] = sharded.gradient_sync.state.name
+    out["final_state"] = sharded._gradient_sync.state.name
     return out
 
 

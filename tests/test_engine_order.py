@@ -161,12 +161,12 @@ def test_the_first_backward_hands_its_recorded_orders_to_the_cross_rank_comparis
     model = MLP()
     sharded = ShardedModel(model)
     compared = []
-    sharded.checks.agree_on_orders = lambda comm, forward, backward: compared.append((forward, backward))  # type: ignore[method-assign]
+    sharded._checks.agree_on_orders = lambda comm, forward, backward: compared.append((forward, backward))  # type: ignore[method-assign]
     for step in range(3):
         x, y = mlp_batch(step)
         F.mse_loss(model(x), y).backward()
         assert len(compared) == 1, f"after backward {step}: {len(compared)} comparisons"  # from the first on
-    assert compared == [(sharded.schedule.forward_order, sharded.schedule.backward_order)]
+    assert compared == [(sharded._schedule.forward_order, sharded._schedule.backward_order)]
 
 
 def test_recorded_orders_that_differ_between_ranks_raise_naming_the_position_and_both_units() -> None:
@@ -194,6 +194,6 @@ def test_a_pass_that_leaves_the_record_announces_it_once(prefetch: int) -> None:
     with torch.no_grad():
         model(x)
     sharded.end_step()
-    units = len([u for u in sharded.units if u.params])
+    units = len([u for u in sharded._units if u.params])
     # Every unit once, the notice, and with prefetch the one gather issued ahead and dropped.
     assert sharded.stats.last_step["all_gather"].calls == units + 1 + prefetch

@@ -30,18 +30,18 @@ def _batch(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _in_flight_while_each_block_runs(rank: int, world_size: int) -> dict:
     model = _blocks()
     sharded = ShardedModel(model, prefetch=1)
-    assert not sharded.units[0].params, "the test needs a root unit without parameters"
+    assert not sharded._units[0].params, "the test needs a root unit without parameters"
     x, y = _batch(rank, world_size)
     F.mse_loss(model(x), y).backward()  # records the order
     seen: dict[str, list[str]] = {}
 
     def note_in_flight(name: str, *_: object) -> None:
-        seen[name] = [unit.name for unit in sharded.units if unit.gather_in_flight]
+        seen[name] = [unit.name for unit in sharded._units if unit.gather_in_flight]
 
     for name, block in model.named_children():
         block.register_forward_hook(partial(note_in_flight, name))
     F.mse_loss(model(x), y).backward()
-    return {"seen": seen, "forward_order": sharded.schedule.forward_order}
+    return {"seen": seen, "forward_order": sharded._schedule.forward_order}
 
 
 def test_a_paramless_root_prefetches_the_next_unit_in_forward():

@@ -18,24 +18,24 @@ def test_the_pass_state_follows_forward_backward_and_held():
     model = MLP()
     sharded = ShardedModel(model, prefetch=1)
     seen = []
-    model.blocks[0].register_forward_hook(lambda *_: seen.append(("block forward", sharded.hooks.state)))
+    model.blocks[0].register_forward_hook(lambda *_: seen.append(("block forward", sharded._hooks.state)))
     x, y = mlp_batch(0)
-    assert sharded.hooks.state is PassState.IDLE
+    assert sharded._hooks.state is PassState.IDLE
 
     def on_block_output(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
-        out.register_hook(lambda g: seen.append(("block backward", sharded.hooks.state)))
+        out.register_hook(lambda g: seen.append(("block backward", sharded._hooks.state)))
 
     hook = model.blocks[0].register_forward_hook(on_block_output)
     out = model(x)
-    seen.append(("after forward", sharded.hooks.state))
-    out.register_hook(lambda g: seen.append(("loss grad", sharded.hooks.state)))
+    seen.append(("after forward", sharded._hooks.state))
+    out.register_hook(lambda g: seen.append(("loss grad", sharded._hooks.state)))
     hook.remove()
     F.mse_loss(out, y).backward()
-    seen.append(("after backward", sharded.hooks.state))
+    seen.append(("after backward", sharded._hooks.state))
     with torch.no_grad(), sharded.gathered_for_inference():
         model(x)
-        seen.append(("inside gathered_for_inference", sharded.hooks.state))
-    seen.append(("after gathered_for_inference", sharded.hooks.state))
+        seen.append(("inside gathered_for_inference", sharded._hooks.state))
+    seen.append(("after gathered_for_inference", sharded._hooks.state))
     P = PassState
     assert seen == [
         ("block forward", P.FORWARD), ("after forward", P.IDLE), ("loss grad", P.BACKWARD),
@@ -47,7 +47,7 @@ def test_the_pass_state_follows_forward_backward_and_held():
 def test_a_pre_forward_that_raises_leaves_the_driver_idle_and_the_next_pass_trains():
     model = MLP()
     sharded = ShardedModel(model, prefetch=1)
-    root = sharded.units[0]
+    root = sharded._units[0]
     gather = type(root).gather
 
     def failing_once(self, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -58,7 +58,7 @@ def test_a_pre_forward_that_raises_leaves_the_driver_idle_and_the_next_pass_trai
     x, y = mlp_batch(0)
     with pytest.raises(RuntimeError, match="gather failed"), torch.no_grad():
         model(x)
-    assert (sharded.hooks.state, sharded.hooks.calls.open) == (PassState.IDLE, 0)
+    assert (sharded._hooks.state, sharded._hooks.calls.open) == (PassState.IDLE, 0)
     F.mse_loss(model(x), y).backward()
-    assert sharded.schedule.forward_order == [0, 1, 2, 3]
+    assert sharded._schedule.forward_order == [0, 1, 2, 3]
     assert all(p.grad is not None for p in model.parameters())

@@ -33,7 +33,7 @@ def _train(rank: int, world_size: int, set_to_none: bool, shard_size: int | None
     gradients past `zero_grad` (as a callback logging them might) and check they never change."""
     reference, model = _model(), _model()
     sharded = ShardedModel(model, persistence_threshold=13, shard_size=shard_size)
-    assert len(sharded.persistent) >= 8
+    assert len(sharded._persistent) >= 8
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     ref_params = dict(reference.named_parameters())
@@ -47,14 +47,14 @@ def _train(rank: int, world_size: int, set_to_none: bool, shard_size: int | None
             (F.mse_loss(reference(x), y) / MICRO).backward()
             local = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
             (local / MICRO).backward()
-        for p in sharded.persistent:
+        for p in sharded._persistent:
             expected = ref_params[names[id(p)]].grad
             assert (p.grad is None) == (expected is None), names[id(p)]
             if p.grad is not None:
                 worst["grad"] = max(worst["grad"], float((p.grad - expected).abs().max()))
-        addresses.append([p.grad.data_ptr() if p.grad is not None else None for p in sharded.persistent])
+        addresses.append([p.grad.data_ptr() if p.grad is not None else None for p in sharded._persistent])
         if keep:
-            kept += [(p.grad, p.grad.clone()) for p in sharded.persistent if p.grad is not None]
+            kept += [(p.grad, p.grad.clone()) for p in sharded._persistent if p.grad is not None]
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad(set_to_none=set_to_none)
@@ -63,7 +63,7 @@ def _train(rank: int, world_size: int, set_to_none: bool, shard_size: int | None
         for name, value in reference.state_dict().items():
             worst["param"] = max(worst["param"], float((full[name] - value).abs().max()))
     worst["kept"] = max((float((g - values).abs().max()) for g, values in kept), default=0.0)
-    return {"worst": worst, "addresses": addresses, "copies": sharded.persistent_grads.copies}
+    return {"worst": worst, "addresses": addresses, "copies": sharded._persistent_grads.copies}
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -110,9 +110,9 @@ def _count_all_reduces(rank: int, world_size: int) -> dict[str, Any]:
         model = _model()
         sharded = ShardedModel(model, persistence_threshold=13, shard_size=2)
         groups.clear()
-        sharded.persistent_grads.reduce()  # no gradient on this rank: still joins the collective
+        sharded._persistent_grads.reduce()  # no gradient on this rank: still joins the collective
         result["groups"] = list(groups)
-        result["grads"] = [p.grad for p in sharded.persistent]
+        result["grads"] = [p.grad for p in sharded._persistent]
     finally:
         dist.all_reduce = original
     return result

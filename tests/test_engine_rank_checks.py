@@ -33,14 +33,14 @@ def _reads_per_step(rank: int, world_size: int, rank_checks: str | int) -> dict:
     sharded = ShardedModel(model, prefetch=1, rank_checks=rank_checks)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
     stamped = []
-    original = type(sharded.checks).stamp_gather
+    original = type(sharded._checks).stamp_gather
 
     def counting(checks, slot, tag):  # noqa: ANN001 - a spy on the method
         done = original(checks, slot, tag)
         stamped[-1] += done
         return done
 
-    sharded.checks.stamp_gather = counting.__get__(sharded.checks)  # type: ignore[method-assign]
+    sharded._checks.stamp_gather = counting.__get__(sharded._checks)  # type: ignore[method-assign]
     tolist = torch.Tensor.tolist
     calls = []
 
@@ -52,12 +52,12 @@ def _reads_per_step(rank: int, world_size: int, rank_checks: str | int) -> dict:
     reads, tags = [], []
     try:
         for step in range(STEPS):
-            before = (sharded.checks.host_reads, sharded.checks.tags_read)
+            before = (sharded._checks.host_reads, sharded._checks.tags_read)
             stamped.append(0)
             calls.append(0)
             step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
-            reads.append(sharded.checks.host_reads - before[0])
-            tags.append(sharded.checks.tags_read - before[1])
+            reads.append(sharded._checks.host_reads - before[0])
+            tags.append(sharded._checks.tags_read - before[1])
         stamped.append(0)  # what follows (full_state_dict) is not a step's
         calls.append(0)
     finally:
@@ -95,7 +95,7 @@ def _mislabelled_at(rank: int, world_size: int, rank_checks: str | int, bad_step
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(4):
         if step == bad_step and rank == 1:
-            by_name = {unit.name: unit for unit in sharded.units}
+            by_name = {unit.name: unit for unit in sharded._units}
             mislabel(by_name["blocks.1"], by_name["blocks.2"])
         x, y = mlp_batch(step)
         F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()

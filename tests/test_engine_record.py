@@ -25,7 +25,7 @@ def _steps(rank: int, world_size: int, model_name: str, prefetch: int, reshard: 
     model = factory()
     sharded = ShardedModel(model, prefetch=prefetch, persistence_threshold=16, reshard_after_forward=reshard)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    units = sharded.units
+    units = sharded._units
     out = []
     for step in range(3):
         x, y = batch(step)
@@ -36,7 +36,7 @@ def _steps(rank: int, world_size: int, model_name: str, prefetch: int, reshard: 
         record = sharded.last_step_record
         assert record is not None
         row = {u.uid: world_size * u.row_numel() * u.param_dtype.itemsize for u in units}
-        g = sharded.slice_comm.world_size if sharded.slice_comm is not None else 1
+        g = sharded._slice_comm.world_size if sharded._slice_comm is not None else 1
         slice_row = {u.uid: g * u.row_numel(per=world_size // g) * u.param_dtype.itemsize for u in units}
         reduce_row = {u.uid: world_size * u.reduce_row_numel * u.reduce_dtype.itemsize for u in units}
         # The formula's gathers per unit: (over the shard group, inside the groups of G).

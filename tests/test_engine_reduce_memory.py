@@ -22,7 +22,7 @@ def _full_grad_bytes_alive(rank: int, world_size: int, in_flight: int) -> dict:
     torch.manual_seed(0)
     model = MLP(depth=4)
     sharded = ShardedModel(model, prefetch=1, reductions_in_flight=in_flight)
-    reductions = sharded.gradient_sync.reductions
+    reductions = sharded._gradient_sync.reductions
     start = type(reductions).start
     seen: list[weakref.ref[torch.Tensor]] = []
     alive: list[int] = []

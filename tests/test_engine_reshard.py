@@ -113,7 +113,7 @@ def _held_and_gathered(rank: int, world_size: int, reshard: bool | int) -> dict:
             after_backward = [saved.weight_bytes(i) for i in range(len(model.blocks))]
     finally:
         dist.broadcast = real
-    slices_left = [u._slice is not None for u in sharded.units]
+    slices_left = [u._slice is not None for u in sharded._units]
     return {"forward": after_forward, "backward": after_backward, "slices_left": slices_left, "gathered": gathered}
 
 
@@ -160,11 +160,11 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
     saved = SavedPerBlock(model)
     model(mine[0])  # grad enabled, never backpropagated
     held_then = sum(saved.weight_bytes(i) for i in range(len(model.blocks)))
-    slices_then = sum(u._slice is not None for u in sharded.units)
+    slices_then = sum(u._slice is not None for u in sharded._units)
     with torch.no_grad():
         model.inp(mine[0])  # the next pass (the root alone) gives back what the first kept
     alive["after_next_pass"] = sharded.unit_stats.alive
-    alive["slices_after_next_pass"] = sum(u._slice is not None for u in sharded.units)
+    alive["slices_after_next_pass"] = sum(u._slice is not None for u in sharded._units)
     alive["left_by_first"] = sum(saved.weight_bytes(i) for i in range(len(model.blocks)))
 
     def fail(*_: object) -> None:
@@ -182,7 +182,7 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
     hidden[0].square().sum().backward()  # never reaches the later blocks
     optimizers[1].zero_grad()
     alive["after_partial_backward"] = sharded.unit_stats.alive
-    alive["slices_after_partial_backward"] = sum(u._slice is not None for u in sharded.units)
+    alive["slices_after_partial_backward"] = sum(u._slice is not None for u in sharded._units)
     with sharded.gathered_for_inference(), torch.no_grad():
         model(mine[0])
     alive["after_held"] = sharded.unit_stats.alive
@@ -197,7 +197,7 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
             optimizer.zero_grad()
         alive[f"after_step_{step}"] = sharded.unit_stats.alive
     sharded.end_step()
-    alive["slices_at_end"] = sum(u._slice is not None for u in sharded.units)
+    alive["slices_at_end"] = sum(u._slice is not None for u in sharded._units)
     return {"alive": alive, "held_then": held_then, "slices_then": slices_then,
             "diff": max_param_difference(sharded, reference)}  # fmt: skip
 
@@ -228,7 +228,7 @@ def _build(rank: int, world_size: int) -> tuple[str, bool | int]:
         refused = ""
     except ValueError as err:
         refused = str(err)
-    return refused, ShardedModel(MLP(), reshard_after_forward=2).reshard
+    return refused, ShardedModel(MLP(), reshard_after_forward=2)._reshard
 
 
 def test_an_int_must_divide_the_shard_group_and_the_whole_group_means_true():

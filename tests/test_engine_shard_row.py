@@ -18,7 +18,7 @@ def _sharded() -> tuple[torch.nn.Module, ShardedModel]:
 
 def test_each_units_shards_lie_back_to_back_in_one_buffer():
     _, sharded = _sharded()
-    units = [u for u in sharded.units if len(u.params) > 1]
+    units = [u for u in sharded._units if len(u.params) > 1]
     assert units, "the test model needs a unit with several parameters"
     for unit in units:
         storage = unit.params[0].param.untyped_storage().data_ptr()
@@ -29,7 +29,7 @@ def test_each_units_shards_lie_back_to_back_in_one_buffer():
 
 def test_writing_one_shard_leaves_the_other_shards_versions_alone():
     _, sharded = _sharded()
-    unit = next(u for u in sharded.units if len(u.params) > 1)
+    unit = next(u for u in sharded._units if len(u.params) > 1)
     first, second = unit.params[0].param, unit.params[1].param
     before = second._version
     with torch.no_grad():
@@ -48,7 +48,7 @@ def test_a_forward_changes_no_shard_version():
 
 def test_a_shard_given_other_memory_is_gathered_from_that_memory():
     model, sharded = _sharded()
-    unit = next(u for u in sharded.units if len(u.params) > 1)
+    unit = next(u for u in sharded._units if len(u.params) > 1)
     moved = unit.params[0]
     with torch.no_grad():
         moved.param.data = moved.param.data.clone() + 1.0  # leaves the row, whose copy is now stale

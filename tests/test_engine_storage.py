@@ -26,15 +26,15 @@ def _train(rank: int, world_size: int) -> dict:
     model = MLP(dim=64)
     sharded = ShardedModel(model)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
-    block_bytes = sum(u.block_numel * 4 for u in sharded.units[1:])  # the blocks' full weights
-    block_numels = {u.block_numel for u in sharded.units}
+    block_bytes = sum(u.block_numel * 4 for u in sharded._units[1:])  # the blocks' full weights
+    block_numels = {u.block_numel for u in sharded._units}
     kept, pooled = [], []
     saved: list[torch.Tensor] = []
 
     def count_pooled(*_: object) -> None:
         # Registered after the engine's hooks: blocks.0 has just been released. Full-parameter
         # blocks waiting in the pool (its free lists, keyed by numel, dtype, device).
-        pooled.append(sum(len(free) for (_, numel, _, _), free in sharded.pool._free.items() if numel in block_numels))
+        pooled.append(sum(len(free) for (_, numel, _, _), free in sharded._pool._free.items() if numel in block_numels))
 
     model.blocks[0].register_forward_hook(count_pooled)
     for step in range(3):
@@ -53,7 +53,7 @@ def _train(rank: int, world_size: int) -> dict:
         "kept": kept,
         "pooled": pooled,
         "block_bytes": block_bytes,
-        "last_block_bytes": sharded.units[-1].block_numel * 4,
+        "last_block_bytes": sharded._units[-1].block_numel * 4,
     }
 
 
@@ -71,7 +71,7 @@ def _roles_per_buffer(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = MLP(dim=64)
     sharded = ShardedModel(model, prefetch=1, reductions_in_flight=1)
-    pool = sharded.pool
+    pool = sharded._pool
     take = type(pool).take
     roles: dict[int, set[str]] = {}
     sizes: dict[str, set[tuple[int, torch.dtype]]] = {}

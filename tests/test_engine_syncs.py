@@ -77,8 +77,8 @@ def _host_reads_per_step(rank: int, world_size: int, steps: int) -> dict:
     with _counting_host_reads() as reads, torch.no_grad():
         for _ in range(steps):
             model(x)
-        sharded.checks.check()  # what the next pass would do first
-    return {"train": train, "eval": reads.count, "units": len(sharded.units)}
+        sharded._checks.check()  # what the next pass would do first
+    return {"train": train, "eval": reads.count, "units": len(sharded._units)}
 
 
 def test_a_training_step_reads_device_memory_on_the_host_at_most_once():

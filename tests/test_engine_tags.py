@@ -155,7 +155,7 @@ def _tampered_tag(rank: int, world_size: int) -> str:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         if step == 1 and rank == 1:
-            by_name = {unit.name: unit for unit in sharded.units}
+            by_name = {unit.name: unit for unit in sharded._units}
             mislabel(by_name["blocks.1"], by_name["blocks.2"])
         x, y = mlp_batch(step)
         loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))

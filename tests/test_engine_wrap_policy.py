@@ -13,11 +13,11 @@ from tests.models import MLP, Block, GPTBlock, TinyGPT
 
 
 def unit_names(model: nn.Module, policy=None) -> list[str]:
-    return [unit.name for unit in ShardedModel(model, wrap_policy=policy).units]
+    return [unit.name for unit in ShardedModel(model, wrap_policy=policy)._units]
 
 
 def unit_params(model: nn.Module, policy=None) -> dict[str, list[str]]:
-    return {unit.name: [p.name for p in unit.params] for unit in ShardedModel(model, wrap_policy=policy).units}
+    return {unit.name: [p.name for p in unit.params] for unit in ShardedModel(model, wrap_policy=policy)._units}
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,15 @@ engine counted, at 2 and 3 ranks (3: uneven shards with padding), with bf16 gath
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from torch import nn
 
 from lightning_zero3.__main__ import main
 from lightning_zero3.engine import ShardedModel, ShardingConfig
-from lightning_zero3.estimate import estimate
+from lightning_zero3.estimate import OPTIONS, add_arguments, estimate
 from tests.ranks import run_ranks
 
 
@@ -125,7 +127,7 @@ def _run_offloaded_and_unsynced(rank: int, world_size: int, directory: str) -> d
     for _ in range(2):
         with sharded.no_sync():
             model(torch.randn(4, 64)).square().mean().backward()
-        sums = sum(held.total.nbytes for held in sharded.gradient_sync._held.values())
+        sums = sum(held.total.nbytes for held in sharded._gradient_sync._held.values())
         model(torch.randn(4, 64)).square().mean().backward()
         sharded.end_step()
         optimizer.step()
@@ -154,3 +156,13 @@ def test_estimate_matches_offloaded_state_and_unsynced_sums(tmp_path) -> None:
     for measured in run_ranks(_run_offloaded_and_unsynced, 2, str(tmp_path)):
         for kind, value in expected.items():
             assert abs(measured[kind] - value) <= 0.05 * value, (kind, measured[kind], value)
+
+
+def test_the_command_takes_the_engine_options_by_their_config_names_defaults_and_checks(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    given = parser.parse_args(["--params", "1e6", "--world-size", "2"])
+    defaults = ShardingConfig()
+    assert {name: getattr(given, name) for name in OPTIONS} == {name: getattr(defaults, name) for name in OPTIONS}
+    assert main(["estimate", "--params", "1e6", "--world-size", "2", "--prefetch", "-1"]) == 2
+    assert "ShardingConfig(prefetch=...) must be an int >= 0" in capsys.readouterr().err

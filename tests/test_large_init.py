@@ -109,7 +109,7 @@ def _peak_setup_bytes(rank: int, world_size: int, on_meta: bool) -> dict:
         model = _Wide()
     sharded = ShardedModel(model, device="cpu")
     model_bytes = sum(p.numel * 4 for p in sharded.sharded_params)
-    unit_bytes = max(u.numel * 4 for u in sharded.units)
+    unit_bytes = max(u.numel * 4 for u in sharded._units)
     return {"peak": status("VmHWM") - start, "model": model_bytes, "unit": unit_bytes}
 
 

@@ -42,29 +42,29 @@ def _train(rank: int, world_size: int, options: dict[str, Any], steps: int = 3) 
     uploads = []
     for step in range(steps):
         x, y = models.mlp_batch(step)
-        before = sharded.offload.uploads if sharded.offload else 0
+        before = sharded._offload.uploads if sharded._offload else 0
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled="param_dtype" in options):
             out = model(local_slice(x, rank, world_size)).float()
         F.mse_loss(out, local_slice(y, rank, world_size)).backward()
-        uploads.append((sharded.offload.uploads if sharded.offload else 0) - before)
+        uploads.append((sharded._offload.uploads if sharded._offload else 0) - before)
         clip_grad_norm_(sharded, model.parameters(), 0.05)
         grads = [p.param.grad for p in sharded.sharded_params if p.param.grad is not None]
         optimizer.step()
         optimizer.zero_grad(set_to_none=step % 2 == 0)  # both: `.grad` replaced, and added into
     shards = [p.param for p in sharded.sharded_params]
-    copies = list(sharded.offload._copies.values()) if sharded.offload else []
+    copies = list(sharded._offload._copies.values()) if sharded._offload else []
     state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
-    disk = sharded.disk
+    disk = sharded._disk
     maps = [line for line in open("/proc/self/maps") if disk and disk.directory in line]
     return {
         "full": sharded.full_state_dict(to_rank=None),
         "uploads": uploads,
-        "units": sum(1 for u in sharded.units if u.params),
+        "units": sum(1 for u in sharded._units if u.params),
         "copy_dtypes": {c.dtype for c in copies},
         "copies_apart": not (_storages(copies) & _storages(shards + state)),
         "state_next_to_shards": all(v.device == shards[0].device for v in state),
-        "device_bytes": sharded.offload.device_bytes() if sharded.offload else 0,
-        "shard_numel": sum(u.shard_numel for u in sharded.units),
+        "device_bytes": sharded._offload.device_bytes() if sharded._offload else 0,
+        "shard_numel": sum(u.shard_numel for u in sharded._units),
         # Offloaded: each gradient a host tensor of its own; else views of one reduced buffer per unit.
         "grad_storages": (len(_storages(grads)), len(grads)),
         "on_disk": [disk.on_disk(v) for v in state] if disk else [],
@@ -213,16 +213,16 @@ class _LitOffloaded(LitMLP):
     """Keeps, at the end of training, the engine's uploads and which optimizer states live on disk."""
 
     def on_train_end(self) -> None:
-        engine = self.trainer.strategy.sharded_model
+        engine = self.trainer.strategy.sharded_model()
         state = [v for s in self.trainer.optimizers[0].state.values() for v in s.values() if v.dim() > 0]
-        self.seen = [(engine.offload.uploads, [engine.disk.on_disk(v) for v in state])]
+        self.seen = [(engine._offload.uploads, [engine._disk.on_disk(v) for v in state])]
 
 
 class _AfterFit(pl.Callback):
     """After the strategy's teardown: the bytes of the shards' device copies, the whole weights."""
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        pl_module.after_fit = trainer.strategy.run.engine.offload.device_bytes()
+        pl_module.after_fit = trainer.strategy.run.engine._offload.device_bytes()
         pl_module.whole = whole_state(pl_module)
 
 
@@ -266,12 +266,12 @@ def _fabric_resume(f: Any, directory: str) -> list[dict[str, Any]]:
     loss, norm = train_step(f, model, optimizer, 2, rank, world_size, 0.05)
     engine = f.strategy.sharded_model(model)
     state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
-    on_disk = [engine.disk.on_disk(v) for v in state]
+    on_disk = [engine._disk.on_disk(v) for v in state]
     return every_rank({
         "loss": loss,
         "norm": norm,
         "state": full_state(f, model),
-        "uploads": engine.offload.uploads,
+        "uploads": engine._offload.uploads,
         "on_disk": on_disk,
     })  # fmt: skip
 

@@ -45,7 +45,7 @@ def _train_autocast(rank: int, world_size: int, param_dtype: Any, reduce_dtype: 
         loss.backward()
         grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
         mean = loss.detach().clone()
-        sharded.comm.all_reduce(mean, what="test loss")
+        sharded._comm.all_reduce(mean, what="test loss")
         worst_loss = max(worst_loss, abs(float(mean) / world_size - float(ref_loss.detach())))
         for opt_ in (ref_opt, opt):
             opt_.step()

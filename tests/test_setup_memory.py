@@ -31,7 +31,7 @@ def _setup_growth(rank: int, world_size: int) -> dict:
         "restore_peak": status_bytes("VmHWM") - start,
         "peak": setup_peak,
         "model": sum(p.numel * 4 for p in sharded.sharded_params),
-        "unit": max(u.numel * 4 for u in sharded.units),
+        "unit": max(u.numel * 4 for u in sharded._units),
         "sharded": is_sharded,
     }
 

@@ -43,7 +43,7 @@ def _fabric_accumulates(f: Any) -> list[dict[str, Any]]:
             out["reduce_scatters"].append(engine.stats.last_step["reduce_scatter"].calls)
     out["warnings"] = [str(w.message) for w in caught if "gradient synchronization" in str(w.message)]
     out["state"] = full_state(f, model)
-    out["units"] = sum(1 for u in engine.units if u.params)
+    out["units"] = sum(1 for u in engine._units if u.params)
     return every_rank(out)
 
 
@@ -73,22 +73,23 @@ class _Accumulation(pl.Callback):
     formula's, and what `strategy.stats` (what users read) shows against its formula."""
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        pl_module.syncs = [*getattr(pl_module, "syncs", []), trainer.strategy.sharded_model.gradient_sync.requires_sync]
+        sync = trainer.strategy.sharded_model()._gradient_sync.requires_sync
+        pl_module.syncs = [*getattr(pl_module, "syncs", []), sync]
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = trainer.strategy.sharded_model
+        engine = trainer.strategy.sharded_model()
         assert engine.last_step_record is not None
         stats = trainer.strategy.stats
         shown = {kind: stats["last_step"][kind]["payload_bytes"] for kind in ("all_gather", "reduce_scatter")}
         formula = accounting.expected_step_bytes(
-            engine.units, engine.persistent, orders=engine.last_step_record.orders, micro_batches=K, synced=1
+            engine._units, engine._persistent, orders=engine.last_step_record.orders, micro_batches=K, synced=1
         )
         pl_module.accumulation = {
             "reduce_scatter": engine.stats.last_step["reduce_scatter"].payload_bytes,
             "formula": formula["reduce_scatter"],
             "shown": shown,
             "shown_formula": {kind: stats["expected_step_bytes"][kind] for kind in shown},
-            "sync_state": engine.gradient_sync.state.name,
+            "sync_state": engine._gradient_sync.state.name,
         }
 
 

@@ -20,7 +20,7 @@ def test_overlapping_reductions_are_exact_under_lightning() -> None:
     torch.manual_seed(0)
     model = LitMLP()
     hands_back = HandsBack(
-        in_flight="strategy.sharded_model.gradient_sync.reductions.in_flight", losses="lightning_module.step_losses"
+        in_flight="strategy.run.engine._gradient_sync.reductions.in_flight", losses="lightning_module.step_losses"
     )
     fit = trainer(launched("zero3", reductions_in_flight=2), 2, max_epochs=1, callbacks=[hands_back])
     fit.fit(model, loader(2))
@@ -37,7 +37,7 @@ def test_reductions_in_flight_defaults_to_none_on_cpu_and_rejects_bad_values() -
     assert ZeRO3Strategy().config.reductions_in_flight is None  # resolved by the engine: 2 on CUDA, 0 elsewhere
     from lightning_zero3.engine import ShardedModel
 
-    assert ShardedModel(torch.nn.Linear(4, 4)).gradient_sync.reductions.in_flight == 0  # CPU parameters
+    assert ShardedModel(torch.nn.Linear(4, 4))._gradient_sync.reductions.in_flight == 0  # CPU parameters
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="reductions_in_flight"):
             ZeRO3Strategy(reductions_in_flight=bad)

@@ -41,11 +41,11 @@ def _restore(rank: int, world_size: int, device: str) -> dict:
     return {
         "peak": peak,
         "model": sum(p.numel * 4 for p in sharded.sharded_params),
-        "unit": max(u.numel * 4 for u in sharded.units),
+        "unit": max(u.numel * 4 for u in sharded._units),
         "devices": {str(t.device) for t in restored.values()},
         "shapes_whole": all(restored[k].shape == v.shape for k, v in expected.items()),
         "equal": all(torch.equal(restored[k], v) for k, v in expected.items()),
-        "hooks_left": len(sharded.hooks.handles),
+        "hooks_left": len(sharded._hooks.handles),
     }
 
 
@@ -91,7 +91,7 @@ def _fit_and_look(rank: int, world_size: int) -> dict:
     trainer(strategy, world_size, max_steps=2, callbacks=[at_end]).fit(model, batches)
     grown = status_bytes("RssAnon") - at_end.rss
     params = list(model.parameters())
-    engine = strategy.sharded_model
+    engine = strategy.sharded_model()
     return {
         "grown": grown,
         "model": sum(p.numel * 4 for p in engine.sharded_params),
@@ -100,9 +100,9 @@ def _fit_and_look(rank: int, world_size: int) -> dict:
         and all(p.dim() == 1 for p in model.parameters()),
         # the storages the module's parameters hold: this rank's shards, and the small persistent ones whole
         "param_bytes": sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}.values()),
-        "persistent_bytes": sum(p.numel() * 4 for p in engine.persistent),
+        "persistent_bytes": sum(p.numel() * 4 for p in engine._persistent),
         "shard_grad_bytes": sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None),
-        "pool_bytes": engine.pool.cached_bytes,
+        "pool_bytes": engine._pool.cached_bytes,
         "optimizer_state": sum(len(s) for s in strategy.optimizers[0].state.values()),
     }
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero3.checkpoint.errors import describe_error
-from lightning_zero3.engine.comm import Comm, new_group
+from lightning_zero3.engine import Comm, new_group
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from lightning_zero3.checkpoint.streaming import (
     stream_torch_save,
 )
 from lightning_zero3.checkpoint.trust import CheckpointReader
-from lightning_zero3.engine.dtypes import parse_dtype
+from lightning_zero3.engine import parse_dtype
 
 
 @dataclass

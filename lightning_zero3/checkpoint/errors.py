@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine import Comm
 
 
 class CheckpointError(RuntimeError):

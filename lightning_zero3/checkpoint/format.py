@@ -40,9 +40,7 @@ from lightning_zero3.checkpoint.trust import (
     load_torch_file,
     read_dcp_index,
 )
-from lightning_zero3.engine.comm import Comm
-from lightning_zero3.engine.model import ShardedModel
-from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine import Comm, ShardedModel, ShardedParam
 
 FORMAT_VERSION = 1
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -173,7 +171,7 @@ class Pieces:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        shard, replicate, kind = self.model.comm, self.model.replicate_comm, piece.device.type
+        (shard, replicate), kind = self.model.shard_comms, piece.device.type
         assert shard.group is not None  # distributed: every Comm has its group
         if kind not in self._meshes and replicate is None:
             self._meshes[kind] = DeviceMesh.from_group(shard.group, kind)

@@ -16,8 +16,7 @@ from lightning_zero3.checkpoint.files import atomic_torch_save, few
 from lightning_zero3.checkpoint.format import check_fits, model_tensors, tensor_json
 from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.trust import load_torch_file
-from lightning_zero3.engine.comm import Comm
-from lightning_zero3.engine.model import ShardedModel
+from lightning_zero3.engine import Comm, ShardedModel
 
 
 def save_full(

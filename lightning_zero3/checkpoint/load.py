@@ -24,8 +24,7 @@ from lightning_zero3.checkpoint.format import (
     sharded_by_name,
 )
 from lightning_zero3.checkpoint.remote import RemotePath
-from lightning_zero3.engine.model import ShardedModel
-from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine import ShardedModel, ShardedParam
 
 
 def open_checked(

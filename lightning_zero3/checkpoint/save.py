@@ -45,9 +45,7 @@ from lightning_zero3.checkpoint.format import (
 )
 from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.trust import read_dcp_index
-from lightning_zero3.engine.comm import Comm
-from lightning_zero3.engine.model import ShardedModel
-from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine import Comm, ShardedModel, ShardedParam
 
 _LIGHTNING_KEYS = ("epoch", "global_step", "pytorch-lightning_version")  # copied into meta.json
 
@@ -127,7 +125,7 @@ def plan_sharded(
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "world_size": model.world_comm.world_size,
-            "shard_size": model.comm.world_size,
+            "shard_size": model.shard_comms[0].world_size,
             "torch_version": torch.__version__,
             "fingerprint": fingerprint(parameters),
             "parameters": parameters,

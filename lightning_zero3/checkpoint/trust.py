@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
 from lightning_zero3.checkpoint.remote import RemotePath
-from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine import Comm
 
 TRUST_HINT = (
     "If you trust where this checkpoint comes from, load it with ZeRO3Strategy(trust_checkpoint=True) "

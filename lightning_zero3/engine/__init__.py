@@ -1,15 +1,32 @@
-"""The sharding engine: ZeRO stage 3 on a bare nn.Module and a process group; never imports Lightning."""
+"""The sharding engine: ZeRO stage 3 on a bare nn.Module and a process group; never imports Lightning.
+The only door into it: code outside engine/ imports these names from here (tests/test_engine_imports.py)."""
 
+from lightning_zero3.engine.accounting import UnitSizes, live_peak, step_bytes
 from lightning_zero3.engine.checks import OrderMismatchError
-from lightning_zero3.engine.comm import CollectiveBytes, CollectiveError, CommStats
-from lightning_zero3.engine.config import ShardingConfig
+from lightning_zero3.engine.comm import CollectiveBytes, CollectiveError, Comm, CommStats, destroy_group, new_group
+from lightning_zero3.engine.config import ShardingConfig, config_field_names
+from lightning_zero3.engine.dtypes import DTYPE_NAMES, parse_dtype
+from lightning_zero3.engine.left_sharded import HOW_TO_USE, forget, holder, remember_sharded
+from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.model import ShardedModel
-from lightning_zero3.engine.optim import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, grad_norm
+from lightning_zero3.engine.optim import (
+    AgreeingGradScaler,
+    check_optimizer_fits_shards,
+    clip_grad_norm_,
+    grad_norm,
+    grad_norms,
+)
+from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.record import UnitStats
-from lightning_zero3.engine.shard import ShardedParam, shard_numel
+from lightning_zero3.engine.reshard import resolve
+from lightning_zero3.engine.shard import ShardedParam, shard_numel, shard_slice
+from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 
 __all__ = [
-    "AgreeingGradScaler", "CollectiveBytes", "CollectiveError", "CommStats", "OrderMismatchError", "ShardedModel",
-    "ShardedParam", "ShardingConfig", "UnitStats", "check_optimizer_fits_shards", "clip_grad_norm_", "grad_norm",
-    "shard_numel",
+    "DTYPE_NAMES", "HOW_TO_USE", "AgreeingGradScaler", "CollectiveBytes", "CollectiveError", "Comm", "CommStats",
+    "OrderMismatchError", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
+    "check_optimizer_fits_shards", "clip_grad_norm_", "config_field_names", "destroy_group", "forget",
+    "full_optimizer_state", "grad_norm", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",
+    "make_plan", "new_group", "parameters_on_meta", "parse_dtype", "remember_sharded", "resolve", "shard_numel",
+    "shard_slice", "step_bytes",
 ]  # fmt: skip

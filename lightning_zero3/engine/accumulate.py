@@ -66,7 +66,7 @@ LEGAL = {(_S.SYNCED, _S.OWED), (_S.OWED, _S.SYNCED), (_S.SYNCED, _S.INCOMPLETE),
 
 FIX = (
     "Call `discard_unsynced_gradients()` on the ShardedModel (Fabric: `fabric.strategy.sharded_model(model)`, "
-    "Trainer: `trainer.strategy.sharded_model`) and `optimizer.zero_grad()`, then start the accumulation again."
+    "Trainer: `trainer.strategy.sharded_model()`) and `optimizer.zero_grad()`, then start the accumulation again."
 )
 INCOMPLETE = (
     "A backward raised while gradients were accumulated with gradient sync off (no_sync / no_backward_sync / "

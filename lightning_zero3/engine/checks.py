@@ -80,6 +80,7 @@ class _Record:
     unit: str  # the unit this rank ran
     expected: list[int]  # what the received integers must be
     received: torch.Tensor  # `expect`'s
+    ready: Callable[[], None] | None = None  # makes the current stream wait for `received` (Note: deferred tag checks)
 
 
 class RankChecks:
@@ -99,6 +100,7 @@ class RankChecks:
         self.tags_read = 0
         self.in_flight: dict[int, Callable[[], None]] = {}  # unit id -> settle (Note: deferred tag checks)
         self._stamps: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
+        self._columns: dict[tuple[torch.dtype, torch.device, int, int, int], torch.Tensor] = {}  # Reduce-Scatter stamps
         self.final_batch = False  # set by the strategy, cleared when the backward ends (Note: uneven batches)
 
     @property
@@ -141,20 +143,33 @@ class RankChecks:
         """Write unit `uid`'s code into `column` (N,) for the next rank; False on an unchecked step."""
         if not self.active:
             return False
-        column.zero_()
-        column[(rank + 1) % column.shape[0]] = self.reduce_code(uid, column.dtype)
+        n = column.shape[0]
+        key = (column.dtype, column.device, uid, rank, n)
+        stamp = self._columns.get(key)
+        if stamp is None:  # built once on the device: writing a Python int would copy from the host each step
+            stamp = torch.zeros(n, dtype=column.dtype)
+            stamp[(rank + 1) % n] = self.reduce_code(uid, column.dtype)
+            stamp = self._columns[key] = stamp.to(column.device)
+        column.copy_(stamp)
         return True
 
-    def read_reduce(self, collective: str, unit: str, received: torch.Tensor, uid: int, dtype: torch.dtype) -> None:
-        """Record the code a stamped reduction brought (after the All-Reduce: G codes summed)."""
+    def read_reduce(
+        self, collective: str, unit: str, received: torch.Tensor, uid: int, dtype: torch.dtype,
+        *, ready: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        """Record the code a stamped reduction brought (after the All-Reduce: G codes summed);
+        `ready` orders the read after `received`'s stream (None: it is the current one)."""
         code = self.reduce_code(uid, dtype) * (self.groups if collective == "All-Reduce" else 1)
-        self.expect(collective, unit, received, [code])
+        self.expect(collective, unit, received, [code], ready=ready)
 
     # ---- the ledger -----------------------------------------------------------------------------
-    def expect(self, collective: str, unit: str, received: torch.Tensor, expected: list[int]) -> None:
+    def expect(
+        self, collective: str, unit: str, received: torch.Tensor, expected: list[int],
+        *, ready: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
         """Remember `received` (int64 on the device, a copy nothing else writes) that should equal
-        `expected`; check at once when watching closely."""
-        self._records.append(_Record(collective, unit, expected, received))
+        `expected`; check at once when watching closely. `ready`: see `_Record`."""
+        self._records.append(_Record(collective, unit, expected, received, ready))
         if self.closely:
             self.check()
 
@@ -164,6 +179,9 @@ class RankChecks:
         if not self._records:
             return
         records, self._records = self._records, []
+        for record in records:
+            if record.ready is not None:  # produced on another stream (reduce.py: across shard groups)
+                record.ready()
         self.host_reads += 1
         got = torch.cat([record.received for record in records]).tolist()  # the one device-to-host copy
         self.tags_read += len(got)

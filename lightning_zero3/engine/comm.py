@@ -8,8 +8,9 @@ stream that first waits for the compute stream (the optimizer may just have writ
 the All-Gather is issued from a gather stream after the copy-in's event; a Reduce-Scatter is
 issued on a reduce stream that waits for the compute stream. Consumers wait for an event recorded
 after the issue, then for the work (stream waits on NCCL, not host waits). `Streams`, one per
-device and process group, owns the streams and events; on CPU it does nothing. Buffers cross
-streams through the pool (buffers.py, Note: buffer roles and streams).
+device and process group, owns the streams and events; on CPU it does nothing (the tests give it
+a stand-in: buffers.py, Note: stream seam). Buffers cross streams through the pool (buffers.py,
+Note: buffer roles and streams).
 
 [Note: collective device]
 A `Comm` built with `device` takes tensors of that device type only, on every backend: NCCL has
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_zero3.engine.buffers import BufferPool, current_event
+from lightning_zero3.engine.buffers import BufferPool, current_event, indexed, stream_api
 from lightning_zero3.engine.transport import GlooInPlace, Local, NativeCollectives, Transport
 
 
@@ -54,17 +55,27 @@ class CommStats:
     current: dict[str, CollectiveBytes] = field(default_factory=lambda: defaultdict(CollectiveBytes))
     last_step: dict[str, CollectiveBytes] = field(default_factory=dict)
     # Seconds blocked waiting for All-Gathers (what prefetch failed to hide): the host's on CPU; on
-    # CUDA the compute stream's, timed by events read only by `last_step_gather_wait_s` (a sync).
+    # CUDA the compute stream's, timed by events: read once passed, the rest by
+    # `last_step_gather_wait_s` (a sync).
     gather_wait_s: float = 0.0
     _last_host_s: float = 0.0
-    waits: list[tuple[Any, Any]] = field(default_factory=list)  # (start, end) CUDA events
-    _last_waits: list[tuple[Any, Any]] = field(default_factory=list)
+    waits: deque[tuple[Any, Any]] = field(default_factory=deque)  # (start, end) CUDA events in flight
+    _last_waits: deque[tuple[Any, Any]] = field(default_factory=deque)
+
+    def add_wait(self, start: Any, end: Any) -> None:
+        """Time a wait by its events; those already passed are folded into `gather_wait_s` without
+        waiting, so loops that never call `end_step` (evaluation, plain loops) keep only the
+        events of the work in flight."""
+        self.waits.append((start, end))
+        while self.waits and self.waits[0][1].query():
+            done, passed = self.waits.popleft()
+            self.gather_wait_s += done.elapsed_time(passed) / 1e3
 
     def end_step(self) -> None:
         self.last_step = dict(self.current)
         self.current = defaultdict(CollectiveBytes)
         self._last_host_s, self._last_waits = self.gather_wait_s, self.waits
-        self.gather_wait_s, self.waits = 0.0, []
+        self.gather_wait_s, self.waits = 0.0, deque()
 
     @property
     def last_step_gather_wait_s(self) -> float:
@@ -94,10 +105,11 @@ class Streams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.enabled = device.type == "cuda"
+        self.api = stream_api(device)  # buffers.py, Note: stream seam
+        self.enabled = self.api is not None
         # High priority, as FSDP2's: communication is what the compute waits for.
         names = ("copy_in", "gather", "reduce", "replicate") if self.enabled else ()
-        self._streams: dict[str, Any] = {name: torch.cuda.Stream(device, priority=-1) for name in names}
+        self._streams: dict[str, Any] = {name: self.api.Stream(device, priority=-1) for name in names}
 
     @contextmanager
     def on(self, name: str | None, *, after: Any = None, wait_current: bool | None = None) -> Iterator[None]:
@@ -108,10 +120,10 @@ class Streams:
             return
         stream = self._streams[name]
         if wait_current if wait_current is not None else name != "gather":
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_stream(self.api.current_stream(self.device))
         if after is not None:
             stream.wait_event(after)
-        with torch.cuda.stream(stream):
+        with self.api.stream(stream):
             yield
 
     def event(self) -> Any:  # None on CPU
@@ -119,7 +131,7 @@ class Streams:
 
     def wait_for(self, event: Any) -> None:  # the current stream waits, not the host
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            self.api.current_stream(self.device).wait_event(event)
 
 
 class Comm:
@@ -163,6 +175,7 @@ class Comm:
         self.transport = self._choose()
 
     def streams(self, device: torch.device) -> Streams:
+        device = indexed(device)  # one set of streams per device, however it is named
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = Streams(device)
@@ -247,12 +260,13 @@ class Comm:
         """Wait on an All-Gather, charging the time blocked to `gather_wait_s` (events on CUDA)."""
         if work is None:
             return
-        if device is not None and device.type == "cuda":
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
+        api = stream_api(device) if device is not None else None
+        if api is not None:
+            start, end = (api.Event(enable_timing=True) for _ in range(2))
+            start.record(api.current_stream(device))
             work.wait()
-            end.record()
-            self.stats.waits.append((start, end))
+            end.record(api.current_stream(device))
+            self.stats.add_wait(start, end)
             return
         start_s = time.perf_counter()
         work.wait()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -41,13 +41,15 @@ class ShardingConfig:
     prefetch: int = 1
     persistence_threshold: int = 0
     shard_size: int | None = None
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
+    # Given as a dtype or its name ("bf16"), held as a dtype: "given_as" is the type a signature
+    # shows (the strategies' signatures, which LightningCLI reads).
+    param_dtype: torch.dtype | None = field(default=None, metadata={"given_as": torch.dtype | str | None})
+    reduce_dtype: torch.dtype | None = field(default=None, metadata={"given_as": torch.dtype | str | None})
     param_init_fn: Callable[[nn.Module], None] | None = None
     reductions_in_flight: int | None = None
-    rank_checks: str | int = "every_step"
+    rank_checks: Literal["every_step", "first_step"] | int = "every_step"
     reshard_after_forward: bool | int = True
-    offload: str | None = None
+    offload: Literal["host"] | None = None
     offload_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -86,6 +88,11 @@ class ShardingConfig:
         object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
+
+
+    def in_flight(self, device_type: str) -> int:
+        """`reductions_in_flight` on a device of `device_type`: None is 2 on CUDA, 0 elsewhere."""
+        return self.reductions_in_flight if self.reductions_in_flight is not None else 2 * (device_type == "cuda")
 
 
 def config_field_names(config_type: type[Any]) -> frozenset[str]:

@@ -67,7 +67,7 @@ from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.record import StepRecord, UnitStats
 from lightning_zero3.engine.reshard import after_forward
 from lightning_zero3.engine.schedule import Prefetcher, Schedule
-from lightning_zero3.engine.unit import Unit
+from lightning_zero3.engine.unit import ShardSource, Unit
 
 # `torch.utils._pytree` is private (torch 2.13 has no public one): FSDP2 flattens hook arguments
 # with it and transformers registers its ModelOutput there. No fallback.
@@ -85,6 +85,7 @@ class HookDriver:
     def __init__(
         self, units: list[Unit], *, schedule: Schedule, checks: RankChecks, grads: GradientSync,
         persistent: PersistentGrads, live: UnitStats, record: StepRecord, world_comm: Comm, reshard: bool | int,
+        offload: ShardSource | None,
     ) -> None:  # fmt: skip
         self.units = units
         self.schedule = schedule
@@ -93,6 +94,7 @@ class HookDriver:
         self.record = record
         self.world_comm = world_comm  # the first step's order comparison runs on it
         self.reshard = reshard  # resolved (reshard.py)
+        self.offload = offload  # refreshed when a pass begins (offload.py, Note: host offload)
         self.state = P.IDLE
         self.calls = CallTable(units, live=live, record=record)
         self.prefetch = Prefetcher(units, schedule=schedule, calls=self.calls, live=live)
@@ -242,8 +244,8 @@ class HookDriver:
         """A unit starts forward (or every unit is held) with nothing open, no backward running."""
         self.checks.check()  # tags left by a pass without backward (checks.py)
         self.checks.closely = self.schedule.forward_order is None  # watch closely until a record exists
-        if self.units[0].offload is not None:
-            self.units[0].offload.begin_pass()  # offload.py, Note: host offload
+        if self.offload is not None:
+            self.offload.begin_pass()
         # Prefetches may predate an optimizer step; a call still on its modules is a leftover of a
         # pass that raised (Note: exceptions).
         self.prefetch.drop_stale()

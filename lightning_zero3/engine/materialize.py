@@ -57,13 +57,19 @@ def reset_parameters(module: nn.Module) -> None:
 
 @contextmanager
 def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
-    """Build modules with their parameters on the meta device and every other tensor on `device`.
+    """Build modules with their parameters on the meta device and every other tensor in host
+    memory, for a model that will run on `device`: sharding moves buffers there one module at a
+    time, `ShardedModel.move_module` the rest (e.g. torchmetrics' states).
 
     [Note: only parameters on meta]
     Under a plain `torch.device("meta")` tensors that are not parameters lose their values
     (buffers computed in `__init__`, torchmetrics' states), and nothing re-creates them. Here a
     parameter moves to meta when a module registers it (torch's global registration hook); the
-    rest keep their values. A parameter registered twice (tied weights) stays one."""
+    rest keep their values. A parameter registered twice (tied weights) stays one. Until it is
+    registered a parameter is a host tensor (untouched pages for `torch.empty`, what torch's
+    layers use), never one on `device`: building on a GPU would open a CUDA context in the
+    launching process and allocate every parameter there in full once."""
+    del device  # nothing is built there (the Note); kept so callers name where the model runs
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         if param is None or param.is_meta or type(param) is not nn.Parameter:
@@ -73,7 +79,7 @@ def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
     # torch annotates the hook as returning None; a returned Parameter replaces the registered one.
     handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
     try:
-        with torch.device(device):
+        with torch.device("cpu"):
             yield
     finally:
         handle.remove()

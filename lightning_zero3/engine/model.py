@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero3.engine import accounting
-from lightning_zero3.engine.accumulate import GradientSync
-from lightning_zero3.engine.buffers import BufferPool
+from lightning_zero3.engine.accumulate import GradientSync, SyncState
+from lightning_zero3.engine.buffers import BufferPool, indexed
 from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import RankChecks
 from lightning_zero3.engine.comm import Comm, CommStats, consecutive_group, hybrid_groups
@@ -41,7 +41,9 @@ from lightning_zero3.engine.unit import Unit
 
 
 class ShardedModel:
-    """Shards `module`'s parameters 1/N over `group` and drives gather/reduce with hooks."""
+    """Shards `module`'s parameters 1/N over `group` and drives gather/reduce with hooks. Public:
+    `module`, `config`, `device` and the methods below (docs/design.md, The engine's surface);
+    its collaborators are private, read only inside engine/."""
 
     def __init__(
         self, module: nn.Module, config: ShardingConfig | None = None, *, group: dist.ProcessGroup | None = None,
@@ -60,132 +62,152 @@ class ShardedModel:
                 raise ValueError("Pass either group or shard_size to ShardedModel, not both.")
             group, replicate_group = hybrid_groups(config.shard_size)
         real = (t.device for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
-        target = torch.device(device) if device is not None else next(real, torch.device("cpu"))
+        target = indexed(device) if device is not None else next(real, torch.device("cpu"))  # "cuda" -> "cuda:0"
         # Parameter data moves in the shard group; with `shard_size` gradients are also averaged
         # across `replicate_comm`, and with reshard_after_forward=G slices move in `slice_comm`.
-        self.pool = BufferPool()
-        self.comm = Comm(group, pool=self.pool, device=target)
-        replicate = Comm(replicate_group, pool=self.pool, device=target) if replicate_group is not None else None
-        self.replicate_comm = replicate
-        self.reshard = resolve(config.reshard_after_forward, shard_group=self.comm.world_size)
-        group_of_g = consecutive_group(self.reshard) if type(self.reshard) is int else None  # collective
-        self.slice_comm = Comm(group_of_g, pool=self.pool, device=target) if group_of_g is not None else None
-        self.world_comm = Comm(None, device=target)  # control traffic: broadcasts, order check, edits
-        restore_if_left_sharded(module, world_comm=self.world_comm, device=target)
-        self.plan = make_plan(module, config.wrap_policy, config.persistence_threshold,
-                              shard_group_size=self.comm.world_size)  # fmt: skip
+        self._pool = BufferPool()
+        self._comm = Comm(group, pool=self._pool, device=target)
+        replicate = Comm(replicate_group, pool=self._pool, device=target) if replicate_group is not None else None
+        self._replicate_comm = replicate
+        self._reshard = resolve(config.reshard_after_forward, shard_group=self._comm.world_size)
+        group_of_g = consecutive_group(self._reshard) if type(self._reshard) is int else None  # collective
+        self._slice_comm = Comm(group_of_g, pool=self._pool, device=target) if group_of_g is not None else None
+        self._world_comm = Comm(None, device=target)  # control traffic: broadcasts, order check, edits
+        restore_if_left_sharded(module, world_comm=self._world_comm, device=target)
+        self._plan = make_plan(module, config.wrap_policy, config.persistence_threshold,
+                               shard_group_size=self._comm.world_size)  # fmt: skip
         shards = shard_parameters(
-            module, self.plan, comm=self.comm, world_comm=self.world_comm, device=target,
+            module, self._plan, comm=self._comm, world_comm=self._world_comm, device=target,
             param_init_fn=config.param_init_fn, sync_module_states=sync_module_states,
             on_host=config.offload is not None,
         )  # fmt: skip
-        self.record = StepRecord()
-        self.unit_stats = UnitStats()
-        groups = self.replicate_comm.world_size if self.replicate_comm is not None else 1
-        self.checks = RankChecks(rank=self.comm.rank, names=[u.name for u in self.plan.units],
-                                 rank_checks=config.rank_checks, groups=groups)  # fmt: skip
-        self.units = [
+        self._record = StepRecord()
+        self._unit_stats = UnitStats()
+        groups = self._replicate_comm.world_size if self._replicate_comm is not None else 1
+        self._checks = RankChecks(rank=self._comm.rank, names=[u.name for u in self._plan.units],
+                                  rank_checks=config.rank_checks, groups=groups)  # fmt: skip
+        self._offload = HostOffload(device=target) if config.offload is not None else None
+        self._units = [
             Unit(uid=uid, name=unit_plan.name, module=unit_plan.module,
-                 params=[shards[id(entry)] for entry in unit_plan.params], comm=self.comm, checks=self.checks,
-                 replicate=self.replicate_comm, param_dtype=config.param_dtype,
-                 reduce_dtype=config.reduce_dtype, record=self.record,
-                 slice_comm=self.slice_comm)  # fmt: skip
-            for uid, unit_plan in enumerate(self.plan.units)
+                 params=[shards[id(entry)] for entry in unit_plan.params], comm=self._comm, checks=self._checks,
+                 replicate=self._replicate_comm, param_dtype=config.param_dtype,
+                 reduce_dtype=config.reduce_dtype, record=self._record,
+                 slice_comm=self._slice_comm, offload=self._offload)  # fmt: skip
+            for uid, unit_plan in enumerate(self._plan.units)
         ]
         self.device = target  # the compute device (with offload the shards are on the host)
-        self.offload = HostOffload(self.units, device=target) if config.offload is not None else None
         self._by_param: dict[int, ShardedParam] = {id(s.param): s for s in shards.values()}
-        directory, rank = config.offload_dir, self.world_comm.rank
-        self.disk = DiskState(directory, rank=rank, lookup=self.sharded_param) if directory is not None else None
+        directory, rank = config.offload_dir, self._world_comm.rank
+        self._disk = DiskState(directory, rank=rank, lookup=self.sharded_param) if directory is not None else None
         # Read from the module: materialising may have replaced the parameter objects.
-        owners = (e.owners[0] for e in self.plan.persistent)
-        self.persistent: list[nn.Parameter] = cast(list[nn.Parameter], [m._parameters[a] for m, a in owners])
+        owners = (e.owners[0] for e in self._plan.persistent)
+        self._persistent: list[nn.Parameter] = cast(list[nn.Parameter], [m._parameters[a] for m, a in owners])
         # Averaged over every rank (persistent.py); with shard groups counted as traffic across them.
-        persistent_comm = self.comm
-        if self.replicate_comm is not None:
-            persistent_comm = Comm(None, pool=self.pool, device=target, stats=self.replicate_comm.stats)
-        self.persistent_grads = PersistentGrads(self.persistent, persistent_comm)
-        self.comm.describe_step = self._describe_step
-        in_flight = config.reductions_in_flight
-        self.reductions_in_flight = in_flight if in_flight is not None else 2 * (target.type == "cuda")
-        self.schedule = Schedule(config.prefetch)
-        reductions = Reductions(in_flight=self.reductions_in_flight, offload=self.offload)
-        self.gradient_sync = GradientSync(self.units, reductions=reductions, persistent=self.persistent_grads,
-                                          record=self.record)  # fmt: skip
-        self.hooks = HookDriver(
-            self.units, schedule=self.schedule, checks=self.checks, grads=self.gradient_sync,
-            persistent=self.persistent_grads, live=self.unit_stats,
-            record=self.record, world_comm=self.world_comm, reshard=self.reshard,
+        persistent_comm = self._comm
+        if self._replicate_comm is not None:
+            persistent_comm = Comm(None, pool=self._pool, device=target, stats=self._replicate_comm.stats)
+        self._persistent_grads = PersistentGrads(self._persistent, persistent_comm)
+        self._comm.describe_step = self._describe_step
+        self._reductions_in_flight = config.in_flight(target.type)
+        self._schedule = Schedule(config.prefetch)
+        reductions = Reductions(in_flight=self._reductions_in_flight, offload=self._offload)
+        self._gradient_sync = GradientSync(self._units, reductions=reductions, persistent=self._persistent_grads,
+                                           record=self._record)  # fmt: skip
+        self._hooks = HookDriver(
+            self._units, schedule=self._schedule, checks=self._checks, grads=self._gradient_sync,
+            persistent=self._persistent_grads, live=self._unit_stats,
+            record=self._record, world_comm=self._world_comm, reshard=self._reshard, offload=self._offload,
         )  # fmt: skip
-        held = lambda: self.hooks.state is PassState.HELD
-        self._synced_generate = install_synced_generate(module, held, ranks=self.comm.world_size * groups)
+        held = lambda: self._hooks.state is PassState.HELD
+        self._synced_generate = install_synced_generate(module, held, ranks=self._comm.world_size * groups)
         # Inside `own_reads`: the module's state_dict() is read for its shards, by this engine or a
         # checkpoint; a strategy's guard lets those through (core.py, Note: a module's own state_dict).
         self.reading_own = False
 
     def _describe_step(self) -> str:
-        orders = [(phase, order) for phase, order in (("forward", self.schedule.forward_order),
-                                                      ("backward", self.schedule.backward_order)) if order]
+        orders = [(phase, order) for phase, order in (("forward", self._schedule.forward_order),
+                                                      ("backward", self._schedule.backward_order)) if order]
         if not orders:
             return "No unit order is recorded yet (first step)"
-        text = "; ".join(f"{phase} {[self.units[uid].name for uid in order]}" for phase, order in orders)
+        text = "; ".join(f"{phase} {[self._units[uid].name for uid in order]}" for phase, order in orders)
         return f"The recorded unit order, which every rank must follow: {text}"
 
-    # ---- lookups ----------------------------------------------------------------------------
+    # ---- lookups and communicators, for checkpoints ----------------------------------------
     @property
     def sharded_params(self) -> list[ShardedParam]:
-        return [p for unit in self.units for p in unit.params]
+        """Every sharded parameter, unit by unit: what a checkpoint reads and writes per shard."""
+        return [p for unit in self._units for p in unit.params]
+
+    @property
+    def world_comm(self) -> Comm:
+        """Every rank, for control traffic: checkpoints agree, broadcast and barrier on it."""
+        return self._world_comm
+
+    @property
+    def shard_comms(self) -> tuple[Comm, Comm | None]:
+        """The shard group's communicator and, with `shard_size`, the one across shard groups."""
+        return self._comm, self._replicate_comm
 
     def sharded_param(self, param: torch.Tensor) -> ShardedParam | None:
         """None for a persistent (whole) parameter."""
         return self._by_param.get(id(param))
 
     def full_numel(self, param: torch.Tensor) -> int:
+        """Elements of `param` whole (a shard's full parameter, else `param` itself)."""
         sharded = self.sharded_param(param)
         return sharded.numel if sharded is not None else param.numel()
 
     @property
     def stats(self) -> CommStats:
         """Traffic inside the shard group (the whole world unless `shard_size` is set)."""
-        return self.comm.stats
+        return self._comm.stats
 
     @property
     def replicate_stats(self) -> CommStats | None:
         """Traffic across shard groups (hierarchical sharding only)."""
-        return self.replicate_comm.stats if self.replicate_comm is not None else None
+        return self._replicate_comm.stats if self._replicate_comm is not None else None
 
     @property
     def slice_stats(self) -> CommStats | None:
         """Traffic inside the groups of G (`reshard_after_forward=G` only)."""
-        return self.slice_comm.stats if self.slice_comm is not None else None
+        return self._slice_comm.stats if self._slice_comm is not None else None
 
     def end_step(self) -> None:
         """Close the step: `stats.last_step` and `last_step_record` become this step's."""
-        for comm in (self.comm, self.replicate_comm, self.slice_comm, self.world_comm):
+        for comm in (self._comm, self._replicate_comm, self._slice_comm, self._world_comm):
             if comm is not None:
                 comm.stats.end_step()
-        self.record.end_step()
+        self._record.end_step()
+
+    def forget_traffic(self) -> None:
+        """Drop the traffic counted in the groups since the last `end_step` (e.g. evaluation's)."""
+        for comm in (self._comm, self._replicate_comm):
+            if comm is not None:
+                comm.stats.current.clear()
 
     @property
     def last_step_record(self) -> Step | None:
-        return self.record.last
+        """What the last step did (units gathered, kept, reduced; record.py); None before `end_step`."""
+        return self._record.last
+
+    @property
+    def unit_stats(self) -> UnitStats:
+        """Units holding full parameters now and at most (invariant 4)."""
+        return self._unit_stats
 
     def last_step_expected_bytes(self, *, across_groups: bool = False, slices: bool = False) -> dict[str, int] | None:
         """The formula (accounting.py) for the step `stats.last_step` measured, with the orders
         and passes it ran with; None before any `end_step`."""
-        last = self.record.last
+        last = self._record.last
         if last is None:
             return None
         passes = {"micro_batches": last.backwards, "synced": last.synced} if last.backwards else {}
-        return accounting.expected_step_bytes(self.units, self.persistent, orders=last.orders, reshard=self.reshard,
+        return accounting.expected_step_bytes(self._units, self._persistent, orders=last.orders, reshard=self._reshard,
                                               across_groups=across_groups, slices=slices, **passes)  # fmt: skip
 
-    @property
-    def global_rank(self) -> int:
-        return self.world_comm.rank
-
     def reset_peaks(self) -> None:
-        self.unit_stats.reset_peaks()
+        """Start `unit_stats`' peaks afresh (e.g. when training starts after evaluation)."""
+        self._unit_stats.reset_peaks()
 
     # ---- gradient sync (accumulate.py, Note: unsynced accumulation) ---------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -193,12 +215,12 @@ class ShardedModel:
         after a backward with sync on."""
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"set_requires_gradient_sync takes a bool; got {requires_gradient_sync!r}.")
-        self.gradient_sync.requires_sync = requires_gradient_sync
+        self._gradient_sync.requires_sync = requires_gradient_sync
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards inside accumulate locally; the setting comes back on exit."""
-        before = self.gradient_sync.requires_sync
+        before = self._gradient_sync.requires_sync
         self.set_requires_gradient_sync(False)
         try:
             yield
@@ -207,7 +229,17 @@ class ShardedModel:
 
     def discard_unsynced_gradients(self) -> None:
         """Drop the gradients summed with sync off; zero `.grad` too: it may hold part of them."""
-        self.gradient_sync.discard()
+        self._gradient_sync.discard()
+
+    @property
+    def gradients_owed(self) -> bool:
+        """Whether gradients summed with sync off wait for a synced backward (a save now misses them)."""
+        return self._gradient_sync.state is not SyncState.SYNCED
+
+    def mark_final_batch(self, final: bool) -> None:
+        """Whether the step about to run takes this rank's last batch of the epoch (checks.py,
+        Note: uneven batches): its gathers tell the other ranks, so uneven batch counts fail."""
+        self._checks.final_batch = final
 
     # ---- whole parameters outside forward -------------------------------------------------
     def gathered_parameters(
@@ -215,19 +247,19 @@ class ShardedModel:
     ) -> AbstractContextManager[None]:
         """The parameters under `module` (default: all) whole on every rank (gathered.py)."""
         scope = module if module is not None else self.module
-        return gathered_parameters(scope, self.units, self.persistent, checks=self.checks,
-                                   world_comm=self.world_comm, modifier_rank=modifier_rank)  # fmt: skip
+        return gathered_parameters(scope, self._units, self._persistent, checks=self._checks,
+                                   world_comm=self._world_comm, modifier_rank=modifier_rank)  # fmt: skip
 
     @contextmanager
     def gathered_for_inference(self) -> Iterator[None]:
         """Every unit gathered for the block (the whole model's parameters per rank, like DDP),
         for inference and `generate()` without a collective per forward; collective; no
         gradients inside (held.py, Note: held for inference)."""
-        self.hooks.hold()
+        self._hooks.hold()
         try:
             yield
         finally:
-            self.hooks.release()
+            self._hooks.release()
 
     # ---- state dicts ------------------------------------------------------------------------
     @contextmanager
@@ -243,12 +275,12 @@ class ShardedModel:
         """`state_dict()` with whole parameters, gathered one unit at a time, in host memory and
         never views of the live module (persistent parameters and buffers copied); with `to_rank`
         only that rank gets them (others an empty dict)."""
-        keep = to_rank is None or self.global_rank == to_rank
+        keep = to_rank is None or self._world_comm.rank == to_rank
         full_by_id: dict[int, torch.Tensor] = {}
         with self.own_reads():
             state = self.module.state_dict()
         with engine_mode():
-            for unit in self.units:
+            for unit in self._units:
                 if not unit.params:
                     continue
                 if keep:  # host tensors of their own
@@ -257,7 +289,7 @@ class ShardedModel:
                     full_by_id.update((id(sharded.param), out) for sharded, out in zip(unit.params, outputs))
                 else:  # every rank joins the All-Gather
                     unit.release(unit.gather(dtype=unit.shard_dtype))
-        self.checks.check()  # outside any pass: check these gathers now
+        self._checks.check()  # outside any pass: check these gathers now
         if not keep:
             return {}
         by_name = {name: full_by_id[id(s.param)] for s in self.sharded_params for name in s.names}
@@ -288,38 +320,78 @@ class ShardedModel:
     # ---- model-state accounting (accounting.py) -------------------------------------------
     def model_state_bytes(self, optimizers: list[torch.optim.Optimizer] | None = None) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds between steps."""
-        return accounting.model_state_bytes([p.param for p in self.sharded_params] + self.persistent, optimizers)
+        return accounting.model_state_bytes([p.param for p in self.sharded_params] + self._persistent, optimizers)
 
     def expected_step_bytes(self, *, across_groups: bool = False, slices: bool = False) -> dict[str, int]:
         """The formula (accounting.py) for a training step with the unit orders recorded now."""
-        orders = (self.schedule.forward_order, self.schedule.backward_order)
-        return accounting.expected_step_bytes(self.units, self.persistent, orders=orders, reshard=self.reshard,
+        orders = (self._schedule.forward_order, self._schedule.backward_order)
+        return accounting.expected_step_bytes(self._units, self._persistent, orders=orders, reshard=self._reshard,
                                               across_groups=across_groups, slices=slices)  # fmt: skip
+
+    def report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        """What this rank holds and sends (`ZeRO3Strategy.stats`, docs/accounting.md): the last
+        step's measured bytes next to the formula for it (the last step's, else the next one's)."""
+        measured = lambda stats: {k: vars(b).copy() for k, b in stats.last_step.items()} if stats is not None else {}
+        expected = lambda **group: self.last_step_expected_bytes(**group) or self.expected_step_bytes(**group)
+        alive, units = self._unit_stats, [u for u in self._units if u.params]
+        return {
+            "world_size": self._world_comm.world_size,
+            "shard_size": self._comm.world_size,
+            "param_dtype": str(self._units[-1].param_dtype).removeprefix("torch."),
+            "reduce_dtype": str(self._units[-1].reduce_dtype).removeprefix("torch."),
+            "full_parameters": sum(p.numel for p in self.sharded_params) + sum(p.numel() for p in self._persistent),
+            "units": len(units),
+            "last_step": measured(self.stats),
+            "expected_step_bytes": expected(),
+            "last_step_across_groups": measured(self.replicate_stats),
+            "expected_step_bytes_across_groups": expected(across_groups=True),
+            # reshard_after_forward=G: the backward's All-Gathers inside the groups of G.
+            "last_step_in_slice_groups": measured(self.slice_stats),
+            "expected_step_bytes_in_slice_groups": expected(slices=True),
+            # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
+            "last_step_control": measured(self._world_comm.stats),
+            "gather_wait_s": self.stats.last_step_gather_wait_s,
+            "units_alive": alive.alive,
+            "peak_units_alive": alive.peak,
+            "peak_units_alive_without_root": alive.peak_without_root,
+            "model_state_bytes": self.model_state_bytes(optimizers),
+        }
 
     def move_module(self, device: torch.device | str) -> None:
         """`module.to(device)`; with offload the shards stay on the host."""
-        move_module(self.module, self.sharded_params if self.offload is not None else [], torch.device(device))
+        move_module(self.module, self.sharded_params if self._offload is not None else [], torch.device(device))
 
     def remove_hooks(self) -> None:
         """Remove the hooks and the synced `generate`; no collective."""
-        self.hooks.remove()
-        self.gradient_sync.discard()  # and its optimizer-step hook
+        self._hooks.remove()
+        self._gradient_sync.discard()  # and its optimizer-step hook
         remove_synced_generate(self._synced_generate)
-        if self.disk is not None:
-            self.disk.close()
-        if self.offload is not None:
-            self.offload.close()  # the device copies of the shards
+        if self._disk is not None:
+            self._disk.close()
+        if self._offload is not None:
+            self._offload.close()  # the device copies of the shards
 
     def restore_module(self, *, device: torch.device | str = "cpu") -> None:
         """Make `module` an ordinary module on `device` again (Note: restoring unit by unit).
         Collective. This object stays valid for reading (`stats`, sharded state), not training."""
         self.remove_hooks()
         with engine_mode():
-            restore_whole(self.units, device=torch.device(device))
+            restore_whole(self._units, device=torch.device(device))
         self.module.to(device)
         forget(self.module)
 
+    def rest(self) -> None:
+        """Free what the next step makes again (the shards' gradients, pooled buffers, offload's
+        device copies); shards, hooks and optimizer state stay. No collective."""
+        for sharded in self.sharded_params:
+            sharded.param.grad = None
+        if self._offload is not None:
+            self._offload.close()
+        self._pool.clear()
+
     def leave_sharded(self) -> None:
-        """Remove the hooks, keep the shards; no collective (Note: a module left sharded)."""
+        """Remove the hooks and free the pooled buffers, keep the shards; no collective (Note: a
+        module left sharded)."""
         self.remove_hooks()
+        self._pool.clear()
         leave_sharded(self.module, self)

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from lightning_zero3.engine.buffers import stream_api
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
 
@@ -28,9 +29,9 @@ __all__ = ["HostOffload", "move_module"]
 
 class HostOffload:
     """The device copies of host shards and the gradients on their way to the host; one per
-    `ShardedModel`, every unit's `offload`."""
+    `ShardedModel`, handed to its units, reductions and driver when they are built."""
 
-    def __init__(self, units: list[Unit], *, device: torch.device) -> None:
+    def __init__(self, *, device: torch.device) -> None:
         self.device = device  # the compute device
         self.pinned = device.type == "cuda"  # pinned host memory: asynchronous copies
         # Per unit id: the device copy and the host versions it holds.
@@ -39,10 +40,9 @@ class HostOffload:
         # Downloads of this backward not yet in `.grad`: (shard, host gradient).
         self._arrived: list[tuple[ShardedParam, torch.Tensor]] = []
         self._sources: list[torch.Tensor] = []  # device gradients kept alive until the copies end
-        self._stream = torch.cuda.Stream(device) if self.pinned else None
+        self._api = stream_api(device)  # buffers.py, Note: stream seam
+        self._stream = self._api.Stream(device) if self._api is not None else None
         self.uploads = 0  # device copies refreshed, for tests
-        for unit in units:
-            unit.offload = self
 
     def device_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self._copies.values())
@@ -90,8 +90,8 @@ class HostOffload:
         """Start copying the unit's reduced shard gradients to the host."""
         stream = self._stream
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            stream.wait_stream(self._api.current_stream(self.device))
+        with self._api.stream(stream) if stream is not None else nullcontext():
             for sharded, grad in zip(unit.params, grads):
                 if grad is None:
                     continue

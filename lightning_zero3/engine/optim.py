@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import cast
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from lightning_zero3.engine.model import ShardedModel
 
@@ -20,10 +21,10 @@ def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type
     shares = _local_shares(model, list(parameters), order)
     if order == math.inf:
         local = shares.max() if len(shares) else shares.new_zeros(())
-        model.comm.all_reduce(local, what="gradient norm (max)", op="max")
+        model._comm.all_reduce(local, what="gradient norm (max)", op="max")
         return local.float()
     local = shares.sum()
-    model.comm.all_reduce(local, what="gradient norm")
+    model._comm.all_reduce(local, what="gradient norm")
     return (local ** (1.0 / order)).float()
 
 
@@ -35,9 +36,9 @@ def grad_norms(
     order = float(norm_type)
     local = _local_shares(model, parameters, order)
     if order == math.inf:
-        model.comm.all_reduce(local, what="gradient norms (max)", op="max")
+        model._comm.all_reduce(local, what="gradient norms (max)", op="max")
         return local.float(), (local.max() if len(local) else local.new_zeros(())).float()
-    model.comm.all_reduce(local, what="gradient norms")
+    model._comm.all_reduce(local, what="gradient norms")
     return (local ** (1.0 / order)).float(), (local.sum() ** (1.0 / order)).float()
 
 
@@ -50,7 +51,7 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     the share is the largest absolute value. `torch._foreach_norm` / `_foreach_mul_` are private:
     torch's `clip_grad_norm_` uses them (tried on 2.13); no fallback is kept."""
     device = model.device  # where the collective runs; offloaded shards' gradients are on the host
-    n = model.comm.world_size
+    n = model._comm.world_size
     if not parameters:
         return torch.zeros(0, dtype=torch.float64, device=device)
     present = [i for i, p in enumerate(parameters) if p.grad is not None and p.grad.numel() > 0]
@@ -60,9 +61,15 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     whole = [k for k, i in enumerate(present) if model.sharded_param(parameters[i]) is None]
     if whole and order != math.inf:  # counted once over the ranks: share / N = (norm / N^(1/p))^p
         torch._foreach_mul_([norms[k] for k in whole], n ** (-1.0 / order))
-    found = dict(zip(present, norms))
+    by_device: dict[torch.device, list[int]] = {}  # host gradients (offload) and device ones
+    for k, norm in enumerate(norms):
+        by_device.setdefault(norm.device, []).append(k)
+    found: dict[int, torch.Tensor] = {}
+    for ks in by_device.values():  # one copy per device, not one per parameter
+        moved = torch.stack([norms[k] for k in ks]).to(device, torch.float64)
+        found.update((present[k], share) for k, share in zip(ks, moved.unbind()))
     zero = torch.zeros((), dtype=torch.float64, device=device) if len(found) < len(parameters) else None
-    shares = [found[i].to(device, torch.float64) if i in found else zero for i in range(len(parameters))]
+    shares = [found[i] if i in found else zero for i in range(len(parameters))]
     stacked = torch.stack(cast(list[torch.Tensor], shares))
     return stacked if order == math.inf else stacked.pow_(order)
 
@@ -131,10 +138,18 @@ class AgreeingGradScaler(torch.amp.GradScaler):
     For fused optimizers `GradScaler.step` (and Lightning's plugin) skips `unscale_` and checks
     rank by rank, so `step` here always unscales first: one unscale pass over the shards.
 
+    [Note: fused steps on the host]
+    A fused optimizer is handed GradScaler's flag as a tensor on the loss's device and moves it to
+    each parameter's device by a non-blocking copy: for host parameters (offload) a copy into
+    pinned memory that the CPU step reads at once, before it lands, so an overflowed step could be
+    applied. Such an optimizer is stepped as a non-fused one: the host reads the agreed flags
+    (blocking) and skips or steps; the CPU step needs them on the host anyway.
+
     [Note: private GradScaler state]
     The flag is `_per_optimizer_states[id(optimizer)]["found_inf_per_device"]`, which torch's own
-    `step` reads (no public accessor; tried on 2.13.0). If its layout changes, construction raises
-    on every rank alike.
+    `step` reads (no public accessor; tried on 2.13.0); the host path above calls torch's own
+    `_maybe_opt_step` and marks the stage `OptState.STEPPED` as `step` does. If the layout changes,
+    construction raises on every rank alike.
     """
 
     def __init__(self, model: ShardedModel, **kwargs: object) -> None:
@@ -171,6 +186,12 @@ class AgreeingGradScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object) -> float | None:
         if self.is_enabled() and id(optimizer) not in self._unscaled:
             self.unscale_(optimizer)  # Note: every path unscales
+        if self.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False) and _on_host(optimizer):
+            # Note: fused steps on the host
+            state = self._per_optimizer_states[id(optimizer)]
+            stepped = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+            state["stage"] = OptState.STEPPED
+            return stepped
         return super().step(optimizer, *args, **kwargs)  # type: ignore[arg-type]
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -180,3 +201,7 @@ class AgreeingGradScaler(torch.amp.GradScaler):
     def __getstate__(self) -> dict[str, object]:
         # The model holds this process's process groups: a pickled scaler leaves it behind.
         return {**super().__getstate__(), "sharded_model": None}
+
+
+def _on_host(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.device.type == "cpu" for group in optimizer.param_groups for p in group["params"])

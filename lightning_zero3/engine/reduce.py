@@ -24,8 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_zero3.engine.offload import HostOffload
-from lightning_zero3.engine.unit import Unit
+from lightning_zero3.engine.unit import ShardSource, Unit
 
 __all__ = ["PendingReduce", "Reductions", "Summed", "grad_blocks"]
 
@@ -69,7 +68,7 @@ class PendingReduce:
 class Reductions:
     """Reduce-Scatters in flight, oldest first; at most `in_flight` stay pending."""
 
-    def __init__(self, *, in_flight: int, offload: HostOffload | None = None) -> None:
+    def __init__(self, *, in_flight: int, offload: ShardSource | None = None) -> None:
         self.in_flight = in_flight
         self.offload = offload  # reduced shard gradients go to the host instead of `.grad`
         self._pending: deque[PendingReduce] = deque()
@@ -175,12 +174,13 @@ def _wait(pending: PendingReduce, collective: str, stream: str | None) -> None:
             if pending.work is not None:
                 pending.work.wait()
             received = pending.out[unit.shard_numel :][:1].to(torch.int64) if pending.stamped else None
-            pending.done = streams.event()
+            pending.done = done = streams.event()
     except RuntimeError as err:
         unit.checks.raise_pending_mismatch()
         raise unit.comm.failed(collective, what, err) from err
-    if received is not None:
-        unit.checks.read_reduce(collective, unit.name, received, unit.uid, unit.reduce_dtype)
+    if received is not None:  # read on the compute stream: after `done` when made on another
+        ready = None if stream is None or done is None else lambda: streams.wait_for(done)
+        unit.checks.read_reduce(collective, unit.name, received, unit.uid, unit.reduce_dtype, ready=ready)
 
 
 def _replicate(pending: PendingReduce) -> None:

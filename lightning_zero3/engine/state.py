@@ -14,18 +14,18 @@ from lightning_zero3.engine.shard import ShardedParam, shard_slice
 def gather_shard_tensor(model: ShardedModel, sharded: ShardedParam, shard: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind per-rank `shard`s laid out like `sharded`, gathered on the group's
     device wherever `shard` is (comm.py, Note: collective device)."""
-    n = model.comm.world_size
-    device = model.comm.device or shard.device
+    n = model._comm.world_size
+    device = model._comm.device or shard.device
     gathered = torch.empty(n * sharded.shard_numel, dtype=shard.dtype, device=device)
     what = f"state of '{sharded.name}'"
-    model.comm.all_gather(gathered, shard.detach().contiguous(), async_op=False, what=what)
+    model._comm.all_gather(gathered, shard.detach().contiguous(), async_op=False, what=what)
     return gathered[: sharded.numel].view(sharded.full_shape)
 
 
 def full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer, *, to_rank: int | None = 0) -> dict:
     """`optimizer.state_dict()` with shard-shaped state gathered whole. Collective; with
     `to_rank`, only that rank gets the result."""
-    keep = to_rank is None or model.global_rank == to_rank
+    keep = to_rank is None or model.world_comm.rank == to_rank
     packed = optimizer.state_dict()
     state: dict[int, Any] = {}
     for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
@@ -55,7 +55,7 @@ def load_full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimi
         if sharded is not None:
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == sharded.numel:
-                    piece = shard_slice(value.reshape(-1), model.comm.rank, model.comm.world_size)
+                    piece = shard_slice(value.reshape(-1), model._comm.rank, model._comm.world_size)
                     entry[key] = piece.to(param.device)
         state[index] = entry
     optimizer.load_state_dict({"state": state, "param_groups": full_state["param_groups"]})

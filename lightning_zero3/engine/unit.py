@@ -37,7 +37,7 @@ from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.record import StepRecord
 from lightning_zero3.engine.shard import ShardedParam
 
-__all__ = ["ALIGN_BYTES", "Unit", "aligned_numel"]
+__all__ = ["ALIGN_BYTES", "ShardSource", "Unit", "aligned_numel"]
 
 ALIGN_BYTES = 16  # Note: flat layout
 
@@ -49,12 +49,16 @@ def aligned_numel(numel: int, dtype: torch.dtype) -> int:
 
 
 class ShardSource(Protocol):
-    """Where gathers read shards that live off the compute device (offload.py)."""
+    """Where gathers read shards that live off the compute device, and reductions put their
+    gradients (offload.py, one `HostOffload`)."""
 
     device: torch.device
 
     def fill(self, unit: Unit, out: torch.Tensor, *, exact: bool) -> None: ...
     def begin_pass(self) -> None: ...
+    def download(self, unit: Unit, grads: list[torch.Tensor | None]) -> None: ...
+    def settle(self) -> None: ...
+    def drop(self) -> None: ...
 
 
 @dataclass
@@ -77,7 +81,7 @@ class Unit:
     def __init__(
         self, *, uid: int, name: str, module: nn.Module, params: list[ShardedParam], comm: Comm, checks: RankChecks,
         replicate: Comm | None, slice_comm: Comm | None, param_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype | None, record: StepRecord,
+        reduce_dtype: torch.dtype | None, record: StepRecord, offload: ShardSource | None,
     ) -> None:  # fmt: skip
         dtypes = {p.param.dtype for p in params}
         if len(dtypes) > 1:
@@ -108,7 +112,7 @@ class Unit:
         # versions it was cut at (reshard.py).
         self.slice_comm = slice_comm
         self._slice: tuple[torch.Tensor, tuple[int, ...]] | None = None
-        self.offload: ShardSource | None = None  # offload.py
+        self.offload = offload  # where the shards live off the device (offload.py), else None
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
