@@ -122,7 +122,7 @@ class ShardedModel:
         self._synced_generate = install_synced_generate(module, held, ranks=self._comm.world_size * groups)
         # Inside `own_reads`: the module's state_dict() is read for its shards, by this engine or a
         # checkpoint; a strategy's guard lets those through (core.py, Note: a module's own state_dict).
-        self.reading_own = False
+        self._reading_own = False
 
     def _describe_step(self) -> str:
         orders = [(phase, order) for phase, order in (("forward", self._schedule.forward_order),
@@ -265,11 +265,16 @@ class ShardedModel:
     @contextmanager
     def own_reads(self) -> Iterator[None]:
         """The module's `state_dict()` read for this rank's shards (a checkpoint, `full_state_dict`)."""
-        before, self.reading_own = self.reading_own, True
+        before, self._reading_own = self._reading_own, True
         try:
             yield
         finally:
-            self.reading_own = before
+            self._reading_own = before
+
+    @property
+    def reading_own(self) -> bool:
+        """Inside `own_reads`."""
+        return self._reading_own
 
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
         """`state_dict()` with whole parameters, gathered one unit at a time, in host memory and
