@@ -120,9 +120,7 @@ class ShardedModel:
         )  # fmt: skip
         held = lambda: self._hooks.state is PassState.HELD
         self._synced_generate = install_synced_generate(module, held, ranks=self._comm.world_size * groups)
-        # Inside `own_reads`: the module's state_dict() is read for its shards, by this engine or a
-        # checkpoint; a strategy's guard lets those through (core.py, Note: a module's own state_dict).
-        self._reading_own = False
+        self._reading_own = False  # inside `own_reads` (core.py, Note: a module's own state_dict)
 
     def _describe_step(self) -> str:
         orders = [(phase, order) for phase, order in (("forward", self._schedule.forward_order),
@@ -271,10 +269,7 @@ class ShardedModel:
         finally:
             self._reading_own = before
 
-    @property
-    def reading_own(self) -> bool:
-        """Inside `own_reads`."""
-        return self._reading_own
+    reading_own = property(lambda self: self._reading_own, doc="Inside `own_reads`: a guard lets reads pass.")
 
     def full_state_dict(self, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
         """`state_dict()` with whole parameters, gathered one unit at a time, in host memory and
