@@ -69,7 +69,11 @@ class LightningOptions:
         for option, valid, expected in (
             ("state_dict_type", self.state_dict_type in get_args(StateDictType), f"one of {get_args(StateDictType)}"),
             ("trust_checkpoint", isinstance(self.trust_checkpoint, bool), "a bool"),
-            ("timeout", isinstance(self.timeout, timedelta), "a datetime.timedelta"),
+            (
+                "timeout",
+                isinstance(self.timeout, timedelta) and self.timeout > timedelta(0),
+                "a datetime.timedelta longer than 0 (how long a rank waits for the others, e.g. timedelta(minutes=30))",
+            ),
             ("async_save", isinstance(self.async_save, bool), "a bool"),
             ("accumulate_unsharded", isinstance(self.accumulate_unsharded, bool), "a bool"),
             ("start_method", self.start_method in get_args(StartMethod), f"one of {get_args(StartMethod)}"),
