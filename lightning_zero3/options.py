@@ -35,6 +35,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
+from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.config import ShardingConfig, config_field_names
 
@@ -275,3 +276,15 @@ class RanksAndDevices:
         box = [obj]
         torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
+
+    def broadcast_checkpoint_path(self, path: str | os.PathLike, *, saving: bool) -> str:
+        """Rank 0's checkpoint path (or URL) on every rank, what a save or load begins with; a rank
+        lost by then (e.g. during a save writing in the background) is a `CheckpointError`."""
+        try:
+            return self.broadcast(os.fspath(path))
+        except RuntimeError as err:  # gloo's "Connection reset by peer", a timeout, ...
+            unchanged = " (the previous checkpoint there, if any, is unchanged)" if saving else ""
+            raise CheckpointError(
+                f"Cannot {'save' if saving else 'load'} the checkpoint {os.fspath(path)}{unchanged}: another rank "
+                f"stopped answering ({describe_error(err)}). Its log holds the cause."
+            ) from err
