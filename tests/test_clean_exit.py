@@ -7,11 +7,12 @@ whose exit code the launching process never sees) writes the names of its thread
 last exit handler: a deterministic check, where the abort itself is a race lost a few times in
 a hundred (benchmarks/exit_stress.py runs many jobs at once and counts both).
 
-The suite runs one job (its save in the background, on a process group of its own); for a stress
-run under load, ask for more (they run `ZERO3_EXIT_PARALLEL` at a time, every other one saving
-synchronously): `ZERO3_EXIT_RUNS=40 python -m pytest -q tests/test_clean_exit.py`. Every other
-multi-rank test watches for the same abort: `tests.ranks.run_ranks` fails a run whose rank
-reported and then exited with a code other than 0.
+Jobs with one process per rank (SLURM's variables: tests/jobs/train_mlp.py, saving inside `fit`):
+the suite runs one; `ZERO3_EXIT_RUNS=40 python -m pytest -q tests/test_clean_exit.py` runs more,
+`ZERO3_EXIT_PARALLEL` at a time. Every other multi-rank test watches for the same abort: a rank
+that reported and then exited with a code other than 0 fails `tests.ranks.run_ranks`, and
+Lightning's and Fabric's multiprocessing launchers (tests/adapted.py `launched`,
+tests/fabric_helpers.py `launch`) raise torch's `ProcessExitedException` (the last tests here).
 """
 
 from __future__ import annotations
