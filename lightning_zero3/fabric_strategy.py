@@ -246,7 +246,8 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
         write = checkpoint_io_files(self.checkpoint_io).write
-        fabric_checkpoint.save(self._run_of, self.broadcast(str(path)), state, write, filter=filter)
+        file = self.broadcast_checkpoint_path(path, saving=True)
+        fabric_checkpoint.save(self._run_of, file, state, write, filter=filter)
 
     @override
     def load_checkpoint(
@@ -255,7 +256,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     ) -> dict[str, Any]:  # fmt: skip
         """`fabric.load`: a sharded directory or a full file, saved at any world size."""
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
-        file = self.broadcast(str(path))  # a path or a URL (Note: remote checkpoints)
+        file = self.broadcast_checkpoint_path(path, saving=False)  # a path or a URL (Note: remote checkpoints)
         return fabric_checkpoint.load(self._run_of, file, state, read, strict=strict, weights_only=weights_only)
 
     # ---- teardown ---------------------------------------------------------------------------

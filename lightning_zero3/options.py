@@ -36,6 +36,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
+from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
 from lightning_zero3.engine import ShardedModel, ShardingConfig, config_field_names
 
 T = TypeVar("T")
@@ -70,7 +71,11 @@ class LightningOptions:
         for option, valid, expected in (
             ("state_dict_type", self.state_dict_type in get_args(StateDictType), f"one of {get_args(StateDictType)}"),
             ("trust_checkpoint", isinstance(self.trust_checkpoint, bool), "a bool"),
-            ("timeout", isinstance(self.timeout, timedelta), "a datetime.timedelta"),
+            (
+                "timeout",
+                isinstance(self.timeout, timedelta) and self.timeout > timedelta(0),
+                "a datetime.timedelta longer than 0 (how long a rank waits for the others, e.g. timedelta(minutes=30))",
+            ),
             ("async_save", isinstance(self.async_save, bool), "a bool"),
             ("accumulate_unsharded", isinstance(self.accumulate_unsharded, bool), "a bool"),
             ("start_method", self.start_method in get_args(StartMethod), f"one of {get_args(StartMethod)}"),
@@ -295,3 +300,15 @@ class RanksAndDevices:
         box = [obj]
         torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
+
+    def broadcast_checkpoint_path(self, path: str | os.PathLike, *, saving: bool) -> str:
+        """Rank 0's checkpoint path (or URL) on every rank, what a save or load begins with; a rank
+        lost by then (e.g. during a save writing in the background) is a `CheckpointError`."""
+        try:
+            return self.broadcast(os.fspath(path))
+        except RuntimeError as err:  # gloo's "Connection reset by peer", a timeout, ...
+            unchanged = " (the previous checkpoint there, if any, is unchanged)" if saving else ""
+            raise CheckpointError(
+                f"Cannot {'save' if saving else 'load'} the checkpoint {os.fspath(path)}{unchanged}: another rank "
+                f"stopped answering ({describe_error(err)}). Its log holds the cause."
+            ) from err

@@ -8,7 +8,6 @@ engine does.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -288,12 +287,12 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the checkpoint "
                 f"is written by {type(self).__name__}, not by a CheckpointIO plugin."
             )
-        path = self.broadcast(os.fspath(filepath))  # a path or a URL (Note: remote checkpoints)
+        path = self.broadcast_checkpoint_path(filepath, saving=True)  # a path or a URL (Note: remote checkpoints)
         self._run_of().save(path, checkpoint, checkpoint_io_files(self.checkpoint_io).write)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = as_path(self.broadcast(os.fspath(checkpoint_path)))
+        path = as_path(self.broadcast_checkpoint_path(checkpoint_path, saving=False))
         context = f"Cannot load the checkpoint {path}"
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read

@@ -165,6 +165,41 @@ def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     assert lightning_zero3.load_checkpoint(tmp_path / "latest.ckpt")["global_step"] == 2
 
 
+class _SavesTwiceRank0LostBetween(Callback):
+    """At step 2 every rank saves a.ckpt in the background; rank 0 is then killed (kill -9), its
+    write of a.ckpt in flight, and rank 1 goes on to save b.ckpt."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step != 2:
+            return
+        trainer.save_checkpoint(f"{self.directory}/a.ckpt")
+        if trainer.global_rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        trainer.save_checkpoint(f"{self.directory}/b.ckpt")
+
+
+def _fit_losing_rank_0_during_a_background_save(rank: int, world_size: int, directory: str) -> None:
+    become_lightning_rank(rank, world_size)
+    torch.manual_seed(0)
+    strategy = lightning_zero3.ZeRO3Strategy(async_save=True)
+    t = trainer(strategy, world_size, max_epochs=1, callbacks=[_SavesTwiceRank0LostBetween(directory)])
+    t.fit(LitMLP(), loader(world_size))
+
+
+def test_a_rank_lost_during_a_background_save_is_a_checkpoint_error_on_the_survivor(tmp_path):
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_fit_losing_rank_0_during_a_background_save, 2, str(tmp_path))
+    survivor = str(failure.value).split("--- rank 1 ---")[1].split("--- rank")[0]
+    assert (
+        f"CheckpointError: Cannot save the checkpoint {tmp_path}/b.ckpt (the previous checkpoint there, if any, is "
+        "unchanged): another rank stopped answering (RuntimeError: "
+    ) in survivor, survivor
+    assert not (tmp_path / "b.ckpt").exists()
+
+
 def _fabric_saving_every_step(f: Any, directory: str, async_save: bool) -> list[float]:
     from tests.fabric_helpers import adamw, train_step
     from tests.models import MLP

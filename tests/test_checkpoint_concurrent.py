@@ -96,6 +96,32 @@ def test_two_jobs_saving_to_one_path_each_put_a_whole_checkpoint_in_place(tmp_pa
         assert all(torch.equal(saved_optimizer["state"][index][k], v) for k, v in entry.items())
 
 
+TRIES = 4000  # per process; on the code before the parent's lock, 16 of the 8000 lost their name
+
+
+def _make_and_close_temporary_names(rank: int, world_size: int, path: str) -> list[str]:
+    """Make and close temporary names next to `path` TRIES times (directories and files in turn,
+    each save's sweep of stale ones first), the ranks at once; the failures seen."""
+    from lightning_zero3.checkpoint.files import Partial
+
+    failures = []
+    for i in range(TRIES):
+        try:
+            Partial(Path(path), directory=i % 2 == 0).close(remove=True)
+        except OSError as err:
+            failures.append(f"{type(err).__name__}: {err}")
+    return failures
+
+
+def test_a_new_temporary_name_is_never_swept_away_by_another_save_before_it_is_locked(tmp_path):
+    """Two processes saving next to one path: neither removes the other's new (empty, not yet
+    locked) temporary directory as a stale one (issue 30.2)."""
+    failures = run_ranks(_make_and_close_temporary_names, 2, str(tmp_path / "last.ckpt"))
+    lost = [f for rank in failures for f in rank]
+    assert not lost, f"{len(lost)} of {2 * TRIES} temporary names lost, e.g. {lost[0]}"
+    assert os.listdir(tmp_path) == []
+
+
 def _fixed_token(monkeypatch: pytest.MonkeyPatch) -> str:
     """Make the next temporary names predictable, so that a test can plant something there."""
     import lightning_zero3.checkpoint.files as files

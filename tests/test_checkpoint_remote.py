@@ -269,6 +269,39 @@ def _killed_first_save(rank: int, world_size: int, env: dict[str, str], url: str
     f.save(url, {"model": model, "optimizer": optimizer})
 
 
+def _save_with_part_uploads_failing_on_rank_1(rank: int, world_size: int, env: dict[str, str], url: str) -> str:
+    """A sharded save of 8 MiB of shards per rank to `url`, uploaded in parts of 5 MiB (S3's
+    smallest), every part upload failing on rank 1 after its multipart upload began; the error."""
+    os.environ.update(env)
+    import s3fs
+
+    from lightning_zero3 import ShardedModel
+    from lightning_zero3.checkpoint import save_sharded
+
+    s3fs.S3FileSystem.default_block_size = 5 * 2**20
+    if rank == 1:
+
+        def refuse(self: Any, final: bool = False) -> None:
+            raise OSError("injected: a part upload failed")
+
+        s3fs.core.S3File._upload_chunk = refuse
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048))
+    sharded = ShardedModel(model)
+    with pytest.raises(CheckpointError) as raised:
+        save_sharded(url, sharded, {"state_dict": model.state_dict()})
+    return str(raised.value)
+
+
+def test_a_failed_upload_leaves_no_open_multipart_upload(s3):
+    import boto3
+
+    errors = run_ranks(_save_with_part_uploads_failing_on_rank_1, 2, s3, f"s3://{BUCKET}/failed-upload")
+    assert all("injected: a part upload failed" in error for error in errors), errors
+    assert boto3.client("s3").list_multipart_uploads(Bucket=BUCKET, Prefix="failed-upload/").get("Uploads", []) == []
+    assert _objects("failed-upload/") == []
+
+
 def test_a_remote_path_reprs_as_its_url():
     """A URL in a repr (`ConsolidationSummary`'s, an assertion's) reads as the URL, not an object id."""
     from lightning_zero3.checkpoint.remote import as_path

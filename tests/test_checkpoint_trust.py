@@ -369,6 +369,22 @@ def test_a_truncated_full_file_is_named_truncated(tmp_path):
         ckpt.load_checkpoint(full)
 
 
+def test_a_truncated_pickle_is_named_truncated_never_an_empty_reason(tmp_path):
+    """A full file in torch's legacy (non-zip) format, cut at every length: pickle's EOFError,
+    often without a message, reads "truncated", never "EOFError: " and nothing."""
+    full = tmp_path / "legacy.ckpt"
+    torch.save({"state_dict": {"w": torch.randn(4, 4)}, "epoch": 1}, full, _use_new_zipfile_serialization=False)
+    data, reasons = full.read_bytes(), []
+    for length in range(1, len(data)):
+        full.write_bytes(data[:length])
+        with pytest.raises(ckpt.CheckpointError) as raised:
+            ckpt.load_checkpoint(full)
+        reasons.append(str(raised.value))
+    assert not [r for r in reasons if r.rstrip().endswith(":")], "an empty reason"
+    eof = [r for r in reasons if "EOFError" in r]
+    assert eof and all("the file is truncated" in r for r in eof), eof[:2]
+
+
 @pytest.mark.parametrize(("name", "admitted"), [("version", True), ("zero3_crafted", False)])
 def test_an_index_build_state_of_a_dict_subclass_is_checked_by_its_keys(name, admitted):
     """pickle's BUILD with an OrderedDict state on an admitted instance: its keys are the names

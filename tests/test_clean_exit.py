@@ -1,12 +1,18 @@
-"""Short 2-rank jobs that save inside `fit`, started as users start them (one process per rank,
-the strategy joining the process group), exit 0 on every rank: no collective in flight and no
-process group alive when Python finalizes (gloo's worker threads abort the process then).
+"""Short 2-rank jobs that save, started as users start them, exit 0 on every rank: no gloo worker
+thread is left when Python finalizes (one still releasing a finished collective aborts the
+process then: lightning_zero3/engine/comm.py, Note: leaving at exit).
 
-The suite runs one job (its save in the background, on a process group of its own); for a stress
-run under load, ask for more (they run `ZERO3_EXIT_PARALLEL` at a time, every other one saving
-synchronously): `ZERO3_EXIT_RUNS=40 python -m pytest -q tests/test_clean_exit.py`. Every other
-multi-rank test watches for the same abort: `tests.ranks.run_ranks` fails a run whose rank
-reported and then exited with a code other than 0.
+Each job of tests/jobs/short_save.py (Lightning's own launcher re-running the script for rank 1,
+whose exit code the launching process never sees) writes the names of its threads from its
+last exit handler: a deterministic check, where the abort itself is a race lost a few times in
+a hundred (benchmarks/exit_stress.py runs many jobs at once and counts both).
+
+Jobs with one process per rank (SLURM's variables: tests/jobs/train_mlp.py, saving inside `fit`):
+the suite runs one; `ZERO3_EXIT_RUNS=40 python -m pytest -q tests/test_clean_exit.py` runs more,
+`ZERO3_EXIT_PARALLEL` at a time. Every other multi-rank test watches for the same abort: a rank
+that reported and then exited with a code other than 0 fails `tests.ranks.run_ranks`, and
+Lightning's and Fabric's multiprocessing launchers (tests/adapted.py `launched`,
+tests/fabric_helpers.py `launch`) raise torch's `ProcessExitedException` (the last tests here).
 """
 
 from __future__ import annotations
@@ -14,12 +20,39 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
+from torch.multiprocessing import ProcessExitedException
 
+from tests.adapted import launched, lightning_trainer
+from tests.fabric_helpers import launch
+from tests.lit import LitMLP, loader
 from tests.ranks import RankFailure, run_ranks
-from tests.test_multinode import _free_port, _slurm_task, _wait
+from tests.test_multinode import _env, _free_port, _slurm_task, _wait
+
+SHORT_SAVE = str(Path(__file__).parent / "jobs" / "short_save.py")
+
+
+@pytest.mark.parametrize(
+    "variant", [("--api", "trainer"), ("--api", "fabric", "--async-save", "--keep-gathered")], ids=["trainer", "fabric"]
+)
+def test_no_gloo_worker_is_alive_when_a_job_that_saved_finalizes(tmp_path: Path, variant: tuple[str, ...]) -> None:
+    job = subprocess.Popen(
+        [sys.executable, SHORT_SAVE, "--out", str(tmp_path), *variant],
+        env=_env(MASTER_PORT=str(_free_port())), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    [(code, output)] = _wait([job])
+    assert code == 0 and "terminate called" not in output, output[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("rank*.done")) == ["rank0.done", "rank1.done"], output[-3000:]
+    threads = {p.name: p.read_text().split() for p in tmp_path.glob("threads-*.txt")}
+    assert len(threads) == 2, output[-3000:]
+    for name, alive in threads.items():
+        assert not [t for t in alive if "gloo" in t], f"{name}: threads alive as Python finalizes: {alive}"
 
 
 def test_short_jobs_that_save_inside_fit_exit_cleanly_on_every_rank(tmp_path: Path) -> None:
@@ -53,3 +86,24 @@ def _report_then_abort_at_exit(rank: int, world_size: int) -> int:
 def test_a_rank_that_reported_and_then_aborted_at_exit_fails_the_harness() -> None:
     with pytest.raises(RankFailure, match=r"--- rank 1 ---\nreported, then exited with code -6"):
         run_ranks(_report_then_abort_at_exit, 2)
+
+
+class _AbortsAtExitOnRank1(pl.Callback):
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 1:
+            _report_then_abort_at_exit(1, 2)
+
+
+def test_a_trainer_rank_that_aborted_at_exit_fails_the_launch(tmp_path: Path) -> None:
+    trainer = lightning_trainer(launched("zero3"), tmp_path, max_steps=1, callbacks=[_AbortsAtExitOnRank1()])
+    with pytest.raises(ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
+        trainer.fit(LitMLP(), loader(2))
+
+
+def _abort_at_exit_on_rank_1(fabric: Any) -> int:
+    return int(_report_then_abort_at_exit(fabric.global_rank, fabric.world_size))
+
+
+def test_a_fabric_rank_that_aborted_at_exit_fails_the_launch() -> None:
+    with pytest.raises(ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
+        launch(_abort_at_exit_on_rank_1)

@@ -75,6 +75,8 @@ def test_an_unknown_option_is_a_type_error_that_lists_the_options(cls: type) -> 
         ("offload", "cpu", 'None .all on the compute device. or "host"'),
         ("state_dict_type", "consolidated", "one of"),
         ("timeout", 30, "a datetime.timedelta"),
+        ("timeout", timedelta(0), r"a datetime.timedelta longer than 0 .* got datetime.timedelta\(0\)"),
+        ("timeout", timedelta(seconds=-5), "a datetime.timedelta longer than 0"),
         ("accumulate_unsharded", "yes", "a bool"),
     ],
 )

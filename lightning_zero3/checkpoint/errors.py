@@ -74,6 +74,8 @@ def describe_error(err: BaseException) -> str:
         return str(err)
     if isinstance(err, dcp.CheckpointException):  # DCP's agreed failure: each rank's exception
         return "; ".join(f"rank {rank}: {describe_error(exc)}" for rank, (exc, _) in sorted(err.failures.items()))
+    if isinstance(err, EOFError):  # pickle's, often with no message: the data ended early
+        return f"the file is truncated: its data ends before the pickle does (EOFError: {err or 'no message'})"
     return f"{type(err).__name__}: {err}"
 
 

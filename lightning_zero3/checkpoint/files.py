@@ -11,7 +11,9 @@ checks what it takes out of the path (Note: what a save may replace) and puts it
 no longer a checkpoint. A save killed mid-way leaves its name behind; the next save to the path
 removes it only if it is provably a stale one of ours: that exact name form, a regular file or a
 directory holding only files a save writes, and its lock free (the kernel drops `flock` locks of
-a dead process, `kill -9` included).
+a dead process, `kill -9` included). Creating a name and locking it, and that sweep, each hold an
+`flock` of the parent directory, so a sweep never finds a new name between its creation and its
+lock (an empty unlocked directory of the right form: issue 30.2).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import stat
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +120,8 @@ class Partial:
 
     def __init__(self, path: Path, *, directory: bool) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_partials(path)
-        for _ in range(8):
+        with _parent_locked(path):
+            _remove_stale_partials(path)
             self.token = secrets.token_hex(8)
             self.path = _hidden(path, self.token, PARTIAL_SUFFIX)
             if directory:
@@ -128,11 +130,6 @@ class Partial:
             else:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
             fcntl.flock(self._fd, fcntl.LOCK_EX)
-            if _same_file(self.path, self._fd):
-                break
-            os.close(self._fd)  # another save's cleanup took it between creation and lock: a new name
-        else:
-            raise CheckpointError(f"cannot create a temporary name next to {path}: each was taken at once")
         self.file = os.fdopen(os.dup(self._fd), "wb") if not directory else None
 
     def close(self, *, remove: bool) -> None:
@@ -155,9 +152,21 @@ def _same_file(path: Path, fd: int) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def remove_stale_partials(path: Path) -> None:
+@contextlib.contextmanager
+def _parent_locked(path: Path) -> Iterator[None]:
+    """An `flock` of `path`'s directory: a name made and locked, or a sweep, as one step to the
+    others (Note: temporary names)."""
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def _remove_stale_partials(path: Path) -> None:
     """Remove the temporary names of earlier saves to `path` that are provably stale and ours
-    (Note: temporary names)."""
+    (Note: temporary names); the caller holds `_parent_locked(path)`."""
     pattern = re.compile(re.escape(f".{path.name}.") + r"[0-9a-f]{16}" + re.escape(PARTIAL_SUFFIX))
     try:
         names = [name for name in os.listdir(path.parent) if pattern.fullmatch(name)]

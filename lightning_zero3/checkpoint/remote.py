@@ -14,8 +14,10 @@ manifest names its own prefix with every file's size and CRC-32, so two saves ne
 then is the prefix the old manifest named deleted. A save killed before meta.json leaves the
 previous checkpoint as it was plus an unnamed `shards.<token>` prefix, which no reader opens
 (a URL with shard objects but no meta.json is refused as a save that did not finish);
-`remove_checkpoint(URL)` deletes such leftovers. A full file is one object, written by one
-upload that the store creates only when it completes (an upload cut short is discarded).
+`remove_checkpoint(URL)` deletes such leftovers. A save that fails deletes its prefix and aborts
+the multipart uploads left open under it (S3 bills their parts, invisible as objects). A full
+file is one object, written by one upload that the store creates only when it completes (an
+upload cut short is discarded).
 """
 
 from __future__ import annotations
@@ -132,7 +134,9 @@ class RemotePath:
 
     def remove_prefix(self) -> None:
         """Delete every object under `URL/`, meta.json first (a removal cut short never leaves what
-        looks like a complete checkpoint), not the object at the URL itself."""
+        looks like a complete checkpoint), not the object at the URL itself; and abort the uploads
+        left open there."""
+        self.abort_uploads()
         under = [p for p in self._fresh().find(self.path) if p.startswith(f"{self.path}/")]
         manifest = f"{self.path}/meta.json"
         if manifest in under:
@@ -141,6 +145,19 @@ class RemotePath:
         if rest:
             self.fs.rm(rest)
         self.fs.invalidate_cache()
+
+
+    def abort_uploads(self) -> None:
+        """Abort the multipart uploads open under `URL/` (DCP's shard files, when a part or the
+        upload's completion failed): no object shows them, but S3 keeps and bills their parts until
+        they are aborted. Only S3 (s3fs) has them."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            return
+        bucket, _, key = self.path.partition("/")
+        listed = call("list_multipart_uploads", Bucket=bucket, Prefix=f"{key}/")
+        for upload in listed.get("Uploads", []):
+            call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
 
 
 @contextlib.contextmanager

@@ -17,12 +17,24 @@ A `Comm` built with `device` takes tensors of that device type only, on every ba
 no path for CPU tensors (an error or a crash), and gloo, which takes both, would hide such a call
 in every CPU test. Callers holding state elsewhere (e.g. optimizer state a user moved to the host)
 copy it to `device` first (state.py).
+
+[Note: leaving at exit]
+A gloo worker thread drops its reference to a collective's work only after the waiter has woken,
+and that can be the last reference to a tensor Python made (`all_gather_object`'s, DCP's), whose
+release takes the GIL. A worker still doing so when Python finalizes is ended by the interpreter
+mid-destructor: "terminate called without an active exception", exit -6 (issue 30). Only the
+group's destructor joins its workers (torch runs it with the GIL released), and it runs when the
+last reference goes: torch's own (`destroy_process_group`) and every `Comm`'s. So at exit,
+before Python finalizes, `_leave_at_exit` destroys the groups `new_group` made and makes every
+`Comm` let go of its group; the strategies destroy the default group they joined
+(options.py). Registered at import, it runs after every exit handler registered later.
 """
 
 from __future__ import annotations
 
 import atexit
 import time
+import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -156,6 +168,12 @@ class Comm:
         # For the message of a failed collective: the last ones issued, and the recorded order.
         self.recent: deque[str] = deque(maxlen=6)
         self.describe_step: Callable[[], str] | None = None
+        if self.distributed:
+            _LIVE.add(self)  # lets go of its group at exit (Note: leaving at exit)
+
+    def release(self) -> None:
+        """Let go of the process group (Note: leaving at exit); a collective afterwards fails."""
+        self.group, self.transport = None, _Left()
 
     def _choose(self) -> Transport:
         if not self.distributed or (self.world_size == 1 and self._one_rank_shortcut):
@@ -305,19 +323,43 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.Proce
 
 
 def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> dist.ProcessGroup:
-    """`dist.new_group`, destroyed at exit: a gloo group never destroyed aborts the process as
-    Python finalizes ("terminate called without an active exception"); NCCL warns."""
+    """`dist.new_group`, destroyed at exit at the latest (Note: leaving at exit)."""
     group = dist.new_group(ranks=ranks, backend=backend)
     if group is not dist.GroupMember.NON_GROUP_MEMBER:
-        atexit.register(destroy_group, group)
+        _MADE.append(group)
     return group
 
 
 def destroy_group(group: dist.ProcessGroup | None) -> None:
     """Destroy `group` if it still exists (no collective)."""
+    if group in _MADE:
+        _MADE.remove(group)
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return
     try:
         dist.destroy_process_group(group)
     except (ValueError, RuntimeError):
         pass  # destroyed already
+
+
+class _Left:
+    def all_gather(self, rows: torch.Tensor) -> Any:
+        raise CollectiveError("this process group was left at exit (engine/comm.py, Note: leaving at exit)")
+
+    def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> Any:
+        return self.all_gather(rows)
+
+
+_LIVE: weakref.WeakSet[Comm] = weakref.WeakSet()  # every Comm over a process group
+_MADE: list[dist.ProcessGroup] = []  # the groups new_group made and nobody destroyed yet
+
+
+def _leave_at_exit() -> None:
+    """Note: leaving at exit."""
+    while _MADE:
+        destroy_group(_MADE[-1])
+    for comm in list(_LIVE):
+        comm.release()
+
+
+atexit.register(_leave_at_exit)
