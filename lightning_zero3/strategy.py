@@ -83,12 +83,9 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         **options: Any,
     ) -> None:
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+        )  # fmt: skip
         self.config, self.lightning_options = split_options(type(self).__name__, options)
         self._process_group_backend = process_group_backend
         self._num_nodes = 1

@@ -9,13 +9,7 @@ from lightning_zero3.engine.dtypes import DTYPE_NAMES, parse_dtype
 from lightning_zero3.engine.left_sharded import HOW_TO_USE, forget, holder, remember_sharded
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.model import ShardedModel
-from lightning_zero3.engine.optim import (
-    AgreeingGradScaler,
-    check_optimizer_fits_shards,
-    clip_grad_norm_,
-    grad_norm,
-    grad_norms,
-)
+from lightning_zero3.engine.optim import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, grad_norms
 from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.record import UnitStats
 from lightning_zero3.engine.reshard import resolve
@@ -26,7 +20,7 @@ __all__ = [
     "DTYPE_NAMES", "HOW_TO_USE", "AgreeingGradScaler", "CollectiveBytes", "CollectiveError", "Comm", "CommStats",
     "OrderMismatchError", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
     "check_optimizer_fits_shards", "clip_grad_norm_", "config_field_names", "destroy_group", "forget",
-    "full_optimizer_state", "grad_norm", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",
+    "full_optimizer_state", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",
     "make_plan", "new_group", "parameters_on_meta", "parse_dtype", "remember_sharded", "resolve", "shard_numel",
     "shard_slice", "step_bytes",
 ]  # fmt: skip
