@@ -61,9 +61,6 @@ NOT_RUN = {
     "guide-compile": "compiles with inductor (a C++ toolchain, minutes on CPU); tests/test_engine_compile.py fits "
     "block.compile(fullgraph=True) in configure_model() with aot_eager",
     "readme-example-output": "the output of a run of examples/train_gpt.py (figures of commit b68a009), not code",
-    "guide-gathered-state-dict": "its three cases, each as users write it, are tests/test_user_state_dict.py's "
-    "(torch.save on rank 0, a weight's clone, load_state_dict with modifier_rank=0) and "
-    "tests/test_hf_save_pretrained.py's (save_pretrained of an HF model inside a LightningModule)",
 }
 
 
@@ -215,6 +212,52 @@ if trainer.global_rank == 0:
     assert rank0 == {"blocks.0.layer.weight": [16, 16], "blocks.0.layer.bias": [16],
                      "blocks.1.layer.weight": [16, 16], "blocks.1.layer.bias": [16],
                      "head.weight": [1, 16], "head.bias": [1]}  # fmt: skip
+
+
+
+def test_block_guide_gathered_state_dict(tmp_path: Path) -> None:
+    """After fit, inside `gathered_parameters`: rank 0 saves the whole state dict, every rank
+    clones a whole weight, rank 0 saves a Hugging Face model inside the LightningModule that
+    `from_pretrained` loads, and rank 0's `load_state_dict` with `modifier_rank=0` leaves the
+    weights whole and as saved (that rank 0's values win: tests/test_user_state_dict.py)."""
+    prelude = MODULE + '''
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+class HFModule(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=2))
+        self.head = nn.Linear(16, 3)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss + self.head.weight.sum() * 0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+torch.manual_seed(0)
+model = HFModule()
+trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2, max_steps=3, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(model, DataLoader(torch.randint(0, 32, (24, 8)), batch_size=4))
+'''
+    postlude = '''
+seen = {"head": list(head.shape)}
+with trainer.strategy.gathered_parameters(model):
+    now = {k: v.clone() for k, v in model.state_dict().items()}
+if trainer.global_rank == 0:
+    saved = torch.load("model.pt")
+    loaded = GPT2LMHeadModel.from_pretrained("out").state_dict()
+    seen["shapes"] = sorted({k: list(v.shape) for k, v in saved.items() if k.startswith("head")}.items())
+    seen["pretrained_equal"] = all(torch.equal(v, saved["model." + k]) for k, v in loaded.items())
+    seen["reloaded_equal"] = all(torch.equal(now[k], saved[k]) for k in saved)
+''' + _report()
+    ranks = _run_script(tmp_path, "guide-gathered-state-dict", prelude, postlude)
+    assert all(r["head"] == [3, 16] for r in ranks)
+    assert ranks[0]["shapes"] == [["head.bias", [3]], ["head.weight", [3, 16]]]
+    assert ranks[0]["pretrained_equal"] and ranks[0]["reloaded_equal"]
 
 
 # ---- blocks run in this process ---------------------------------------------------------------
