@@ -61,6 +61,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     strategy_name = "zero3"
     description = "ZeRO stage 3 for Fabric (lightning_zero3)"
     which = "a Fabric strategy: for the Trainer use ZeRO3Strategy"
+    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)  # RanksAndDevices._configure_launcher
 
     def __init__(
         self,
@@ -87,15 +88,6 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         self._backward_sync_control = _NoBackwardSync(self._run_of)  # fabric.no_backward_sync
 
     # ---- what Fabric asks of a distributed strategy (and RanksAndDevices in options.py) -------
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self.lightning_options.start_method == "popen":  # also for ranks started outside: it sets each
-            # rank's torch threads to its share of cores
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
-
     # ---- building and sharding the model ----------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
