@@ -114,10 +114,8 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         if id(module) in self._runs:
             raise ValueError(f"{type(self).__name__}: this module was set up already; set up each module once.")
         before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
-        sharded = build_engine(
-            type(self).__name__, module, self.config,
-            precision=self.precision, world_size=self.world_size, device=self.root_device,
-        )  # fmt: skip
+        sharded = build_engine(type(self).__name__, module, self.config, precision=self.precision,
+                               world_size=self.world_size, device=self.root_device)  # fmt: skip
         self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options, fixes=_FIXES)
         sharded.move_module(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
@@ -222,9 +220,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
 
     # ---- collectives Fabric uses -----------------------------------------------------------
     @override
-    def all_reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         return all_reduce(tensor, group, reduce_op)
 
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------

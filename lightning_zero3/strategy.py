@@ -161,10 +161,8 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
             self.run.resume()  # after `fit`: the same shards, no collective (core.py, Note: run lifecycle)
             engine = self.run.engine
         else:
-            engine = build_engine(
-                type(self).__name__, module, self.config,
-                precision=self.precision_plugin, world_size=self.world_size, device=self.root_device,
-            )  # fmt: skip
+            engine = build_engine(type(self).__name__, module, self.config, precision=self.precision_plugin,
+                                  world_size=self.world_size, device=self.root_device)  # fmt: skip
             self.run = ShardedRun(engine, lambda: self.lightning_options, fixes=_FIXES)
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, engine, device=self.root_device)
