@@ -31,7 +31,7 @@ each submodule (a Hugging Face model's `save_pretrained` calls its own) answer a
   would need a collective, which a rank-0-only call (`if rank == 0: torch.save(...)`) would hang;
   loading into shards would be right only if every rank made the same call;
 - the run's own reads (checkpoints, `full_state_dict`, the spawn launcher's hand-back) pass, in
-  `own_reads`. `named_parameters()` and `p.shape` still show the 1-D shards, as the message says.
+  `engine.own_reads()`. `named_parameters()` and `p.shape` still show the 1-D shards, as the message says.
 The bare engine (`ShardedModel` without a strategy) has no guard: there `state_dict()` is this
 rank's shards, what a sharded checkpoint stores.
 """
@@ -195,7 +195,7 @@ class ShardedRun:
         # created at the first (Note: background saves in checkpoint/background.py).
         self.saving: BackgroundSave | None = None
         self._saver: Comm | None = None
-        # The module's state_dict() on shards is refused but inside `own_reads` (Note: a module's
+        # The module's state_dict() on shards is refused but inside `engine.own_reads` (Note: a module's
         # own state_dict); the guard's hooks hold this run.
         self.fixes = fixes
         self.guard = _ShardGuard(self, fixes)
@@ -206,11 +206,9 @@ class ShardedRun:
             return
         if failed:
             self.engine.leave_sharded()
-            self.state = Lifecycle.LEFT_SHARDED
-            remember_sharded(self.engine.module, self.engine, self.guard)  # with the forward's refusal
-        else:
-            self.state = Lifecycle.AT_REST
-            remember_sharded(self.engine.module, self.engine, self.guard)  # a new engine makes it whole first
+        self.state = Lifecycle.LEFT_SHARDED if failed else Lifecycle.AT_REST
+        remember_sharded(self.engine.module, self.engine, self.guard)  # whole again by a new engine; failed: no forward
+        if not failed:
             self.engine.rest()  # the optimizer's state stays, for a save after `fit` or the next `fit`
         if self._saver is not None and self._saver is not self.engine.world_comm:
             destroy_group(self._saver.group)  # later saves of this run write synchronously
@@ -227,11 +225,6 @@ class ShardedRun:
         forget(self.engine.module)  # removes the guard's hooks
         self.guard = _ShardGuard(self, self.fixes)
         self.state = Lifecycle.SHARDED
-
-    def own_reads(self) -> AbstractContextManager[None]:
-        """The module's state_dict() as the run's saves and loads read it: this rank's shards, in any
-        state (Note: a module's own state_dict)."""
-        return self.engine.own_reads()
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The module's whole state dict, gathered one unit at a time, in host memory: on rank 0
@@ -250,7 +243,7 @@ class ShardedRun:
         """What a checkpoint stores for the module: this rank's shards, or the whole state dict on
         rank 0 for a full checkpoint (collective)."""
         if self.sharded_checkpoints:
-            with self.own_reads():
+            with self.engine.own_reads():
                 return self.engine.module.state_dict()
         return self.full_state_dict()
 
@@ -312,7 +305,7 @@ class ShardedRun:
         self.wait_for_save()  # it may be writing this very path
         require_exists(self.engine.world_comm, path, context=context)
         trusted = self.options().trust_checkpoint or weights_only is False
-        with self.own_reads():  # checked against the names and shapes of the module's state_dict()
+        with self.engine.own_reads():  # checked against the names and shapes of the module's state_dict()
             if path.is_dir():
                 return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
             return load_full(path, self.engine, key=key, strict=strict, trusted=trusted, read=read_file)
@@ -321,7 +314,7 @@ class ShardedRun:
     def load_model_state(self, state_dict: Mapping[str, Any], *, strict: bool) -> None:
         """Its "state_dict" into the shards, in place: a sharded checkpoint's (still on disk, each
         rank reads the chunks of its own shards) or a whole one."""
-        with self.own_reads():
+        with self.engine.own_reads():
             if isinstance(state_dict, ShardedStateDict):
                 load_sharded_model(state_dict.checkpoint, self.engine)
             else:

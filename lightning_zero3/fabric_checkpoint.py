@@ -105,7 +105,7 @@ def load(
         run = run_of(state)
         opened = run.open(file, read_file, weights_only=weights_only, strict=strict, context=context, key=None)
         if isinstance(opened, ShardedCheckpoint):
-            with run.own_reads():  # it reads the module's state_dict()
+            with run.engine.own_reads():  # it reads the module's state_dict()
                 load_sharded_model(opened, run.engine)
         else:
             run.engine.load_full_state_dict(opened, strict=strict)
@@ -131,7 +131,7 @@ def load(
             )
         metadata = dict(info["metadata"])
         _check_holds(rest, metadata, strict=strict, context=context)
-        with run.own_reads():
+        with run.engine.own_reads():
             load_sharded_model(opened, run.engine)
         if optimizers:
             load_sharded_optimizers(opened, run.engine, [by_key[key] for key in info["optimizers"]])

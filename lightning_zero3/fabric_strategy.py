@@ -61,6 +61,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     strategy_name = "zero3"
     description = "ZeRO stage 3 for Fabric (lightning_zero3)"
     which = "a Fabric strategy: for the Trainer use ZeRO3Strategy"
+    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)  # RanksAndDevices._configure_launcher
 
     def __init__(
         self,
@@ -87,15 +88,6 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         self._backward_sync_control = _NoBackwardSync(self._run_of)  # fabric.no_backward_sync
 
     # ---- what Fabric asks of a distributed strategy (and RanksAndDevices in options.py) -------
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self.lightning_options.start_method == "popen":  # also for ranks started outside: it sets each
-            # rank's torch threads to its share of cores
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.lightning_options.start_method)
-
     # ---- building and sharding the model ----------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -122,10 +114,8 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         if id(module) in self._runs:
             raise ValueError(f"{type(self).__name__}: this module was set up already; set up each module once.")
         before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
-        sharded = build_engine(
-            type(self).__name__, module, self.config,
-            precision=self.precision, world_size=self.world_size, device=self.root_device,
-        )  # fmt: skip
+        sharded = build_engine(type(self).__name__, module, self.config, precision=self.precision,
+                               world_size=self.world_size, device=self.root_device)  # fmt: skip
         self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options, fixes=_FIXES)
         sharded.move_module(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
@@ -230,9 +220,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
 
     # ---- collectives Fabric uses -----------------------------------------------------------
     @override
-    def all_reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         return all_reduce(tensor, group, reduce_op)
 
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------

@@ -200,19 +200,29 @@ def all_reduce(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -
 
 
 class RanksAndDevices:
-    """Lightning's rank and device properties and control collectives, the same for the Trainer's
+    """Lightning's rank and device properties, launcher and control collectives, the same for the Trainer's
     `ZeRO3Strategy` and Fabric's `ZeRO3FabricStrategy`: mixed in before Lightning's
     `ParallelStrategy` (Trainer and Fabric each have their own), which leaves them to each strategy."""
 
     _num_nodes: int  # set in the strategy's __init__
     _process_group_backend: str | None  # the user's choice, else resolved on joining
+    _launchers: tuple[type, type]  # the API's own for start_method "popen", and for the others
     if TYPE_CHECKING:  # what the strategy's Lightning base provides
         cluster_environment: ClusterEnvironment | None
+        _launcher: Any
         parallel_devices: list[torch.device] | None
         local_rank: int
         global_rank: int
         node_rank: int
         lightning_options: LightningOptions  # set in the strategy's __init__
+
+    def _configure_launcher(self) -> None:  # "popen" also for ranks started outside: it sets their torch threads
+        assert self.cluster_environment is not None
+        popen, spawn = self._launchers
+        if self.lightning_options.start_method == "popen":
+            self._launcher = popen(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = spawn(self, start_method=self.lightning_options.start_method)
 
     @property
     def root_device(self) -> torch.device:

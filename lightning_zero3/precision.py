@@ -99,10 +99,4 @@ def sharded_precision(plugin: Precision, sharded: ShardedModel, *, device: torch
     return new
 
 
-__all__ = [
-    "ZeRO3DoublePrecision",
-    "ZeRO3HalfPrecision",
-    "ZeRO3MixedPrecision",
-    "ZeRO3Precision",
-    "sharded_precision",
-]
+__all__ = ["ZeRO3DoublePrecision", "ZeRO3HalfPrecision", "ZeRO3MixedPrecision", "ZeRO3Precision", "sharded_precision"]

@@ -56,6 +56,22 @@ class _RootCall(nn.Module):
         return self.module(*args, **kwargs)
 
 
+class _WholeWeightsLauncher(_MultiProcessingLauncher):
+    """The spawn launcher hands rank 0's `module.state_dict()` back to the main process: after
+    `fit` every rank first gathers the whole weights to rank 0, which hands those back."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        strategy = self._strategy
+        assert isinstance(strategy, ZeRO3Strategy)
+        whole = strategy.full_state_dict() if trainer.state.fn == TrainerFn.FITTING else {}
+        with strategy.sharded_model().own_reads():  # Lightning reads the module's state_dict() on every rank
+            output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:
+            strategy.checkpoint_io.save_checkpoint(whole, output.weights_path)  # over rank 0's shards
+        return output
+
+
 @options_in_signature
 class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
@@ -70,6 +86,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
 
     strategy_name = "zero3"
     description, which = "ZeRO stage 3 (lightning_zero3)", "a Trainer strategy: for Fabric use ZeRO3FabricStrategy"
+    _launchers = (_SubprocessScriptLauncher, _WholeWeightsLauncher)  # RanksAndDevices._configure_launcher
 
     def __init__(
         self,
@@ -112,14 +129,6 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # load into the shards, after sharding and optimizer creation
 
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self.lightning_options.start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _WholeWeightsLauncher(self, start_method=self.lightning_options.start_method)
-
     # ---- setup ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
@@ -152,10 +161,8 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
             self.run.resume()  # after `fit`: the same shards, no collective (core.py, Note: run lifecycle)
             engine = self.run.engine
         else:
-            engine = build_engine(
-                type(self).__name__, module, self.config,
-                precision=self.precision_plugin, world_size=self.world_size, device=self.root_device,
-            )  # fmt: skip
+            engine = build_engine(type(self).__name__, module, self.config, precision=self.precision_plugin,
+                                  world_size=self.world_size, device=self.root_device)  # fmt: skip
             self.run = ShardedRun(engine, lambda: self.lightning_options, fixes=_FIXES)
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, engine, device=self.root_device)
@@ -345,22 +352,6 @@ _FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (
     "gathered_parameters(model, modifier_rank=0):` on every rank (rank 0's load is kept), or resume from a checkpoint "
     "with `trainer.fit(model, ckpt_path=path)`, or load before `fit`, while the module is whole.",
 )
-
-
-class _WholeWeightsLauncher(_MultiProcessingLauncher):
-    """The spawn launcher hands rank 0's `module.state_dict()` back to the main process: after
-    `fit` every rank first gathers the whole weights to rank 0, which hands those back."""
-
-    @override
-    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
-        strategy = self._strategy
-        assert isinstance(strategy, ZeRO3Strategy)
-        whole = strategy.full_state_dict() if trainer.state.fn == TrainerFn.FITTING else {}
-        with strategy._run_of().own_reads():  # Lightning reads the module's state_dict() on every rank
-            output = super()._collect_rank_zero_results(trainer, results)
-        if output is not None and output.weights_path is not None:
-            strategy.checkpoint_io.save_checkpoint(whole, output.weights_path)  # over rank 0's shards
-        return output
 
 
 def _last_batch_of_epoch(trainer: Any) -> bool:

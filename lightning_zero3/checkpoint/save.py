@@ -141,14 +141,12 @@ def plan_sharded(
     return run_and_agree(model.world_comm, plan, context=context)
 
 
-def save_sharded(
-    path: str | os.PathLike | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any]
-) -> None:
+def save_sharded(path: str | os.PathLike | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any]) -> None:
     """Write `checkpoint` as a sharded checkpoint directory at `path` (every rank, the same path):
-    its "state_dict" is the module's on this rank (its shards), its
-    optional "optimizer_states" a list of `sharded_optimizer_state`s, other entries are kept as
-    they are. Atomic (Note: temporary names in files.py); a `path` holding anything but a
-    checkpoint is refused before anything is written (Note: what a save may replace)."""
+    its "state_dict" is the module's on this rank (its shards), its optional "optimizer_states" a
+    list of `sharded_optimizer_state`s, other entries are kept as they are. Atomic (Note: temporary
+    names in files.py); a `path` holding anything but a checkpoint is refused before anything is
+    written (Note: what a save may replace)."""
     write_sharded(path, plan_sharded(path, model, checkpoint), model.world_comm)
 
 

@@ -163,9 +163,7 @@ class HookDriver:
             return None
         if slot.depth:
             self.calls.set_depth(slot, slot.depth + 1)  # re-entered (self(x) inside training_step): already whole
-            if current is not None and (
-                current.state is S.REDUCED_IN_FORWARD or current.versions != unit.versions()
-            ):
+            if current is not None and (current.state is S.REDUCED_IN_FORWARD or current.versions != unit.versions()):
                 # Stale (an optimizer step inside training_step); a backward still owed keeps its tensors.
                 self.calls.move(current, S.DONE)
                 self._gather_call(unit)
