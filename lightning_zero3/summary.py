@@ -119,7 +119,8 @@ class ShardingStatsMonitor(Callback):
     """Logs what `ZeRO3Strategy` measured in each optimizer step (`step_metrics`: bytes per
     collective and the formula's, All-Gather wait, units whole at the peak, memory) to the
     Trainer's loggers, as Lightning's `DeviceStatsMonitor` logs device statistics: rank 0's
-    figures, at `trainer.global_step`. With `accumulate_grad_batches=k`, once per k batches.
+    figures, at the step Lightning's own `self.log` uses, so each optimizer step is one row (its
+    `train_loss` beside the figures). With `accumulate_grad_batches=k`, once per k batches.
     On a GPU, reading the wait times the step's CUDA events (a sync per step)."""
 
     def __init__(self, prefix: str = "zero3/") -> None:
@@ -148,8 +149,11 @@ class ShardingStatsMonitor(Callback):
             return  # no optimizer step since the last log (accumulating), or not the logging rank
         self._logged_step = trainer.global_step
         metrics = step_metrics(trainer.strategy.stats, trainer.strategy.root_device, self.prefix)
+        # Note: `_batches_that_stepped` is private; it is the step Lightning logs `self.log` values at
+        # (global_step before this step's increment; restored on resume) and DeviceStatsMonitor's.
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=step)
 
 
 __all__ = ["FullSizeSummary", "ShardingStatsMonitor", "count_full_parameters", "step_metrics"]

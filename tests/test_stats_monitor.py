@@ -47,8 +47,8 @@ def _check_step(row: dict[str, float], *, formula: bool = True) -> None:
 
 
 def test_the_monitor_logs_every_optimizer_step_to_a_csv_logger(tmp_path: Path) -> None:
-    """6 batches, 2 per optimizer step: 3 rows, at steps 1, 2, 3, with the step's measured bytes
-    next to the formula's (equal from step 2: in step 1 the first micro-batch, with no order
+    """6 batches, 2 per optimizer step: 3 rows, at steps 0, 1, 2 (as `self.log`'s), with the step's
+    measured bytes next to the formula's (equal from the second: in the first, the first micro-batch, with no order
     recorded yet, gathers the last unit again in backward, which the formula leaves out)."""
     logger = CSVLogger(tmp_path, name="run", version=0)
     trainer = lightning_trainer(
@@ -57,9 +57,31 @@ def test_the_monitor_logs_every_optimizer_step_to_a_csv_logger(tmp_path: Path) -
     )  # fmt: skip
     trainer.fit(_Blocks())
     rows = [row for row in _rows(tmp_path / "run" / "version_0" / "metrics.csv") if "zero3/all_gather_bytes" in row]
-    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["step"] for row in rows] == [0, 1, 2]
     for row in rows:
-        _check_step(row, formula=row["step"] > 1)
+        _check_step(row, formula=row["step"] > 0)
+
+
+class _LogsItsLoss(_Blocks):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        output = super().training_step(batch, batch_idx)
+        self.log("train_loss", output["loss"])
+        return output
+
+
+def test_the_figures_of_a_step_land_at_the_step_of_the_users_own_logged_loss(tmp_path: Path) -> None:
+    """As with Lightning's `DeviceStatsMonitor`: the figures of a step are logged at the step
+    Lightning logs that step's `self.log("train_loss", ...)` at (a plot of both in TensorBoard
+    lines up; the figures used to come one step late, at `global_step`)."""
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    trainer = lightning_trainer(
+        launched("zero3"), tmp_path, max_steps=3, limit_val_batches=0, log_every_n_steps=1,
+        logger=logger, callbacks=[ShardingStatsMonitor()],
+    )  # fmt: skip
+    trainer.fit(_LogsItsLoss())
+    rows = _rows(tmp_path / "run" / "version_0" / "metrics.csv")
+    assert [row["step"] for row in rows if "train_loss" in row] == [0, 1, 2]
+    assert [row["step"] for row in rows if "zero3/all_gather_bytes" in row] == [0, 1, 2]
 
 
 def test_the_monitor_needs_a_logger_and_the_zero3_strategy(tmp_path: Path) -> None:
