@@ -13,6 +13,9 @@ name, not mid-training.
   Lightning's own DDP/FSDP strategies set in `_configure_launcher`.
 - Fabric's `_FabricModule._forward_module` (fabric_strategy.py): the module `fabric.setup`
   wrapped, to find the engine that holds it.
+- The Trainer's `fit_loop.epoch_loop._batches_that_stepped` (summary.py `ShardingStatsMonitor`):
+  the step `self.log` values are logged at; the fallback, `global_step - 1`, is the same number
+  in an ordinary run (Lightning 2.6.6 tried).
 - Fabric's `_BackwardSyncControl` and `Strategy._backward_sync_control` (fabric_strategy.py):
   what `fabric.no_backward_sync` calls; without it Fabric only warns.
 """

@@ -192,7 +192,7 @@ if trainer.global_rank == 0:
 seen = {"steps": [int(row["step"]) for row in rows], "keys": sorted(rows[0]) if rows else []}
 ''' + _report()
     rank0 = _run_script(tmp_path, "guide-stats-monitor", prelude, postlude)[0]
-    assert rank0["steps"] == list(range(1, 21))
+    assert rank0["steps"] == list(range(20))  # at the steps Lightning logs `self.log` values at
     assert {"zero3/reduce_scatter_bytes_formula", "zero3/gather_wait_s", "zero3/rss_anon_bytes"} <= set(rank0["keys"])
 
 
