@@ -30,7 +30,7 @@ def gathered_parameters(
     discarded. Each `ShardedParam.gathered` says which block holds it whole (Note: whole inside
     gathered_parameters in shard.py)."""
     in_scope = {id(p) for p in scope.parameters()}
-    chosen = [p for u in units for p in u.params if id(p.param) in in_scope]
+    chosen = {p for u in units for p in u.params if id(p.param) in in_scope}  # a set: looked up per parameter
     persistent = [p for p in persistent if id(p) in in_scope]
     units = [u for u in units if any(p in chosen for p in u.params)]
     # Persistent parameters are whole already; without a modifier, writes to them must be
