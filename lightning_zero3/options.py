@@ -118,7 +118,15 @@ def build_engine(
         param_dtype=config.param_dtype or {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(flag),
         shard_size=config.shard_size if config.shard_size != world_size else None,
     )
-    return ShardedModel(module, config, device=device)
+    try:
+        return ShardedModel(module, config, device=device)
+    except ValueError as err:  # the engine names its own way to build on meta (engine/materialize.py): add ours
+        if "are tensors on the meta device" not in str(err):
+            raise
+        raise ValueError(
+            f"{err} With {owner}: build it in `configure_model()` or under `trainer.init_module(empty_init=True)` "
+            f"(Fabric: `fabric.init_module(empty_init=True)`), which defer only parameters too."
+        ) from None
 
 
 class CheckpointFiles(NamedTuple):

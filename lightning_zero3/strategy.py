@@ -243,7 +243,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         # Ranks with uneven batch counts fail at the step where the shortest epoch ends, on every
         # rank (engine/checks.py, Note: uneven batches).
         assert self.lightning_module is not None
-        self.sharded_model().mark_final_batch(_last_batch_of_epoch(self.lightning_module.trainer))
+        self.sharded_model().mark_final_batch(_last_batch_of_epoch(self.lightning_module.trainer), fix=_UNEVEN_FIX)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -370,6 +370,12 @@ _FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (
     load="To load whole weights, call `model.load_state_dict(state_dict)` inside `with trainer.strategy."
     "gathered_parameters(model, modifier_rank=0):` on every rank (rank 0's load is kept), or resume from a checkpoint "
     "with `trainer.fit(model, ckpt_path=path)`, or load before `fit`, while the module is whole.",
+)
+
+
+_UNEVEN_FIX = (  # checks.py, Note: uneven batches
+    "Lightning's DistributedSampler (`use_distributed_sampler=True`, the default, pads to equal lengths), "
+    "`drop_last=True` on a sampler or DataLoader that splits data per rank, or equal per-rank datasets."
 )
 
 

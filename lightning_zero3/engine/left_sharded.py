@@ -30,16 +30,14 @@ class Restorable(Protocol):
     def restore_module(self, *, device: torch.device | str = "cpu") -> None: ...
 
 
-HOW_TO_USE = (
-    "Fit, validate, test or predict with it again on every rank, or set it up again with `fabric.setup` (the new run "
-    "makes it whole first), or build a new module and load a checkpoint into it."
-)
+# What to do with a module left sharded, unless the caller of `leave_sharded` names its own way.
+SHARD_AGAIN = "Shard it again with a new ShardedModel on every rank (which makes it whole first), or load a checkpoint."
 
 
-def _refuse_forward(engine: Restorable, module: nn.Module, args: Any) -> None:  # the hook holds `engine`
+def _refuse_forward(engine: Restorable, fix: str, module: nn.Module, args: Any) -> None:  # the hook holds `engine`
     raise RuntimeError(
         f"{type(module).__name__}'s parameters are still this rank's 1-D shards: the run that sharded it ended "
-        f"without making it whole (it failed, or Fabric's strategy was torn down). {HOW_TO_USE}"
+        f"without making it whole. {fix}"
     )
 
 
@@ -47,8 +45,8 @@ def _refuse_forward(engine: Restorable, module: nn.Module, args: Any) -> None:  
 _LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Restorable], list[Any]]] = weakref.WeakKeyDictionary()
 
 
-def leave_sharded(module: nn.Module, engine: Restorable) -> None:
-    remember_sharded(module, engine, module.register_forward_pre_hook(partial(_refuse_forward, engine)))
+def leave_sharded(module: nn.Module, engine: Restorable, fix: str = SHARD_AGAIN) -> None:
+    remember_sharded(module, engine, module.register_forward_pre_hook(partial(_refuse_forward, engine, fix)))
 
 
 def remember_sharded(module: nn.Module, engine: Restorable, handle: Any) -> None:
