@@ -172,7 +172,8 @@ def answered(owner: str, collective: str) -> Iterator[None]:
         raise CollectiveError(
             f"{owner}: Lightning's {collective} failed on rank {rank} of {world}: {lost} stopped answering "
             f"({describe_error(err)}). Its log holds the cause (an exception there, the process killed, e.g. out "
-            f"of memory), or it went another way: every rank must make the same calls, e.g. `trainer.save_checkpoint`."
+            f"of memory), or it went another way: every rank must make the same calls (a checkpoint save, a barrier), "
+            f"not only rank 0."
         ) from err
 
 
