@@ -18,10 +18,12 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 PREFIX = "zero3/"
+STEP = "step (Lightning's: the first optimizer step is 0)"
 
 
 def read(path: str) -> dict[str, list[tuple[int, float]]]:
-    """Each `zero3/` metric's (step, value) pairs; the CSV's other columns (losses) are left out."""
+    """Each `zero3/` metric's (step, value) pairs at the CSV's own step, Lightning's (the first
+    optimizer step is 0, as for the losses `self.log` writes); the other columns are left out."""
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     with open(path) as file:
         for row in csv.DictReader(file):
@@ -53,10 +55,10 @@ def main() -> None:
     wait_ax.plot(*zip(*series["gather_wait_s"]))
     wait_ax.set(title="time waiting for All-Gathers", ylabel="s")
     units_ax.plot(*zip(*series["peak_units_alive"]), drawstyle="steps-post")
-    units_ax.set(title="units whole at the peak (since fit started)", ylabel="units", xlabel="optimizer step")
+    units_ax.set(title="units whole at the peak (since fit started)", ylabel="units", xlabel=STEP)
     memory = "cuda_max_memory_allocated_bytes" if "cuda_max_memory_allocated_bytes" in series else "rss_anon_bytes"
     memory_ax.plot(*zip(*[(s, v / 2**20) for s, v in series[memory]]))
-    memory_ax.set(title=memory.removesuffix("_bytes").replace("_", " "), ylabel="MiB", xlabel="optimizer step")
+    memory_ax.set(title=memory.removesuffix("_bytes").replace("_", " "), ylabel="MiB", xlabel=STEP)
     fig.suptitle(f"ShardingStatsMonitor, rank 0: {args.metrics}", fontsize="small")
     fig.tight_layout()
     fig.savefig(args.out, dpi=100)

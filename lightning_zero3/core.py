@@ -61,7 +61,6 @@ from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_opt
 from lightning_zero3.checkpoint.remote import RemotePath, as_path
 from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
 from lightning_zero3.engine import (
-    HOW_TO_USE,
     Comm,
     ShardedModel,
     ShardedParam,
@@ -84,6 +83,13 @@ RemoveFile = Callable[[Any], None]
 
 
 log = logging.getLogger(__name__)
+
+# What a user does with a module its run left sharded (Note: run lifecycle).
+LEFT_SHARDED_FIX = (
+    "(The run failed, or Fabric's strategy was torn down.) Fit, validate, test or predict with it again on every rank, "
+    "or set it up again with `fabric.setup` (the new run makes it whole first), or build a new module and load a "
+    "checkpoint into it."
+)
 
 
 class Lifecycle(Enum):
@@ -143,8 +149,7 @@ class _ShardGuard:
         if self.run.state is Lifecycle.LEFT_SHARDED:  # no gather any more: set up again
             return RuntimeError(
                 f"{call}: '{key}' is this rank's 1-D shard of a {tuple(sharded.full_shape)} parameter, and the run "
-                f"that sharded it ended without making it whole (it failed, or Fabric's strategy was torn down). "
-                f"{HOW_TO_USE}"
+                f"that sharded it ended without making it whole. {LEFT_SHARDED_FIX}"
             )
         return RuntimeError(
             f"{call}: '{key}' is this rank's 1-D shard ({sharded.shard_numel} of the {sharded.numel} elements of a "
@@ -205,7 +210,7 @@ class ShardedRun:
         if self.state is not Lifecycle.SHARDED:
             return
         if failed:
-            self.engine.leave_sharded()
+            self.engine.leave_sharded(fix=LEFT_SHARDED_FIX)
         self.state = Lifecycle.LEFT_SHARDED if failed else Lifecycle.AT_REST
         remember_sharded(self.engine.module, self.engine, self.guard)  # whole again by a new engine; failed: no forward
         if not failed:

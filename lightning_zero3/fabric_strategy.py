@@ -15,8 +15,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed
@@ -37,10 +38,11 @@ from lightning_zero3.engine import AgreeingGradScaler, check_optimizer_fits_shar
 from lightning_zero3.grads import sharded_grad_norm
 from lightning_zero3.options import (
     RanksAndDevices,
+    StartMethod,
+    StateDictType,
     all_reduce,
     build_engine,
     checkpoint_io_files,
-    options_in_signature,
     split_options,
 )
 from lightning_zero3.summary import step_metrics
@@ -49,12 +51,12 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 
-@options_in_signature
 class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
 
     Takes the options of the Trainer's `ZeRO3Strategy` (its docstring, the README), read back as
-    `strategy.config` and `strategy.lightning_options`. With start_method "spawn"/"fork"/
+    `strategy.config` and `strategy.lightning_options`, except `accumulate_unsharded`: Fabric's
+    `no_backward_sync` does that. With start_method "spawn"/"fork"/
     "forkserver", ranks are started by `fabric.launch(function)`.
     """
 
@@ -72,13 +74,39 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
         process_group_backend: str | None = None,
-        **options: Any,
+        # The options: the engine's (ShardingConfig), then the Lightning-only ones (LightningOptions),
+        # with their fields' types and defaults (tests/test_cli.py holds them to it).
+        wrap_policy: set[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+        prefetch: int = 1,
+        persistence_threshold: int = 0,
+        shard_size: int | None = None,
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        reductions_in_flight: int | None = None,
+        rank_checks: Literal["every_step", "first_step"] | int = "every_step",
+        reshard_after_forward: bool | int = True,
+        offload: Literal["host"] | None = None,
+        offload_dir: str | None = None,
+        state_dict_type: StateDictType = "sharded",
+        trust_checkpoint: bool = False,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: StartMethod = "popen",
+        async_save: bool = False,
+        accumulate_unsharded: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision,
         )  # fmt: skip
-        self.config, self.lightning_options = split_options(type(self).__name__, options)
+        self.config, self.lightning_options = split_options(type(self).__name__, locals())
+        if accumulate_unsharded:  # the Trainer's accumulate_grad_batches, which Fabric has not
+            raise ValueError(
+                f"{type(self).__name__}(accumulate_unsharded=True) is for the Trainer's `accumulate_grad_batches`, "
+                f"which Fabric does not have. Run the backwards of the micro-batches before the last inside "
+                f"`with fabric.no_backward_sync(model):` (the same local sums, one Reduce-Scatter per step) and "
+                f"leave the option out."
+            )
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._runs: dict[int, ShardedRun] = {}  # one per module set up (a GAN has two), by id
@@ -221,7 +249,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     # ---- collectives Fabric uses -----------------------------------------------------------
     @override
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        return all_reduce(tensor, group, reduce_op)
+        return all_reduce(type(self).__name__, tensor, group, reduce_op)
 
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------
     @override

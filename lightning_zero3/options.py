@@ -23,14 +23,14 @@ name, not mid-training.
 from __future__ import annotations
 
 import atexit
-import inspect
 import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar, get_args
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
@@ -40,10 +40,9 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
 from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
-from lightning_zero3.engine import ShardedModel, ShardingConfig, config_field_names
+from lightning_zero3.engine import CollectiveError, ShardedModel, ShardingConfig, config_field_names
 
 T = TypeVar("T")
-S = TypeVar("S", bound=type)
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -87,46 +86,18 @@ class LightningOptions:
                 raise ValueError(f"LightningOptions({option}=...) must be {expected}; got {getattr(self, option)!r}.")
 
 
-def split_options(owner: str, options: dict[str, Any]) -> tuple[ShardingConfig, LightningOptions]:
-    """A strategy's keyword options as the engine's config and the Lightning-only ones, each
-    validated once; errors name `owner` (the strategy class) as the constructor the user called."""
+def split_options(owner: str, arguments: Mapping[str, Any]) -> tuple[ShardingConfig, LightningOptions]:
+    """The options among a strategy's `__init__` arguments (its `locals()`: one keyword per field
+    of both dataclasses) as the engine's config and the Lightning-only ones, each validated once;
+    errors name `owner` (the strategy class) as the constructor the user called."""
     engine_names, lightning_names = config_field_names(ShardingConfig), config_field_names(LightningOptions)
-    unknown = sorted(set(options) - engine_names - lightning_names)
-    if unknown:
-        raise TypeError(
-            f"{owner} got unknown options {unknown}. Its options are {sorted(engine_names | lightning_names)} "
-            f"(docs: README, 'Options')."
-        )
     try:
-        config = ShardingConfig(**{k: v for k, v in options.items() if k in engine_names})
-        lightning = LightningOptions(**{k: v for k, v in options.items() if k in lightning_names})
+        config = ShardingConfig(**{k: v for k, v in arguments.items() if k in engine_names})
+        lightning = LightningOptions(**{k: v for k, v in arguments.items() if k in lightning_names})
     except ValueError as err:  # "ShardingConfig(prefetch=...) must be ..." -> "ZeRO3Strategy(prefetch=...) ..."
         message = re.sub(r"^(ShardingConfig|LightningOptions)\(", f"{owner}(", str(err))
         raise ValueError(message if message != str(err) else f"{owner}: {err}") from None
     return config, lightning
-
-
-def options_in_signature(strategy: S) -> S:
-    """Class decorator: `strategy.__init__(..., **options)` shown with every option as a
-    keyword-only parameter, its type and default taken from `ShardingConfig` and
-    `LightningOptions` (the one definition), so that `inspect.signature`, `help()` and
-    LightningCLI (jsonargparse reads the signature: `init_args: {prefetch: 2}`,
-    `--trainer.strategy.prefetch=2`, `--print_config`) see them. A field's "given_as" metadata
-    is the type a user may pass where it differs from the type held (a dtype or its name)."""
-    init = strategy.__init__  # type: ignore[misc]  # the class's own function, not a bound method
-    own = [p for p in inspect.signature(init, eval_str=True).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    options = []
-    for config_type in (ShardingConfig, LightningOptions):
-        hints = get_type_hints(config_type)
-        options += [
-            inspect.Parameter(
-                f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                annotation=f.metadata.get("given_as", hints[f.name]),
-            )  # fmt: skip
-            for f in fields(config_type)
-        ]
-    init.__signature__ = inspect.Signature(own + options, return_annotation=None)
-    return strategy
 
 
 def build_engine(
@@ -147,7 +118,15 @@ def build_engine(
         param_dtype=config.param_dtype or {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(flag),
         shard_size=config.shard_size if config.shard_size != world_size else None,
     )
-    return ShardedModel(module, config, device=device)
+    try:
+        return ShardedModel(module, config, device=device)
+    except ValueError as err:  # the engine names its own way to build on meta (engine/materialize.py): add ours
+        if "are tensors on the meta device" not in str(err):
+            raise
+        raise ValueError(
+            f"{err} With {owner}: build it in `configure_model()` or under `trainer.init_module(empty_init=True)` "
+            f"(Fabric: `fabric.init_module(empty_init=True)`), which defer only parameters too."
+        ) from None
 
 
 class CheckpointFiles(NamedTuple):
@@ -180,10 +159,37 @@ def _distributed() -> bool:
 
 
 # ---- what both strategies do the same way with the default process group -------------------
-def all_reduce(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+@contextmanager
+def answered(owner: str, collective: str) -> Iterator[None]:
+    """A control collective Lightning asks for (barrier, broadcast, reduce) that fails, because a
+    rank was lost or went elsewhere, as a `CollectiveError` naming this rank and the others."""
+    try:
+        yield
+    except RuntimeError as err:  # gloo's "Connection closed by peer", NCCL's or gloo's timeout, ...
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        others = [r for r in range(world) if r != rank]
+        lost = f"rank {others[0]}" if len(others) == 1 else f"another rank (of ranks {others})"
+        raise CollectiveError(
+            f"{owner}: Lightning's {collective} failed on rank {rank} of {world}: {lost} stopped answering "
+            f"({describe_error(err)}). Its log holds the cause (an exception there, the process killed, e.g. out "
+            f"of memory), or it went another way: every rank must make the same calls (a checkpoint save, a barrier), "
+            f"not only rank 0."
+        ) from err
+
+
+def _broadcast_object(obj: T, src: int) -> T:
+    if not _distributed():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+    return box[0]
+
+
+def all_reduce(owner: str, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
     """`tensor` reduced in place over `group` (the world by default) with `reduce_op` (a
     `ReduceOp` or "sum", "mean"/"avg", "max", "min", "product"), as Lightning's strategies
-    reduce logged values; anything but a tensor, or without a process group, is returned as is."""
+    reduce logged values (and ModelCheckpoint's decisions); anything but a tensor, or without a
+    process group, is returned as is; a rank lost is a `CollectiveError` naming `owner`."""
     if not isinstance(tensor, torch.Tensor) or not _distributed():
         return tensor
     group = torch.distributed.group.WORLD if group is None else group
@@ -194,8 +200,9 @@ def all_reduce(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -
         op = torch.distributed.ReduceOp.SUM if divide else getattr(torch.distributed.ReduceOp, name.upper())
     else:
         op = reduce_op if reduce_op is not None else torch.distributed.ReduceOp.SUM
-    torch.distributed.barrier(group=group)
-    torch.distributed.all_reduce(tensor, op=op, group=group)
+    with answered(owner, "reduce"):
+        torch.distributed.barrier(group=group)
+        torch.distributed.all_reduce(tensor, op=op, group=group)
     if divide:
         world = torch.distributed.get_world_size(group)
         return tensor.div_(world) if tensor.is_floating_point() else tensor.copy_(tensor / world)
@@ -301,24 +308,24 @@ class RanksAndDevices:
         atexit.register(_leave_process_group)
         rank_zero_info(f"{owner}: {env.world_size()} processes joined the {backend} process group.")
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None) -> None:
+        """Lightning's (e.g. after `trainer.save_checkpoint`); a rank lost is a `CollectiveError`."""
         if _distributed():  # NCCL needs the device to wait on
             nccl = torch.distributed.get_backend() == "nccl"
-            torch.distributed.barrier(device_ids=[self.root_device.index] if nccl else None)
+            with answered(type(self).__name__, f"barrier{f' {name!r}' if name else ''}"):
+                torch.distributed.barrier(device_ids=[self.root_device.index] if nccl else None)
 
     def broadcast(self, obj: T, src: int = 0) -> T:
-        """`obj` from rank `src` on every rank (pickled: small control values only)."""
-        if not _distributed():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        """`obj` from rank `src` on every rank (pickled: small control values only), as Lightning
+        (ModelCheckpoint) asks; a rank lost is a `CollectiveError`."""
+        with answered(type(self).__name__, f"broadcast from rank {src}"):
+            return _broadcast_object(obj, src)
 
     def broadcast_checkpoint_path(self, path: str | os.PathLike, *, saving: bool) -> str:
         """Rank 0's checkpoint path (or URL) on every rank, what a save or load begins with; a rank
         lost by then (e.g. during a save writing in the background) is a `CheckpointError`."""
         try:
-            return self.broadcast(os.fspath(path))
+            return _broadcast_object(os.fspath(path), 0)
         except RuntimeError as err:  # gloo's "Connection reset by peer", a timeout, ...
             unchanged = " (the previous checkpoint there, if any, is unchanged)" if saving else ""
             raise CheckpointError(

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed
@@ -33,10 +34,11 @@ from lightning_zero3.core import Fixes, Lifecycle, ShardedRun, ShardedStrategy, 
 from lightning_zero3.engine import check_optimizer_fits_shards, parameters_on_meta
 from lightning_zero3.options import (
     RanksAndDevices,
+    StartMethod,
+    StateDictType,
     all_reduce,
     build_engine,
     checkpoint_io_files,
-    options_in_signature,
     split_options,
 )
 from lightning_zero3.precision import sharded_precision
@@ -72,14 +74,12 @@ class _WholeWeightsLauncher(_MultiProcessingLauncher):
         return output
 
 
-@options_in_signature
 class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
 
-    Takes keyword options only: the engine's (`lightning_zero3.engine.ShardingConfig`), the
-    Lightning-only ones (`LightningOptions` in options.py), both in the README's table and in
-    `inspect.signature` (so LightningCLI's `init_args` take them; `options_in_signature`), and
-    Lightning's own below. They are read back as `strategy.config` and `strategy.lightning_options`;
+    Takes keyword options only: Lightning's own, then the engine's (`lightning_zero3.engine.ShardingConfig`)
+    and the Lightning-only ones (`LightningOptions` in options.py), both in the README's table (LightningCLI's
+    `init_args` take them). They are read back as `strategy.config` and `strategy.lightning_options`;
     `dataclasses.replace(strategy.config, prefetch=2)` validates again. A ``param_dtype`` of None
     follows the Trainer's precision ("bf16-mixed" -> bf16, "16-mixed" -> fp16).
     """
@@ -97,13 +97,32 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        **options: Any,
+        # The options: the engine's (ShardingConfig), then the Lightning-only ones (LightningOptions),
+        # with their fields' types and defaults (tests/test_cli.py holds them to it).
+        wrap_policy: set[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+        prefetch: int = 1,
+        persistence_threshold: int = 0,
+        shard_size: int | None = None,
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        reductions_in_flight: int | None = None,
+        rank_checks: Literal["every_step", "first_step"] | int = "every_step",
+        reshard_after_forward: bool | int = True,
+        offload: Literal["host"] | None = None,
+        offload_dir: str | None = None,
+        state_dict_type: StateDictType = "sharded",
+        trust_checkpoint: bool = False,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: StartMethod = "popen",
+        async_save: bool = False,
+        accumulate_unsharded: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )  # fmt: skip
-        self.config, self.lightning_options = split_options(type(self).__name__, options)
+        self.config, self.lightning_options = split_options(type(self).__name__, locals())
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         # The module under ZeRO-3 (core.py, Note: run lifecycle); None before the first setup.
@@ -224,7 +243,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         # Ranks with uneven batch counts fail at the step where the shortest epoch ends, on every
         # rank (engine/checks.py, Note: uneven batches).
         assert self.lightning_module is not None
-        self.sharded_model().mark_final_batch(_last_batch_of_epoch(self.lightning_module.trainer))
+        self.sharded_model().mark_final_batch(_last_batch_of_epoch(self.lightning_module.trainer), fix=_UNEVEN_FIX)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -249,7 +268,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     # ---- collectives Lightning uses for metrics/logging -----------------------------------
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        return all_reduce(tensor, group, reduce_op)
+        return all_reduce(type(self).__name__, tensor, group, reduce_op)
 
     # ---- whole parameters on demand (and core.py's ShardedStrategy) ------------------------
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
@@ -351,6 +370,12 @@ _FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (
     load="To load whole weights, call `model.load_state_dict(state_dict)` inside `with trainer.strategy."
     "gathered_parameters(model, modifier_rank=0):` on every rank (rank 0's load is kept), or resume from a checkpoint "
     "with `trainer.fit(model, ckpt_path=path)`, or load before `fit`, while the module is whole.",
+)
+
+
+_UNEVEN_FIX = (  # checks.py, Note: uneven batches
+    "Lightning's DistributedSampler (`use_distributed_sampler=True`, the default, pads to equal lengths), "
+    "`drop_last=True` on a sampler or DataLoader that splits data per rank, or equal per-rank datasets."
 )
 
 

@@ -289,3 +289,61 @@ def test_a_removal_asked_for_while_a_save_writes_runs_once_it_succeeded(tmp_path
         release.set()  # else a failure here leaves the writer waiting and pytest hanging at exit
     saving.wait()
     assert old.exists() == fails
+
+
+class _Rank0KilledAfterItsSave(Callback):
+    """At step 2 every rank calls `trainer.save_checkpoint`; rank 0 is killed (kill -9) once its
+    save has returned, before Lightning's barrier that ends `trainer.save_checkpoint`."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == 2:
+            save = trainer.strategy.save_checkpoint
+            if trainer.global_rank == 0:
+                trainer.strategy.save_checkpoint = lambda *a, **k: (save(*a, **k), os.kill(os.getpid(), signal.SIGKILL))
+            trainer.save_checkpoint(f"{self.directory}/a.ckpt")
+
+
+def _fit_losing_rank_0_after_its_save(rank: int, world_size: int, directory: str) -> None:
+    become_lightning_rank(rank, world_size)
+    torch.manual_seed(0)
+    killed = _Rank0KilledAfterItsSave(directory)
+    t = trainer(lightning_zero3.ZeRO3Strategy(), world_size, max_epochs=1, callbacks=[killed])
+    t.fit(LitMLP(), loader(world_size))
+
+
+def test_a_rank_lost_in_lightnings_barrier_after_a_save_is_a_collective_error_naming_it(tmp_path):
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_fit_losing_rank_0_after_its_save, 2, str(tmp_path))
+    survivor = str(failure.value).split("--- rank 1 ---")[1].split("--- rank")[0]
+    assert (
+        "CollectiveError: ZeRO3Strategy: Lightning's barrier 'Trainer.save_checkpoint' failed on rank 1 of 2: rank 0 "
+        "stopped answering (RuntimeError: "
+    ) in survivor, survivor
+
+
+def _lost_in_a_control_collective(rank: int, world_size: int, strategy: str, call: str) -> None:
+    """Rank 0 is killed (kill -9); rank 1 makes a collective Lightning asks of the strategy."""
+    made = getattr(lightning_zero3, strategy)(parallel_devices=[torch.device("cpu")] * world_size)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if call == "broadcast":  # ModelCheckpoint's dirpath, Trainer.save_checkpoint's path
+        made.broadcast("dirpath")
+    else:  # ModelCheckpoint's decision to save, EarlyStopping's to stop
+        made.reduce_boolean_decision(True)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "call", "collective"),
+    [("ZeRO3Strategy", "broadcast", "broadcast from rank 0"), ("ZeRO3FabricStrategy", "broadcast", "broadcast from "
+     "rank 0"), ("ZeRO3Strategy", "reduce_boolean_decision", "reduce")],
+)  # fmt: skip
+def test_a_rank_lost_in_a_control_collective_is_a_collective_error_naming_it(strategy, call, collective):
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_lost_in_a_control_collective, 2, strategy, call)
+    survivor = str(failure.value).split("--- rank 1 ---")[1].split("--- rank")[0]
+    assert (
+        f"CollectiveError: {strategy}: Lightning's {collective} failed on rank 1 of 2: rank 0 stopped answering ("
+    ) in survivor, survivor

@@ -8,8 +8,9 @@ import inspect
 import json
 import subprocess
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tests.test_multinode import ROOT, _env
 
 JOB = str(Path(__file__).parent / "jobs" / "cli.py")
 OPTIONS = [f for config in (ShardingConfig, LightningOptions) for f in fields(config)]
+HINTS = {**get_type_hints(ShardingConfig), **get_type_hints(LightningOptions)}  # the fields' types
 
 CONFIG = """\
 trainer:
@@ -48,12 +50,24 @@ trainer:
 
 
 @pytest.mark.parametrize("strategy", [ZeRO3Strategy, ZeRO3FabricStrategy])
-def test_the_signature_lists_every_option_with_its_default(strategy: type) -> None:
-    parameters = inspect.signature(strategy).parameters
+def test_every_option_is_a_keyword_of_the_strategy_with_its_fields_type_and_default(strategy: type) -> None:
+    """What static checkers, IDEs and LightningCLI read: a field added to `ShardingConfig` or
+    `LightningOptions` without its keyword in both strategies' `__init__` fails here, saying what to add."""
+    parameters = inspect.signature(strategy.__init__, eval_str=True).parameters
     for option in OPTIONS:
-        assert option.default is not MISSING
-        assert parameters[option.name].kind is inspect.Parameter.KEYWORD_ONLY
-        assert parameters[option.name].default == option.default, option.name
+        given_as = option.metadata.get("given_as", HINTS[option.name])  # e.g. a dtype or its name
+        written = str(given_as) if "given_as" in option.metadata else option.type  # as in the source
+        keyword = parameters.get(option.name)
+        assert (
+            keyword is not None and keyword.kind is inspect.Parameter.KEYWORD_ONLY
+            and keyword.default == option.default and keyword.annotation == given_as
+        ), (
+            f"{strategy.__name__}.__init__ ({inspect.getsourcefile(strategy)}) must take the option {option.name} as "
+            f"its dataclass field has it: add the line `        {option.name}: {written} = {option.default!r},` "
+            f"there in the fields' order, and the same in the other strategy; got {keyword or 'no such keyword'}."
+        )  # fmt: skip
+    options = [name for name in parameters if name in HINTS]
+    assert options == [o.name for o in OPTIONS]  # in the dataclasses' order, as `--print_config` shows them
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 

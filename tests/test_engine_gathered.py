@@ -10,7 +10,7 @@ import torch
 from lightning_zero3.engine import ShardedModel
 from lightning_zero3.engine.checks import OrderMismatchError
 from tests.models import MLP, TinyGPT
-from tests.ranks import run_ranks
+from tests.ranks import RankFailure, run_ranks
 
 FILL = 0.5
 
@@ -156,3 +156,26 @@ def test_a_broadcast_that_fails_on_exit_leaves_every_parameter_its_shard() -> No
     with pytest.raises(RuntimeError, match="the broadcast failed"), sharded.gathered_parameters(modifier_rank=0):
         pass
     assert {name: (p.shape, p.data_ptr()) for name, p in model.named_parameters()} == before
+
+
+def _entered_on_rank_0_only(rank: int, world_size: int) -> None:
+    """`if rank == 0: with gathered_parameters(): ...`, the other rank going on to a barrier."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    sharded = ShardedModel(model)
+    if rank == 0:
+        with sharded.gathered_parameters():
+            model.state_dict()
+    dist.barrier()
+
+
+def test_gathered_parameters_entered_on_rank_0_only_names_the_cause_and_the_fix_there() -> None:
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_entered_on_rank_0_only, 2, timeout_s=10)
+    entered = str(failure.value).split("--- rank 0 ---")[1].split("--- rank")[0]
+    assert entered.startswith(
+        "\nCollectiveError: gathered_parameters could not gather on rank 0: every rank must enter it"
+    ), entered
+    assert "Move it out of the `if`, on every rank" in entered

@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_zero3.core import ShardedRun
 from lightning_zero3.engine import ShardedModel
+from lightning_zero3.options import LightningOptions
 from tests.models import MLP, mlp_batch
 from tests.parity import local_slice
 from tests.ranks import RankFailure, run_ranks
@@ -25,7 +27,7 @@ def _left_sharded_then_sharded_again(rank: int, world_size: int) -> dict[str, to
     optimizer.step()
     trained = first.full_state_dict(to_rank=None)
     first.leave_sharded()  # what a failed run's teardown does: the shards stay in the module
-    with pytest.raises(RuntimeError, match="MLP's parameters are still this rank's 1-D shards"):
+    with pytest.raises(RuntimeError, match="MLP's parameters are still this rank's 1-D shards.*Shard it again with"):
         model(x)
     again = ShardedModel(model)
     assert {sp.name: sp.numel for sp in again.sharded_params} == {k: v.numel() for k, v in trained.items()}
@@ -57,3 +59,12 @@ def test_a_module_left_sharded_on_some_ranks_only_is_refused_on_every_rank() -> 
     for rank in (0, 1):
         assert f"--- rank {rank} ---\nRuntimeError: MLP's parameters are still the shards of a failed run" in message
     assert "on ranks [0] only" in message
+
+
+def test_a_run_left_sharded_by_a_strategy_names_lightnings_ways_on_forward() -> None:
+    """A strategy's failed run (`ShardedRun.end(failed=True)`) leaves the module sharded with the
+    strategies' words for what to do: the engine's own name none of Lightning."""
+    model = MLP()
+    ShardedRun(ShardedModel(model), lambda: LightningOptions()).end(failed=True)
+    with pytest.raises(RuntimeError, match=r"still this rank's 1-D shards.*set it up again with `fabric.setup`"):
+        model(mlp_batch(0)[0])

@@ -9,13 +9,15 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
-from lightning_zero3.engine import ShardedModel
+from lightning_zero3.engine import ShardedModel, ShardingConfig
 from lightning_zero3.engine.materialize import parameters_on_meta
+from lightning_zero3.options import build_engine
 from tests import fabric_helpers
 from tests.adapted import HandsBack, launched
 from tests.lit import LitMLP, dataset, loader, trainer
@@ -66,7 +68,16 @@ def _shard_built_under_plain_meta(rank: int, world_size: int) -> str:
 
 def test_metric_state_left_on_meta_by_a_plain_meta_device_is_refused_on_every_rank() -> None:
     for message in run_ranks(_shard_built_under_plain_meta, 2):
-        assert "max_seen.max_value" in message and "init_module(empty_init=True)" in message, message
+        assert "max_seen.max_value" in message and "materialize.parameters_on_meta(device)" in message, message
+        assert "init_module" not in message  # the engine knows no Lightning
+
+
+def test_the_strategies_refusal_of_metric_state_on_meta_names_lightnings_ways() -> None:
+    with torch.device("meta"):
+        module = _WithState()
+    with pytest.raises(ValueError, match=r"max_seen.max_value.* With ZeRO3FabricStrategy: build it in "
+                       r"`configure_model\(\)` or under `trainer.init_module\(empty_init=True\)`"):  # fmt: skip
+        build_engine("ZeRO3FabricStrategy", module, ShardingConfig(), precision=None, world_size=1, device="cpu")
 
 
 class _ScaledLinear(nn.Linear):

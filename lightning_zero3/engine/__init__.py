@@ -6,7 +6,7 @@ from lightning_zero3.engine.checks import OrderMismatchError
 from lightning_zero3.engine.comm import CollectiveBytes, CollectiveError, Comm, CommStats, destroy_group, new_group
 from lightning_zero3.engine.config import ShardingConfig, config_field_names
 from lightning_zero3.engine.dtypes import DTYPE_NAMES, parse_dtype
-from lightning_zero3.engine.left_sharded import HOW_TO_USE, forget, holder, remember_sharded
+from lightning_zero3.engine.left_sharded import forget, holder, remember_sharded
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.optim import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, grad_norms
@@ -17,7 +17,7 @@ from lightning_zero3.engine.shard import ShardedParam, shard_numel, shard_slice
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 
 __all__ = [
-    "DTYPE_NAMES", "HOW_TO_USE", "AgreeingGradScaler", "CollectiveBytes", "CollectiveError", "Comm", "CommStats",
+    "DTYPE_NAMES", "AgreeingGradScaler", "CollectiveBytes", "CollectiveError", "Comm", "CommStats",
     "OrderMismatchError", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
     "check_optimizer_fits_shards", "clip_grad_norm_", "config_field_names", "destroy_group", "forget",
     "full_optimizer_state", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",

@@ -65,12 +65,12 @@ LEGAL = {(_S.SYNCED, _S.OWED), (_S.OWED, _S.SYNCED), (_S.SYNCED, _S.INCOMPLETE),
          (_S.INCOMPLETE, _S.SYNCED)}  # fmt: skip
 
 FIX = (
-    "Call `discard_unsynced_gradients()` on the ShardedModel (Fabric: `fabric.strategy.sharded_model(model)`, "
-    "Trainer: `trainer.strategy.sharded_model()`) and `optimizer.zero_grad()`, then start the accumulation again."
+    "Call `discard_unsynced_gradients()` on the ShardedModel that holds the module (a strategy's `sharded_model()`) "
+    "and `optimizer.zero_grad()`, then start the accumulation again."
 )
 INCOMPLETE = (
-    "A backward raised while gradients were accumulated with gradient sync off (no_sync / no_backward_sync / "
-    "accumulate_unsharded), so the gradients of the micro-batches since the last sync are incomplete. " + FIX
+    "A backward raised while gradients were accumulated with gradient sync off (`no_sync`, or a strategy's way to "
+    "it), so the gradients of the micro-batches since the last sync are incomplete. " + FIX
 )
 
 

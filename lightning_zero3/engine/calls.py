@@ -71,14 +71,14 @@ PostBackward = Callable[["UnitCall", list[torch.Tensor | None]], list[torch.Tens
 
 DEEPCOPY_REFUSED = (
     "A module sharded by lightning_zero3 cannot be deep-copied: its parameters are this rank's 1-D "
-    "shards and its hooks belong to the sharding engine. Make the copy before setup (in __init__ or "
-    "configure_model: it is then sharded with the module), or build a new module and load the "
-    "whole weights into it (ShardedModel.full_state_dict, or a checkpoint)."
+    "shards and its hooks belong to the sharding engine. Make the copy before sharding (it is then "
+    "sharded with the module), or build a new module and load the whole weights into it "
+    "(ShardedModel.full_state_dict, or a checkpoint)."
 )
 PICKLE_REFUSED = (
-    "A module sharded by lightning_zero3 cannot be pickled (torch.save(module), torch.save(trainer)): its "
+    "A module sharded by lightning_zero3 cannot be pickled (torch.save of it or of an object holding it): its "
     "parameters are this rank's 1-D shards and its hooks hold the engine's process groups. Save whole weights "
-    "instead: ShardedModel.full_state_dict / ZeRO3Strategy.full_state_dict (collective), or a checkpoint."
+    "instead: ShardedModel.full_state_dict or a strategy's full_state_dict (collective), or a checkpoint."
 )
 
 

@@ -52,6 +52,10 @@ class OrderMismatchError(RuntimeError):
 
 DEPARTED = 1 << 30  # this rank left the recorded order for the unit in the low bits (departure.py)
 FINAL = 1 << 29  # this rank runs the last batch of its epoch (Note: uneven batches)
+UNEVEN_FIX = (
+    "a DistributedSampler (it pads to equal lengths), `drop_last=True` on a sampler or DataLoader that splits data "
+    "per rank, or equal per-rank datasets."
+)
 
 
 def exact_integers(dtype: torch.dtype) -> int:
@@ -102,6 +106,7 @@ class RankChecks:
         self._stamps: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
         self._columns: dict[tuple[torch.dtype, torch.device, int, int, int], torch.Tensor] = {}  # Reduce-Scatter stamps
         self.final_batch = False  # set by the strategy, cleared when the backward ends (Note: uneven batches)
+        self.uneven_fix = UNEVEN_FIX  # how, in the words of whoever sets `final_batch`
 
     @property
     def active(self) -> bool:
@@ -211,9 +216,7 @@ class RankChecks:
                 f"Uneven batch counts (All-Gather of unit '{record.unit}', rank {self.rank}): ranks {last} run the "
                 f"last training batch of their epoch while ranks {more} have more batches; the ranks would run "
                 f"different numbers of steps and their collectives would pair wrongly (a hang or an abort). Give "
-                f"every rank the same number of batches: Lightning's DistributedSampler (`use_distributed_sampler="
-                f"True`, the default, pads to equal lengths), `drop_last=True` on a sampler or DataLoader that "
-                f"splits data per rank, or equal per-rank datasets."
+                f"every rank the same number of batches: {self.uneven_fix}"
             )
         if record.collective == "All-Gather":
             where = ", ".join(f"rank {r}: {self.describe_tag(t)}" for r, t in enumerate(seen))

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_zero3.engine.calls import engine_mode
 from lightning_zero3.engine.checks import RankChecks
-from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.comm import CollectiveError, Comm
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
 
@@ -39,16 +39,25 @@ def gathered_parameters(
     shards: dict[ShardedParam, torch.Tensor] = {}
     entered = False  # False in `finally`: a gather or tag check failed, so no collective there
     try:
-        for unit in units:
-            with engine_mode():
-                fulls = unit.gather(dtype=unit.shard_dtype)
-                # Each its own storage, so the user's references stay valid; the block goes back.
-                wholes = [(sharded, full.clone()) for sharded, full in zip(unit.params, fulls) if sharded in chosen]
-                unit.release(fulls)
-            for sharded, whole in wholes:
-                shards[sharded] = sharded.param.data
-                sharded.param.data = whole
-                sharded.gathered.append(modifier_rank)
+        try:
+            for unit in units:
+                with engine_mode():
+                    fulls = unit.gather(dtype=unit.shard_dtype)
+                    # Each its own storage, so the user's references stay valid; the block goes back.
+                    wholes = [(sharded, full.clone()) for sharded, full in zip(unit.params, fulls) if sharded in chosen]
+                    unit.release(fulls)
+                for sharded, whole in wholes:
+                    shards[sharded] = sharded.param.data
+                    sharded.param.data = whole
+                    sharded.gathered.append(modifier_rank)
+        except CollectiveError as err:  # the usual cause: the block entered on some ranks only
+            raise CollectiveError(
+                f"gathered_parameters could not gather on rank {world_comm.rank}: every rank must enter it (it gathers "
+                f"from all of them), and the ranks that did not were elsewhere (or gone) until the timeout. Entered "
+                f"under `if rank == 0:`? Move it out of the `if`, on every rank, and keep only what uses the whole "
+                f"weights (e.g. `torch.save`) under `if rank == 0:`. If every rank entered, another rank failed: its "
+                f"log holds the cause. The gather's error: {err}"
+            ) from err
         checks.check()  # outside any pass: check these gathers now
         entered = True
         yield

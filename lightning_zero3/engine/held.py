@@ -46,8 +46,8 @@ class HeldUnits:
         ):
             raise RuntimeError(
                 "ZeRO-3: gathered_for_inference() was entered inside a backward or inside a forward with "
-                "gradients enabled (e.g. training_step). Enter it in evaluation (validation/test/predict "
-                "steps, callbacks, or around the model's call under torch.no_grad()); during training, "
+                "gradients enabled (e.g. a training step). Enter it in evaluation (an evaluation loop, code "
+                "between steps, or around the model's call under torch.no_grad()); during training, "
                 "call generate(..., synced_gpus=True) without it."
             )
 

@@ -23,32 +23,33 @@ from torch import nn
 from lightning_zero3.engine.comm import Comm
 
 
-class ShardedModel(Protocol):
+class Restorable(Protocol):
+    """An engine as `_LEFT` holds it: model.py's `ShardedModel` (which imports this module), by
+    the one call made on it here."""
+
     def restore_module(self, *, device: torch.device | str = "cpu") -> None: ...
 
 
-HOW_TO_USE = (
-    "Fit, validate, test or predict with it again on every rank, or set it up again with `fabric.setup` (the new run "
-    "makes it whole first), or build a new module and load a checkpoint into it."
-)
+# What to do with a module left sharded, unless the caller of `leave_sharded` names its own way.
+SHARD_AGAIN = "Shard it again with a new ShardedModel on every rank (which makes it whole first), or load a checkpoint."
 
 
-def _refuse_forward(engine: ShardedModel, module: nn.Module, args: Any) -> None:  # the hook holds `engine`
+def _refuse_forward(engine: Restorable, fix: str, module: nn.Module, args: Any) -> None:  # the hook holds `engine`
     raise RuntimeError(
         f"{type(module).__name__}'s parameters are still this rank's 1-D shards: the run that sharded it ended "
-        f"without making it whole (it failed, or Fabric's strategy was torn down). {HOW_TO_USE}"
+        f"without making it whole. {fix}"
     )
 
 
 # Module -> (the engine that left it sharded, the hooks holding it: handles with `remove()`).
-_LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ShardedModel], list[Any]]] = weakref.WeakKeyDictionary()
+_LEFT: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Restorable], list[Any]]] = weakref.WeakKeyDictionary()
 
 
-def leave_sharded(module: nn.Module, engine: ShardedModel) -> None:
-    remember_sharded(module, engine, module.register_forward_pre_hook(partial(_refuse_forward, engine)))
+def leave_sharded(module: nn.Module, engine: Restorable, fix: str = SHARD_AGAIN) -> None:
+    remember_sharded(module, engine, module.register_forward_pre_hook(partial(_refuse_forward, engine, fix)))
 
 
-def remember_sharded(module: nn.Module, engine: ShardedModel, handle: Any) -> None:
+def remember_sharded(module: nn.Module, engine: Restorable, handle: Any) -> None:
     """`engine` holds `module` sharded (left, or at rest after `fit`: core.py, Note: run
     lifecycle); `handle`, a hook of the module that holds the engine, is removed by `forget`,
     with those remembered before for the same engine."""
@@ -57,7 +58,7 @@ def remember_sharded(module: nn.Module, engine: ShardedModel, handle: Any) -> No
     _LEFT[module] = (weakref.ref(engine), [*before, handle])
 
 
-def holder(module: nn.Module) -> ShardedModel | None:
+def holder(module: nn.Module) -> Restorable | None:
     """The engine that holds `module` sharded (left, or at rest), if it is alive."""
     entry = _LEFT.get(module)
     return entry[0]() if entry is not None else None

@@ -183,6 +183,13 @@ def _version(module: nn.Module, buffer: str) -> int:
     return tensor._version
 
 
+# The end of the message above; the strategies name their own ways to the same (options.py).
+META_FIX = (
+    "Build the model under lightning_zero3.engine.materialize.parameters_on_meta(device), which defers only "
+    'parameters, not under torch.device("meta").'
+)
+
+
 def _raise_if_meta_state(root: nn.Module) -> None:
     """Refuse meta tensors that are not parameters or buffers (one level into lists and dicts)."""
     found = []
@@ -197,10 +204,7 @@ def _raise_if_meta_state(root: nn.Module) -> None:
     if found:
         raise ValueError(
             f"{found[:5]} are tensors on the meta device that are neither parameters nor buffers (e.g. "
-            f"torchmetrics states), so their values cannot be restored when the model is sharded. Build the "
-            f"model in configure_model() or under trainer.init_module(empty_init=True), which defer only "
-            f"parameters (or under lightning_zero3.engine.materialize.parameters_on_meta), not under "
-            f'torch.device("meta").'
+            f"torchmetrics states), so their values cannot be restored when the model is sharded. {META_FIX}"
         )
 
 

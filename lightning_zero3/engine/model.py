@@ -20,14 +20,14 @@ from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accumulate import GradientSync, SyncState
 from lightning_zero3.engine.buffers import BufferPool, indexed
 from lightning_zero3.engine.calls import PassState, engine_mode
-from lightning_zero3.engine.checks import RankChecks
+from lightning_zero3.engine.checks import UNEVEN_FIX, RankChecks
 from lightning_zero3.engine.comm import Comm, CommStats, consecutive_group, hybrid_groups
 from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.disk import DiskState
 from lightning_zero3.engine.gathered import gathered_parameters
 from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
 from lightning_zero3.engine.hooks import HookDriver
-from lightning_zero3.engine.left_sharded import forget, leave_sharded, restore_if_left_sharded
+from lightning_zero3.engine.left_sharded import SHARD_AGAIN, forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import restore_whole, shard_parameters
 from lightning_zero3.engine.offload import HostOffload, move_module
 from lightning_zero3.engine.persistent import PersistentGrads
@@ -234,10 +234,11 @@ class ShardedModel:
         """Whether gradients summed with sync off wait for a synced backward (a save now misses them)."""
         return self._gradient_sync.state is not SyncState.SYNCED
 
-    def mark_final_batch(self, final: bool) -> None:
+    def mark_final_batch(self, final: bool, *, fix: str = UNEVEN_FIX) -> None:
         """Whether the step about to run takes this rank's last batch of the epoch (checks.py,
-        Note: uneven batches): its gathers tell the other ranks, so uneven batch counts fail."""
-        self._checks.final_batch = final
+        Note: uneven batches): its gathers tell the other ranks, so uneven batch counts fail, with
+        `fix` (how to give every rank the same number of batches) in the error."""
+        self._checks.final_batch, self._checks.uneven_fix = final, fix
 
     # ---- whole parameters outside forward -------------------------------------------------
     def gathered_parameters(
@@ -389,9 +390,9 @@ class ShardedModel:
             self._offload.close()
         self._pool.clear()
 
-    def leave_sharded(self) -> None:
+    def leave_sharded(self, *, fix: str = SHARD_AGAIN) -> None:
         """Remove the hooks and free the pooled buffers, keep the shards; no collective (Note: a
-        module left sharded)."""
+        module left sharded). A forward then raises, naming `fix` (what to do instead)."""
         self.remove_hooks()
         self._pool.clear()
-        leave_sharded(self.module, self)
+        leave_sharded(self.module, self, fix)
