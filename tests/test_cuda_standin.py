@@ -193,11 +193,15 @@ def _steady_steps(rank: int, world_size: int, engine: str, k: int, options: dict
     """Steps 3-7 of training `_Stack(k)` with AdamW (the first records the order and checks at
     once): zero3 through the stand-in (the path CUDA takes), DDP counted alike."""
     torch.manual_seed(0)
+    options = dict(options)
+    moved = options.pop("moved", False)
     with standin() if engine == "zero3" else counting() as mode:
         model = _Stack(k)
         if engine == "zero3":
             ShardedModel(model, wrap_policy={_Linears}, **options)
             wrapped: nn.Module = model
+            for param in model.parameters() if moved else ():  # each shard off the unit's buffer
+                param.data = param.data.clone()
         else:
             wrapped = DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -227,12 +231,16 @@ def test_a_steady_step_reads_and_writes_the_host_as_often_as_ddp_on_the_cuda_pat
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"param_dtype": torch.bfloat16}, {"reshard_after_forward": False}], ids=["fp32", "bf16", "kept"]
+    "options",
+    [{}, {"param_dtype": torch.bfloat16}, {"param_dtype": torch.bfloat16, "moved": True},
+     {"reshard_after_forward": False}],  # fmt: skip
+    ids=["fp32", "bf16", "bf16 shards moved", "kept"],
 )
 def test_every_copy_of_a_steady_step_runs_as_one_kernel_on_cuda_whatever_the_layers_per_block(options) -> None:
     """Before: the copy-out split a non-dense column slice of the gathered rows, the copy-in cast
-    inside a `cat` (bf16), and the Reduce-Scatter copy-in padded each odd gradient apart and
-    cast inside a `cat`: a kernel per parameter on CUDA. The copies per step stay the same for 2
+    inside a `cat` (bf16; now one `copy_` from the shards' buffer, or a `_foreach_copy_` where
+    they left it), and the Reduce-Scatter copy-in padded each odd gradient apart and cast inside
+    a `cat`: a kernel per parameter on CUDA. The copies per step stay the same for 2
     and 6 Linear layers per block (6 units)."""
     two, six = (run_ranks(_steady_steps, 2, "zero3", k, options) for k in (2, 6))
     for few, many in zip(two, six):

@@ -29,7 +29,8 @@ copy-out splits whole rows, the check slot and padding into a scratch tensor); `
 inputs of the output's dtype (so no cast inside it); `_chunk_cat`: contiguous inputs of one dtype
 into a dense output of that dtype or bf16 -> fp32 (the Reduce-Scatter copy-in: it pads and casts
 each gradient and appends the check column, reduce.py); `_foreach_copy_`: pairs of equal layout,
-casting (the gather copy-in). FSDP2 packs with the same ops. `torch._chunk_cat` and
+casting (the gather copy-in of shards moved off their buffer; one `copy_` while they lie in it).
+FSDP2 packs with the same ops. `torch._chunk_cat` and
 `torch._foreach_copy_` are private (FSDP2's copy-ins; tried on torch 2.13); where one is missing
 `torch.cat` does the same work, a kernel per tensor when it casts. tests/test_cuda_standin.py
 asserts these forms on the path CUDA takes.
@@ -279,12 +280,18 @@ class Unit:
 
     # ---- packing (Note: one kernel per copy) ------------------------------------------------
     def _pack_shards(self, send: torch.Tensor) -> None:
-        """This rank's shards back to back into `send` (S elements, any dtype: cast on the way)."""
+        """This rank's shards back to back into `send` (S elements, any dtype: cast on the way):
+        one copy from their buffer while they lie in it (shard.py, Note: shards in one buffer)."""
         shards = [p.param.detach() for p in self.params]
+        first = shards[0]
+        start, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
         with torch.no_grad():
-            if _foreach_copy is None:
+            if all(t.untyped_storage().data_ptr() == ptr and t.storage_offset() == start + o and t.is_contiguous()
+                   for t, o in zip(shards, self.offsets)):  # fmt: skip
+                send.copy_(first.new_empty(0).set_(first.untyped_storage(), start, (self.shard_numel,), (1,)))
+            elif _foreach_copy is None:
                 torch.cat(shards, out=send)
-            else:
+            else:  # moved off their buffer (e.g. `param.data = ...`)
                 _foreach_copy(list(send.split([p.shard_numel for p in self.params])), shards)
 
     def _unpack_rows(self, gathered: torch.Tensor, block: torch.Tensor) -> None:
