@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_zero3.engine import AgreeingGradScaler, ShardedModel, clip_grad_norm_
 from lightning_zero3.engine.buffers import BufferPool, indexed
@@ -113,33 +114,148 @@ def test_reduce_tags_made_on_the_replicate_stream_are_read_after_its_event() -> 
         assert races == [], races
 
 
-# ---- host transfers per steady step, against DDP ---------------------------------------------
-def _transfers_per_step(rank: int, world_size: int, engine: str) -> list[dict]:
+# ---- steady steps on the path CUDA takes, against DDP -------------------------------------------
+COPIES = {"copy_", "_to_copy", "clone", "cat", "_chunk_cat", "split_with_sizes_copy", "_foreach_copy_",
+          "constant_pad_nd", "stack"}  # fmt: skip
+
+
+class _Linears(nn.Module):
+    """A block of `k` Linear layers (odd sizes: padded at 2 ranks)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(13, 13) for _ in range(k)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.layers(x)
+
+
+class _Stack(nn.Module):
+    """The root (input and head) and 5 blocks of `k` Linear layers: 6 units."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(7, 13), nn.Linear(13, 5)
+        self.blocks = nn.ModuleList(_Linears(k) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _per_tensor_form(name: str, args: Any, kwargs: dict) -> str | None:
+    """Why CUDA would run this copy as a kernel per tensor (unit.py, Note: one kernel per copy), or None."""
+    if name == "split_with_sizes_copy":
+        source, outs = args[0], kwargs["out"]
+        if not source.is_contiguous() or any(not o.is_contiguous() or o.dtype != source.dtype for o in outs):
+            return f"split_with_sizes_copy of a {'' if source.is_contiguous() else 'non-'}dense input"
+    elif name in ("cat", "_chunk_cat"):
+        tensors, out = args[0], kwargs.get("out")
+        dtypes = {t.dtype for t in tensors}
+        if any(not t.is_contiguous() for t in tensors) or (out is not None and not out.is_contiguous()):
+            return f"{name} of non-contiguous tensors"
+        if out is not None and dtypes != {out.dtype} and (name == "cat" or dtypes != {torch.bfloat16}):
+            return f"{name} casting {sorted(map(str, dtypes))} to {out.dtype}"
+    elif name == "_foreach_copy_":
+        dsts, srcs = args[0], args[1]
+        if len({d.dtype for d in dsts}) > 1 or len({t.dtype for t in srcs}) > 1:
+            return "_foreach_copy_ of mixed dtypes"
+        if any(d.shape != t.shape or d.stride() != t.stride() for d, t in zip(dsts, srcs)):
+            return "_foreach_copy_ of different layouts"
+    return None
+
+
+class _Ops(TorchDispatchMode):
+    """Copy ops counted, the forms CUDA runs per tensor, and the streams gradients are averaged on."""
+
+    def __init__(self, api: Any) -> None:
+        super().__init__()
+        self.api = api
+        self.copies = 0
+        self.per_tensor: list[str] = []
+        self.averaged_on: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        self.copies += name in COPIES
+        why = _per_tensor_form(name, args, kwargs)
+        if why is not None:
+            self.per_tensor.append(why)
+        if name == "div" and "out" in kwargs:  # the engine's average (reduce.py); the model's divide in place
+            self.averaged_on.add(f"{self.api.current.name}: {kwargs['out'].dtype}")
+        return func(*args, **kwargs)
+
+
+def _steady_steps(rank: int, world_size: int, engine: str, k: int, options: dict) -> list[dict]:
+    """Steps 3-7 of training `_Stack(k)` with AdamW (the first records the order and checks at
+    once): zero3 through the stand-in (the path CUDA takes), DDP counted alike."""
     torch.manual_seed(0)
-    model = MLP(depth=6)  # 7 units: the root and 6 blocks
-    if engine == "zero3":
-        ShardedModel(model)
-        wrapped: nn.Module = model
-    else:
-        wrapped = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    steps = []
-    for step in range(7):
-        x, y = _batch(rank, world_size, step)
-        with counting() as mode:
-            _step(wrapped, optimizer, x, y, None)
-        steps.append(dict(mode.counts))
-    return steps[2:]  # steps 3-7: the first records the order and checks at once
+    options = dict(options)
+    moved = options.pop("moved", False)
+    with standin() if engine == "zero3" else counting() as mode:
+        model = _Stack(k)
+        if engine == "zero3":
+            ShardedModel(model, wrap_policy={_Linears}, **options)
+            wrapped: nn.Module = model
+            for param in model.parameters() if moved else ():  # each shard off the unit's buffer
+                param.data = param.data.clone()
+        else:
+            wrapped = DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        steps = []
+        for step in range(7):
+            x, y = _batch(rank, world_size, step)
+            before = dict(mode.counts)
+            with _Ops(mode.api) as ops:
+                _step(wrapped, optimizer, x, y, "bf16-mixed" if options.get("param_dtype") else None)
+            counts = {key: mode.counts[key] - before.get(key, 0) for key in ("host_reads", "host_writes")}
+            steps.append({**counts, "copies": ops.copies, "per_tensor": ops.per_tensor[:3],
+                          "averaged_on": sorted(ops.averaged_on), "races": mode.races[:3]})  # fmt: skip
+    return steps[2:]
 
 
-def test_a_steady_training_step_writes_no_host_value_and_reads_about_as_often_as_ddp() -> None:
-    """Before: each unit's Reduce-Scatter check column was stamped with `column[i] = code`, a
-    Python int copied from pageable host memory (7 per step here; DDP 0)."""
-    zero3, ddp = run_ranks(_transfers_per_step, 2, "zero3"), run_ranks(_transfers_per_step, 2, "ddp")
+def test_a_steady_step_reads_and_writes_the_host_as_often_as_ddp_on_the_cuda_path() -> None:
+    """Before: the rank checks read the step's tags with one `.tolist()`, a sync DDP does not
+    have (checks.py, Note: deferred tag checks); earlier, each unit's check column was stamped
+    with `column[i] = code`, a Python int copied from pageable host memory. What both count is
+    AdamW's (its CPU step counters)."""
+    zero3, ddp = run_ranks(_steady_steps, 2, "zero3", 2, {}), run_ranks(_steady_steps, 2, "ddp", 2, {})
     for mine, theirs in zip(zero3, ddp):
         for ours, plain in zip(mine, theirs):
-            assert ours.get("host_writes", 0) == 0, mine
-            assert abs(ours.get("host_reads", 0) - plain.get("host_reads", 0)) <= 1, (mine, theirs)
+            assert ours["races"] == [], mine
+            for count in ("host_reads", "host_writes"):
+                assert ours[count] == plain[count], (count, mine, theirs)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"param_dtype": torch.bfloat16}, {"param_dtype": torch.bfloat16, "moved": True},
+     {"reshard_after_forward": False}],  # fmt: skip
+    ids=["fp32", "bf16", "bf16 shards moved", "kept"],
+)
+def test_every_copy_of_a_steady_step_runs_as_one_kernel_on_cuda_whatever_the_layers_per_block(options) -> None:
+    """Before: the copy-out split a non-dense column slice of the gathered rows, the copy-in cast
+    inside a `cat` (bf16; now one `copy_` from the shards' buffer, or a `_foreach_copy_` where
+    they left it), and the Reduce-Scatter copy-in padded each odd gradient apart and cast inside
+    a `cat`: a kernel per parameter on CUDA. The copies per step stay the same for 2
+    and 6 Linear layers per block (6 units)."""
+    two, six = (run_ranks(_steady_steps, 2, "zero3", k, options) for k in (2, 6))
+    for few, many in zip(two, six):
+        for a, b in zip(few, many):
+            assert a["per_tensor"] == [] and b["per_tensor"] == [], (a, b)
+            assert a["copies"] == b["copies"], (few, many)
+
+
+def test_gradients_are_averaged_and_cast_on_the_communication_stream() -> None:
+    """Before: the division by N and the cast to the shards' dtype ran on the compute stream,
+    after it waited for each Reduce-Scatter (FSDP2 runs both on the Reduce-Scatter stream)."""
+    for steps in run_ranks(_steady_steps, 2, "zero3", 2, {"reduce_dtype": torch.float64}):
+        assert all(step["averaged_on"] == ["reduce: torch.float32"] for step in steps), steps
+    for steps in run_ranks(_steady_steps, 2, "zero3", 2, {"shard_size": 1}):
+        assert all(step["averaged_on"] == ["replicate: torch.float32"] for step in steps), steps
 
 
 # ---- fp16 with offload and a fused optimizer ---------------------------------------------------

@@ -1,7 +1,8 @@
 """`ShardingConfig(rank_checks=...)` (engine/checks.py, Note: rank check modes): the checks that
 turn ranks running different units into an `OrderMismatchError` run on every step, on the first
 only, or on every K-th; on the steps they skip, no tag is stamped or read and the host is never
-read, and on the steps they run, a mislabelled collective still fails on every rank."""
+read, and on the steps they run, a mislabelled collective still fails on every rank. No steady
+step reads the host, checked or not (Note: deferred tag checks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel, ShardingConfig
+from lightning_zero3.engine.checks import OrderMismatchError
 from tests.models import MLP, mlp_batch
 from tests.parity import local_slice, max_param_difference, step_side_by_side
 from tests.ranks import RankFailure, run_ranks
@@ -77,14 +79,12 @@ def test_unchecked_steps_stamp_nothing_read_no_tags_and_never_read_the_host(rank
             on = step in checked
             assert (result["stamped"][step] > 0) == on, result
             assert (result["tags"][step] > 0) == on, result
-            assert (result["tolist"][step] > 0) == on, result
-            # A checked steady step reads the host once (the deferred check); the first step
-            # watches closely (no order recorded yet: one read per collective).
-            if on and step > 0:
-                assert result["reads"][step] == 1, result
-            if not on:
-                assert result["reads"][step] == 0, result
-        assert result["reads"][0] > 1, result
+            # No steady step reads the host, checked or not: the tags go by a non-blocking copy
+            # (checks.py, Note: deferred tag checks); the first step watches closely (no order
+            # recorded yet: one read per collective).
+            if step > 0:
+                assert result["reads"][step] == 0 and result["tolist"][step] == 0, result
+        assert result["reads"][0] > 1 and result["tolist"][0] > 1, result
 
 
 def _mislabelled_at(rank: int, world_size: int, rank_checks: str | int, bad_step: int) -> str:
@@ -114,3 +114,67 @@ def test_a_checked_step_still_fails_on_every_rank_and_an_unchecked_one_does_not_
     with pytest.raises(RankFailure, match="OrderMismatchError"):
         run_ranks(_mislabelled_at, 2, 2, 1, timeout_s=30)  # unseen at step 1, caught at step 2
     assert run_ranks(_mislabelled_at, 2, "first_step", 1, timeout_s=30) == ["finished", "finished"]
+
+
+def _mislabelled_on_a_device_a_step_behind(rank: int, world_size: int) -> str:
+    """As `_mislabelled_at(..., "every_step", 2)`, on the path CUDA takes, with a device whose
+    work never has finished when the host asks (events never pass a query)."""
+    from tests.cuda_standin import FakeEvent, standin
+
+    FakeEvent.query = lambda self: False  # type: ignore[method-assign]  # this rank's process only
+    torch.manual_seed(0)
+    with standin():
+        model = MLP(depth=3)
+        sharded = ShardedModel(model, prefetch=1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            if step == 2 and rank == 1:
+                by_name = {unit.name: unit for unit in sharded._units}
+                mislabel(by_name["blocks.1"], by_name["blocks.2"])
+            x, y = mlp_batch(step)
+            try:
+                F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+            except OrderMismatchError as err:
+                return f"step {step}: {err}"
+            optimizer.step()
+            optimizer.zero_grad()
+    return "finished"
+
+
+def test_a_mismatch_read_without_waiting_raises_one_step_later_on_every_rank():
+    """Steady steps send their tags to the host and never wait for them (checks.py, Note: deferred
+    tag checks): where the copy has not landed by the next backward's end, it is waited for there,
+    so the mismatch of step 2 raises at step 3, on every rank, saying so. Before: no such case (a
+    sync at every step's end)."""
+    for outcome in run_ranks(_mislabelled_on_a_device_a_step_behind, 2, timeout_s=30):
+        assert outcome.startswith("step 3: All-Gather mismatch") and "'blocks.1'" in outcome, outcome
+        assert "(read 1 backward(s) later: checks.py, Note: deferred tag checks)" in outcome, outcome
+
+
+def _last_batch_of_rank_0_on_a_device_a_step_behind(rank: int, world_size: int) -> str:
+    """Rank 0 runs the last batch of its epoch at step 2 (`final_batch`, set by the strategy),
+    rank 1 has more; events never pass a query, as in the test above."""
+    from tests.cuda_standin import FakeEvent, standin
+
+    FakeEvent.query = lambda self: False  # type: ignore[method-assign]  # this rank's process only
+    torch.manual_seed(0)
+    with standin():
+        model = MLP(depth=3)
+        sharded = ShardedModel(model, prefetch=1)
+        for step in range(4):
+            sharded._checks.final_batch = step == 2 and rank == 0
+            x, y = mlp_batch(step)
+            try:
+                F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+            except (OrderMismatchError, RuntimeError) as err:
+                return f"step {step}: {type(err).__name__}: {err}"
+    return "finished"
+
+
+def test_the_step_of_a_ranks_last_batch_is_checked_at_once_even_where_reads_wait_for_nothing():
+    """checks.py, Note: uneven batches: the rank whose epoch ends raises at that step (it would
+    otherwise go on to a pass the others never run); the rank with more batches reads late and
+    learns it from its next collective."""
+    short, long = run_ranks(_last_batch_of_rank_0_on_a_device_a_step_behind, 2, timeout_s=10)
+    assert short.startswith("step 2: OrderMismatchError: Uneven batch counts"), short
+    assert long.startswith("step 3:") and "Uneven batch counts" in long, long

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -129,3 +130,32 @@ def test_copy_out_is_one_op_per_gather_and_clipping_a_fixed_number_of_ops():
     for shallow, deep in zip(small, large):
         assert (shallow["copies"], deep["copies"]) == (4, 7), (shallow, deep)  # one per unit gathered in forward
         assert shallow["clip"] == deep["clip"], (shallow, deep)
+
+
+def _clip_reads(rank: int, world_size: int) -> dict:
+    from lightning_zero3.engine import clip_grad_norm_
+
+    torch.manual_seed(0)
+    model = MLP(depth=3)
+    sharded = ShardedModel(model)
+    x, y = mlp_batch(0)
+    F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    params = list(model.parameters())
+    ops = {}
+    for check in (False, True):
+        with _Ops() as clip:
+            clip_grad_norm_(sharded, params, 1e6, error_if_nonfinite=check)
+        ops[check] = [n for n in clip.names if n != "detach"]
+    params[0].grad.fill_(float("inf"))
+    with _counting_host_reads() as reads, pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_(sharded, params, 1.0, error_if_nonfinite=True)
+    return {"ops": ops, "raising_reads": reads.count}
+
+
+def test_checking_the_clipped_norm_is_finite_reads_it_once_and_launches_nothing_more():
+    """Before: an `isfinite` kernel and a read of its result, then, to raise, a second read of
+    the norm for the message (optim.py, `clip_grad_norm_`)."""
+    for result in run_ranks(_clip_reads, 2):
+        unchecked, checked = result["ops"][False], result["ops"][True]
+        assert sorted(checked) == sorted([*unchecked, "_local_scalar_dense"]), result
+        assert result["raising_reads"] == 1, result

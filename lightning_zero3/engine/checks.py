@@ -6,13 +6,21 @@ after; the driver checks when a pass begins and a backward ends; departure.py go
 Every All-Gather row holds, after the shards, `tag_numel(dtype)` elements for the unit's tag (id
 + 1 as an int32's bits: exact in every dtype). Every Reduce-Scatter row holds one column where
 each rank writes its unit's code into the next rank's row, zeros elsewhere, so each receives its
-neighbour's code exactly: `uid % (exact // G) + 1`, exact = 2**significand bits, G the shard
+neighbour's code exactly: `uid % (exact // G) + 1`, exact = 2**significand bits of the lower of
+`param_dtype` and `reduce_dtype` (the column is packed with the gradients, reduce.py), G the shard
 groups whose All-Reduce adds G codes. The slots are always in the rows; unchecked steps skip them.
 
 [Note: deferred tag checks]
 Reading tags after each collective would sync about three times per unit. So each collective
-leaves its received tags on the device and `check()` reads them all in one copy at the end of
-backward (before the optimizer step) and when the next pass begins. With no order recorded, or
+leaves its received tags on the device, and when a backward ends and when the next pass begins
+`check_soon()` sends them to the host in one non-blocking copy (pinned memory, an event after it)
+and checks the copies that have landed, asking the event, never waiting: on a GPU a step's tags
+are usually read when the next step's backward ends, so a mismatch raises there, one step late,
+on every rank (the tags of a collective are the same on every rank that ran it); a copy still
+not landed when the next one is sent is waited for (the device is then a whole step behind). On
+CPU the tags are read where they are sent. Steps before the order is recorded, departures (a
+rank that leaves the record), a backward with sync off (Note: uneven batches) and the gathers
+outside a pass use `check()`, which reads everything now (a sync). With no order recorded, or
 after this rank departed from it, each record is checked at once (`closely`): collectives after
 a mismatch pair up wrongly. A rank whose collective fails raises a mismatch already recorded
 rather than the echo, after settling the completed gathers in flight (never waiting). A rank
@@ -31,18 +39,24 @@ strategy sets `final_batch` on the last step of this rank's epoch and its gather
 `FINAL` bit: with uneven counts the tags differ in that bit only, and every rank raises at that
 step's check (checked steps only). With sync off the short rank's last micro-batch syncs and the
 long rank's does not, so their backward collectives would pair wrongly before the end-of-backward
-check: a backward with sync off checks the forward's tags when it begins.
+check: a backward with sync off checks the forward's tags when it begins. The step of a rank's
+last batch reads its tags at once (one sync per epoch), so the rank with fewer batches raises
+there; on a GPU the others may read that step's tags one step late (Note: deferred tag checks)
+and meet its absence in their next collective first: on gloo an error, then the recorded
+mismatch; on NCCL the launcher ends them (torchrun), or the collective timeout.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_zero3.engine.buffers import current_event, stream_api
 from lightning_zero3.engine.comm import Comm
 
 
@@ -87,6 +101,16 @@ class _Record:
     ready: Callable[[], None] | None = None  # makes the current stream wait for `received` (Note: deferred tag checks)
 
 
+@dataclass
+class _Read:
+    """Records whose tags are on their way to the host (Note: deferred tag checks)."""
+
+    records: list[_Record]
+    host: torch.Tensor  # int64 on the host (pinned on a GPU), valid once `landed` has passed
+    landed: Any  # event after the copy; None: on the host already
+    step: int  # the backwards finished when it was sent
+
+
 class RankChecks:
     """Tags stamped into the check slots and read back, checked once per step."""
 
@@ -99,12 +123,14 @@ class RankChecks:
         self.steps = 0  # backwards finished
         self._records: list[_Record] = []
         self.closely = True  # Note: deferred tag checks
-        # What the checks cost: device-to-host reads (the engine's only per-step sync), integers read.
+        # What the checks cost: device-to-host reads that wait (none in a steady step), integers read.
         self.host_reads = 0
         self.tags_read = 0
+        self._reads: deque[_Read] = deque()  # sent by `check_soon`, oldest first
         self.in_flight: dict[int, Callable[[], None]] = {}  # unit id -> settle (Note: deferred tag checks)
         self._stamps: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
         self._columns: dict[tuple[torch.dtype, torch.device, int, int, int], torch.Tensor] = {}  # Reduce-Scatter stamps
+        self._tails: dict[tuple[Any, ...], torch.Tensor] = {}  # `reduce_tail`'s, per unit, rank and shape
         self.final_batch = False  # set by the strategy, cleared when the backward ends (Note: uneven batches)
         self.uneven_fix = UNEVEN_FIX  # how, in the words of whoever sets `final_batch`
 
@@ -158,6 +184,21 @@ class RankChecks:
         column.copy_(stamp)
         return True
 
+    def reduce_tail(self, uid: int, rank: int, shape: tuple[int, int], dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, bool]:  # fmt: skip
+        """The (N, columns) end of a Reduce-Scatter input after the gradients (reduce.py): unit
+        `uid`'s check column for the next rank, then zeros; all zeros, and False, on an unchecked
+        step. Built once on the device."""
+        stamped = self.active
+        key = (dtype, device, uid if stamped else -1, rank, *shape)
+        tail = self._tails.get(key)
+        if tail is None:
+            tail = torch.zeros(shape, dtype=dtype)
+            if stamped:
+                self.stamp_reduce(tail[:, 0], uid, rank)
+            tail = self._tails[key] = tail.to(device)
+        return tail, stamped
+
     def read_reduce(
         self, collective: str, unit: str, received: torch.Tensor, uid: int, dtype: torch.dtype,
         *, ready: Callable[[], None] | None = None,
@@ -179,23 +220,70 @@ class RankChecks:
             self.check()
 
     def check(self) -> None:
-        """Read every pending record with one device-to-host copy; raise `OrderMismatchError`
-        for the first that differs. No sync when nothing is pending."""
+        """Read every pending record now (one device-to-host copy, a sync) and every copy
+        `check_soon` sent (waiting for it); raise `OrderMismatchError` for the first that differs.
+        No sync when nothing is pending."""
+        while self._reads:
+            self._read(wait=True)
         if not self._records:
             return
         records, self._records = self._records, []
+        self._ready(records)
+        self.host_reads += 1
+        got = torch.cat([record.received for record in records]).tolist()  # the one device-to-host copy
+        self._compare(records, got, self.steps)
+
+    def check_soon(self) -> None:
+        """Send the pending records to the host without waiting and check the copies that have
+        landed (Note: deferred tag checks); on this rank's last batch, check all now (Note:
+        uneven batches)."""
+        if self.final_batch:
+            self.check()
+            return
+        if self._records:
+            records, self._records = self._records, []
+            self._ready(records)
+            received = torch.cat([record.received for record in records])
+            host, landed = received, None
+            if received.device.type != "cpu":
+                host = torch.empty(received.shape, dtype=received.dtype, pin_memory=True)
+                host.copy_(received, non_blocking=True)
+            if stream_api(received.device) is not None:
+                landed = current_event(received.device)
+            self._reads.append(_Read(records, host, landed, self.steps))
+        while self._reads:
+            landed = self._reads[0].landed
+            if len(self._reads) == 1 and landed is not None and not landed.query():
+                return  # the newest copy may land later: never waited for
+            self._read(wait=len(self._reads) > 1)
+
+    @staticmethod
+    def _ready(records: list[_Record]) -> None:
         for record in records:
             if record.ready is not None:  # produced on another stream (reduce.py: across shard groups)
                 record.ready()
-        self.host_reads += 1
-        got = torch.cat([record.received for record in records]).tolist()  # the one device-to-host copy
+
+    def _read(self, *, wait: bool) -> None:
+        """Check the oldest copy `check_soon` sent, waiting for it with `wait` if not landed."""
+        read = self._reads.popleft()
+        if read.landed is not None and not read.landed.query():
+            assert wait
+            self.host_reads += 1
+            read.landed.synchronize()
+        # Host memory (pinned on a GPU): read through numpy, not `Tensor.tolist`, which would be
+        # a read of device memory where the tensor is a device's.
+        self._compare(read.records, read.host.numpy().tolist(), read.step)
+
+    def _compare(self, records: list[_Record], got: list[int], step: int) -> None:
         self.tags_read += len(got)
         start = 0
         for record in records:
             seen = got[start : start + len(record.expected)]
             start += len(seen)
             if seen != record.expected:
-                raise OrderMismatchError(self._message(record, seen))
+                late = self.steps - step
+                later = f" (read {late} backward(s) later: checks.py, Note: deferred tag checks)" if late else ""
+                raise OrderMismatchError(self._message(record, seen) + later)
 
     def step_done(self) -> None:
         self.steps += 1

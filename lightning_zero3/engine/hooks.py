@@ -240,7 +240,7 @@ class HookDriver:
 
     def _begin_pass(self, state: P = P.FORWARD) -> None:
         """A unit starts forward (or every unit is held) with nothing open, no backward running."""
-        self.checks.check()  # tags left by a pass without backward (checks.py)
+        self.checks.check_soon()  # tags left by a pass without backward, or by the last step (checks.py)
         self.checks.closely = self.schedule.forward_order is None  # watch closely until a record exists
         if self.offload is not None:
             self.offload.begin_pass()
@@ -341,7 +341,7 @@ class HookDriver:
     @eager
     def _end_backward(self) -> None:
         self.grads.finish_reductions()
-        self.checks.check()  # the step's one host sync, before the optimizer step (checks.py)
+        self.checks.check_soon()  # no host sync: read when landed (checks.py, Note: deferred tag checks)
         self._close_pending()
         self.grads.finish_backward()  # the persistent gradients' All-Reduce, unless sync is off
         self.schedule.end_backward()

@@ -79,12 +79,13 @@ def clip_grad_norm_(
     *, error_if_nonfinite: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """`torch.nn.utils.clip_grad_norm_` with the global norm. `error_if_nonfinite` reads the norm
-    on the host (a sync on a GPU) to raise before any gradient is scaled, as torch does."""
+    on the host (one read, a sync on a GPU, as torch's) to raise before any gradient is scaled."""
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(model, params, norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
+    value = total.item() if error_if_nonfinite else 0.0  # the check and its message read it once
+    if not math.isfinite(value):
         raise RuntimeError(
-            f"The total norm of order {float(norm_type)} of the gradients is non-finite ({float(total)}), so it "
+            f"The total norm of order {float(norm_type)} of the gradients is non-finite ({value}), so it "
             f"cannot be clipped. Set `error_if_nonfinite=False` to clip anyway."
         )
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # foreach: one multiply per dtype

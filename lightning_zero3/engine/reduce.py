@@ -12,7 +12,11 @@ reductions started, alike on every rank (`_advance`).
 [Note: gradient copy-in]
 The full gradients are copied into the Reduce-Scatter input on the compute stream (as FSDP2 does)
 and the reduce stream waits for the copy: autograd frees them as soon as `GatherParams.backward`
-returns; only the inputs stay in flight.
+returns; only the inputs stay in flight. One op packs them (`pack_gradients`, unit.py, Note: one
+kernel per copy). The average (a division by N after the sum: the check column must stay an exact
+integer, so no `ReduceOp.AVG` or pre-divide) and the cast to the shard dtype run on the stream
+that waited for the collective (reduce, or replicate across shard groups), into a tensor allocated
+on the compute stream beforehand, which then waits for their event.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import torch.nn.functional as F
 
 from lightning_zero3.engine.unit import ShardSource, Unit
 
-__all__ = ["PendingReduce", "Reductions", "Summed", "grad_blocks"]
+__all__ = ["PendingReduce", "Reductions", "Summed", "grad_blocks", "pack_gradients"]
+
+_chunk_cat = getattr(torch, "_chunk_cat", None)  # private: unit.py, Note: one kernel per copy
 
 
 @dataclass(eq=False)
@@ -49,6 +55,20 @@ def grad_blocks(unit: Unit, grads: list[torch.Tensor | None]) -> list[torch.Tens
             flat = F.pad(flat, (0, n * p.shard_numel - p.numel))
         blocks.append(flat.view(n, p.shard_numel))
     return blocks
+
+
+def pack_gradients(unit: Unit, grads: list[torch.Tensor | None], full: torch.Tensor, tail: torch.Tensor) -> None:
+    """The Reduce-Scatter input `full` (N, row): each gradient (None: zeros) padded to its
+    (N, shard) column block, cast to `full`'s dtype, then `tail` (the check column)."""
+    n = unit.world_size
+    zero = tail.new_zeros(())  # no gradient (frozen): zeros, not allocated per parameter
+    dtypes = {g.dtype for g in grads if g is not None}
+    if _chunk_cat is not None and dtypes <= {tail.dtype}:  # one kernel where all are contiguous
+        flats = [zero.expand(p.numel) if g is None else g.reshape(-1) for p, g in zip(unit.params, grads)]
+        _chunk_cat([*flats, tail.view(-1)], 0, n, out=full)
+        return
+    blocks = [zero.expand(n, p.shard_numel) if b is None else b for p, b in zip(unit.params, grad_blocks(unit, grads))]
+    torch.cat([*blocks, tail], dim=1, out=full)  # casts to full's dtype
 
 
 @dataclass(eq=False)
@@ -118,14 +138,12 @@ class Reductions:
         out = torch.empty(width, dtype=unit.reduce_dtype, device=device)
         with torch.no_grad():  # the copy-in, on the compute stream (Note: gradient copy-in)
             full = unit.pool.take("reduce", n * width, unit.reduce_dtype, device).view(n, width)  # (N, row)
+            tail, stamped = unit.checks.reduce_tail(unit.uid, unit.comm.rank, (n, width - s), unit.code_dtype, device)
             if isinstance(grads, Summed):
                 full[:, :s].copy_(grads.total)  # casts to reduce_dtype
-            else:  # one copy: each gradient as its (N, shard) column block
-                zero = full.new_zeros(())  # no gradient (frozen): zeros, not allocated per parameter
-                blocks = [zero.expand(n, p.shard_numel) if b is None else b
-                          for p, b in zip(unit.params, grad_blocks(unit, grads))]  # fmt: skip
-                torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
-            stamped = unit.checks.stamp_reduce(full[:, s], unit.uid, unit.comm.rank)
+                full[:, s:].copy_(tail)
+            else:
+                pack_gradients(unit, grads, full, tail)
         with streams.on("reduce"):  # waits for the copy-in
             work = unit.comm.reduce_scatter(out, full, what=f"gradients of unit '{unit.name}'", async_op=True)
             done = streams.event()
@@ -145,26 +163,27 @@ class Reductions:
         """Wait for the reduction; this rank's averaged shard gradients in the shard dtype (views
         of one buffer), None where no gradient was given."""
         unit = pending.unit
-        n = unit.world_size
+        n, s = unit.world_size, unit.shard_numel
+        summed = pending.out[:s]
+        # Allocated here, on the compute stream that uses it (Note: gradient copy-in).
+        out = summed if summed.dtype == unit.shard_dtype else torch.empty_like(summed, dtype=unit.shard_dtype)
         if unit.replicate is not None:
             if not pending.replicated:  # the oldest: every older one is finished
                 _replicate(pending)
-            _wait(pending, "All-Reduce", None)
             n *= unit.replicate.world_size
+            _wait(pending, "All-Reduce", "replicate", average=(n, out))
         else:
-            _wait(pending, "Reduce-Scatter", None)
-            unit.comm.streams(pending.out.device).wait_for(pending.done)
+            _wait(pending, "Reduce-Scatter", "reduce", average=(n, out))
+        unit.comm.streams(pending.out.device).wait_for(pending.done)
         unit.pool.give("reduce", pending.full.view(-1))
         present = pending.present
-        out = pending.out[: unit.shard_numel]
-        out.div_(n)  # sum over all ranks / N: the same average DDP takes
-        if out.dtype != unit.shard_dtype:
-            out = out.to(unit.shard_dtype)
         return [out[o : o + p.shard_numel] if has else None for p, o, has in zip(unit.params, unit.offsets, present)]
 
 
-def _wait(pending: PendingReduce, collective: str, stream: str | None) -> None:
-    """Wait for `pending`'s collective (on `stream`, None: the current one); record its check column."""
+def _wait(pending: PendingReduce, collective: str, stream: str | None,
+          average: tuple[int, torch.Tensor] | None = None) -> None:  # fmt: skip
+    """Wait for `pending`'s collective (on `stream`, None: the current one); record its check
+    column. `average` (N, out): then, on that stream, the sum / N into `out` (Note: gradient copy-in)."""
     unit = pending.unit
     streams = unit.comm.streams(pending.out.device)
     what = f"gradients of unit '{unit.name}'" + (" across shard groups" if collective == "All-Reduce" else "")
@@ -174,13 +193,16 @@ def _wait(pending: PendingReduce, collective: str, stream: str | None) -> None:
             if pending.work is not None:
                 pending.work.wait()
             received = pending.out[unit.shard_numel :][:1].to(torch.int64) if pending.stamped else None
+            if average is not None:  # sum over all ranks / N: the same average DDP takes
+                n, out = average
+                torch.div(pending.out[: unit.shard_numel], n, out=out)  # casts to the shard dtype
             pending.done = done = streams.event()
     except RuntimeError as err:
         unit.checks.raise_pending_mismatch()
         raise unit.comm.failed(collective, what, err) from err
     if received is not None:  # read on the compute stream: after `done` when made on another
         ready = None if stream is None or done is None else lambda: streams.wait_for(done)
-        unit.checks.read_reduce(collective, unit.name, received, unit.uid, unit.reduce_dtype, ready=ready)
+        unit.checks.read_reduce(collective, unit.name, received, unit.uid, unit.code_dtype, ready=ready)
 
 
 def _replicate(pending: PendingReduce) -> None:

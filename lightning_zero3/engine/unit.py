@@ -21,6 +21,19 @@ N * o_i, filled by one `split_with_sizes_copy`. Autograd keeps them from forward
 pooled block back in (`UntypedStorage._swap_data_ptr_`, private; tried on torch 2.13). FSDP2's
 `resize_(0)` / `resize_(n)` cost 1.3-4.2% more CPU and 6x the page faults (docs/performance.md),
 and a pooled block carries its last stream's event (buffers.py), a freed storage none.
+
+[Note: one kernel per copy]
+On CUDA a copy op over many tensors runs as one kernel only in some forms; otherwise it launches
+one per tensor. `split_with_sizes_copy`: a dense input and dense outputs of its dtype (so the
+copy-out splits whole rows, the check slot and padding into a scratch tensor); `cat`: contiguous
+inputs of the output's dtype (so no cast inside it); `_chunk_cat`: contiguous inputs of one dtype
+into a dense output of that dtype or bf16 -> fp32 (the Reduce-Scatter copy-in: it pads and casts
+each gradient and appends the check column, reduce.py); `_foreach_copy_`: pairs of equal layout,
+casting (the gather copy-in of shards moved off their buffer; one `copy_` while they lie in it).
+FSDP2 packs with the same ops. `torch._chunk_cat` and
+`torch._foreach_copy_` are private (FSDP2's copy-ins; tried on torch 2.13); where one is missing
+`torch.cat` does the same work, a kernel per tensor when it casts. tests/test_cuda_standin.py
+asserts these forms on the path CUDA takes.
 """
 
 from __future__ import annotations
@@ -32,12 +45,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_zero3.engine.checks import OrderMismatchError, RankChecks, read_tags, tag_numel
+from lightning_zero3.engine.checks import OrderMismatchError, RankChecks, exact_integers, read_tags, tag_numel
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.record import StepRecord
 from lightning_zero3.engine.shard import ShardedParam
 
 __all__ = ["ALIGN_BYTES", "ShardSource", "Unit", "aligned_numel"]
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)  # private: Note: one kernel per copy
 
 ALIGN_BYTES = 16  # Note: flat layout
 
@@ -103,6 +118,9 @@ class Unit:
         self.shard_dtype = shard_dtype
         self.param_dtype = param_dtype or shard_dtype
         self.reduce_dtype = reduce_dtype or (shard_dtype if shard_dtype.itemsize >= 4 else torch.float32)
+        # The check column travels with the gradients (`param_dtype`) into the reduce input: its
+        # codes must be exact in both (checks.py, Note: check slot).
+        self.code_dtype = min(self.param_dtype, self.reduce_dtype, key=exact_integers)
         numels = [p.shard_numel for p in params]
         self.offsets = [0, *accumulate(numels)][:-1]  # o_i (Note: flat layout)
         self.shard_numel = sum(numels)  # S
@@ -171,7 +189,7 @@ class Unit:
             if kept is None and self.offload is not None:
                 self.offload.fill(self, mine[:s], exact=exact)
             elif kept is None:
-                torch.cat([p.param.detach() for p in self.params], out=mine[:s])  # casts to `dtype`
+                self._pack_shards(mine[:s])
             else:
                 mine[:s].copy_(kept[0])
                 self.drop_slice()  # used: freed (reshard.py)
@@ -256,14 +274,37 @@ class Unit:
                 storage._swap_data_ptr_(refill.untyped_storage())  # type: ignore[attr-defined]  # private: Note
             block = self._block(storage, into[0])
             fulls = list(into)
-        per = n // gathered.shape[0]  # shards of each parameter per row: 1, or N/G from slices
-        sizes = [per * p.shard_numel for p in self.params]
-        with torch.no_grad():  # one copy: row r's shards of parameter i go to n * o_i + r * size_i
-            rows = gathered.shape[0]
-            out = [block[n * o : n * o + rows * s].view(rows, s) for o, s in zip(self.offsets, sizes)]
-            torch.split_with_sizes_copy(gathered[:, : per * self.shard_numel], sizes, dim=1, out=out)
+        self._unpack_rows(gathered, block)
         self.pool.give("gather", gathered.view(-1))
         return fulls
+
+    # ---- packing (Note: one kernel per copy) ------------------------------------------------
+    def _pack_shards(self, send: torch.Tensor) -> None:
+        """This rank's shards back to back into `send` (S elements, any dtype: cast on the way):
+        one copy from their buffer while they lie in it (shard.py, Note: shards in one buffer)."""
+        shards = [p.param.detach() for p in self.params]
+        first = shards[0]
+        start, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
+        with torch.no_grad():
+            if all(t.untyped_storage().data_ptr() == ptr and t.storage_offset() == start + o and t.is_contiguous()
+                   for t, o in zip(shards, self.offsets)):  # fmt: skip
+                send.copy_(first.new_empty(0).set_(first.untyped_storage(), start, (self.shard_numel,), (1,)))
+            elif _foreach_copy is None:
+                torch.cat(shards, out=send)
+            else:  # moved off their buffer (e.g. `param.data = ...`)
+                _foreach_copy(list(send.split([p.shard_numel for p in self.params])), shards)
+
+    def _unpack_rows(self, gathered: torch.Tensor, block: torch.Tensor) -> None:
+        """The gathered (rows, row) buffer into `block`: row r's shards of parameter i go to
+        n * o_i + r * size_i (Note: full-parameter blocks)."""
+        n, rows, width = self.world_size, gathered.shape[0], gathered.shape[1]
+        per = n // rows  # shards of each parameter per row: 1, or N/G from slices
+        sizes = [per * p.shard_numel for p in self.params]
+        out = [block[n * o : n * o + rows * s].view(rows, s) for o, s in zip(self.offsets, sizes)]
+        rest = width - per * self.shard_numel  # the check slot and padding: split off, then dropped
+        with torch.no_grad():
+            scratch = torch.empty(rows, rest, dtype=gathered.dtype, device=gathered.device)
+            torch.split_with_sizes_copy(gathered, [*sizes, rest], dim=1, out=[*out, scratch])
 
     def gather_into(self, outputs: list[torch.Tensor], *, dtype: torch.dtype | None = None) -> None:
         """Gather into `outputs` (full shapes, any device); the block goes back to the pool."""
