@@ -241,7 +241,9 @@ def _copies_per_step(rank: int, world_size: int) -> dict[str, Any]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=set_to_none)
                 steps.append({**seen, **(mode.api.host_waits - waits)})
-            out[name] = steps
+            rows = [s.row for kept in offload._staging.values() for s in kept]
+            shards = sum(p.param.nbytes for p in sharded.sharded_params if p.requires_grad)
+            out[name] = {"steps": steps, "rows_per_shard_byte": sum(r.nbytes for r in rows) / shards}
         out["units"] = len(sharded._units)
         out["params"] = len(sharded.sharded_params)
         out["races"] = mode.races[:3]
@@ -254,11 +256,15 @@ def test_offload_copies_once_per_unit_and_direction_reuses_its_staging_and_waits
     for result in run_ranks(_copies_per_step, 2):
         units, params = result["units"], result["params"]
         assert params > units and result["races"] == [], result
-        for name, (_, backwards) in ZERO_GRAD.items():
-            for step in result[name][2:]:  # steady: the staging rows exist
+        for name, (set_to_none, backwards) in ZERO_GRAD.items():
+            for step in result[name]["steps"][2:]:  # steady: the staging rows exist
                 copies = {"up copies": backwards * units, "down copies": backwards * units, "up allocations": 0,
                           "down allocations": 0, "event.synchronize": backwards}  # fmt: skip
                 assert step == copies, (name, step)
+            # Host gradient memory (docs/accounting.md, Offload): one row per unit, a second one
+            # where a backward found `.grad` alive.
+            rows = 1 if set_to_none and backwards == 1 else 2
+            assert result[name]["rows_per_shard_byte"] == rows, (name, result[name])
 
 
 def _kept_gradient(rank: int, world_size: int) -> bool:
