@@ -262,6 +262,7 @@ def _full_state_dict_copies(rank: int, world_size: int) -> dict:
         torch.manual_seed(0)
         model = MLP(depth=3)
         sharded = ShardedModel(model)
+        sharded.full_state_dict(to_rank=None)  # the rank checks make their stamps once
         copies, waits = Counter(mode.counts), Counter(mode.api.host_waits)
         state = sharded.full_state_dict(to_rank=None)
         copies, waits = mode.counts - copies, mode.api.host_waits - waits
@@ -276,10 +277,11 @@ def _full_state_dict_copies(rank: int, world_size: int) -> dict:
 
 
 def test_a_full_state_dict_copies_each_unit_to_the_host_in_one_non_blocking_copy_and_waits_once() -> None:
-    """Before: one blocking device-to-host copy per parameter, the host waiting at each
-    (engine/unit.py, Note: copies to the host)."""
+    """Before: one blocking device-to-host copy per parameter, the host waiting at each, and
+    every shard moved to the host once more, then dropped (engine/unit.py, Note: copies to the host)."""
     for result in run_ranks(_full_state_dict_copies, 2):
         units, params = result["units"], result["params"]
         assert params > units and result["equal"] and result["own_storages"], result
         assert result["copies"]["non_blocking_copies"] == units, result
         assert result["waits"] == {"event.synchronize": units}, result
+        assert "moves" not in result["copies"], result  # the model has no buffer or whole parameter
