@@ -21,6 +21,11 @@ streams; a counter at `torch.distributed` proves it), (a) and (g) on 2 ranks whe
     steady step with offload; offload saves at least AdamW's state.
 (g) 2 ranks (2 GPUs; 4 with 4 GPUs and in a dry run, on gloo): a real All-Gather; `shard_size`,
     integer (slices at 4 ranks) and False `reshard_after_forward`, offload, within 1e-5 of the default.
+(h) one GPU, a Llama-like model (8 blocks, hidden 2048, sequence 2048, bf16): syncs in a steady step
+    against the plain model's; pool and device memory after `gathered_for_inference()` and
+    `full_state_dict()` mid-training; latency injected before each All-Gather hidden by prefetch
+    (>= 80%, against prefetch=0); offload's pinned staging reused; 2 steps under
+    TORCH_CUDA_SANITIZER=1 in a subprocess (`--sanitize-step`).
 `--dry-run`: every section's code runs on CPU; what CPU can show gets a verdict (collectives,
 losses, checkpoints, fp16 overflow, races through the stand-in); what only a GPU shows (syncs,
 device memory) prints `RAN`.
@@ -32,6 +37,7 @@ import argparse
 import gc
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -593,12 +599,204 @@ def check_g(dry: bool) -> None:
         report(verdict(diff <= TOLERANCE), "g", f"{name}: losses within {diff:.1e} of the default (<= {TOLERANCE})")
 
 
+# ---- (h) one GPU: a Llama-like model -------------------------------------------------------------
+class LlamaBlock(nn.Module):
+    """RMSNorm, causal attention, RMSNorm, SwiGLU MLP (no rotary embedding: it costs the same)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.heads, hidden = max(1, dim // 128), 11 * dim // 4  # 2048: 16 heads, MLP 5632
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.gate_up, self.down = nn.Linear(dim, 2 * hidden, bias=False), nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, T, d / heads)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.out(attended)
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, dim: int, blocks: int, vocab: int) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(vocab, dim), nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.blocks = nn.ModuleList(LlamaBlock(dim) for _ in range(blocks))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def llama_sizes(dry: bool) -> dict[str, int]:  # 8 blocks of hidden 2048 at sequence 2048, bf16
+    return dict(dim=32, blocks=4, vocab=64, seq=16, batch=2) if dry else dict(dim=2048, blocks=8, vocab=8192,
+                                                                                seq=2048, batch=4)  # fmt: skip
+
+
+def pooled_bytes(sharded: ShardedModel) -> int:
+    """Bytes the engine's buffer pool keeps (its API may change: read here only)."""
+    return sharded._pool.cached_bytes
+
+
+class LlamaRun:
+    """One model trained step by step, sharded (bf16 gathers) or plain, on `dev`."""
+
+    def __init__(self, dev: torch.device, sizes: dict[str, int], *, zero3: bool = True, **options: Any) -> None:
+        torch.manual_seed(0)
+        home = "cpu" if options.get("offload") else dev
+        with torch.device(home):
+            self.model = Llama(sizes["dim"], sizes["blocks"], sizes["vocab"])
+        self.sharded = ShardedModel(self.model, device=dev, param_dtype=torch.bfloat16, **options) if zero3 else None
+        if self.sharded is not None:
+            shortcut_off(self.sharded)
+        else:
+            self.model.to(torch.bfloat16)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        g = torch.Generator().manual_seed(0)
+        shape = (sizes["batch"], sizes["seq"] + 1)
+        self.tokens = torch.randint(0, sizes["vocab"], shape, generator=g).to(dev)  # on the device before any count
+        self.dev, self.vocab = dev, sizes["vocab"]
+
+    def step(self) -> None:
+        logits = self.model(self.tokens[:, :-1])
+        F.cross_entropy(logits.float().view(-1, self.vocab), self.tokens[:, 1:].reshape(-1)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def timed_steps(self, count: int) -> float:
+        """Median seconds of `count` steps (host syncs between them, none inside)."""
+        times, memory = [], DeviceMemory(self.dev)
+        for _ in range(count):
+            memory.reset()  # synchronizes on CUDA
+            start = time.perf_counter()
+            self.step()
+            memory.peak()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def steady_syncs(self) -> int:
+        for _ in range(2):  # the first records the order, the second is the first to follow it
+            self.step()
+        with syncs_counted(self.dev.type == "cuda") as syncs:
+            self.step()
+        return syncs[0]
+
+
+@contextmanager
+def gathers_delayed(on: bool, cycles: int) -> Iterator[None]:
+    """`torch.cuda._sleep` on the issuing stream before each All-Gather: latency prefetch must hide."""
+    original = dist.all_gather_single
+
+    def delayed(*args: Any, **kwargs: Any) -> Any:
+        torch.cuda._sleep(cycles)
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = delayed if on else original
+    try:
+        yield
+    finally:
+        dist.all_gather_single = original
+
+
+def sleep_cycles(ms: float) -> int:
+    """`torch.cuda._sleep` cycles that take about `ms` on this GPU (timed once)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    return int(1_000_000 * ms / start.elapsed_time(end))
+
+
+def sanitized_step(dry: bool) -> int:
+    """`--sanitize-step`, run in a subprocess under TORCH_CUDA_SANITIZER=1 (on CPU: the stand-in):
+    a small Llama trained two steps, with offload too; exit 1 on a race."""
+    dev = torch.device("cpu" if dry else "cuda:0")
+    ensure_group(dev)
+    sizes = dict(llama_sizes(True), dim=256, seq=128) if not dry else llama_sizes(True)
+    with standin() if dry else nullcontext() as mode:
+        for options in ({}, {"offload": "host"}):
+            run = LlamaRun(dev, sizes, **options)
+            run.step()
+            run.step()
+    races = mode.races if mode is not None else []
+    print(f"races: {races[:3]}")
+    return 1 if races else 0
+
+
+def check_h(dry: bool) -> None:
+    dev, sizes, mib, n = torch.device("cpu" if dry else "cuda:0"), llama_sizes(dry), 2**20, 1 if dry else 5
+    shape = f"{sizes['blocks']} blocks, hidden {sizes['dim']}, sequence {sizes['seq']}"
+    plain = LlamaRun(dev, sizes, zero3=False)
+    plain_syncs, plain_s = plain.steady_syncs(), plain.timed_steps(n)
+    del plain
+    gc.collect()
+    run = LlamaRun(dev, sizes)
+    syncs = run.steady_syncs()
+    report(verdict(syncs <= plain_syncs, dry), "h", f"{shape}: {syncs} syncs in a steady step (plain model "
+           f"{plain_syncs}); step {run.timed_steps(n) * 1e3:.1f} ms vs plain {plain_s * 1e3:.1f} ms")  # fmt: skip
+    memory, step_pool = DeviceMemory(dev), pooled_bytes(run.sharded)
+    for name in ("gathered_for_inference()", "full_state_dict()"):
+        resting = memory.allocated()
+        memory.reset()
+        if name == "full_state_dict()":
+            run.sharded.full_state_dict().clear()  # host tensors, dropped
+        else:
+            with run.sharded.gathered_for_inference(), torch.no_grad():
+                run.model(run.tokens[:1, :-1])
+        pooled, kept = pooled_bytes(run.sharded), memory.allocated() - resting
+        report(verdict(pooled <= step_pool and kept <= mib, dry), "h", f"after {name} mid-fit: pool {pooled / mib:.1f} "
+               f"MiB (a step's {step_pool / mib:.1f}), {kept / mib:.1f} MiB more allocated, peak "
+               f"{memory.peak() / mib:.0f} MiB")  # fmt: skip
+        run.step()
+    del run
+    gc.collect()
+    cycles = 1 if dry else sleep_cycles(1.0)  # below a block's forward (~2 ms): prefetch can hide it
+    added = {}
+    for prefetch in (1, 0):  # the extra step time the delays cost, with prefetch and without
+        run = LlamaRun(dev, sizes, prefetch=prefetch)
+        run.step()
+        plain_s = run.timed_steps(n)
+        with gathers_delayed(not dry, cycles):
+            run.step()
+            added[prefetch] = run.timed_steps(n) - plain_s
+        del run
+        gc.collect()  # module<->hook cycles hold the device memory until a collection
+    hidden = 1 - added[1] / added[0] if added[0] > 0 else float("nan")
+    report(verdict(hidden >= 0.8, dry), "h", f"1 ms before each All-Gather: {hidden:.0%} hidden by prefetch=1 "
+           f"(+{added[1] * 1e3:.1f} ms a step; prefetch=0 +{added[0] * 1e3:.1f} ms)")  # fmt: skip
+    run = LlamaRun(dev, dict(sizes, dim=sizes["dim"] // 2, blocks=4), offload="host")
+    rows = []
+    for _ in range(3):
+        run.step()
+        rows.append([(s.row.data_ptr(), s.row.is_pinned()) for kept in run.sharded._offload._staging.values()
+                     for s in kept])  # fmt: skip
+    reused, pinned = rows[1] == rows[2] and bool(rows[2]), all(p for _, p in rows[2])
+    report(verdict(reused and (pinned or dry)), "h", f"offload host: {len(rows[2])} gradient staging rows, the same "
+           f"each step: {reused}, pinned: {pinned}; {run.steady_syncs()} syncs in a steady step")  # fmt: skip
+    del run
+    env = dict(os.environ, **({} if dry else {"TORCH_CUDA_SANITIZER": "1"}))
+    command = [sys.executable, __file__, "--sanitize-step"] + (["--dry-run"] if dry else [])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    name = "the CPU stand-in" if dry else "TORCH_CUDA_SANITIZER=1"
+    report(verdict(done.returncode == 0), "h", f"2 steps under {name} (subprocess): exit {done.returncode}; "
+           f"{(done.stdout + done.stderr).strip()[-600:]}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="run the same code on CPU/gloo")
-    parser.add_argument("--only", default="abcdefg", help="which checks, e.g. 'ae'")
+    parser.add_argument("--only", default="abcdefgh", help="which checks, e.g. 'ae'")
     parser.add_argument("--fast", action="store_true", help="one variant per check (the test suite's run)")
+    parser.add_argument("--sanitize-step", action="store_true", help="(h)'s subprocess: two steps, exit 1 on a race")
     args = parser.parse_args(argv)
+    if args.sanitize_step:
+        return sanitized_step(args.dry_run)
     global FAST
     FAST = args.fast
     RESULTS.clear()
@@ -608,7 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     start = time.perf_counter()
     ensure_group(torch.device("cpu" if args.dry_run else "cuda:0"))  # world size 1, reused by Lightning and Fabric
-    checks = {"a": check_a, "b": check_b, "c": check_c, "d": check_d, "e": check_e, "f": check_f, "g": check_g}
+    checks = {"a": check_a, "b": check_b, "c": check_c, "d": check_d, "e": check_e, "f": check_f, "g": check_g,
+              "h": check_h}  # fmt: skip
     for key in args.only:
         try:
             checks[key](args.dry_run)

@@ -8,7 +8,8 @@ CPU tensors. A `TorchDispatchMode` meanwhile
   records a race when an access on one stream is not ordered after a conflicting one on another
   by `wait_stream`/`wait_event`/a host sync: what `torch.cuda._sanitizer` checks on a GPU, with
   the same vector clocks;
-- counts the host<->device value transfers a GPU would make: reads of device memory on the host
+- counts the host waits (`synchronize` of a stream or an event), allocations and copies (of them
+  the non-blocking ones), and the host<->device value transfers a GPU would make: reads of device memory on the host
   (`aten._local_scalar_dense`, `is_nonzero`, `equal`, `Tensor.tolist()`), Python values written
   into tensors (`aten.lift_fresh`: `t[i] = 3`, `torch.tensor(...)`) and `Tensor.to(device)` calls
   ("moves", of 0-dim tensors also "scalar_moves"): a copy on a GPU when the devices differ, here
@@ -65,6 +66,7 @@ class FakeStream:
         _merge(self.clock, event.clock)
 
     def synchronize(self) -> None:
+        self.api.host_waits["stream.synchronize"] += 1
         self.api.host_sync(self.clock)
 
     def __repr__(self) -> str:
@@ -85,6 +87,7 @@ class FakeEvent:
         return True
 
     def synchronize(self) -> None:
+        self.api.host_waits["event.synchronize"] += 1
         self.api.host_sync(self.clock)
 
     def elapsed_time(self, end: FakeEvent) -> float:
@@ -98,6 +101,7 @@ class FakeCuda:
         self.streams: list[FakeStream] = []
         self.host: Clock = {}  # what the host has waited for
         self.edges: list[tuple[str, str, str]] = []
+        self.host_waits: Counter[str] = Counter()  # "stream.synchronize", "event.synchronize"
         self.current = FakeStream(self, "default")
 
     def Stream(self, device: Any = None, priority: int = 0) -> FakeStream:  # noqa: N802 - torch.cuda's name
@@ -144,7 +148,9 @@ class StandIn(TorchDispatchMode):
         super().__init__()
         self.api = api
         self.races: list[str] = []
-        self.counts: Counter[str] = Counter()  # "host_reads", "host_writes", "scalar_copies"
+        # "host_reads", "host_writes", "moves", "scalar_moves"; "allocations" (`empty*` of elements), "copies"
+        # (`copy_`) and of them "non_blocking_copies".
+        self.counts: Counter[str] = Counter()
         self.collectives: list[tuple[str, tuple[str, ...]]] = []  # (op, devices of its tensors)
         self._storages: dict[int, _Access] = {}
 
@@ -191,10 +197,15 @@ class StandIn(TorchDispatchMode):
             return func(*args, **kwargs)
         if name == "lift_fresh":
             self.counts["host_writes"] += 1
+        if name == "copy_":
+            self.counts["copies"] += 1
+            self.counts["non_blocking_copies"] += bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
         if namespace == "c10d":
             devices = tuple(t.device.type for t in _tensors(args, kwargs))
             self.collectives.append((name, devices))
         out = func(*args, **kwargs)
+        if name in _FRESH:  # memory allocated, not a 0-element tensor `set_` points elsewhere
+            self.counts["allocations"] += any(t.numel() > 0 for t in _tensors([out], {}))
         if name in _NO_DATA or (namespace == "aten" and func.is_view):
             return out
         self.api.current.tick()

@@ -5,6 +5,7 @@ group's device, and the defects found by reading the CUDA code (issue 31), each 
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -367,3 +368,36 @@ def test_a_device_named_without_an_index_reuses_the_same_buffers_and_streams() -
         assert pool.take("gather", 8, torch.float32, torch.device("cuda")) is buffer
         comm = Comm(None)
         assert comm.streams(torch.device("cuda")) is comm.streams(torch.device("cuda", 0))
+
+
+# ---- whole weights to the host ------------------------------------------------------------------
+def _full_state_dict_copies(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    expected = MLP(depth=3).state_dict()
+    with standin() as mode:
+        torch.manual_seed(0)
+        model = MLP(depth=3)
+        sharded = ShardedModel(model)
+        sharded.full_state_dict(to_rank=None)  # the rank checks make their stamps once
+        copies, waits = Counter(mode.counts), Counter(mode.api.host_waits)
+        state = sharded.full_state_dict(to_rank=None)
+        copies, waits = mode.counts - copies, mode.api.host_waits - waits
+    return {
+        "units": len(sharded._units),
+        "params": len(sharded.sharded_params),
+        "copies": dict(copies),
+        "waits": dict(waits),
+        "equal": all(torch.equal(state[k], v) for k, v in expected.items()),
+        "own_storages": len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state),
+    }
+
+
+def test_a_full_state_dict_copies_each_unit_to_the_host_in_one_non_blocking_copy_and_waits_once() -> None:
+    """Before: one blocking device-to-host copy per parameter, the host waiting at each, and
+    every shard moved to the host once more, then dropped (engine/unit.py, Note: copies to the host)."""
+    for result in run_ranks(_full_state_dict_copies, 2):
+        units, params = result["units"], result["params"]
+        assert params > units and result["equal"] and result["own_storages"], result
+        assert result["copies"]["non_blocking_copies"] == units, result
+        assert result["waits"] == {"event.synchronize": units}, result
+        assert "moves" not in result["copies"], result  # the model has no buffer or whole parameter

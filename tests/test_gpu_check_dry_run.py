@@ -21,12 +21,16 @@ def test_the_gpu_check_runs_every_section_on_cpu_and_nothing_fails() -> None:
     printed = done.stdout + done.stderr
     assert done.returncode == 0, printed
     lines = re.findall(r"^(PASS|FAIL|INFO|RAN) +\((\w)\) (.*)$", done.stdout, flags=re.M)
-    assert {check for _, check, _ in lines} == set("abcdefg"), printed
+    assert {check for _, check, _ in lines} == set("abcdefgh"), printed
     assert not [line for line in lines if line[0] == "FAIL"], printed
     passed = {check for verdict, check, _ in lines if verdict == "PASS"}
-    assert passed == {"a", "d", "e", "f", "g"}, printed  # the sections whose properties CPU can show
+    assert passed == {"a", "d", "e", "f", "g", "h"}, printed  # the sections whose properties CPU can show
     ran = {check for verdict, check, _ in lines if verdict == "RAN"}
-    assert {"b", "c"} <= ran and "not applicable" not in printed and "not measured" not in printed, printed
+    assert {"b", "c", "h"} <= ran and "not applicable" not in printed and "not measured" not in printed, printed
     assert any("collectives in 4 steps" in text for verdict, check, text in lines if check == "a"), printed
     assert any("stand-in" in text for verdict, check, text in lines if verdict == "PASS"), printed
     assert any("overflow skipped True" in text for verdict, check, text in lines if verdict == "PASS"), printed
+    h = [text for verdict, check, text in lines if check == "h"]  # the one-GPU section, every part of it
+    for part in ("syncs in a steady step", "after gathered_for_inference()", "after full_state_dict()",
+                 "hidden by prefetch=1", "staging rows", "(subprocess): exit 0"):  # fmt: skip
+        assert any(part in text for text in h), printed

@@ -7,6 +7,7 @@ the hot path, a sharded checkpoint resumed at another world size."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from lightning_zero3.engine import ShardedModel, ShardingConfig, clip_grad_norm_
 from tests import models
 from tests.adapted import HandsBack, launched
+from tests.cuda_standin import standin
 from tests.fabric_helpers import adamw as fabric_adamw
 from tests.fabric_helpers import every_rank, full_state, launch, max_difference, reference, train_step
 from tests.lit import LitMLP, loader, reference_fit, trainer, whole_state
@@ -65,7 +67,7 @@ def _train(rank: int, world_size: int, options: dict[str, Any], steps: int = 3) 
         "state_next_to_shards": all(v.device == shards[0].device for v in state),
         "device_bytes": sharded._offload.device_bytes() if sharded._offload else 0,
         "shard_numel": sum(u.shard_numel for u in sharded._units),
-        # Offloaded: each gradient a host tensor of its own; else views of one reduced buffer per unit.
+        # Views of one buffer per unit: offloaded its host staging row, else its reduced buffer.
         "grad_storages": (len(_storages(grads)), len(grads)),
         "on_disk": [disk.on_disk(v) for v in state] if disk else [],
         "files": (disk.files, len(os.listdir(disk.directory)), len(maps), all("(deleted)" in m for m in maps))
@@ -112,9 +114,9 @@ def test_the_device_keeps_one_copy_of_the_shards_in_the_compute_dtype_refreshed_
             assert host["device_bytes"] == host["shard_numel"] * size
             assert host["copies_apart"] and host["state_next_to_shards"]
             assert host["uploads"] == [host["units"]] * 3  # once per unit per pass, not per gather
-            assert host["grad_storages"][0] == host["grad_storages"][1]
             plain = result[gathers]["plain"]
             assert plain["grad_storages"][0] < plain["grad_storages"][1] and plain["device_bytes"] == 0
+            assert host["grad_storages"] == plain["grad_storages"]  # engine/offload.py, Note: staging reused
 
 
 def test_optimizer_state_on_disk_changes_no_bit_and_lives_on_unlinked_file_maps(side_by_side) -> None:
@@ -197,6 +199,110 @@ def _host_reads(rank: int, world_size: int) -> list[int]:
 def test_offloaded_training_reads_device_memory_on_the_host_at_most_once_a_step() -> None:
     for counts in run_ranks(_host_reads, 2):
         assert all(count <= 1 for count in counts[1:]), counts
+
+
+ZERO_GRAD = {"set_to_none": (True, 1), "zeros": (False, 1), "accumulate 2": (True, 2)}  # (set_to_none, backwards)
+
+
+def _copies_per_step(rank: int, world_size: int) -> dict[str, Any]:
+    """Under the CUDA stand-in: what the offload's uploads and downloads copy and allocate, and
+    the host's waits, per step, for each way of `ZERO_GRAD`."""
+    torch.manual_seed(0)
+    x, y = models.mlp_batch(0)
+    x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+    out: dict[str, Any] = {}
+    seen = Counter[str]()  # this step's, by direction
+    with standin() as mode:
+        for name, (set_to_none, backwards) in ZERO_GRAD.items():
+            model = models.MLP(depth=3)  # 4 units of 2 to 6 parameters
+            sharded = ShardedModel(model, **HOST)
+            offload = sharded._offload
+
+            def counted(direction: str, method: Any) -> Any:
+                def call(*args: Any, **kwargs: Any) -> Any:
+                    before = Counter(mode.counts)
+                    try:
+                        return method(*args, **kwargs)
+                    finally:
+                        for key in ("copies", "allocations"):
+                            seen[f"{direction} {key}"] += mode.counts[key] - before[key]
+
+                return call
+
+            offload.download = counted("down", offload.download)
+            offload._current_copy = counted("up", offload._current_copy)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            steps = []
+            for _ in range(4):
+                seen.clear()
+                waits = Counter(mode.api.host_waits)
+                for _ in range(backwards):
+                    F.mse_loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=set_to_none)
+                steps.append({**seen, **(mode.api.host_waits - waits)})
+            rows = [s.row for kept in offload._staging.values() for s in kept]
+            shards = sum(p.param.nbytes for p in sharded.sharded_params if p.requires_grad)
+            out[name] = {"steps": steps, "rows_per_shard_byte": sum(r.nbytes for r in rows) / shards}
+        out["units"] = len(sharded._units)
+        out["params"] = len(sharded.sharded_params)
+        out["races"] = mode.races[:3]
+    return out
+
+
+def test_offload_copies_once_per_unit_and_direction_reuses_its_staging_and_waits_on_an_event() -> None:
+    """Before: a new host tensor and a copy per parameter per backward, a copy per parameter per
+    upload, and a synchronize of the whole stream (engine/offload.py, Note: staging reused)."""
+    for result in run_ranks(_copies_per_step, 2):
+        units, params = result["units"], result["params"]
+        assert params > units and result["races"] == [], result
+        for name, (set_to_none, backwards) in ZERO_GRAD.items():
+            for step in result[name]["steps"][2:]:  # steady: the staging rows exist
+                copies = {"up copies": backwards * units, "down copies": backwards * units, "up allocations": 0,
+                          "down allocations": 0, "event.synchronize": backwards}  # fmt: skip
+                assert step == copies, (name, step)
+            # Host gradient memory (docs/accounting.md, Offload): one row per unit, a second one
+            # where a backward found `.grad` alive.
+            rows = 1 if set_to_none and backwards == 1 else 2
+            assert result[name]["rows_per_shard_byte"] == rows, (name, result[name])
+
+
+def _kept_gradient(rank: int, world_size: int) -> bool:
+    torch.manual_seed(0)
+    model = models.MLP()
+    ShardedModel(model, **HOST)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = None
+    for step in range(2):
+        x, y = models.mlp_batch(step)
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        if kept is None:
+            kept = [(p.grad, p.grad.clone()) for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    return all(torch.equal(grad, value) for grad, value in kept)
+
+
+def test_a_gradient_kept_past_zero_grad_is_not_overwritten_by_the_next_backward() -> None:
+    """The staging row its view came from is reused only once no such view is alive."""
+    assert all(run_ranks(_kept_gradient, 2))
+
+
+def _reused_block(rank: int, world_size: int) -> float:
+    """A block called twice in one forward is reduced twice in its backward: both downloads arrive."""
+    x, y = models.mlp_batch(0)
+    grads = []
+    for options in ({}, HOST):
+        torch.manual_seed(0)
+        model = models.ReusedBlockModel()
+        ShardedModel(model, **options)
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        grads.append([p.grad for p in model.parameters()])
+    return max(float((a - b).abs().max()) for a, b in zip(*grads))
+
+
+def test_a_unit_reduced_twice_in_one_backward_gets_both_gradients() -> None:
+    assert max(run_ranks(_reused_block, 2)) == 0.0
 
 
 def test_bad_offload_options_name_the_option_and_the_fix(tmp_path) -> None:

@@ -294,7 +294,8 @@ class ShardedModel:
         if not keep:
             return {}
         by_name = {name: full_by_id[id(s.param)] for s in self.sharded_params for name in s.names}
-        own = {k: v.detach().to("cpu", copy=True) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        own = {k: v.detach().to("cpu", copy=True) for k, v in state.items()
+               if isinstance(v, torch.Tensor) and k not in by_name}  # fmt: skip  # not the shards again
         return {key: by_name.get(key, own.get(key, value)) for key, value in state.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:

@@ -8,23 +8,70 @@
   at the unit's first gather of a pass and when a host shard's version changed. A gather asking
   for a dtype (full state dicts, `gathered_parameters`, teardown) reads the host shards: exact.
   Persistent parameters and buffers stay on the compute device.
-- Gradients: reduced shard gradients are copied to fresh host tensors on this object's stream and
-  go into `.grad` when the backward's reductions are done (`settle`): one host wait per backward.
+- Gradients: a unit's reduced shard gradients go to the host in one copy on this object's stream
+  into the unit's staging, and into `.grad` when the backward's reductions are done (`settle`):
+  one host wait per backward, on the event after the last copy (Note: staging reused).
 `move_module` keeps the host shards out of `.to()`; the upload refuses shards found elsewhere.
+
+[Note: staging reused]
+One copy per unit and direction: a unit's host shards lie back to back in one (pinned) row
+(shard.py, Note: shards in one buffer), so the upload copies the row at once (a cast to
+`param_dtype` then runs on the device, one temporary per unit); its reduced gradients are views
+of one buffer (reduce.py), copied down at once into a pinned staging row of the unit's, whose
+views become `.grad` where `.grad` is None and are added into it otherwise. A row is reused
+only once none of the `.grad` views made from it is alive (`zero_grad()` set them to None and
+nobody kept one), so a gradient a user keeps is never overwritten; each unit keeps two rows, so
+accumulation (`.grad` alive while the next backward arrives) reuses them too. Shards or gradients
+not lying in one row (a `.data` replaced) are copied one by one.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_zero3.engine.buffers import stream_api
+from lightning_zero3.engine.buffers import current_event, stream_api
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
 
 __all__ = ["HostOffload", "move_module"]
+
+_ROWS_KEPT = 2  # staging rows per unit (Note: staging reused)
+
+
+@dataclass(eq=False)
+class _Staging:
+    """A unit's host row for gradients and the `.grad` views made from it."""
+
+    row: torch.Tensor
+    lent: list[weakref.ref] = field(default_factory=list)
+    busy: bool = False  # copied into, not settled yet
+
+    def free(self) -> bool:
+        return not self.busy and all(view() is None for view in self.lent)
+
+
+def one_row(tensors: list[torch.Tensor | None], offsets: list[int], numel: int) -> torch.Tensor | None:
+    """A 1-D view of `numel` elements over the storage `tensors` lie in, each at its offset from
+    the view's start (None entries skipped); None where they do not lie so."""
+    placed = [(t, o) for t, o in zip(tensors, offsets) if t is not None]
+    if not placed:
+        return None
+    first, start = placed[0]
+    base = first.storage_offset() - start
+    storage = first.untyped_storage()
+    if base < 0 or (base + numel) * first.element_size() > storage.nbytes():
+        return None
+    for t, o in placed:
+        if (t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != base + o
+                or not t.is_contiguous() or t.dtype != first.dtype):  # fmt: skip
+            return None
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, base, (numel,), (1,))
 
 
 class HostOffload:
@@ -37,11 +84,13 @@ class HostOffload:
         # Per unit id: the device copy and the host versions it holds.
         self._copies: dict[int, torch.Tensor] = {}
         self._uploaded: dict[int, tuple[int, ...]] = {}
-        # Downloads of this backward not yet in `.grad`: (shard, host gradient).
-        self._arrived: list[tuple[ShardedParam, torch.Tensor]] = []
+        self._staging: dict[int, list[_Staging]] = {}  # per unit id (Note: staging reused)
+        # Downloads of this backward not yet in `.grad`: (unit, host gradients, their staging).
+        self._arrived: list[tuple[Unit, list[torch.Tensor | None], _Staging | None]] = []
         self._sources: list[torch.Tensor] = []  # device gradients kept alive until the copies end
         self._api = stream_api(device)  # buffers.py, Note: stream seam
         self._stream = self._api.Stream(device) if self._api is not None else None
+        self._copied: Any = None  # event after the last download (CUDA), else None
         self.uploads = 0  # device copies refreshed, for tests
 
     def device_bytes(self) -> int:
@@ -51,6 +100,7 @@ class HostOffload:
     def close(self) -> None:
         self._copies.clear()
         self._uploaded.clear()
+        self._staging.clear()
         self._arrived.clear()
         self._sources.clear()
 
@@ -73,14 +123,20 @@ class HostOffload:
             return copy
         if copy is None:
             copy = self._copies[unit.uid] = torch.empty(unit.shard_numel, dtype=unit.param_dtype, device=self.device)
-        for p, o in zip(unit.params, unit.offsets):
+        for p in unit.params:
             if p.param.device.type != "cpu":
                 raise RuntimeError(
                     f"offload='host': the shard of '{p.name}' is on {p.param.device}, not in host memory: the module "
                     f"was moved with .to()/.cuda() after sharding. Do not move a sharded module; the strategy "
                     f"places it (ShardedModel.move_module)."
                 )
-            copy[o : o + p.shard_numel].copy_(p.param.detach(), non_blocking=self.pinned)
+        shards = [p.param.detach() for p in unit.params]
+        row = one_row(list(shards), unit.offsets, unit.shard_numel)
+        if row is not None:  # Note: staging reused
+            copy.copy_(row, non_blocking=self.pinned)
+        else:
+            for shard, o in zip(shards, unit.offsets):
+                copy[o : o + shard.numel()].copy_(shard, non_blocking=self.pinned)
         self._uploaded[unit.uid] = versions
         self.uploads += 1
         return copy
@@ -88,37 +144,72 @@ class HostOffload:
     # ---- gradients: device -> host -----------------------------------------------------------
     def download(self, unit: Unit, grads: list[torch.Tensor | None]) -> None:
         """Start copying the unit's reduced shard gradients to the host."""
+        flat = one_row(grads, unit.offsets, unit.shard_numel)
+        present = [g for g in grads if g is not None]
+        if not present:
+            return
         stream = self._stream
         if stream is not None:
             stream.wait_stream(self._api.current_stream(self.device))
-        with self._api.stream(stream) if stream is not None else nullcontext():
-            for sharded, grad in zip(unit.params, grads):
-                if grad is None:
-                    continue
-                host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pinned)
-                host.copy_(grad, non_blocking=self.pinned)
-                self._arrived.append((sharded, host))
-                self._sources.append(grad)
+        with self._api.stream(stream) if stream is not None else nullcontext(), torch.no_grad():
+            if flat is not None:  # one copy (Note: staging reused)
+                staging = self._free_staging(unit, flat.dtype)
+                staging.row.copy_(flat, non_blocking=self.pinned)
+                hosts = [staging.row[o : o + p.shard_numel] if g is not None else None
+                         for p, o, g in zip(unit.params, unit.offsets, grads)]  # fmt: skip
+                self._sources.append(flat)
+            else:
+                staging, hosts = None, []
+                for grad in grads:  # one by one
+                    host = None if grad is None else torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pinned)
+                    if host is not None and grad is not None:
+                        host.copy_(grad, non_blocking=self.pinned)
+                    hosts.append(host)
+                self._sources.extend(present)
+            self._copied = current_event(self.device) if stream is not None else None
+        self._arrived.append((unit, hosts, staging))
+
+    def _free_staging(self, unit: Unit, dtype: torch.dtype) -> _Staging:
+        kept = self._staging.setdefault(unit.uid, [])
+        free = next((s for s in kept if s.free() and s.row.dtype == dtype), None)
+        if free is None:
+            free = _Staging(torch.empty(unit.shard_numel, dtype=dtype, pin_memory=self.pinned))
+            kept.append(free)
+            del kept[:-_ROWS_KEPT]  # a row dropped here lives on in its `.grad` views
+        free.lent.clear()
+        free.busy = True
+        return free
 
     def settle(self) -> None:
         """The backward's reductions are done: wait for the downloads, put them into `.grad`."""
         self._wait()
         with torch.no_grad():
-            for sharded, host in self._arrived:
-                param = sharded.param
-                if param.grad is None:
-                    param.grad = host
-                else:
-                    param.grad.add_(host)
+            for unit, hosts, staging in self._arrived:
+                if staging is not None:
+                    staging.busy = False
+                for sharded, host in zip(unit.params, hosts):
+                    if host is None:
+                        continue
+                    param = sharded.param
+                    if param.grad is None:
+                        param.grad = host
+                        if staging is not None:
+                            staging.lent.append(weakref.ref(param.grad))
+                    else:
+                        param.grad.add_(host)
         self._arrived.clear()
 
     def drop(self) -> None:  # a backward raised
         self._wait()
+        for _, _, staging in self._arrived:
+            if staging is not None:
+                staging.busy = False
         self._arrived.clear()
 
     def _wait(self) -> None:
-        if self._stream is not None and self._sources:
-            self._stream.synchronize()
+        if self._copied is not None and self._sources:
+            self._copied.synchronize()  # the host waits for the copies, not for the whole stream
+        self._copied = None
         self._sources.clear()
 
 

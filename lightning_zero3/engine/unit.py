@@ -307,10 +307,24 @@ class Unit:
             torch.split_with_sizes_copy(gathered, [*sizes, rest], dim=1, out=[*out, scratch])
 
     def gather_into(self, outputs: list[torch.Tensor], *, dtype: torch.dtype | None = None) -> None:
-        """Gather into `outputs` (full shapes, any device); the block goes back to the pool."""
+        """Gather into `outputs` (full shapes, any device); the block goes back to the pool.
+
+        [Note: copies to the host]
+        Host outputs of a unit gathered on a device with streams (full state dicts, restoring to
+        the host) come through one staging row, pinned on a GPU: one non-blocking copy of the
+        block, one host wait on its event, then host copies; a blocking copy per parameter would
+        make the host wait once per parameter."""
         fulls = self.gather(dtype=dtype)
+        sources, streams = fulls, self.comm.streams(fulls[0].device)
         with torch.no_grad():
-            for out, full in zip(outputs, fulls):
+            if streams.enabled and outputs[0].device.type == "cpu":
+                block = self._block(fulls[0].untyped_storage(), fulls[0])
+                staging = torch.empty(block.numel(), dtype=block.dtype, pin_memory=block.device.type == "cuda")
+                staging.copy_(block, non_blocking=True)
+                streams.event().synchronize()
+                n, pairs = self.world_size, zip(self.params, self.offsets)
+                sources = [staging[n * o : n * o + p.numel].view(p.full_shape) for p, o in pairs]
+            for out, full in zip(outputs, sources):
                 out.copy_(full)
         self.release(fulls)
 
