@@ -19,6 +19,9 @@ from lightning_zero3.engine import step_whole_matrices as step_whole
 from lightning_zero3.engine.shard import shard_slice
 from lightning_zero3.engine.whole_matrix import balanced_owners
 from tests import models
+from tests.adapted import launched
+from tests.fabric_helpers import fabric
+from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer
 from tests.parity import local_slice
 from tests.ranks import run_ranks
 
@@ -46,11 +49,16 @@ def _optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
     return [muon, torch.optim.AdamW(rest, lr=0.01)]
 
 
-def _step(model: nn.Module, optimizers: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor) -> None:
+def _step(model: nn.Module, optimizers: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor) -> bool:
+    """One step; whether every gradient was still there after the optimizers stepped."""
     F.mse_loss(model(x), y).backward()
+    with_grads = [p for p in model.parameters() if p.grad is not None]
     for optimizer in optimizers:
         optimizer.step()
+    kept = all(p.grad is not None for p in with_grads)
+    for optimizer in optimizers:
         optimizer.zero_grad()
+    return kept
 
 
 def _ddp_step(
@@ -98,7 +106,7 @@ def _train(rank: int, world_size: int, save_after: int) -> dict[str, Any]:
         x, y = models.mlp_batch(step)
         _step(reference, ref_optimizers, x, y)
         _ddp_step(ddp, ddp_optimizers, x, y, world_size)
-        _step(model, optimizers, local_slice(x, rank, world_size), local_slice(y, rank, world_size))
+        kept = _step(model, optimizers, local_slice(x, rank, world_size), local_slice(y, rank, world_size))
         sharded.end_step()
         if step < GLOBAL_STEPS:
             worst["global"] = max(worst["global"], _max_difference(sharded, reference))
@@ -120,7 +128,7 @@ def _train(rank: int, world_size: int, save_after: int) -> dict[str, Any]:
             expected = shard_slice(ref_state[index]["momentum_buffer"], sp.rank, sp.world_size)
             momentum[sp.name] = (buf.numel(), sp.shard_numel, float((buf - expected).abs().max()))
     return {
-        **worst, "momentum": momentum, "saved": saved, "ref_saved": ref_saved,
+        **worst, "momentum": momentum, "grads_kept": kept, "saved": saved, "ref_saved": ref_saved,
         "measured": report["last_step"].get("all_to_all"), "expected": report["expected_step_bytes"].get("all_to_all"),
     }
 
@@ -138,6 +146,10 @@ def test_muon_on_shards_steps_like_one_process_on_ddps_averaged_gradient(trained
     """Every step; the global batch's gradient differs in its last bits, and from the 4th step
     one element's bf16 rounding in Newton-Schulz flips (2.4e-4 off, under DDP alike)."""
     assert all(r["ddp"] < 1e-6 for r in trained[1]), [r["ddp"] for r in trained[1]]
+
+
+def test_muon_leaves_the_gradients_for_zero_grad_as_torch_does(trained):
+    assert all(r["grads_kept"] for r in trained[1])
 
 
 def test_muon_momentum_is_the_shards_piece_of_the_one_process_momentum(trained):
@@ -195,3 +207,97 @@ def test_a_full_muon_checkpoint_resumes_at_another_world_size(trained):
 def test_balanced_owners_give_the_largest_matrices_to_the_least_loaded_ranks():
     assert balanced_owners([10, 40, 30, 20], 2) == [0, 0, 1, 1]  # 40 | 30, 20 | 10
     assert balanced_owners([5, 5, 5], 3) == [0, 1, 2]
+
+
+# ---- as users write it: Trainer (manual and automatic optimization) and Fabric --------------
+class LitMuon(LitMLP):
+    """The 2025-26 recipe as a DDP user writes it: Muon on the 2-D weights (torch's docs' filter),
+    AdamW on the rest with manual optimization; Muon alone with automatic optimization."""
+
+    def __init__(self, *, manual: bool, reference: bool = False) -> None:
+        super().__init__(manual=manual)
+        self.reference = reference
+
+    def configure_optimizers(self) -> Any:
+        muon = torch.optim.Muon([p for p in self.parameters() if p.ndim == 2], lr=0.02)
+        if self.automatic_optimization:
+            return muon
+        adamw = torch.optim.AdamW([p for p in self.parameters() if p.ndim != 2], lr=self.lr)
+        return _BothSteps([muon, adamw]) if self.reference else [muon, adamw]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        x, y = batch
+        optimizers = self.optimizers()
+        self.manual_backward(F.mse_loss(self(x), y))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        return None
+
+
+class _BothSteps:
+    """The one `opt` of tests/lit.py's `reference_fit`, for the manual recipe's two optimizers."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+
+def _fit_muon(strategy: str, *, manual: bool, steps: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = LitMuon(manual=manual)
+    # batches, not max_steps: with two optimizers each batch is two of Lightning's steps
+    trainer(launched(strategy), 2, max_epochs=1, limit_train_batches=steps).fit(model, loader(2))
+    return model.state_dict()  # handed back by the launcher: whole weights
+
+
+@pytest.mark.parametrize("manual", [True, False], ids=["manual", "automatic"])
+def test_the_trainer_trains_torch_muon_like_one_process(manual):
+    """Two steps: in the third of this model's, one process's bf16 rounding flips (as DDP's)."""
+    torch.manual_seed(0)
+    one_process = LitMuon(manual=manual, reference=True)
+    reference_fit(one_process, max_steps=2)
+    assert max_difference(_fit_muon("zero3", manual=manual, steps=2), one_process.state_dict()) < 1e-5
+
+
+def test_the_trainer_trains_torch_muon_like_ddp():
+    """A whole epoch, past the step where one process's bf16 rounding flips: as DDP does."""
+    trained = {strategy: _fit_muon(strategy, manual=True, steps=4) for strategy in ("zero3", "ddp")}
+    assert max_difference(trained["zero3"], trained["ddp"]) < 1e-6
+
+
+def _fabric_muon(rank: int, world_size: int) -> float:
+    """Muon and AdamW built on the whole model, then `fabric.setup(model, muon, adamw)`."""
+    f = fabric(rank, world_size)
+    reference, model = models.MLP(), models.MLP()
+    model.load_state_dict(reference.state_dict())
+    build = lambda m: [
+        torch.optim.Muon([p for p in m.parameters() if p.ndim == 2], lr=0.02),
+        torch.optim.AdamW([p for p in m.parameters() if p.ndim != 2], lr=0.01),
+    ]  # fmt: skip
+    ref_optimizers = build(reference)
+    model, *optimizers = f.setup(model, *build(model))
+    worst = 0.0
+    for step in range(GLOBAL_STEPS):
+        x, y = models.mlp_batch(step)
+        _step(reference, ref_optimizers, x, y)
+        f.backward(F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        whole = f.strategy.sharded_model(model).full_state_dict(to_rank=None)
+        worst = max(worst, max(float((whole[k] - v).abs().max()) for k, v in reference.state_dict().items()))
+    return worst
+
+
+def test_fabric_trains_torch_muon_passed_to_setup_like_one_process():
+    assert max(run_ranks(_fabric_muon, 2)) < 1e-5
