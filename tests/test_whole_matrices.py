@@ -7,6 +7,7 @@ another world size; the extra bytes per step are the formula's."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from lightning_zero3.engine.shard import shard_slice
 from lightning_zero3.engine.whole_matrix import balanced_owners
 from tests import models
 from tests.adapted import launched
+from tests.cuda_standin import standin
 from tests.fabric_helpers import fabric
 from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer
 from tests.parity import local_slice
@@ -301,3 +303,45 @@ def _fabric_muon(rank: int, world_size: int) -> float:
 
 def test_fabric_trains_torch_muon_passed_to_setup_like_one_process():
     assert max(run_ranks(_fabric_muon, 2)) < 1e-5
+
+
+# ---- GPU habits, on CPU (tests/cuda_standin.py) and hybrid sharding ---------------------------
+def _muon_under_standin(rank: int, world_size: int) -> dict[str, Any]:
+    with standin() as mode:
+        model, sharded, optimizers = _build(world_size)
+        for step in range(2):
+            x, y = models.mlp_batch(step)
+            F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+            before = Counter(mode.counts)
+            optimizers[0].step()
+            counts = Counter(mode.counts) - before
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+    return {"races": mode.races, "step_counts": dict(counts)}
+
+
+def test_muons_step_reads_nothing_on_the_host_and_races_no_stream():
+    for result in run_ranks(_muon_under_standin, 2):
+        assert result["races"] == [], result["races"]
+        assert result["step_counts"].get("host_reads", 0) == 0, result["step_counts"]
+
+
+def _hybrid(rank: int, world_size: int) -> float:
+    reference = _model()
+    ref_optimizers = _optimizers(reference)
+    model = _model()
+    sharded = ShardedModel(model, shard_size=2)  # 2 groups of 2 ranks, each stepping its replica
+    with full_shapes(sharded.sharded_params):
+        optimizers = _optimizers(model)
+    step_whole(sharded, optimizers[0], "test")
+    worst = 0.0
+    for step in range(2):
+        x, y = models.mlp_batch(step)
+        _step(reference, ref_optimizers, x, y)
+        _step(model, optimizers, local_slice(x, rank, world_size), local_slice(y, rank, world_size))
+        worst = max(worst, _max_difference(sharded, reference))
+    return worst
+
+
+def test_muon_with_shard_size_steps_like_one_process():
+    assert max(run_ranks(_hybrid, 4)) < 1e-5
