@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from lightning_zero3.engine import step_whole_matrices as step_whole
 from lightning_zero3.engine.shard import shard_slice
 from lightning_zero3.engine.whole_matrix import balanced_owners
 from tests import models
-from tests.adapted import launched
+from tests.adapted import SavesAfterFit, launched
 from tests.cuda_standin import standin
 from tests.fabric_helpers import fabric
 from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer
@@ -345,3 +346,24 @@ def _hybrid(rank: int, world_size: int) -> float:
 
 def test_muon_with_shard_size_steps_like_one_process():
     assert max(run_ranks(_hybrid, 4)) < 1e-5
+
+
+def _fit_and_resume(strategy: str, directory: Path) -> dict[str, torch.Tensor]:
+    """An epoch at 2 ranks saved (zero3: sharded), the next resumed from it at 3 ranks."""
+    torch.manual_seed(0)
+    model = LitMuon(manual=True)
+    trainer(launched(strategy), 2, max_epochs=1, callbacks=[SavesAfterFit(directory / "epoch1.ckpt")]).fit(
+        model, loader(2)
+    )
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    resumed = LitMuon(manual=True)
+    trainer(launched(strategy), 3, max_epochs=2).fit(resumed, loader(3), ckpt_path=directory / "epoch1.ckpt")
+    return resumed.state_dict()
+
+
+def test_a_sharded_muon_checkpoint_resumes_at_another_world_size_as_ddps_does(tmp_path):
+    (tmp_path / "zero3").mkdir()
+    (tmp_path / "ddp").mkdir()
+    zero3 = _fit_and_resume("zero3", tmp_path / "zero3")
+    assert (tmp_path / "zero3" / "epoch1.ckpt").is_dir()  # sharded: a directory, each rank its pieces
+    assert max_difference(zero3, _fit_and_resume("ddp", tmp_path / "ddp")) < 1e-6
