@@ -34,7 +34,13 @@ from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
 from lightning_zero3.core import Fixes, ShardedRun, ShardedStrategy
-from lightning_zero3.engine import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, parameters_on_meta
+from lightning_zero3.engine import (
+    AgreeingGradScaler,
+    check_optimizer_fits_shards,
+    clip_grad_norm_,
+    parameters_on_meta,
+    step_whole_matrices,
+)
 from lightning_zero3.grads import sharded_grad_norm
 from lightning_zero3.options import (
     RanksAndDevices,
@@ -161,10 +167,11 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: LRScheduler | None = None
     ) -> tuple[nn.Module, list[Optimizer], LRScheduler | None]:
         # Checked before sharding, so that a mistake leaves the model untouched.
-        owner, mine = type(self).__name__, {id(p) for p in module.parameters()}
+        owner, names = type(self).__name__, {id(p): name for name, p in module.named_parameters()}
+        mine = set(names)
         _check_no_state(optimizers, owner)
         for optimizer in optimizers:
-            check_optimizer_fits_shards(optimizer, owner, warn=False)  # warned in setup_optimizer
+            check_optimizer_fits_shards(optimizer, owner, warn=False, names=names)  # warned in setup_optimizer
             _refuse_foreign(optimizer, mine, owner, "that are not the model's", "Build it from `model.parameters()` "
                             "of the model passed to `fabric.setup`.")  # fmt: skip
         module = self.setup_module(module)  # the optimizers are pointed at the shards next
@@ -184,6 +191,8 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
             "Call `model = fabric.setup_module(model)` first, then build the optimizer from `model.parameters()` and "
             "call `fabric.setup_optimizers(optimizer)`; or pass both to `fabric.setup(model, optimizer)`.",
         )  # fmt: skip
+        if any(group["params"] for group in optimizer.param_groups):  # torch.optim.Muon's steps
+            step_whole_matrices(self._run_of_optimizer(optimizer).engine, optimizer, type(self).__name__)
         return optimizer
 
     def _shard_of(self, param: Tensor) -> nn.Parameter | None:

@@ -31,7 +31,7 @@ from lightning_zero3.checkpoint.errors import run_and_agree
 from lightning_zero3.checkpoint.format import ShardedCheckpoint
 from lightning_zero3.checkpoint.remote import as_path
 from lightning_zero3.core import Fixes, Lifecycle, ShardedRun, ShardedStrategy, remove_checkpoint
-from lightning_zero3.engine import check_optimizer_fits_shards, parameters_on_meta
+from lightning_zero3.engine import check_optimizer_fits_shards, full_shapes, parameters_on_meta, step_whole_matrices
 from lightning_zero3.options import (
     RanksAndDevices,
     StartMethod,
@@ -189,10 +189,14 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
-        super().setup_optimizers(trainer)
-        sharded = {id(p.param) for p in self.sharded_model().sharded_params}
+        engine = self.sharded_model()
+        with full_shapes(engine.sharded_params):  # engine/whole_matrix.py, Note: optimizers built on full shapes
+            super().setup_optimizers(trainer)
+        sharded = {id(p.param) for p in engine.sharded_params}
+        names = {id(p): name for name, p in engine.module.named_parameters()}
         for optimizer in self.optimizers:
-            check_optimizer_fits_shards(optimizer, type(self).__name__)
+            check_optimizer_fits_shards(optimizer, type(self).__name__, names=names)
+            step_whole_matrices(engine, optimizer, type(self).__name__)  # torch.optim.Muon's steps
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if params and not any(id(p) in sharded for p in params):
                 raise ValueError(

@@ -284,6 +284,17 @@ def test_block_guide_weight_decay() -> None:
     assert len(scope["no_decay"]) == 4
 
 
+def test_block_guide_muon() -> None:
+    """The recipe's `configure_optimizers` puts the 2-D weights in Muon, the rest in AdamW (under
+    the strategy, tests/test_whole_matrices.py trains it)."""
+    scope: dict = {"torch": torch}
+    exec(BLOCKS["guide-muon"].code, scope)
+    module = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    muon, adamw = scope["configure_optimizers"](module)
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert [id(p) for p in muon.param_groups[0]["params"]] == [id(module[0].weight), id(module[2].weight)]
+
+
 def test_block_readme_cli_yaml(tmp_path: Path) -> None:
     """The YAML builds the Trainer's ZeRO3Strategy through LightningCLI, its options typed."""
     from lightning.pytorch.cli import LightningCLI

@@ -31,12 +31,17 @@ class MyAdafactor(torch.optim.Adafactor):
     """A subclass of a refused optimizer is refused too."""
 
 
+class MyMuon(torch.optim.Muon):
+    """torch.optim.Muon steps on whole matrices (test_whole_matrices.py); a subclass, which may
+    step differently, declares nothing and is refused."""
+
+
 @pytest.mark.parametrize(
     ("make", "reason"),
     [
         (lambda ps: torch.optim.Adafactor(ps), "row and column statistics"),
         (lambda ps: MyAdafactor(ps), "row and column statistics"),
-        (lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2]), "orthogonalises"),
+        (lambda ps: MyMuon([p for p in ps if p.dim() == 2]), "orthogonalises"),
         (lambda ps: torch.optim.LBFGS(ps), "dot products over all parameters"),
         (lambda ps: Lamb(ps, lr=0.1), "norm of the whole parameter"),
     ],
@@ -45,6 +50,19 @@ def test_an_optimizer_that_needs_shapes_is_refused_naming_it_and_why(make, reaso
     optimizer = make(list(_linear().parameters()))
     with pytest.raises(ValueError, match=rf"Owner cannot train with {type(optimizer).__name__}: it .*{reason}.*1-D"):
         check_optimizer_fits_shards(optimizer, "Owner")
+
+
+def test_the_refusal_names_the_parameter_and_the_optimizers_that_are_stepped_on_whole_matrices():
+    model = _linear()
+    names = {id(p): name for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"each parameter \(such as 'weight'\).*torch\.optim\.Muon.*whole_matrix\.py"):
+        check_optimizer_fits_shards(torch.optim.Adafactor(model.parameters()), "Owner", names=names)
+
+
+def test_torch_muon_passes_it_declares_whole_matrices():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_optimizer_fits_shards(torch.optim.Muon([_linear().weight]), "Owner")
 
 
 @pytest.mark.parametrize("kind", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop])

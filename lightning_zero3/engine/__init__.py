@@ -15,12 +15,13 @@ from lightning_zero3.engine.record import UnitStats
 from lightning_zero3.engine.reshard import resolve
 from lightning_zero3.engine.shard import ShardedParam, shard_numel, shard_slice
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
+from lightning_zero3.engine.whole_matrix import full_shapes, step_whole_matrices
 
 __all__ = [
     "DTYPE_NAMES", "AgreeingGradScaler", "CollectiveBytes", "CollectiveError", "Comm", "CommStats",
     "OrderMismatchError", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
     "check_optimizer_fits_shards", "clip_grad_norm_", "config_field_names", "destroy_group", "forget",
-    "full_optimizer_state", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",
+    "full_optimizer_state", "full_shapes", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",
     "make_plan", "new_group", "parameters_on_meta", "parse_dtype", "remember_sharded", "resolve", "shard_numel",
-    "shard_slice", "step_bytes",
+    "shard_slice", "step_bytes", "step_whole_matrices",
 ]  # fmt: skip

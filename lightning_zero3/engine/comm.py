@@ -208,9 +208,13 @@ class Comm:
             f"oldest first: {recent}.{step}{COLLECTIVE_HINT}"
         )
 
-    def _count(self, collective: str, what: str, payload: torch.Tensor, ring: float, *others: torch.Tensor) -> None:
+    def _count(
+        self, collective: str, what: str, payload: torch.Tensor, ring: float, *others: torch.Tensor,
+        sent: int | None = None,
+    ) -> None:  # fmt: skip
         """Check the tensors' device (Note: collective device), count the bytes under
-        "all_gather", "reduce_scatter", ... and note the collective in `recent`."""
+        "all_gather", "reduce_scatter", ... (wire: `sent` elements if given, else the ring's
+        share) and note the collective in `recent`."""
         for tensor in (payload, *others):
             if self.device is not None and tensor.device.type != self.device.type:
                 raise CollectiveError(
@@ -221,7 +225,8 @@ class Comm:
                 )
         n, nbytes = self.world_size, payload.numel() * payload.element_size()
         key = collective.lower().replace("-", "_")
-        self.stats.current[key].add(nbytes, int(round(ring * (n - 1) / n * nbytes)))
+        wire = sent * payload.element_size() if sent is not None else int(round(ring * (n - 1) / n * nbytes))
+        self.stats.current[key].add(nbytes, wire)
         self.recent.append(f"{collective} of {what}")
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
@@ -257,6 +262,21 @@ class Comm:
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         issue = lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
         return self._run("All-Reduce", what, issue, async_op)
+
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, output_splits: list[int], input_splits: list[int],
+        what: str, payload_is_output: bool = False,
+    ) -> None:  # fmt: skip
+        """Send `input_splits[r]` elements of 1-D `input` (in rank order) to rank r and receive
+        `output_splits[r]` from rank r into `output`; the payload is `input` (or `output`), the
+        wire what leaves this rank."""
+        payload, other = (output, input) if payload_is_output else (input, output)
+        self._count("All-to-All", what, payload, 1.0, other, sent=input.numel() - input_splits[self.rank])
+        if self.world_size == 1:
+            output.copy_(input)
+            return
+        issue = lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)
+        self._run("All-to-All", what, issue, False)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, what: str) -> None:
         self._count("Broadcast", what, tensor, 1.0)

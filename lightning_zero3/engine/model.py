@@ -38,6 +38,7 @@ from lightning_zero3.engine.reshard import resolve
 from lightning_zero3.engine.schedule import Schedule
 from lightning_zero3.engine.shard import ShardedParam
 from lightning_zero3.engine.unit import Unit
+from lightning_zero3.engine.whole_matrix import whole_matrix_step_bytes
 
 
 class ShardedModel:
@@ -335,6 +336,7 @@ class ShardedModel:
         step's measured bytes next to the formula for it (the last step's, else the next one's)."""
         measured = lambda stats: {k: vars(b).copy() for k, b in stats.last_step.items()} if stats is not None else {}
         expected = lambda **group: self.last_step_expected_bytes(**group) or self.expected_step_bytes(**group)
+        whole_matrices = whole_matrix_step_bytes(self, optimizers)  # whole_matrix.py: the optimizers' own
         alive, units = self._unit_stats, [u for u in self._units if u.params]
         return {
             "world_size": self._world_comm.world_size,
@@ -344,7 +346,7 @@ class ShardedModel:
             "full_parameters": sum(p.numel for p in self.sharded_params) + sum(p.numel() for p in self._persistent),
             "units": len(units),
             "last_step": measured(self.stats),
-            "expected_step_bytes": expected(),
+            "expected_step_bytes": {**expected(), **({"all_to_all": whole_matrices} if whole_matrices else {})},
             "last_step_across_groups": measured(self.replicate_stats),
             "expected_step_bytes_across_groups": expected(across_groups=True),
             # reshard_after_forward=G: the backward's All-Gathers inside the groups of G.

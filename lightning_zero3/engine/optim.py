@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import cast
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from lightning_zero3.engine.model import ShardedModel
+from lightning_zero3.engine.whole_matrix import whole_matrix_need
 
 
 def grad_norm(model: ShardedModel, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -102,31 +103,39 @@ _PRECONDITIONS = "preconditions each weight matrix by its row and column statist
 _TRUST_RATIO = "scales each update by the norm of the whole parameter (a per-layer trust ratio)"
 SHAPE_AWARE_OPTIMIZERS = {
     "Adafactor": "factors its second moment into row and column statistics of each weight matrix",
-    "Muon": "orthogonalises each weight matrix (it needs 2-D parameters)",
+    "Muon": "orthogonalises each weight matrix (it needs 2-D parameters)",  # torch.optim.Muon's is declared
     "Shampoo": _PRECONDITIONS, "DistributedShampoo": _PRECONDITIONS, "SOAP": _PRECONDITIONS,
     "Lamb": _TRUST_RATIO, "LAMB": _TRUST_RATIO, "FusedLAMB": _TRUST_RATIO, "LARS": _TRUST_RATIO, "Lars": _TRUST_RATIO,
     "LBFGS": "takes dot products over all parameters, which would cover only this rank's pieces",
 }  # fmt: skip
 
 
-def check_optimizer_fits_shards(optimizer: torch.optim.Optimizer, owner: str, *, warn: bool = True) -> None:
-    """Refuse a shape-aware optimizer, naming `owner`; with `warn`, warn about an empty param
-    group (the usual sign of a `p.dim() >= 2` filter)."""
+def check_optimizer_fits_shards(
+    optimizer: torch.optim.Optimizer, owner: str, *, warn: bool = True, names: Mapping[int, str] | None = None
+) -> None:  # fmt: skip
+    """Refuse a shape-aware optimizer that declares no whole-matrix need (whole_matrix.py), naming
+    `owner` and its first parameter (`names`: id -> name); with `warn`, warn about an empty
+    param group (the usual sign of a `p.dim() >= 2` filter)."""
     for cls in type(optimizer).__mro__:
         reason = SHAPE_AWARE_OPTIMIZERS.get(cls.__name__)
-        if reason is not None:
+        if reason is not None and whole_matrix_need(optimizer) is None:
+            first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+            name = (names or {}).get(id(first), "") if first is not None else ""
+            which = f" (such as '{name}')" if name else ""
             raise ValueError(
-                f"{owner} cannot train with {type(optimizer).__name__}: it {reason}, but here each parameter is "
+                f"{owner} cannot train with {type(optimizer).__name__}: it {reason}, but here each parameter{which} is "
                 f"this rank's 1-D piece of the flattened parameter, so its updates would silently differ from a "
-                f"single process's. Use an element-wise optimizer (SGD, Adam, AdamW, ...), or train this model "
-                f"with DDP or FSDP."
+                f"single process's. Only optimizers that declare they need whole matrices are stepped on them "
+                f"(torch.optim.Muon; lightning_zero3/engine/whole_matrix.py, Note: whole-matrix steps). Use one of "
+                f"those or an element-wise optimizer (SGD, Adam, AdamW, ...), or train this model with DDP or FSDP."
             )
     empty = [i for i, group in enumerate(optimizer.param_groups) if not group["params"]]
     if warn and empty:
         warnings.warn(
             f"{owner}: param group(s) {empty} of {type(optimizer).__name__} hold no parameter. Under ZeRO-3 every "
-            f"sharded parameter is 1-D (this rank's piece), so a rule such as `p.dim() >= 2` selects none of "
-            f"them: choose groups by parameter name or owning module instead (docs/user-guide.md).",
+            f"sharded parameter is 1-D (this rank's piece) outside the Trainer's `configure_optimizers`, so a rule "
+            f"such as `p.dim() >= 2` selects none of them there: choose groups by parameter name or owning module "
+            f"instead (docs/user-guide.md).",
             stacklevel=3,
         )
 
