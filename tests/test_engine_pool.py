@@ -34,8 +34,7 @@ def _live_storage_bytes() -> int:
 
 
 def _storages_of(nbytes: int) -> int:
-    """Distinct live storages of exactly `nbytes` bytes."""
-    gc.collect()
+    """Distinct live storages of exactly `nbytes` bytes (no collection: buffers die by refcount)."""
     tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta]
     return len({t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes() == nbytes})
 
@@ -128,14 +127,17 @@ def _buffers_of_a_step(rank: int, world_size: int, in_flight: int) -> dict:
         sharded = ShardedModel(model, param_dtype=torch.bfloat16, reductions_in_flight=in_flight)
         unit = sharded._units[1]
         inputs = unit.world_size * unit.reduce_row_numel * 4
-        at_forward_end, in_backward = [], []
-        model.head.register_forward_hook(lambda *_: at_forward_end.append(_storages_of(inputs)))
+        at_forward_end: list[int] = []
+        in_backward: list[int] = []
+        steady = lambda: sharded.last_step_record is not None  # noqa: E731 - from the second step on
+        model.head.register_forward_hook(lambda *_: at_forward_end.append(_storages_of(inputs)) if steady() else None)
         reductions = sharded._gradient_sync.reductions
         start = type(reductions).start
 
         def spy(self, unit, grads):  # noqa: ANN001, ANN202 - a spy on Reductions.start
             start(self, unit, grads)
-            in_backward.append(_storages_of(inputs))
+            if steady():
+                in_backward.append(_storages_of(inputs))
 
         reductions.start = spy.__get__(reductions)  # type: ignore[method-assign]
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -143,9 +145,10 @@ def _buffers_of_a_step(rank: int, world_size: int, in_flight: int) -> dict:
         for step in range(3):
             sharded._pool.reset_peak()
             _train(model, optimizer, rank, world_size, step)
+            sharded.end_step()
             peaks.append(sharded._pool.peak_bytes)
         formula = step_buffer_bytes(sharded._units, prefetch=1, in_flight=in_flight, received=True)
-        return {"forward": at_forward_end[1:], "backward": max(in_backward[5:]), "peaks": peaks[1:], "formula": formula}
+        return {"forward": at_forward_end, "backward": max(in_backward), "peaks": peaks[1:], "formula": formula}
 
 
 @pytest.mark.parametrize("in_flight", [0, ShardingConfig().in_flight("cuda")], ids=["cpu_default", "cuda_default"])
