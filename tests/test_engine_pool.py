@@ -20,7 +20,7 @@ from tests.parity import local_slice
 from tests.ranks import run_ranks
 
 
-def _live_storage_bytes() -> int:
+def live_storage_bytes() -> int:
     """Bytes of the distinct storages of every tensor Python can reach (after a collection), of 1
     KiB or more: the smallest pooled buffer here is 1.6 KiB, the engine's control scalars (tags,
     flags) a few bytes."""
@@ -59,12 +59,12 @@ def _whole_weights_calls(rank: int, world_size: int) -> dict:
         for step in range(2):
             _train(model, optimizer, rank, world_size, step)
         pool, x = sharded._pool, mlp_batch(0)[0]
-        after_step = {"pooled": pool.cached_bytes, "live": _live_storage_bytes()}
+        after_step = {"pooled": pool.cached_bytes, "live": live_storage_bytes()}
         bound = step_buffer_bytes(sharded._units, prefetch=1, in_flight=1, received=True)
         calls = {}
 
         def look(name: str, returned: list[torch.Tensor]) -> None:  # what the caller holds is not left behind
-            live = _live_storage_bytes() - sum(n for n in {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            live = live_storage_bytes() - sum(n for n in {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                                                            for t in returned}.values() if n >= 1024)  # fmt: skip
             calls[name] = {"pooled": pool.cached_bytes, "taken": pool.taken_bytes, "live": live}
 
@@ -202,9 +202,9 @@ def _release(rank: int, world_size: int) -> dict:
     sharded = ShardedModel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     _train(model, optimizer, rank, world_size, 0)
-    before = (sharded._pool.cached_bytes, _live_storage_bytes())
+    before = (sharded._pool.cached_bytes, live_storage_bytes())
     sharded.release_buffers()
-    after = (sharded._pool.cached_bytes, _live_storage_bytes())
+    after = (sharded._pool.cached_bytes, live_storage_bytes())
     _train(model, optimizer, rank, world_size, 1)  # the next step makes them again
     return {"before": before, "after": after, "again": sharded._pool.cached_bytes}
 
