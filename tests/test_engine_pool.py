@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel, ShardingConfig
 from lightning_zero3.engine.accounting import step_buffer_bytes
-from lightning_zero3.engine.buffers import BufferPool, size_class
+from lightning_zero3.engine.buffers import BufferPool, size_class, stream_api
 from tests.cuda_standin import standin
 from tests.models import MLP, mlp_batch
 from tests.parity import local_slice
@@ -194,6 +194,26 @@ def test_units_of_near_sizes_share_one_block() -> None:
               if size == size_class(a.block_numel)]  # fmt: skip
     rows = a.row_numel(), a.reduce_row_numel  # one process: a receive buffer is one row
     assert sorted(pooled) == [("block", a.block_numel), ("gather", rows[0]), ("reduce", rows[1])], pooled
+
+
+def test_a_buffer_let_go_is_first_waited_for_by_the_stream_that_allocated_it() -> None:
+    """CUDA's caching allocator hands a freed buffer to the next allocation on the stream that
+    allocated it: before the pool lets one go, that stream waits for the event of its last use
+    (buffers.py, Note: buffer roles and streams), with no host wait and no `record_stream`."""
+    with standin() as mode:
+        cpu = torch.device("cpu")
+        api, pool = stream_api(cpu), BufferPool()
+        copy_in = api.Stream()
+        with api.stream(copy_in):
+            buffer = pool.take("gather", 64, torch.float32, cpu)  # allocated on copy_in
+            buffer.fill_(1.0)
+        api.current_stream().wait_stream(copy_in)
+        buffer.add_(1.0)  # its last use, on the compute stream
+        pool.give("gather", buffer)
+        api.edges.clear()
+        pool.empty()
+        assert ("wait_event", copy_in.name, "default") in api.edges, api.edges
+        assert mode.counts["host_reads"] == 0 and not mode.races, (mode.counts, mode.races)
 
 
 def _release(rank: int, world_size: int) -> dict:
