@@ -7,6 +7,7 @@ epoch's end anonymous RSS after `gc.collect()`; `--plot` draws runs side by side
     python examples/pool_timeline.py --json after.json                      # this checkout
     PYTHONPATH=<older checkout> python examples/pool_timeline.py --json before.json
     python examples/pool_timeline.py --plot before.json after.json --out docs/figures/pool-timeline.png
+    python examples/pool_timeline.py --no-state-dict --json repro.json      # gathered_for_inference() only
 
 The spy wraps the pool's `take` and `give` and reads the storages' bytes, so it runs on engines
 before and after size classes alike. Needs matplotlib for `--plot` (`pip install matplotlib`).
@@ -57,7 +58,7 @@ def record(pool: Any, events: list[dict[str, Any]], phase: list[str]) -> None:
     pool.take, pool.give = spied_take, spied_give
 
 
-def fit(path: str, epochs: int) -> None:
+def fit(path: str, epochs: int, *, state_dict: bool) -> None:
     import lightning as L
 
     from lightning_zero3 import ZeRO3Strategy
@@ -97,7 +98,8 @@ def fit(path: str, epochs: int) -> None:
             with trainer.strategy.gathered_for_inference(), torch.no_grad():
                 pl_module(torch.randn(2, WIDTH))
             phase[0] = "full_state_dict"
-            trainer.strategy.full_state_dict()
+            if state_dict:
+                trainer.strategy.full_state_dict()
             phase[0] = "after"
             gc.collect()
             rss.append(status_bytes("RssAnon"))
@@ -132,7 +134,7 @@ def plot(paths: list[str], out: str) -> None:
         ax.plot(x, [e["live"] / 2**20 for e in events], label="live (pooled + handed out)")
         ax.plot(x, [e["pooled"] / 2**20 for e in events], label="pooled (free)")
         for i, e in enumerate(events):
-            if e["phase"] == "gathered_for_inference" and (i == 0 or events[i - 1]["phase"] != e["phase"]):
+            if e["phase"] == "gathered_for_inference" and events[i - 1]["phase"] != e["phase"]:
                 ax.axvline(i, color="grey", linestyle=":", linewidth=1)
         ax.set_title(os.path.splitext(os.path.basename(path))[0])
         ax.set_xlabel("pool events (take/give), rank 0; dotted: a validation's gathered_for_inference")
@@ -148,13 +150,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="pool-timeline.json", help="where rank 0 writes the timeline")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--no-state-dict", action="store_true", help="gathered_for_inference() only (issue 36's repro)")
     parser.add_argument("--plot", nargs="+", help="timelines to draw side by side (no training)")
     parser.add_argument("--out", default="pool-timeline.png")
     args = parser.parse_args()
     if args.plot:
         plot(args.plot, args.out)
     else:
-        fit(args.json, args.epochs)
+        fit(args.json, args.epochs, state_dict=not args.no_state_dict)
 
 
 if __name__ == "__main__":
