@@ -20,6 +20,7 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,8 +33,9 @@ from benchmarks.measure import status_bytes  # noqa: E402
 WIDTH, LAYERS = 2560, 8
 
 
-def record(pool: Any, events: list[dict[str, Any]], phase: list[str]) -> None:
-    """Wrap `pool.take`/`pool.give` on this instance: an event with the bytes after each call."""
+def record(pool: Any, events: list[dict[str, Any]], phase: list[str]) -> Callable[[], None]:
+    """Wrap `pool.take`/`pool.give` on this instance: an event with the bytes after each call;
+    returns the function that adds one (for what the pool lets go without a call: a block's end)."""
     take, give = pool.take, pool.give
     taken: dict[int, int] = {}  # data_ptr -> bytes handed out
 
@@ -56,6 +58,7 @@ def record(pool: Any, events: list[dict[str, Any]], phase: list[str]) -> None:
         note()
 
     pool.take, pool.give = spied_take, spied_give
+    return note
 
 
 def fit(path: str, epochs: int, *, state_dict: bool) -> None:
@@ -85,10 +88,11 @@ def fit(path: str, epochs: int, *, state_dict: bool) -> None:
     events: list[dict[str, Any]] = []
     phase = ["train"]
     rss: list[int] = []
+    note: list[Callable[[], None]] = []
 
     class Timeline(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            record(trainer.strategy.sharded_model()._pool, events, phase)
+            note.append(record(trainer.strategy.sharded_model()._pool, events, phase))
 
         def on_train_batch_start(self, *args: Any) -> None:
             phase[0] = "train"
@@ -97,10 +101,12 @@ def fit(path: str, epochs: int, *, state_dict: bool) -> None:
             phase[0] = "gathered_for_inference"
             with trainer.strategy.gathered_for_inference(), torch.no_grad():
                 pl_module(torch.randn(2, WIDTH))
+            note[0]()  # after the block: what it let go
             phase[0] = "full_state_dict"
             if state_dict:
                 trainer.strategy.full_state_dict()
             phase[0] = "after"
+            note[0]()
             gc.collect()
             rss.append(status_bytes("RssAnon"))
 
@@ -115,8 +121,7 @@ def fit(path: str, epochs: int, *, state_dict: bool) -> None:
         with open(path, "w") as file:
             json.dump({"events": events, "rss_anon_after_each_validation": rss}, file)
         print(f"RssAnon after each validation (rank 0, MiB): {[round(r / 2**20, 1) for r in rss]}")
-        after = [e["pooled"] / 2**20 for e, later in zip(events, events[1:]) if (e["phase"], later["phase"]) ==
-                 ("full_state_dict", "train")] + [events[-1]["pooled"] / 2**20]  # fmt: skip
+        after = [e["pooled"] / 2**20 for e in events if e["phase"] == "after"]
         print(f"pooled after each validation (MiB): {[round(a, 1) for a in after]}")
 
 

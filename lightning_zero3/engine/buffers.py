@@ -17,7 +17,8 @@ Buffers a step holds). A whole-weights call (`gathered_for_inference`, `full_sta
 and on leaving gives what it made back to the allocator, so the pool holds no more after it than
 before. With streams (CUDA) the Reduce-Scatter inputs go back to the allocator when a backward
 ends (reduce.py): the caching allocator gives that memory to the forward's activations, as
-FSDP2's does. `empty()` gives back every free buffer (`ShardedModel.release_buffers`).
+FSDP2's does. `empty()` gives back every free buffer (`ShardedModel.release_buffers`); on CPU it
+ends with glibc's `malloc_trim`, or the heap would keep the pages.
 
 [Note: buffer roles and streams]
 A buffer serves one role for life, each role one stream (comm.py, Note: streams), so a buffer
