@@ -370,6 +370,11 @@ class ShardedStrategy:
         target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
         return owner.gathered_parameters(target, modifier_rank=modifier_rank)
 
+    def release_buffers(self, module: Any = None) -> None:
+        """Give the engine's pooled gather and reduction buffers back to the allocator (e.g. before
+        a memory-hungry evaluation); the next step makes them again. Teardown does it too."""
+        self._run_of(module).engine.release_buffers()
+
     def gathered_for_inference(self, module: Any = None) -> AbstractContextManager:
         """Keep every unit of `module` (default: the only model) gathered inside the block (no
         gradients), so `generate()` and evaluation run at DDP's speed (`ShardedModel.gathered_for_inference`)."""

@@ -56,7 +56,7 @@ def _train_evaluate_save_load(rank: int, world_size: int, precision: str | None,
     with standin() as mode:
         model = MLP(depth=3)
         param_dtype = AUTOCAST.get(precision or "")
-        sharded = ShardedModel(model, reductions_in_flight=2, param_dtype=param_dtype, **options)  # CUDA's default
+        sharded = ShardedModel(model, reductions_in_flight=2, param_dtype=param_dtype, **options)  # above CUDA's 1
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scaler = AgreeingGradScaler(sharded, device="cpu") if precision == "16-mixed" else None
         for _ in range(3):

@@ -33,8 +33,8 @@ def _train(rank: int, world_size: int) -> dict:
 
     def count_pooled(*_: object) -> None:
         # Registered after the engine's hooks: blocks.0 has just been released. Full-parameter
-        # blocks waiting in the pool (its free lists, keyed by numel, dtype, device).
-        pooled.append(sum(len(free) for (_, numel, _, _), free in sharded._pool._free.items() if numel in block_numels))
+        # blocks waiting in the pool (its free lists of whole buffers, by role and size class).
+        pooled.append(sum(b.numel() in block_numels for free in sharded._pool._free.values() for b, _ in free))
 
     model.blocks[0].register_forward_hook(count_pooled)
     for step in range(3):

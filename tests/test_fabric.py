@@ -297,13 +297,32 @@ def _gathered(f: L.Fabric) -> list[dict[str, Any]]:
     with f.strategy.gathered_parameters(model.head, modifier_rank=1):
         if rank == 1:
             model.head.weight.data.fill_(0.5)
-    return every_rank({"inside": inside, "outside": tuple(model.head.weight.shape), "state": full_state(f, model)})
+    state = full_state(f, model)
+    model(torch.randn(4, 7)).sum().backward()  # a step's buffers in the pool
+    pool = f.strategy.sharded_model(model)._pool
+    pooled = pool.cached_bytes
+    f.strategy.release_buffers(model)
+    released = (pooled, pool.cached_bytes)
+    outside = tuple(model.head.weight.shape)
+    return every_rank({"inside": inside, "outside": outside, "state": state, "released": released})
 
 
-def test_gathered_parameters_gives_whole_weights_and_keeps_the_modifiers_writes() -> None:
-    for result in launch(_gathered):
+@pytest.fixture(scope="module")
+def gathered() -> list[dict[str, Any]]:
+    return launch(_gathered)
+
+
+def test_gathered_parameters_gives_whole_weights_and_keeps_the_modifiers_writes(gathered) -> None:
+    for result in gathered:
         assert result["inside"] == (5, 13) and len(result["outside"]) == 1
         assert torch.equal(result["state"]["head.weight"], torch.full((5, 13), 0.5))
+
+
+def test_release_buffers_empties_the_engines_pool(gathered) -> None:
+    """`strategy.release_buffers()` (both strategies, core.py) gives the pooled buffers back."""
+    for result in gathered:
+        pooled, after = result["released"]
+        assert pooled > 0 and after == 0, result
 
 
 def _threads_after_launch(rank: int, world_size: int) -> tuple[int, int]:

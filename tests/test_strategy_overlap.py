@@ -34,7 +34,7 @@ def test_overlapping_reductions_are_exact_under_lightning() -> None:
 def test_reductions_in_flight_defaults_to_none_on_cpu_and_rejects_bad_values() -> None:
     from lightning_zero3 import ZeRO3Strategy
 
-    assert ZeRO3Strategy().config.reductions_in_flight is None  # resolved by the engine: 2 on CUDA, 0 elsewhere
+    assert ZeRO3Strategy().config.reductions_in_flight is None  # resolved by the engine: 1 on CUDA, 0 elsewhere
     from lightning_zero3.engine import ShardedModel
 
     assert ShardedModel(torch.nn.Linear(4, 4))._gradient_sync.reductions.in_flight == 0  # CPU parameters

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_zero3.engine.buffers import size_class
 from lightning_zero3.engine.record import Orders
 from lightning_zero3.engine.unit import Unit
 
 __all__ = [
     "UnitSizes", "expected_step_bytes", "gathers", "keeps_whole", "live_peak", "model_state_bytes", "step_bytes",
-    "unit_sizes",
+    "step_buffer_bytes", "unit_sizes",
 ]  # fmt: skip
 
 
@@ -89,6 +90,33 @@ def live_peak(full: Sequence[int], reshard: bool | int, *, prefetch: int, ends_f
     rest = sorted((f for f, e in zip(full, ends_forward) if not e), reverse=True)
     slices = sum(rest) // reshard if type(reshard) is int else 0
     return sum(kept) + sum(rest[: 1 + prefetch]) + slices
+
+
+def step_buffer_bytes(units: list[Unit], *, prefetch: int, in_flight: int, received: bool) -> int:
+    """The pool's bytes at a steady training step's peak (docs/accounting.md, Buffers a step
+    holds), reshard_after_forward=True: per role and size class the most buffers in use at once,
+    each of the class's widest request (buffers.py, Note: size classes). The root's apart (its
+    own classes): one of each. Of the other units' classes: max(prefetch, 1) receive buffers, one
+    block, `in_flight` + 1 Reduce-Scatter inputs (and with gloo's transport, `received`, the rows
+    each receives)."""
+    root, rest = units[0], [u for u in units[1:] if u.params]
+    held: dict[tuple[str, int, torch.dtype, bool], tuple[int, int]] = {}  # key -> (at once, widest numel)
+
+    def hold(role: str, count: int, numel: int, dtype: torch.dtype, *, own: bool) -> None:
+        key = (role, numel if own else size_class(numel), dtype, own)
+        was = held.get(key, (0, 0))
+        held[key] = (max(was[0], count), max(was[1], numel))
+
+    for unit in ([root] if root.params else []) + rest:
+        own = unit is root
+        n, inputs = unit.world_size, 1 if own else in_flight + 1
+        hold("gather", 1 if own else max(prefetch, 1), n * unit.row_numel(), unit.param_dtype, own=own)
+        hold("block", 1, unit.block_numel, unit.param_dtype, own=own)
+        if any(p.requires_grad for p in unit.params):
+            hold("reduce", inputs, n * unit.reduce_row_numel, unit.reduce_dtype, own=own)
+            if received:
+                hold("received", inputs, (n - 1) * unit.reduce_row_numel, unit.reduce_dtype, own=own)
+    return sum(count * numel * key[2].itemsize for key, (count, numel) in held.items())
 
 
 def unit_sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:

@@ -30,7 +30,7 @@ class ShardingConfig:
             strategies), else the model's.
         reduce_dtype: dtype of the Reduce-Scatters. None: fp32.
         param_init_fn: initialises a meta module's own tensors. None: ``reset_parameters()``.
-        reductions_in_flight: reductions left running in backward. None: 2 on CUDA, 0 elsewhere.
+        reductions_in_flight: reductions left running in backward. None: 1 on CUDA (as FSDP2), 0 elsewhere.
         rank_checks: steps that check the ranks run alike: "every_step", "first_step" or K (checks.py).
         reshard_after_forward: kept from forward to backward: True shards, False all, G a 1/G slice (reshard.py).
         offload: None, or "host": shards, gradients and optimizer state in host memory (offload.py).
@@ -64,7 +64,7 @@ class ShardingConfig:
         rules = [  # (option, valid, what it must be), checked in this order
             ("prefetch", at_least(self.prefetch, 0), "an int >= 0 (units gathered ahead)"),
             ("persistence_threshold", at_least(self.persistence_threshold, 0), "an int >= 0 (elements)"),
-            ("reductions_in_flight", rif is None or at_least(rif, 0), "None (2 on CUDA, 0 elsewhere) or an int >= 0 "
+            ("reductions_in_flight", rif is None or at_least(rif, 0), "None (1 on CUDA, 0 elsewhere) or an int >= 0 "
              "(Reduce-Scatters left running while backward continues)"),
             ("shard_size", self.shard_size is None or at_least(self.shard_size, 1), "None (whole world) or a "
              "positive int that divides the number of ranks, e.g. the devices per node"),
@@ -91,8 +91,8 @@ class ShardingConfig:
 
 
     def in_flight(self, device_type: str) -> int:
-        """`reductions_in_flight` on a device of `device_type`: None is 2 on CUDA, 0 elsewhere."""
-        return self.reductions_in_flight if self.reductions_in_flight is not None else 2 * (device_type == "cuda")
+        """`reductions_in_flight` on a device of `device_type`: None is 1 on CUDA, 0 elsewhere."""
+        return self.reductions_in_flight if self.reductions_in_flight is not None else int(device_type == "cuda")
 
 
 def config_field_names(config_type: type[Any]) -> frozenset[str]:

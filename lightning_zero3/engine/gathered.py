@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.calls import engine_mode
 from lightning_zero3.engine.checks import RankChecks
 from lightning_zero3.engine.comm import CollectiveError, Comm
@@ -21,14 +22,15 @@ __all__ = ["gathered_parameters"]
 @contextmanager
 def gathered_parameters(
     scope: nn.Module, units: list[Unit], persistent: list[nn.Parameter], *, checks: RankChecks,
-    world_comm: Comm, modifier_rank: int | None = None,
+    world_comm: Comm, pool: BufferPool, modifier_rank: int | None = None,
 ) -> Iterator[None]:  # fmt: skip
     """The parameters under `scope` whole on every rank: the registered parameters hold the full
     data inside the block, in tensors of their own (not views of a pooled block), so a state dict
     taken inside stays valid after it, as under DeepSpeed's `GatheredParameters`. With
     `modifier_rank=r`, rank r's values are broadcast on exit and kept; otherwise changes are
     discarded. Each `ShardedParam.gathered` says which block holds it whole (Note: whole inside
-    gathered_parameters in shard.py)."""
+    gathered_parameters in shard.py). The buffers its gathers add to `pool` go back on entry's end
+    (buffers.py, Note: what the pool keeps)."""
     in_scope = {id(p) for p in scope.parameters()}
     chosen = {p for u in units for p in u.params if id(p.param) in in_scope}  # a set: looked up per parameter
     persistent = [p for p in persistent if id(p) in in_scope]
@@ -40,16 +42,17 @@ def gathered_parameters(
     entered = False  # False in `finally`: a gather or tag check failed, so no collective there
     try:
         try:
-            for unit in units:
-                with engine_mode():
-                    fulls = unit.gather(dtype=unit.shard_dtype)
-                    # Each its own storage, so the user's references stay valid; the block goes back.
-                    wholes = [(sharded, full.clone()) for sharded, full in zip(unit.params, fulls) if sharded in chosen]
-                    unit.release(fulls)
-                for sharded, whole in wholes:
-                    shards[sharded] = sharded.param.data
-                    sharded.param.data = whole
-                    sharded.gathered.append(modifier_rank)
+            with pool.transient():
+                for unit in units:
+                    with engine_mode():
+                        fulls = unit.gather(dtype=unit.shard_dtype)
+                        # Each its own storage, so the user's references stay valid; the block goes back.
+                        wholes = [(s, full.clone()) for s, full in zip(unit.params, fulls) if s in chosen]
+                        unit.release(fulls)
+                    for sharded, whole in wholes:
+                        shards[sharded] = sharded.param.data
+                        sharded.param.data = whole
+                        sharded.gathered.append(modifier_rank)
         except CollectiveError as err:  # the usual cause: the block entered on some ranks only
             raise CollectiveError(
                 f"gathered_parameters could not gather on rank {world_comm.rank}: every rank must enter it (it gathers "

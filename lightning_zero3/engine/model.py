@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accumulate import GradientSync, SyncState
-from lightning_zero3.engine.buffers import BufferPool, indexed
+from lightning_zero3.engine.buffers import BufferPool, indexed, stream_api
 from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import UNEVEN_FIX, RankChecks
 from lightning_zero3.engine.comm import Comm, CommStats, consecutive_group, hybrid_groups
@@ -111,7 +111,8 @@ class ShardedModel:
         self._comm.describe_step = self._describe_step
         self._reductions_in_flight = config.in_flight(target.type)
         self._schedule = Schedule(config.prefetch)
-        reductions = Reductions(in_flight=self._reductions_in_flight, offload=self._offload)
+        reductions = Reductions(in_flight=self._reductions_in_flight, offload=self._offload,  # buffers.py
+                                pool=self._pool if stream_api(target) is not None else None)  # fmt: skip
         self._gradient_sync = GradientSync(self._units, reductions=reductions, persistent=self._persistent_grads,
                                            record=self._record)  # fmt: skip
         self._hooks = HookDriver(
@@ -153,8 +154,7 @@ class ShardedModel:
 
     def full_numel(self, param: torch.Tensor) -> int:
         """Elements of `param` whole (a shard's full parameter, else `param` itself)."""
-        sharded = self.sharded_param(param)
-        return sharded.numel if sharded is not None else param.numel()
+        return sharded.numel if (sharded := self.sharded_param(param)) is not None else param.numel()
 
     @property
     def stats(self) -> CommStats:
@@ -173,16 +173,14 @@ class ShardedModel:
 
     def end_step(self) -> None:
         """Close the step: `stats.last_step` and `last_step_record` become this step's."""
-        for comm in (self._comm, self._replicate_comm, self._slice_comm, self._world_comm):
-            if comm is not None:
-                comm.stats.end_step()
+        for comm in filter(None, (self._comm, self._replicate_comm, self._slice_comm, self._world_comm)):
+            comm.stats.end_step()
         self._record.end_step()
 
     def forget_traffic(self) -> None:
         """Drop the traffic counted in the groups since the last `end_step` (e.g. evaluation's)."""
-        for comm in (self._comm, self._replicate_comm):
-            if comm is not None:
-                comm.stats.current.clear()
+        for comm in filter(None, (self._comm, self._replicate_comm)):
+            comm.stats.current.clear()
 
     @property
     def last_step_record(self) -> Step | None:
@@ -195,8 +193,7 @@ class ShardedModel:
         return self._unit_stats
 
     def last_step_expected_bytes(self, *, across_groups: bool = False, slices: bool = False) -> dict[str, int] | None:
-        """The formula (accounting.py) for the step `stats.last_step` measured, with the orders
-        and passes it ran with; None before any `end_step`."""
+        """The formula for the step `stats.last_step` measured, its orders and passes; None before any `end_step`."""
         last = self._record.last
         if last is None:
             return None
@@ -210,8 +207,7 @@ class ShardedModel:
 
     # ---- gradient sync (accumulate.py, Note: unsynced accumulation) ---------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """FSDP2's switch (accumulate.py, Note: unsynced accumulation): step and zero_grad only
-        after a backward with sync on."""
+        """FSDP2's switch (accumulate.py, Note: unsynced accumulation): step and zero_grad after a synced backward."""
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"set_requires_gradient_sync takes a bool; got {requires_gradient_sync!r}.")
         self._gradient_sync.requires_sync = requires_gradient_sync
@@ -247,7 +243,7 @@ class ShardedModel:
     ) -> AbstractContextManager[None]:
         """The parameters under `module` (default: all) whole on every rank (gathered.py)."""
         scope = module if module is not None else self.module
-        return gathered_parameters(scope, self._units, self._persistent, checks=self._checks,
+        return gathered_parameters(scope, self._units, self._persistent, checks=self._checks, pool=self._pool,
                                    world_comm=self._world_comm, modifier_rank=modifier_rank)  # fmt: skip
 
     @contextmanager
@@ -255,11 +251,12 @@ class ShardedModel:
         """Every unit gathered for the block (the whole model's parameters per rank, like DDP),
         for inference and `generate()` without a collective per forward; collective; no
         gradients inside (held.py, Note: held for inference)."""
-        self._hooks.hold()
-        try:
-            yield
-        finally:
-            self._hooks.release()
+        with self._pool.transient():  # buffers.py, Note: what the pool keeps
+            self._hooks.hold()
+            try:
+                yield
+            finally:
+                self._hooks.release()
 
     # ---- state dicts ------------------------------------------------------------------------
     @contextmanager
@@ -281,7 +278,7 @@ class ShardedModel:
         full_by_id: dict[int, torch.Tensor] = {}
         with self.own_reads():
             state = self.module.state_dict()
-        with engine_mode():
+        with engine_mode(), self._pool.transient():
             for unit in self._units:
                 if not unit.params:
                     continue
@@ -315,10 +312,8 @@ class ShardedModel:
             unexpected = list(result.unexpected_keys)
             absent = missing + [k for k in result.missing_keys if k not in shard_keys]
             if unexpected or absent:
-                raise KeyError(
-                    f"State dict does not match the model: missing keys {absent[:10]}, unexpected keys "
-                    f"{unexpected[:10]}. Load a checkpoint of the same model or pass strict=False."
-                )
+                raise KeyError(f"State dict does not match the model: missing keys {absent[:10]}, unexpected keys "
+                               f"{unexpected[:10]}. Load a checkpoint of the same model or pass strict=False.")
 
     # ---- model-state accounting (accounting.py) -------------------------------------------
     def model_state_bytes(self, optimizers: list[torch.optim.Optimizer] | None = None) -> dict[str, int]:
@@ -358,6 +353,7 @@ class ShardedModel:
             "units_alive": alive.alive,
             "peak_units_alive": alive.peak,
             "peak_units_alive_without_root": alive.peak_without_root,
+            "buffer_bytes": self._pool.bytes(),  # pooled, taken, peak (buffers.py)
             "model_state_bytes": self.model_state_bytes(optimizers),
         }
 
@@ -383,19 +379,22 @@ class ShardedModel:
             restore_whole(self._units, device=torch.device(device))
         self.module.to(device)
         forget(self.module)
+        self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Pooled buffers back to the allocator; the next step makes them again. No collective."""
+        self._pool.empty()
 
     def rest(self) -> None:
-        """Free what the next step makes again (the shards' gradients, pooled buffers, offload's
-        device copies); shards, hooks and optimizer state stay. No collective."""
+        """Free what the next step makes again (gradients, buffers, offload's device copies); no collective."""
         for sharded in self.sharded_params:
             sharded.param.grad = None
         if self._offload is not None:
             self._offload.close()
-        self._pool.clear()
+        self.release_buffers()
 
     def leave_sharded(self, *, fix: str = SHARD_AGAIN) -> None:
-        """Remove the hooks and free the pooled buffers, keep the shards; no collective (Note: a
-        module left sharded). A forward then raises, naming `fix` (what to do instead)."""
+        """Hooks off, buffers freed, shards kept; a forward then raises naming `fix` (Note: a module left sharded)."""
         self.remove_hooks()
-        self._pool.clear()
+        self.release_buffers()
         leave_sharded(self.module, self, fix)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.unit import ShardSource, Unit
 
 __all__ = ["PendingReduce", "Reductions", "Summed", "grad_blocks", "pack_gradients"]
@@ -88,9 +89,10 @@ class PendingReduce:
 class Reductions:
     """Reduce-Scatters in flight, oldest first; at most `in_flight` stay pending."""
 
-    def __init__(self, *, in_flight: int, offload: ShardSource | None = None) -> None:
+    def __init__(self, *, in_flight: int, offload: ShardSource | None = None, pool: BufferPool | None = None) -> None:
         self.in_flight = in_flight
         self.offload = offload  # reduced shard gradients go to the host instead of `.grad`
+        self.pool = pool  # with streams (CUDA): its Reduce-Scatter inputs emptied when a backward ends
         self._pending: deque[PendingReduce] = deque()
 
     def start(self, unit: Unit, grads: list[torch.Tensor | None] | Summed) -> None:
@@ -107,6 +109,8 @@ class Reductions:
             self._finish_oldest()
         if self.offload is not None:
             self.offload.settle()
+        if self.pool is not None:  # for the forward's activations (buffers.py, Note: what the pool keeps)
+            self.pool.empty(role="reduce")
 
     def drop_all(self) -> None:
         """A backward raised (hooks.py, Note: exceptions): complete the collectives, drop their gradients."""
