@@ -1,7 +1,7 @@
 """The sharding engine: ZeRO stage 3 on a bare nn.Module and a process group; never imports Lightning.
 The only door into it: code outside engine/ imports these names from here (tests/test_engine_imports.py)."""
 
-from lightning_zero3.engine.accounting import UnitSizes, live_peak, step_bytes
+from lightning_zero3.engine.accounting import UnitSizes, live_peak, sent_row_bytes, step_bytes
 from lightning_zero3.engine.checks import OrderMismatchError
 from lightning_zero3.engine.comm import CollectiveBytes, CollectiveError, Comm, CommStats, destroy_group, new_group
 from lightning_zero3.engine.config import ShardingConfig, config_field_names
@@ -21,6 +21,6 @@ __all__ = [
     "OrderMismatchError", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
     "check_optimizer_fits_shards", "clip_grad_norm_", "config_field_names", "destroy_group", "forget",
     "full_optimizer_state", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",
-    "make_plan", "new_group", "parameters_on_meta", "parse_dtype", "remember_sharded", "resolve", "shard_numel",
-    "shard_slice", "step_bytes",
+    "make_plan", "new_group", "parameters_on_meta", "parse_dtype", "remember_sharded", "resolve", "sent_row_bytes",
+    "shard_numel", "shard_slice", "step_bytes",
 ]  # fmt: skip

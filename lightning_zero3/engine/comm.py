@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event, indexed, stream_api
+from lightning_zero3.engine.config import Quantization
+from lightning_zero3.engine.quantize import RowCodec, pack_gather, pack_reduce
 from lightning_zero3.engine.transport import GlooInPlace, Local, NativeCollectives, Transport
 
 
@@ -151,7 +153,7 @@ class Comm:
 
     def __init__(
         self, group: dist.ProcessGroup | None = None, *, pool: BufferPool | None = None,
-        device: torch.device | None = None, stats: CommStats | None = None,
+        device: torch.device | None = None, stats: CommStats | None = None, quantization: Quantization | None = None,
     ) -> None:  # fmt: skip
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
@@ -160,6 +162,7 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()  # shared by Comms counted together
         self.pool = pool or BufferPool()  # gloo's receive rows
         self.device = device  # Note: collective device; None: any
+        self.quantization = quantization or Quantization()  # quantize.py, Note: quantized collectives
         self._device_type = device.type if device is not None else "cpu"
         # One rank: local copies; benchmarks/gpu_check.py turns it off to run NCCL at world size 1.
         self._one_rank_shortcut = True
@@ -224,20 +227,45 @@ class Comm:
         self.stats.current[key].add(nbytes, int(round(ring * (n - 1) / n * nbytes)))
         self.recent.append(f"{collective} of {what}")
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
-        """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row."""
-        self._count("All-Gather", what, output, 1.0)
+    def codec(self, kind: str, *, width: int, itemsize: int, data: int | None) -> RowCodec | None:
+        """How rows of `kind` ("weights", "gradients") are packed (quantize.py, Note: quantized
+        collectives); None: sent as they are (not asked for, `data` None, or one rank)."""
+        bits = self.quantization.bits(kind)
+        if not bits or data is None or isinstance(self.transport, Local):
+            return None
+        return RowCodec(width=width, data=data, itemsize=itemsize, block=self.quantization.block, bits=bits)
+
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str, quantize_data: int | None = None
+    ) -> Any:
+        """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row. The
+        first `quantize_data` elements of each row may travel quantized (quantize_weights)."""
         rows = output.view(self.world_size, -1)
         if shard.data_ptr() != rows[self.rank].data_ptr():
             rows[self.rank].copy_(shard.view(-1))
-        return self._run("All-Gather", what, lambda: self.transport.all_gather(rows), async_op)
+        codec = self.codec("weights", width=rows.shape[1], itemsize=rows.element_size(), data=quantize_data)
+        if codec is None:
+            self._count("All-Gather", what, output, 1.0)
+            return self._run("All-Gather", what, lambda: self.transport.all_gather(rows), async_op)
+        packed, issue = pack_gather(rows, self.rank, codec, self.pool)
+        self._count("All-Gather", what, packed, 1.0, output)
+        return self._run("All-Gather", what, lambda: issue(self.transport), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False) -> Any:
+    def reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False,
+        quantize_data: int | None = None,
+    ) -> Any:  # fmt: skip
         """Sum `full` (world_size x chunk) over ranks into this rank's `output`; `full` must not
-        change until the work is waited for."""
-        self._count("Reduce-Scatter", what, full, 1.0, output)
+        change until the work is waited for. The first `quantize_data` elements of each row may
+        travel quantized (quantize_gradients), and then `full` is overwritten."""
         rows = full.view(self.world_size, -1)
-        return self._run("Reduce-Scatter", what, lambda: self.transport.reduce_scatter(output, rows), async_op)
+        codec = self.codec("gradients", width=rows.shape[1], itemsize=rows.element_size(), data=quantize_data)
+        if codec is None:
+            self._count("Reduce-Scatter", what, full, 1.0, output)
+            return self._run("Reduce-Scatter", what, lambda: self.transport.reduce_scatter(output, rows), async_op)
+        sent, issue = pack_reduce(output, rows, codec, self.pool)
+        self._count("Reduce-Scatter", what, sent, 1.0, output)
+        return self._run("Reduce-Scatter", what, lambda: issue(self.transport), async_op)
 
     def _run(self, collective: str, what: str, issue: Callable[[], Any], async_op: bool) -> Any:
         try:
@@ -347,6 +375,9 @@ class _Left:
         raise CollectiveError("this process group was left at exit (engine/comm.py, Note: leaving at exit)")
 
     def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> Any:
+        return self.all_gather(rows)
+
+    def all_to_all(self, output: torch.Tensor, rows: torch.Tensor) -> Any:
         return self.all_gather(rows)
 
 

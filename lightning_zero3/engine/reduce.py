@@ -127,7 +127,8 @@ class Reductions:
                 torch.cat(blocks, dim=1, out=full[:, :s])  # casts to reduce_dtype
             stamped = unit.checks.stamp_reduce(full[:, s], unit.uid, unit.comm.rank)
         with streams.on("reduce"):  # waits for the copy-in
-            work = unit.comm.reduce_scatter(out, full, what=f"gradients of unit '{unit.name}'", async_op=True)
+            what = f"gradients of unit '{unit.name}'"
+            work = unit.comm.reduce_scatter(out, full, what=what, async_op=True, quantize_data=s)
             done = streams.event()
         present = grads.present if isinstance(grads, Summed) else [g is not None for g in grads]
         pending = PendingReduce(unit=unit, work=work, out=out, full=full, present=present, done=done, stamped=stamped)
