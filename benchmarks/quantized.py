@@ -1,6 +1,6 @@
 """What `quantize_weights` / `quantize_gradients` cost and gain, on examples/train_gpt.py.
 
-    python benchmarks/quantized.py run --steps 300 --out benchmarks/results/quantized
+    python benchmarks/quantized.py run --steps 300 --size tiny --link 1e6 --link-steps 30
     python benchmarks/quantized.py link 125e6 examples/train_gpt.py --size tiny --steps 20   # one slowed run
 
 `run` trains the example at 2 ranks once per setting (exact, int8 weights, int8 gradients, both,
@@ -99,13 +99,14 @@ def install_slow_link(bytes_per_s: float) -> None:
     Comm._choose = slowed  # type: ignore[method-assign]
 
 
-def _train(setting: str, *, steps: int, out: Path, link: float | None, size: str) -> dict[str, Any]:
+def _train(setting: str, *, steps: int, out: Path, link: float | None, size: str, reuse: bool) -> dict[str, Any]:
     results = out / f"{setting.replace(' ', '_').replace(',', '')}{'-slow' if link else ''}.pt"
     example = [str(ROOT / "examples" / "train_gpt.py"), "--size", size, "--steps", str(steps), "--devices", "2",
                "--log-dir", str(out / "logs"), "--results", str(results), *SETTINGS[setting]]  # fmt: skip
     command = [sys.executable, __file__, "link", str(link), *example] if link else [sys.executable, *example]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    if not (reuse and results.exists()):
+        subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     return torch.load(results, weights_only=False)
 
 
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> None:
             steps = args.steps if link is None else args.link_steps
             if link is not None and setting not in ("exact", "int8 both"):
                 continue
-            result = _train(setting, steps=steps, out=out, link=link, size=args.size)
+            result = _train(setting, steps=steps, out=out, link=link, size=args.size, reuse=args.reuse)
             last = result["stats"]["last_step"]
             prefix = "" if link is None else "slow_"
             row[prefix + "s_per_step"] = result["wall_s"] / result["steps"]
@@ -219,6 +220,7 @@ def main() -> None:
     parser.add_argument("--link", type=float, default=125e6, help="bytes per second of the slowed link (1 Gbit/s)")
     parser.add_argument("--size", default="small")
     parser.add_argument("--out", default="benchmarks/results/quantized")
+    parser.add_argument("--reuse", action="store_true", help="read the runs OUT already holds instead of rerunning")
     run(parser.parse_args())
 
 
