@@ -193,6 +193,7 @@ class CharGPT(L.LightningModule):
         self.lr = lr
         self.weight_decay = weight_decay
         self.train_losses: list[float] = []  # (this rank's) loss at every step, for the report
+        self.step_clock: list[float] = []  # perf_counter at each training step, for --results
         self.first_step = 0  # global step training started from (not 0 when resuming)
         # The strategy's accounting (`strategy.stats`), read before teardown dissolves the shards.
         self.zero3_stats: dict = {}
@@ -209,6 +210,7 @@ class CharGPT(L.LightningModule):
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         self.train_losses.append(loss.item())
+        self.step_clock.append(time.perf_counter())
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -436,7 +438,8 @@ def main() -> None:
         print(f"\nper-step figures: {trainer.logger.log_dir}/metrics.csv (python examples/plot_stats.py FILE)")
         if args.results:  # for side-by-side comparisons (benchmarks/quantized.py)
             torch.save({"losses": module.train_losses, "weights": whole, "stats": module.zero3_stats,
-                        "wall_s": wall_s, "steps": trainer.global_step}, args.results)  # fmt: skip
+                        "wall_s": wall_s, "steps": trainer.global_step, "clock": module.step_clock},
+                       args.results)  # fmt: skip
         report(
             module.zero3_stats,
             prefetch=args.prefetch,

@@ -11,6 +11,7 @@ from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.optim import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, grad_norms
 from lightning_zero3.engine.plan import make_plan
+from lightning_zero3.engine.quantize import RowCodec
 from lightning_zero3.engine.record import UnitStats
 from lightning_zero3.engine.reshard import resolve
 from lightning_zero3.engine.shard import ShardedParam, shard_numel, shard_slice
@@ -18,7 +19,7 @@ from lightning_zero3.engine.state import full_optimizer_state, load_full_optimiz
 
 __all__ = [
     "DTYPE_NAMES", "HOW_TO_USE", "AgreeingGradScaler", "CollectiveBytes", "CollectiveError", "Comm", "CommStats",
-    "OrderMismatchError", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
+    "OrderMismatchError", "RowCodec", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
     "check_optimizer_fits_shards", "clip_grad_norm_", "config_field_names", "destroy_group", "forget",
     "full_optimizer_state", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",
     "make_plan", "new_group", "parameters_on_meta", "parse_dtype", "remember_sharded", "resolve", "sent_row_bytes",
