@@ -7,6 +7,7 @@
     python examples/train_gpt.py --size tiny --steps 40 --resume runs/gpt --devices 3
     python examples/train_gpt.py --size tiny --steps 20 --precision bf16-mixed   # 16-bit gathers
     python examples/train_gpt.py --size tiny --steps 20 --devices 4 --shard-size 2   # 2 groups of 2
+    python examples/train_gpt.py --size tiny --steps 20 --quantize-weights --quantize-gradients int8
 
 The text is Python's own help topics (`pydoc_data.topics`, shipped with every CPython), so
 nothing is downloaded. The model is nanoGPT-shaped: token + position embedding, pre-LN causal
@@ -192,6 +193,7 @@ class CharGPT(L.LightningModule):
         self.lr = lr
         self.weight_decay = weight_decay
         self.train_losses: list[float] = []  # (this rank's) loss at every step, for the report
+        self.step_clock: list[float] = []  # perf_counter at each training step, for --results
         self.first_step = 0  # global step training started from (not 0 when resuming)
         # The strategy's accounting (`strategy.stats`), read before teardown dissolves the shards.
         self.zero3_stats: dict = {}
@@ -208,6 +210,7 @@ class CharGPT(L.LightningModule):
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         self.train_losses.append(loss.item())
+        self.step_clock.append(time.perf_counter())
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -366,6 +369,10 @@ def parse_args() -> argparse.Namespace:
         "--reshard-after-forward", type=parse_option, default=True,
         help="true (default), false (units whole from forward to backward) or G (a 1/G slice, gathered in groups of G)",
     )  # fmt: skip
+    parser.add_argument("--quantize-weights", action="store_true", help="int8 All-Gathers of weights (ZeRO++ qwZ)")
+    parser.add_argument("--quantize-gradients", type=parse_option, default=False,
+                        help="int8 (or true) or int4: quantized gradient reduction (ZeRO++ qgZ); default off")
+    parser.add_argument("--results", metavar="FILE", help="rank 0 saves each step's loss, the whole weights, the stats")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--save", metavar="PATH", help="write a sharded checkpoint (a directory) at the end")
     parser.add_argument("--resume", metavar="PATH", help="resume from a checkpoint, saved at any number of ranks")
@@ -399,6 +406,8 @@ def main() -> None:
             param_dtype=args.param_dtype,
             reduce_dtype=args.reduce_dtype,
             reshard_after_forward=args.reshard_after_forward,
+            quantize_weights=args.quantize_weights,
+            quantize_gradients=args.quantize_gradients,
         ),
         accelerator=args.accelerator,
         devices=args.devices,
@@ -427,6 +436,10 @@ def main() -> None:
         print("\nsample:", repr(sample(plain, tokenizer, "The ", 120)))
         val = trainer.callback_metrics.get("val_loss")
         print(f"\nper-step figures: {trainer.logger.log_dir}/metrics.csv (python examples/plot_stats.py FILE)")
+        if args.results:  # for side-by-side comparisons (benchmarks/quantized.py)
+            torch.save({"losses": module.train_losses, "weights": whole, "stats": module.zero3_stats,
+                        "wall_s": wall_s, "steps": trainer.global_step, "clock": module.step_clock},
+                       args.results)  # fmt: skip
         report(
             module.zero3_stats,
             prefetch=args.prefetch,

@@ -32,17 +32,25 @@ import importlib
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
 
-from lightning_zero3.engine import ShardingConfig, UnitSizes, live_peak, make_plan, resolve, step_bytes
+from lightning_zero3.engine import (
+    ShardingConfig,
+    UnitSizes,
+    live_peak,
+    make_plan,
+    resolve,
+    sent_row_bytes,
+    step_bytes,
+)  # fmt: skip
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 # The engine options the command takes, named, defaulted, documented and validated by ShardingConfig.
 OPTIONS = ("shard_size", "prefetch", "param_dtype", "reduce_dtype", "reshard_after_forward", "reductions_in_flight",
-           "persistence_threshold")  # fmt: skip
+           "persistence_threshold", "quantize_weights", "quantize_gradients", "quantize_block")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -142,8 +150,14 @@ def estimate_units(
     parameters = shard_elements * master
     full = [sum(params) for params in unit_params]
     ends = [i in (0, len(rows) - 1) for i in range(len(rows))]  # the root and the last unit
+    quantized = config.quantization if g > 1 else replace(config.quantization, weights=0, gradients=0)
+
+    def row(r: int, itemsize: int, kind: str) -> int:  # one row as sent (the check slot, padding left out)
+        return sent_row_bytes(r, itemsize, data=r, bits=quantized.bits(kind), block=quantized.block)
+
     units = [
-        UnitSizes(gather=g * r * gather, reduce=g * r * reduce * trainable, reduced=r * reduce * trainable,
+        UnitSizes(gather=g * row(r, gather, "weights"), reduce=g * row(r, reduce, "gradients") * trainable,
+                  reduced=r * reduce * trainable,
                   slice_gather=g * r * gather, backward=trainable, ends_forward=end)
         for r, end in zip(rows, ends)
     ]  # fmt: skip

@@ -85,6 +85,8 @@ SETTINGS = {  # (ranks, precision, options)
     "offload host": (2, None, {"offload": "host"}),
     "bf16-mixed": (2, "bf16-mixed", {}),
     "16-mixed": (2, "16-mixed", {}),
+    "quantized bf16-mixed": (2, "bf16-mixed", {"quantize_weights": True, "quantize_gradients": True}),
+    "quantized shard_size 2": (4, None, {"shard_size": 2, "quantize_weights": True, "quantize_gradients": "int4"}),
 }
 
 

@@ -58,13 +58,13 @@ def _counting_host_reads():
         torch.Tensor.tolist = original
 
 
-def _host_reads_per_step(rank: int, world_size: int, steps: int) -> dict:
+def _host_reads_per_step(rank: int, world_size: int, steps: int, options: dict | None = None) -> dict:
     """Host reads during each training step (forward, backward, optimizer step) of a 4-unit
     model (root + 3 blocks), then during `steps` evaluation passes in a row and the explicit
     check after them (a pass without backward is checked when the next pass starts)."""
     torch.manual_seed(0)
     model = MLP(depth=3)
-    sharded = ShardedModel(model, prefetch=1)
+    sharded = ShardedModel(model, prefetch=1, **(options or {}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
     train = []
     x, y = mlp_batch(0)
@@ -88,6 +88,13 @@ def test_a_training_step_reads_device_memory_on_the_host_at_most_once():
         assert result["units"] == 4
         # Step 1 records the order and checks every collective at once (it may sync freely).
         assert all(count <= 1 for count in result["train"][1:]), result
+
+
+def test_quantized_collectives_add_no_host_read():
+    """The codec's scales, codes and sums stay on the device (engine/quantize.py)."""
+    options = {"quantize_weights": True, "quantize_gradients": "int4"}
+    for result in run_ranks(_host_reads_per_step, 2, 4, options):
+        assert all(count <= 1 for count in result["train"][1:]) and result["eval"] <= 4, result  # as unquantized
 
 
 def test_an_evaluation_pass_reads_device_memory_on_the_host_at_most_once():

@@ -39,10 +39,11 @@ def _alive_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _run(rank: int, world_size: int, param_dtype: str | None, reshard: bool | int) -> dict[str, int]:
+def _run(rank: int, world_size: int, param_dtype: str | None, reshard: bool | int, quantize: bool) -> dict[str, int]:
     torch.manual_seed(0)
     model = _Net()
-    sharded = ShardedModel(model, param_dtype=param_dtype, reshard_after_forward=reshard)
+    sharded = ShardedModel(model, param_dtype=param_dtype, reshard_after_forward=reshard, quantize_weights=quantize,
+                           quantize_gradients=quantize)  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters())
     for _ in range(2):  # the second step runs with the recorded order, as every later one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
@@ -63,15 +64,18 @@ def _run(rank: int, world_size: int, param_dtype: str | None, reshard: bool | in
 
 
 @pytest.mark.parametrize(
-    ("world_size", "param_dtype", "reshard"),
-    [(2, None, True), (3, None, True), (2, "bf16", True), (2, "bf16", False), (4, None, 2)],
-)
-def test_estimate_matches_the_model_state_alive_and_the_bytes_counted(world_size, param_dtype, reshard):
-    config = ShardingConfig(param_dtype=param_dtype, reshard_after_forward=reshard)
+    ("world_size", "param_dtype", "reshard", "quantize"),
+    [(2, None, True, False), (3, None, True, False), (2, "bf16", True, False), (2, "bf16", False, False),
+     (4, None, 2, False), (3, None, True, True)],
+)  # fmt: skip
+def test_estimate_matches_the_model_state_alive_and_the_bytes_counted(world_size, param_dtype, reshard, quantize):
+    """With quantize_weights and quantize_gradients: the packed rows (int8 and one scale a block)."""
+    config = ShardingConfig(param_dtype=param_dtype, reshard_after_forward=reshard, quantize_weights=quantize,
+                            quantize_gradients=quantize)  # fmt: skip
     with torch.device("meta"):
         predicted = estimate(_Net(), world_size=world_size, config=config)
     kinds = ["parameters", "gradients", "optimizer_states", "all_gather", "reduce_scatter", "all_gather_in_groups"]
-    for measured in run_ranks(_run, world_size, param_dtype, reshard):
+    for measured in run_ranks(_run, world_size, param_dtype, reshard, quantize):
         for kind in kinds:
             expected = getattr(predicted, kind)
             assert abs(measured[kind] - expected) <= 0.05 * expected, (kind, measured[kind], expected)

@@ -37,6 +37,9 @@ ENGINE = {
     "reshard_after_forward": False,
     "offload": "host",
     "offload_dir": tempfile.gettempdir(),
+    "quantize_weights": True,
+    "quantize_gradients": "int4",
+    "quantize_block": 128,
 }
 LIGHTNING = {
     "state_dict_type": "full",

@@ -1,7 +1,7 @@
 """The sharding engine: ZeRO stage 3 on a bare nn.Module and a process group; never imports Lightning.
 The only door into it: code outside engine/ imports these names from here (tests/test_engine_imports.py)."""
 
-from lightning_zero3.engine.accounting import UnitSizes, live_peak, step_bytes
+from lightning_zero3.engine.accounting import UnitSizes, live_peak, sent_row_bytes, step_bytes
 from lightning_zero3.engine.checks import OrderMismatchError
 from lightning_zero3.engine.comm import CollectiveBytes, CollectiveError, Comm, CommStats, destroy_group, new_group
 from lightning_zero3.engine.config import ShardingConfig, config_field_names
@@ -11,6 +11,7 @@ from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.model import ShardedModel
 from lightning_zero3.engine.optim import AgreeingGradScaler, check_optimizer_fits_shards, clip_grad_norm_, grad_norms
 from lightning_zero3.engine.plan import make_plan
+from lightning_zero3.engine.quantize import RowCodec
 from lightning_zero3.engine.record import UnitStats
 from lightning_zero3.engine.reshard import resolve
 from lightning_zero3.engine.shard import ShardedParam, shard_numel, shard_slice
@@ -19,9 +20,9 @@ from lightning_zero3.engine.whole_matrix import full_shapes, step_whole_matrices
 
 __all__ = [
     "DTYPE_NAMES", "AgreeingGradScaler", "CollectiveBytes", "CollectiveError", "Comm", "CommStats",
-    "OrderMismatchError", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
+    "OrderMismatchError", "RowCodec", "ShardedModel", "ShardedParam", "ShardingConfig", "UnitSizes", "UnitStats",
     "check_optimizer_fits_shards", "clip_grad_norm_", "config_field_names", "destroy_group", "forget",
     "full_optimizer_state", "full_shapes", "grad_norms", "holder", "live_peak", "load_full_optimizer_state",
-    "make_plan", "new_group", "parameters_on_meta", "parse_dtype", "remember_sharded", "resolve", "shard_numel",
-    "shard_slice", "step_bytes", "step_whole_matrices",
+    "make_plan", "new_group", "parameters_on_meta", "parse_dtype", "remember_sharded", "resolve", "sent_row_bytes",
+    "shard_numel", "shard_slice", "step_bytes", "step_whole_matrices",
 ]  # fmt: skip

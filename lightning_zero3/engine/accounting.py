@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zero3.engine.buffers import size_class
+from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.quantize import packed_row_bytes
 from lightning_zero3.engine.record import Orders
 from lightning_zero3.engine.unit import Unit
 
 __all__ = [
-    "UnitSizes", "expected_step_bytes", "gathers", "keeps_whole", "live_peak", "model_state_bytes", "step_bytes",
-    "step_buffer_bytes", "unit_sizes",
+    "UnitSizes", "expected_step_bytes", "gathers", "keeps_whole", "live_peak", "model_state_bytes", "sent_row_bytes",
+    "step_bytes", "step_buffer_bytes", "unit_sizes",
 ]  # fmt: skip
 
 
@@ -132,12 +134,26 @@ def unit_sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:
         trainable = any(p.requires_grad for p in u.params)
         n, g = u.world_size, u.slice_comm.world_size if u.slice_comm is not None else 1
         reduced = u.reduce_row_numel * u.reduce_dtype.itemsize if trainable else 0
+        sent = _sent_row(u.comm, "weights", u.row_numel(), u.param_dtype.itemsize, u.shard_numel)
+        reduce_sent = _sent_row(u.comm, "gradients", u.reduce_row_numel, u.reduce_dtype.itemsize, u.shard_numel)
         sizes[u.uid] = UnitSizes(
-            gather=n * u.row_numel() * u.param_dtype.itemsize, reduce=n * reduced, reduced=reduced,
+            gather=n * sent, reduce=n * reduce_sent * trainable, reduced=reduced,
             slice_gather=g * u.row_numel(per=n // g) * u.param_dtype.itemsize,
             backward=trainable or backward_order is None or u.uid in backward_order, ends_forward=u.uid in ends,
         )  # fmt: skip
     return sizes
+
+
+def sent_row_bytes(width: int, itemsize: int, *, data: int, bits: int, block: int) -> int:
+    """Bytes of a row of `width` elements as sent: its first `data` packed with `bits` (0: as it
+    is; quantize.py, Note: packed row), the rest as they are."""
+    return packed_row_bytes(data, (width - data) * itemsize, block=block, bits=bits) if bits else width * itemsize
+
+
+def _sent_row(comm: Comm, kind: str, width: int, itemsize: int, data: int) -> int:
+    codec = comm.codec(kind, width=width, itemsize=itemsize, data=data)  # None: not quantized here
+    bits = codec.bits if codec is not None else 0
+    return sent_row_bytes(width, itemsize, data=data, bits=bits, block=comm.quantization.block)
 
 
 def expected_step_bytes(

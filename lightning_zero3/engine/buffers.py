@@ -26,7 +26,8 @@ never moves to a stream its role does not use, whatever sizes coincide:
 "gather" (receive rows) is taken on copy-in and given back on the compute stream after the
 gather stream wrote it; "block" (full parameters) lives on the compute stream; "reduce" is filled
 and given back there, read by the reduce stream; "slice" (reshard.py) lives on copy-in;
-"received" (transport.py, gloo) is CPU only.
+"received" (transport.py, gloo) is CPU only; "packed" (comm.py, quantized rows) is taken on the
+gather or reduce stream and given back where the work is waited for.
 `give` records an event once the giving stream has waited for every use; `take` makes the
 taker's stream wait for it, and so does the stream that allocated a buffer before the pool lets it
 go (the caching allocator reuses it there). On CPU program order suffices.
@@ -49,7 +50,7 @@ from typing import Any, Literal
 
 import torch
 
-Role = Literal["gather", "block", "reduce", "received", "slice"]
+Role = Literal["gather", "block", "reduce", "received", "slice", "packed"]
 _Key = tuple[Role, int, torch.dtype, torch.device]  # (role, size class, dtype, device)
 
 CLASSES_PER_DOUBLING = 8  # Note: size classes

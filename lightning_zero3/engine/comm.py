@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event, indexed, stream_api
+from lightning_zero3.engine.config import Quantization
+from lightning_zero3.engine.quantize import RowCodec, pack_gather, pack_reduce
 from lightning_zero3.engine.transport import GlooInPlace, Local, NativeCollectives, Transport
 
 
@@ -151,7 +153,7 @@ class Comm:
 
     def __init__(
         self, group: dist.ProcessGroup | None = None, *, pool: BufferPool | None = None,
-        device: torch.device | None = None, stats: CommStats | None = None,
+        device: torch.device | None = None, stats: CommStats | None = None, quantization: Quantization | None = None,
     ) -> None:  # fmt: skip
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
@@ -160,6 +162,7 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()  # shared by Comms counted together
         self.pool = pool or BufferPool()  # gloo's receive rows
         self.device = device  # Note: collective device; None: any
+        self.quantization = quantization or Quantization()  # quantize.py, Note: quantized collectives
         self._device_type = device.type if device is not None else "cpu"
         # One rank: local copies; benchmarks/gpu_check.py turns it off to run NCCL at world size 1.
         self._one_rank_shortcut = True
@@ -208,13 +211,10 @@ class Comm:
             f"oldest first: {recent}.{step}{COLLECTIVE_HINT}"
         )
 
-    def _count(
-        self, collective: str, what: str, payload: torch.Tensor, ring: float, *others: torch.Tensor,
-        sent: int | None = None,
-    ) -> None:  # fmt: skip
-        """Check the tensors' device (Note: collective device), count the bytes under
-        "all_gather", "reduce_scatter", ... (wire: `sent` elements if given, else the ring's
-        share) and note the collective in `recent`."""
+    def _count(self, collective: str, what: str, payload: torch.Tensor, ring: float, *others: torch.Tensor,
+               sent: int | None = None) -> None:  # fmt: skip
+        """Check the tensors' device (Note: collective device), count the bytes under "all_gather", ...
+        (wire: `sent` elements if given, else the ring's share) and note the collective in `recent`."""
         for tensor in (payload, *others):
             if self.device is not None and tensor.device.type != self.device.type:
                 raise CollectiveError(
@@ -229,20 +229,39 @@ class Comm:
         self.stats.current[key].add(nbytes, wire)
         self.recent.append(f"{collective} of {what}")
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str) -> Any:
-        """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row."""
-        self._count("All-Gather", what, output, 1.0)
+    def codec(self, kind: str, *, width: int, itemsize: int, data: int | None) -> RowCodec | None:
+        """How rows of `kind` ("weights", "gradients") are packed (quantize.py, Note: quantized
+        collectives); None: sent as they are (not asked for, `data` None, or one rank)."""
+        bits = self.quantization.bits(kind)
+        if not bits or data is None or isinstance(self.transport, Local):
+            return None
+        return RowCodec(width=width, data=data, itemsize=itemsize, block=self.quantization.block, bits=bits)
+
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str, quantize_data: int | None = None
+    ) -> Any:
+        """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row. The
+        first `quantize_data` elements of each row may travel quantized (quantize_weights)."""
         rows = output.view(self.world_size, -1)
         if shard.data_ptr() != rows[self.rank].data_ptr():
             rows[self.rank].copy_(shard.view(-1))
-        return self._run("All-Gather", what, lambda: self.transport.all_gather(rows), async_op)
+        codec = self.codec("weights", width=rows.shape[1], itemsize=rows.element_size(), data=quantize_data)
+        plain = (output, lambda t: t.all_gather(rows))
+        sent, issue = plain if codec is None else pack_gather(rows, self.rank, codec, self.pool)
+        self._count("All-Gather", what, sent, 1.0, output)
+        return self._run("All-Gather", what, lambda: issue(self.transport), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False) -> Any:
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False,
+                       quantize_data: int | None = None) -> Any:  # fmt: skip
         """Sum `full` (world_size x chunk) over ranks into this rank's `output`; `full` must not
-        change until the work is waited for."""
-        self._count("Reduce-Scatter", what, full, 1.0, output)
+        change until the work is waited for. The first `quantize_data` elements of each row may
+        travel quantized (quantize_gradients), and then `full` is overwritten."""
         rows = full.view(self.world_size, -1)
-        return self._run("Reduce-Scatter", what, lambda: self.transport.reduce_scatter(output, rows), async_op)
+        codec = self.codec("gradients", width=rows.shape[1], itemsize=rows.element_size(), data=quantize_data)
+        plain = (full, lambda t: t.reduce_scatter(output, rows))
+        sent, issue = plain if codec is None else pack_reduce(output, rows, codec, self.pool)
+        self._count("Reduce-Scatter", what, sent, 1.0, output)
+        return self._run("Reduce-Scatter", what, lambda: issue(self.transport), async_op)
 
     def _run(self, collective: str, what: str, issue: Callable[[], Any], async_op: bool) -> Any:
         try:
@@ -263,10 +282,8 @@ class Comm:
         issue = lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
         return self._run("All-Reduce", what, issue, async_op)
 
-    def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, *, output_splits: list[int], input_splits: list[int],
-        what: str, payload_is_output: bool = False,
-    ) -> None:  # fmt: skip
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, output_splits: list[int],
+                   input_splits: list[int], what: str, payload_is_output: bool = False) -> None:  # fmt: skip
         """Send `input_splits[r]` elements of 1-D `input` (in rank order) to rank r and receive
         `output_splits[r]` from rank r into `output`; the payload is `input` (or `output`), the
         wire what leaves this rank."""
@@ -363,11 +380,10 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
 
 
 class _Left:
-    def all_gather(self, rows: torch.Tensor) -> Any:
+    def all_gather(self, *tensors: torch.Tensor) -> Any:
         raise CollectiveError("this process group was left at exit (engine/comm.py, Note: leaving at exit)")
 
-    def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> Any:
-        return self.all_gather(rows)
+    reduce_scatter = all_to_all = all_gather
 
 
 _LIVE: weakref.WeakSet[Comm] = weakref.WeakSet()  # every Comm over a process group

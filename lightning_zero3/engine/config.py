@@ -15,6 +15,23 @@ from torch import nn
 from lightning_zero3.engine.dtypes import parse_dtype
 from lightning_zero3.engine.plan import WrapPolicy, validate_wrap_policy
 
+# Elements per scale of the quantized collectives; chosen by measurement (docs/accounting.md,
+# Quantized collectives).
+DEFAULT_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Bits of the quantized All-Gathers of weights and Reduce-Scatters of gradients (0: exact),
+    and elements per scale (quantize.py, Note: quantized collectives)."""
+
+    weights: int = 0
+    gradients: int = 0
+    block: int = DEFAULT_BLOCK
+
+    def bits(self, kind: str) -> int:
+        return self.weights if kind == "weights" else self.gradients
+
 
 @dataclass(frozen=True)
 class ShardingConfig:
@@ -35,6 +52,10 @@ class ShardingConfig:
         reshard_after_forward: kept from forward to backward: True shards, False all, G a 1/G slice (reshard.py).
         offload: None, or "host": shards, gradients and optimizer state in host memory (offload.py).
         offload_dir: a directory for the optimizer state in files (disk.py); needs offload="host".
+        quantize_weights: True: the weights' All-Gathers send int8 blocks, one scale each (quantize.py).
+        quantize_gradients: True or "int8", or "int4": the Reduce-Scatters become all-to-alls of
+            quantized blocks, decoded and summed in the reduce dtype (quantize.py).
+        quantize_block: elements per scale of the quantized collectives (a multiple of 16).
     """
 
     wrap_policy: WrapPolicy = None
@@ -51,6 +72,9 @@ class ShardingConfig:
     reshard_after_forward: bool | int = True
     offload: Literal["host"] | None = None
     offload_dir: str | None = None
+    quantize_weights: bool = False
+    quantize_gradients: bool | Literal["int8", "int4"] = False
+    quantize_block: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
         def bad(option: str, expected: str) -> ValueError:
@@ -80,15 +104,33 @@ class ShardingConfig:
             ("offload_dir", where is None or isinstance(where, str) and os.path.isdir(where),
              "the path (str) of an existing directory, e.g. on a local NVMe disk"),
             ("param_init_fn", self.param_init_fn is None or callable(self.param_init_fn), "callable"),
+            ("quantize_weights", type(self.quantize_weights) is bool, "True (int8 All-Gathers of weights) or False"),
+            ("quantize_gradients", self.quantize_gradients in (False, True, "int8", "int4")
+             and type(self.quantize_gradients) in (bool, str), 'False, True or "int8", or "int4"'),
+            ("quantize_block", at_least(self.quantize_block, 16) and self.quantize_block % 16 == 0,
+             "an int >= 16, a multiple of 16 (elements per scale)"),
         ]  # fmt: skip
         for option, valid, expected in rules:
             if not valid:
                 raise bad(option, expected)
+        quantized = [o for o in ("quantize_weights", "quantize_gradients") if getattr(self, o) is not False]
+        if quantized and self.shard_size == 1:
+            raise ValueError(
+                f"ShardingConfig({quantized[0]}=True with shard_size=1): groups of one rank send nothing to quantize "
+                f"and the gradients cross between them in an All-Reduce, which is not quantized. Use shard_size "
+                f">= 2 (e.g. the devices per node) or leave {quantized[0]} off."
+            )
         # Frozen to its users, not to its own constructor.
         object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
 
+
+    @property
+    def quantization(self) -> Quantization:
+        """The bits and block of the quantized collectives (quantize.py; 0 bits: exact)."""
+        gradients = {False: 0, True: 8, "int8": 8, "int4": 4}[self.quantize_gradients]
+        return Quantization(weights=8 * self.quantize_weights, gradients=gradients, block=self.quantize_block)
 
     def in_flight(self, device_type: str) -> int:
         """`reductions_in_flight` on a device of `device_type`: None is 1 on CUDA, 0 elsewhere."""
@@ -99,4 +141,4 @@ def config_field_names(config_type: type[Any]) -> frozenset[str]:
     return frozenset(f.name for f in fields(config_type))
 
 
-__all__ = ["ShardingConfig", "config_field_names"]
+__all__ = ["Quantization", "ShardingConfig", "config_field_names"]

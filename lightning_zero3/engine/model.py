@@ -67,7 +67,7 @@ class ShardedModel:
         # Parameter data moves in the shard group; with `shard_size` gradients are also averaged
         # across `replicate_comm`, and with reshard_after_forward=G slices move in `slice_comm`.
         self._pool = BufferPool()
-        self._comm = Comm(group, pool=self._pool, device=target)
+        self._comm = Comm(group, pool=self._pool, device=target, quantization=config.quantization)
         replicate = Comm(replicate_group, pool=self._pool, device=target) if replicate_group is not None else None
         self._replicate_comm = replicate
         self._reshard = resolve(config.reshard_after_forward, shard_group=self._comm.world_size)

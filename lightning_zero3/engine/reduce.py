@@ -149,7 +149,8 @@ class Reductions:
             else:
                 pack_gradients(unit, grads, full, tail)
         with streams.on("reduce"):  # waits for the copy-in
-            work = unit.comm.reduce_scatter(out, full, what=f"gradients of unit '{unit.name}'", async_op=True)
+            what = f"gradients of unit '{unit.name}'"
+            work = unit.comm.reduce_scatter(out, full, what=what, async_op=True, quantize_data=s)
             done = streams.event()
         present = grads.present if isinstance(grads, Summed) else [g is not None for g in grads]
         pending = PendingReduce(unit=unit, work=work, out=out, full=full, present=present, done=done, stamped=stamped)

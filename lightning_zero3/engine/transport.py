@@ -28,6 +28,9 @@ class Transport(Protocol):
     def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> Any:
         """Sum `rows` over ranks into this rank's `output`; `rows` must not change until done."""
 
+    def all_to_all(self, output: torch.Tensor, rows: torch.Tensor) -> Any:
+        """Row j of `rows` to rank j, into row r of `output` from rank r (quantized reductions)."""
+
 
 class Local:
     def all_gather(self, rows: torch.Tensor) -> None:
@@ -35,6 +38,9 @@ class Local:
 
     def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> None:
         output.view(-1).copy_(rows[0])
+
+    def all_to_all(self, output: torch.Tensor, rows: torch.Tensor) -> None:
+        output.copy_(rows)
 
 
 class NativeCollectives:
@@ -48,6 +54,9 @@ class NativeCollectives:
 
     def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> Any:
         return dist.reduce_scatter_single(output.view(-1), rows.reshape(-1), group=self.group, async_op=True)
+
+    def all_to_all(self, output: torch.Tensor, rows: torch.Tensor) -> Any:
+        return dist.all_to_all_single(output.view(-1), rows.view(-1), group=self.group, async_op=True)
 
 
 class Works:
@@ -99,6 +108,9 @@ class GlooInPlace:
             self.pool.give("received", received.view(-1))
 
         return Works(works, then=add_up)
+
+    def all_to_all(self, output: torch.Tensor, rows: torch.Tensor) -> Any:
+        return dist.all_to_all_single(output.view(-1), rows.view(-1), group=self.group, async_op=True)
 
 
 __all__ = ["GlooInPlace", "Local", "NativeCollectives", "Transport"]

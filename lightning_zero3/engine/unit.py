@@ -196,7 +196,8 @@ class Unit:
             stamped = self.checks.stamp_gather(mine[s : s + tag_numel(dtype)], tag)
             copied = streams.event()
         with streams.on("gather", after=copied):
-            work = comm.all_gather(recv, mine, async_op=True, what=f"unit '{self.name}'")
+            quantize = None if exact else s  # compute weights may travel quantized, master values never
+            work = comm.all_gather(recv, mine, async_op=True, what=f"unit '{self.name}'", quantize_data=quantize)
             issued = streams.event()
         self._pending = _PendingGather(work, recv, issued, tag, stamped, comm, s)
         self.record.add("gathered" if kept is None else "gathered_slice", self.uid)
