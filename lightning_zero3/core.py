@@ -307,9 +307,8 @@ class ShardedRun:
         self, path: Path | RemotePath, read_file: ReadFile | None, *, weights_only: bool | None, strict: bool,
         context: str, key: str | None,
     ) -> dict[str, Any]:  # fmt: skip
-        """`open_checkpoint` (checkpoint/load.py) once a save writing in the background is done.
-        Unpickled without restriction only when asked to: `trust_checkpoint` or `weights_only=False`
-        (checkpoint/trust.py)."""
+        """`open_checkpoint` once a background save is done; unpickled without restriction only when asked
+        to: `trust_checkpoint` or `weights_only=False` (checkpoint/trust.py)."""
         self.wait_for_save()  # it may be writing this very path
         trusted = self.options().trust_checkpoint or weights_only is False
         with self.engine.own_reads():  # checked against the names and shapes of the module's state_dict()

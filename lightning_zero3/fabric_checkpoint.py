@@ -99,7 +99,8 @@ def load(
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         run = run_of(state)
         opened = run.open(file, read_file, weights_only=weights_only, strict=strict, context=context, key=None)
-        run.load_model_state(opened["state_dict"] if _sharded(opened) else opened, strict=strict)
+        run.load_model_state(opened["state_dict"] if isinstance(opened.get("state_dict"), ShardedStateDict) else opened,
+                             strict=strict)  # fmt: skip
         return {}
     if not state:
         raise ValueError(
@@ -109,7 +110,7 @@ def load(
     module_key, run, optimizers, rest = _split(run_of, state, "load")
     # Every check runs before anything is loaded: a refused load leaves the model and optimizers as they were.
     opened = run.open(file, read_file, weights_only=weights_only, strict=strict, context=context, key=module_key)
-    if _sharded(opened):  # a Lightning dict; a Trainer's has no "fabric" entry: its optimizers in order
+    if isinstance(opened.get("state_dict"), ShardedStateDict):  # a Trainer's has no "fabric" entry: optimizers in order
         model_state, states = opened.pop("state_dict"), opened.pop("optimizer_states", None)
         info = opened.pop(FABRIC_KEY, None) or {"optimizers": [key for key, _ in optimizers], "metadata": opened}
         by_key = dict(optimizers)
@@ -137,10 +138,6 @@ def load(
         elif key in metadata:
             state[key] = metadata.pop(key)
     return metadata
-
-
-def _sharded(opened: dict[str, Any]) -> bool:
-    return isinstance(opened.get("state_dict"), ShardedStateDict)
 
 
 def _check_holds(rest: dict[str, Any], metadata: dict[str, Any], *, strict: bool, context: str) -> None:

@@ -31,14 +31,9 @@ from lightning_zero3.engine import ShardedModel, ShardedParam, load_full_optimiz
 
 
 def open_checked(
-    path: str | os.PathLike | RemotePath,
-    model: ShardedModel,
-    *,
-    strict: bool,
-    context: str,
-    trusted: bool,
+    path: str | os.PathLike | RemotePath, model: ShardedModel, *, strict: bool, context: str, trusted: bool,
     verify: bool = True,
-) -> ShardedCheckpoint:
+) -> ShardedCheckpoint:  # fmt: skip
     """`open_sharded`, checked to fit `model`; every rank raises if any rank found a problem."""
     ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
     expected = model_tensors(model)
@@ -52,9 +47,8 @@ def open_checkpoint(
     path: Path | RemotePath, model: ShardedModel, *, read: Callable[[Any], Any] | None, strict: bool, context: str,
     key: str | None, trusted: bool,
 ) -> dict[str, Any]:  # fmt: skip
-    """A sharded directory's Lightning dict (`ShardedCheckpoint.lightning_dict`: its tensors still on
-    disk) or a full file whose entry `key` (None: the file itself) is the model's state dict,
-    checked on every rank against the model before anything loads."""
+    """A sharded directory's Lightning dict (its tensors still on disk) or a full file whose entry `key`
+    (None: the file itself) is the model's state dict, checked on every rank before anything loads."""
     require_exists(model.world_comm, path, context=context)
     if not path.is_dir():
         return load_full(path, model, key=key, strict=strict, trusted=trusted, read=read)
@@ -63,8 +57,7 @@ def open_checkpoint(
 
 
 def load_model_state(model: ShardedModel, state_dict: Any, *, strict: bool) -> None:
-    """A Lightning dict's "state_dict" into the shards, in place: a sharded checkpoint's (each
-    rank reads the chunks of its own shards) or a whole one."""
+    """A Lightning dict's "state_dict" into the shards: a sharded one's (each rank reads its chunks) or a whole one."""
     if isinstance(state_dict, ShardedStateDict):
         load_sharded_model(state_dict.checkpoint, model)
     else:
@@ -196,14 +189,9 @@ def _check_groups(path: Path | RemotePath, index: int, saved: list[list[str]], c
 
 
 def load_sharded(
-    path: str | os.PathLike,
-    model: ShardedModel,
-    *,
-    optimizers: list[torch.optim.Optimizer] | tuple = (),
-    strict: bool = True,
-    verify: bool = True,
-    trusted: bool = False,
-) -> dict[str, Any]:
+    path: str | os.PathLike, model: ShardedModel, *, optimizers: list[torch.optim.Optimizer] | tuple = (),
+    strict: bool = True, verify: bool = True, trusted: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """Check and load a sharded checkpoint into `model` (and `optimizers`) on every rank; the other
     entries of the checkpoint dict it was saved from. `trusted`: unpickle without restriction."""
     context = f"Cannot load the checkpoint {path}"

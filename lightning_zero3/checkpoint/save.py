@@ -154,8 +154,7 @@ def save_sharded(path: str | os.PathLike | RemotePath, model: ShardedModel, chec
 
 def save_in_background(path: Path | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any], comm: Comm
                        ) -> BackgroundSave:  # fmt: skip
-    """`save_sharded` from a snapshot in host memory (taken before it returns), written in a thread
-    with collectives on `comm` (`saver_comm`'s) only."""
+    """`save_sharded` from a host snapshot (taken before it returns), in a thread, collectives on `comm` only."""
     planned = plan_sharded(path, model, checkpoint, copy=True)
     return BackgroundSave(lambda: write_sharded(path, planned, comm), what=f"the checkpoint {path}")
 
