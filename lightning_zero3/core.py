@@ -51,15 +51,22 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero3.checkpoint import load_full, save_full, save_sharded, sharded_optimizer_state
-from lightning_zero3.checkpoint.background import BackgroundSave, saver_comm
-from lightning_zero3.checkpoint.errors import CheckpointError, require_exists
-from lightning_zero3.checkpoint.errors import agree as agree_on_error
-from lightning_zero3.checkpoint.files import remove_checkpoint as remove_checkpoint_path
-from lightning_zero3.checkpoint.format import ShardedCheckpoint, ShardedOptimizerStates, ShardedStateDict
-from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers, open_checked
-from lightning_zero3.checkpoint.remote import RemotePath, as_path
-from lightning_zero3.checkpoint.save import plan_sharded, write_sharded
+from lightning_zero3.checkpoint import (
+    BackgroundSave,
+    CheckpointError,
+    RemotePath,
+    as_path,
+    load_model_state,
+    load_optimizer_states,
+    open_checkpoint,
+    save_full,
+    save_in_background,
+    save_sharded,
+    saver_comm,
+    sharded_optimizer_state,
+)
+from lightning_zero3.checkpoint import agree as agree_on_error
+from lightning_zero3.checkpoint import remove_checkpoint as remove_checkpoint_path
 from lightning_zero3.engine import (
     Comm,
     ShardedModel,
@@ -68,7 +75,6 @@ from lightning_zero3.engine import (
     forget,
     full_optimizer_state,
     holder,
-    load_full_optimizer_state,
     remember_sharded,
 )
 
@@ -275,11 +281,9 @@ class ShardedRun:
         if not self.sharded_checkpoints:
             save_full(checkpoint, target, self.engine.world_comm, write=write_file)
         elif self.options().async_save and self.state is Lifecycle.SHARDED:
-            planned = plan_sharded(target, self.engine, checkpoint, copy=True)
             if self._saver is None:
-                self._saver = saver_comm(self.engine.world_comm)
-            saver = self._saver
-            self.saving = BackgroundSave(lambda: write_sharded(target, planned, saver), what=f"the checkpoint {target}")
+                self._saver = saver_comm(self.engine.world_comm, self.options().timeout)
+            self.saving = save_in_background(target, self.engine, checkpoint, self._saver)
         else:
             save_sharded(target, self.engine, checkpoint)
 
@@ -302,41 +306,22 @@ class ShardedRun:
     def open(
         self, path: Path | RemotePath, read_file: ReadFile | None, *, weights_only: bool | None, strict: bool,
         context: str, key: str | None,
-    ) -> ShardedCheckpoint | dict[str, Any]:  # fmt: skip
-        """A sharded directory (opened, its tensors still on disk) or a full file whose entry `key`
-        (None: the file itself) is the model's state dict, checked on every rank against the model
-        before anything loads. Unpickled without restriction only when asked to: `trust_checkpoint`
-        or `weights_only=False` (checkpoint/trust.py)."""
+    ) -> dict[str, Any]:  # fmt: skip
+        """`open_checkpoint` once a background save is done; unpickled without restriction only when asked
+        to: `trust_checkpoint` or `weights_only=False` (checkpoint/trust.py)."""
         self.wait_for_save()  # it may be writing this very path
-        require_exists(self.engine.world_comm, path, context=context)
         trusted = self.options().trust_checkpoint or weights_only is False
         with self.engine.own_reads():  # checked against the names and shapes of the module's state_dict()
-            if path.is_dir():
-                return open_checked(path, self.engine, strict=strict, context=context, trusted=trusted)
-            return load_full(path, self.engine, key=key, strict=strict, trusted=trusted, read=read_file)
+            return open_checkpoint(path, self.engine, read=read_file, strict=strict, context=context, key=key,
+                                   trusted=trusted)  # fmt: skip
 
     # ---- a Lightning checkpoint dict's entries, as the Trainer saves them (and Fabric's sharded saves)
     def load_model_state(self, state_dict: Mapping[str, Any], *, strict: bool) -> None:
-        """Its "state_dict" into the shards, in place: a sharded checkpoint's (still on disk, each
-        rank reads the chunks of its own shards) or a whole one."""
-        with self.engine.own_reads():
-            if isinstance(state_dict, ShardedStateDict):
-                load_sharded_model(state_dict.checkpoint, self.engine)
-            else:
-                self.engine.load_full_state_dict(dict(state_dict), strict=strict)
+        with self.engine.own_reads():  # it reads the module's state_dict()
+            load_model_state(self.engine, state_dict, strict=strict)
 
     def load_optimizer_states(self, states: list[Any], optimizers: list[Optimizer]) -> None:
-        """Its "optimizer_states" into `optimizers`, in the order saved."""
-        if isinstance(states, ShardedOptimizerStates):
-            load_sharded_optimizers(states.checkpoint, self.engine, optimizers)
-            return
-        if len(states) != len(optimizers):
-            raise CheckpointError(
-                f"The checkpoint has state for {len(states)} optimizers but `configure_optimizers` returned "
-                f"{len(optimizers)}; resume with the same optimizers."
-            )
-        for optimizer, state in zip(optimizers, states):
-            load_full_optimizer_state(self.engine, optimizer, state)
+        load_optimizer_states(self.engine, states, optimizers)
 
 
 class ShardedStrategy:

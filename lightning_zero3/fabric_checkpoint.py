@@ -15,13 +15,8 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero3.checkpoint import CheckpointError
-from lightning_zero3.checkpoint.errors import run_and_agree
-from lightning_zero3.checkpoint.format import ShardedCheckpoint
-from lightning_zero3.checkpoint.load import load_sharded_model, load_sharded_optimizers
-from lightning_zero3.checkpoint.remote import as_path
+from lightning_zero3.checkpoint import CheckpointError, ShardedStateDict, as_path
 from lightning_zero3.core import ReadFile, ShardedRun, WriteFile
-from lightning_zero3.engine import load_full_optimizer_state
 
 OWNER = "ZeRO3FabricStrategy"  # the class these functions serve, named in their messages
 
@@ -104,11 +99,8 @@ def load(
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         run = run_of(state)
         opened = run.open(file, read_file, weights_only=weights_only, strict=strict, context=context, key=None)
-        if isinstance(opened, ShardedCheckpoint):
-            with run.engine.own_reads():  # it reads the module's state_dict()
-                load_sharded_model(opened, run.engine)
-        else:
-            run.engine.load_full_state_dict(opened, strict=strict)
+        run.load_model_state(opened["state_dict"] if isinstance(opened.get("state_dict"), ShardedStateDict) else opened,
+                             strict=strict)  # fmt: skip
         return {}
     if not state:
         raise ValueError(
@@ -118,35 +110,28 @@ def load(
     module_key, run, optimizers, rest = _split(run_of, state, "load")
     # Every check runs before anything is loaded: a refused load leaves the model and optimizers as they were.
     opened = run.open(file, read_file, weights_only=weights_only, strict=strict, context=context, key=module_key)
-    if isinstance(opened, ShardedCheckpoint):
-        saved = run_and_agree(run.engine.world_comm, opened.trainer_state, context=context)
-        extra = dict(saved["extra"])
-        # A Trainer's checkpoint has no "fabric" entry: its optimizers are in order, the rest is metadata.
-        info = extra.pop(FABRIC_KEY, None) or {"optimizers": [key for key, _ in optimizers], "metadata": extra}
+    if isinstance(opened.get("state_dict"), ShardedStateDict):  # a Trainer's has no "fabric" entry: optimizers in order
+        model_state, states = opened.pop("state_dict"), opened.pop("optimizer_states", None)
+        info = opened.pop(FABRIC_KEY, None) or {"optimizers": [key for key, _ in optimizers], "metadata": opened}
         by_key = dict(optimizers)
         if optimizers and set(by_key) != set(info["optimizers"]):
             raise CheckpointError(
                 f"{context}: it holds the optimizers {info['optimizers']} but the state passed to `fabric.load` "
                 f"has {sorted(by_key)}; pass all of them (or none)."
             )
-        metadata = dict(info["metadata"])
-        _check_holds(rest, metadata, strict=strict, context=context)
-        with run.engine.own_reads():
-            load_sharded_model(opened, run.engine)
-        if optimizers:
-            load_sharded_optimizers(opened, run.engine, [by_key[key] for key in info["optimizers"]])
+        if optimizers and states is None:
+            raise CheckpointError(f"Cannot load the optimizer state of {file}: checkpoint {file} was saved with "
+                                  "weights only: it has no optimizer state")  # fmt: skip
+        metadata, into = dict(info["metadata"]), [by_key[key] for key in info["optimizers"]] if optimizers else []
     else:
         absent = [key for key, _ in optimizers if key not in opened]
         if strict and absent:
             raise KeyError(f"{context}: it has no entry {absent}. Pass strict=False to load without it.")
-        model_state = opened.pop(module_key)
-        optimizer_states = {key: opened.pop(key) for key, _ in optimizers if key in opened}
-        metadata = opened
-        _check_holds(rest, metadata, strict=strict, context=context)
-        run.engine.load_full_state_dict(model_state, strict=strict)
-        for key, optimizer in optimizers:
-            if key in optimizer_states:
-                load_full_optimizer_state(run.engine, optimizer, optimizer_states[key])
+        model_state, into = opened.pop(module_key), [optimizer for key, optimizer in optimizers if key in opened]
+        states, metadata = [opened.pop(key) for key, _ in optimizers if key in opened], opened
+    _check_holds(rest, metadata, strict=strict, context=context)
+    run.load_model_state(model_state, strict=strict)
+    run.load_optimizer_states(states if into else [], into)
     for key, obj in rest.items():
         if key in metadata and _stateful(obj):
             obj.load_state_dict(metadata.pop(key))

@@ -152,7 +152,8 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
             raise ValueError(f"{type(self).__name__}: this module was set up already; set up each module once.")
         before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
         sharded = build_engine(type(self).__name__, module, self.config, precision=self.precision,
-                               world_size=self.world_size, device=self.root_device)  # fmt: skip
+                               world_size=self.world_size, device=self.root_device,
+                               timeout=self.lightning_options.timeout)  # fmt: skip
         self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options, fixes=_FIXES)
         sharded.move_module(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))

@@ -39,7 +39,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
-from lightning_zero3.checkpoint.errors import CheckpointError, describe_error
+from lightning_zero3.checkpoint import CheckpointError, describe_error
 from lightning_zero3.engine import CollectiveError, ShardedModel, ShardingConfig, config_field_names
 
 T = TypeVar("T")
@@ -101,8 +101,9 @@ def split_options(owner: str, arguments: Mapping[str, Any]) -> tuple[ShardingCon
 
 
 def build_engine(
-    owner: str, module: nn.Module, config: ShardingConfig, *, precision: object, world_size: int, device: torch.device
-) -> ShardedModel:
+    owner: str, module: nn.Module, config: ShardingConfig, *, precision: object, world_size: int, device: torch.device,
+    timeout: timedelta | None = None,
+) -> ShardedModel:  # fmt: skip
     """Shard `module` as both strategies do: the gather dtype defaults to what the precision
     plugin implies, and 16-bit compute under a 32-bit plugin is refused before anything changes."""
     narrow = config.param_dtype is not None and config.param_dtype.itemsize < 4
@@ -119,7 +120,7 @@ def build_engine(
         shard_size=config.shard_size if config.shard_size != world_size else None,
     )
     try:
-        return ShardedModel(module, config, device=device)
+        return ShardedModel(module, config, device=device, timeout=timeout)  # its groups' timeout: ours
     except ValueError as err:  # the engine names its own way to build on meta (engine/materialize.py): add ours
         if "are tensors on the meta device" not in str(err):
             raise

@@ -27,9 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
-from lightning_zero3.checkpoint.errors import run_and_agree
-from lightning_zero3.checkpoint.format import ShardedCheckpoint
-from lightning_zero3.checkpoint.remote import as_path
+from lightning_zero3.checkpoint import as_path
 from lightning_zero3.core import Fixes, Lifecycle, ShardedRun, ShardedStrategy, remove_checkpoint
 from lightning_zero3.engine import check_optimizer_fits_shards, full_shapes, parameters_on_meta, step_whole_matrices
 from lightning_zero3.options import (
@@ -184,7 +182,8 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
             engine = self.run.engine
         else:
             engine = build_engine(type(self).__name__, module, self.config, precision=self.precision_plugin,
-                                  world_size=self.world_size, device=self.root_device)  # fmt: skip
+                                  world_size=self.world_size, device=self.root_device,
+                                  timeout=self.lightning_options.timeout)  # fmt: skip
             self.run = ShardedRun(engine, lambda: self.lightning_options, fixes=_FIXES)
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, engine, device=self.root_device)
@@ -326,11 +325,9 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         context = f"Cannot load the checkpoint {path}"
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
-        run = self._run_of()
-        opened = run.open(path, read, weights_only=weights_only, strict=strict, context=context, key="state_dict")
-        if isinstance(opened, ShardedCheckpoint):  # its Lightning dict, the tensors still on disk
-            return run_and_agree(run.engine.world_comm, opened.lightning_dict, context=context)
-        return opened
+        # A sharded checkpoint's dict holds its tensors still on disk (checkpoint/load.py, `open_checkpoint`).
+        return self._run_of().open(path, read, weights_only=weights_only, strict=strict, context=context,
+                                   key="state_dict")  # fmt: skip
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -100,15 +100,15 @@ def test_a_background_checkpoint_resumes_exactly_at_another_world_size(runs):
 
 def _fail_background_writes() -> None:
     """Every background write of this process raises after its part is written."""
-    import lightning_zero3.core as core
+    import lightning_zero3.checkpoint.save as save
 
-    write = core.write_sharded
+    write = save.write_sharded
 
     def failing(*args: Any, **kwargs: Any) -> None:
         write(*args, **kwargs)
         raise OSError("injected failure in the background")
 
-    core.write_sharded = failing  # type: ignore[assignment]
+    save.write_sharded = failing  # type: ignore[assignment]
 
 
 def _fit_with_a_failing_background_write_on_rank_1(rank: int, world_size: int, directory: str) -> None:

@@ -9,7 +9,11 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+import lightning_zero3.checkpoint
 import lightning_zero3.engine
 
 ENGINE = Path(lightning_zero3.engine.__file__).parent
@@ -117,34 +121,48 @@ def test_collective_checker_sees_every_spelling():
 PACKAGE = ENGINE.parent
 
 
-def door_violations(root: Path) -> list[str]:
-    """Imports under `root`, outside engine/, of an engine module rather than a name of the
-    package `lightning_zero3.engine` (the one door; its `__all__` is what the glue may use)."""
-    offenders = []
+def door_violations(root: Path, package: Any = lightning_zero3.engine) -> list[str]:
+    """Imports under `root`, outside `package` (engine/ or checkpoint/), of one of its modules
+    rather than a name of the package itself (the one door; its `__all__` is what the rest may use)."""
+    offenders, folder = [], Path(package.__file__).parent
     for path in sorted(root.rglob("*.py")):
-        if ENGINE in path.parents:
+        if folder in path.parents:
             continue
         for line, module in _imported_modules(ast.parse(path.read_text())):
-            inside = module.startswith("lightning_zero3.engine.")
-            if inside and module.rsplit(".", 1)[-1] not in lightning_zero3.engine.__all__:
+            inside = module.startswith(f"{package.__name__}.")
+            if inside and module.rsplit(".", 1)[-1] not in package.__all__:
                 offenders.append(f"{path.relative_to(root.parent)}:{line} imports {module}")
     return offenders
 
 
-def test_code_outside_the_engine_imports_only_the_engine_package():
+@pytest.mark.parametrize("package", [lightning_zero3.engine, lightning_zero3.checkpoint], ids=["engine", "checkpoint"])
+def test_code_outside_a_package_imports_only_its_door(package: Any):
     """The package, its examples and benchmarks; the tests may reach inside (they test the insides)."""
     offenders = [v for folder in ("lightning_zero3", "examples", "benchmarks") for v in door_violations(
-        PACKAGE.parent / folder)]  # fmt: skip
+        PACKAGE.parent / folder, package)]  # fmt: skip
     assert offenders == []
 
 
-def test_the_door_check_sees_an_engine_module(tmp_path):
+def test_the_door_check_sees_an_engine_or_checkpoint_module(tmp_path):
     """The test above can fail: importing a module of the engine, or a module from the package."""
     (tmp_path / "glue.py").write_text("from lightning_zero3.engine.comm import Comm\nimport lightning_zero3.engine."
-                                      "hooks\nfrom lightning_zero3.engine import accounting, Comm\n")  # fmt: skip
+                                      "hooks\nfrom lightning_zero3.engine import accounting, Comm\n"
+                                      "from lightning_zero3.checkpoint.save import write_sharded\n")  # fmt: skip
     assert door_violations(tmp_path) == [f"{tmp_path.name}/glue.py:{n}" for n in (
         "1 imports lightning_zero3.engine.comm", "2 imports lightning_zero3.engine.hooks",
         "3 imports lightning_zero3.engine.accounting")]  # fmt: skip
+    assert door_violations(tmp_path, lightning_zero3.checkpoint) == [f"{tmp_path.name}/glue.py:4 imports {m}" for m in (
+        "lightning_zero3.checkpoint.save", "lightning_zero3.checkpoint.save.write_sharded")]  # fmt: skip
+
+
+def test_the_checkpoint_door_exports_only_what_users_and_the_glue_use():
+    """Each name of `lightning_zero3.checkpoint.__all__` is imported by the glue or is a user's (README)."""
+    glue = {m.rsplit(".", 1)[-1] for path in PACKAGE.glob("*.py") for _, m in _imported_modules(
+        ast.parse(path.read_text())) if m.startswith("lightning_zero3.checkpoint.")}  # fmt: skip
+    readme = (PACKAGE.parent / "README.md").read_text() + (PACKAGE.parent / "docs" / "checkpoints.md").read_text()
+    assert [name for name in lightning_zero3.checkpoint.__all__ if name not in glue and name not in readme] == []
+
+
 # The Lightning glue's two cycles, which the other branch of issue 20 removes; then this is empty.
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module (dotted, under `root`'s package) -> the package's modules it imports, wherever the

@@ -359,3 +359,36 @@ def test_a_strict_load_refused_for_a_missing_key_leaves_the_model_as_it_was(tmp_
     """Every check of `fabric.load` runs before anything is loaded, as in Lightning's own strategies."""
     for result in launch(_refused_strict_load, str(tmp_path), kind, state_dict_type=kind):
         assert result["unchanged"]
+
+
+def _stall_in_the_replicate_group(rank: int, world_size: int, flag: str) -> str:
+    """Rank 1 never enters backward's All-Reduce over the replicate group (shard_size=1); rank 0's
+    error, then its flag file, let rank 1 go (after 90 s at most)."""
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    from lightning_zero3 import ZeRO3FabricStrategy
+
+    f = fabric(rank, world_size, strategy=ZeRO3FabricStrategy(shard_size=1, timeout=timedelta(seconds=5)))
+    model = f.setup_module(models.MLP())
+    if rank == 1:
+        for _ in range(900):
+            if Path(flag).exists():
+                break
+            time.sleep(0.1)
+        return ""
+    try:
+        f.backward(model(torch.randn(4, 7)).sum())
+        return "no error"
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        Path(flag).touch()
+
+
+def test_a_rank_stalled_on_a_side_group_fails_the_other_after_the_strategys_timeout(tmp_path) -> None:
+    """The groups `shard_size` makes time out after `timeout` as the default group does, not
+    after torch's 30 min (torch 2.13's `new_group` does not inherit the default group's)."""
+    error, _ = run_ranks(_stall_in_the_replicate_group, 2, str(tmp_path / "flag"))
+    assert "Timed out" in error and "5000ms" in error, error

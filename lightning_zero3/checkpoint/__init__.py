@@ -14,25 +14,23 @@
     background.py   saves written in a thread [Note: background saves]
 """
 
+# The door: users' names, then the glue's (nothing outside imports a module: tests/test_engine_imports.py).
+from lightning_zero3.checkpoint.background import BackgroundSave, saver_comm
 from lightning_zero3.checkpoint.consolidate import Progress, consolidate_checkpoint
-from lightning_zero3.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from lightning_zero3.checkpoint.errors import CheckpointError, CheckpointNotFoundError, agree, describe_error
 from lightning_zero3.checkpoint.files import remove_checkpoint
+from lightning_zero3.checkpoint.format import ShardedStateDict
 from lightning_zero3.checkpoint.full import load_full, save_full
-from lightning_zero3.checkpoint.load import load_sharded
+from lightning_zero3.checkpoint.load import load_model_state, load_optimizer_states, load_sharded, open_checkpoint
 from lightning_zero3.checkpoint.plain import load_checkpoint, load_from_checkpoint
-from lightning_zero3.checkpoint.save import save_sharded, sharded_optimizer_state
+from lightning_zero3.checkpoint.remote import RemotePath, as_path
+from lightning_zero3.checkpoint.save import save_in_background, save_sharded, sharded_optimizer_state
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "Progress",
-    "consolidate_checkpoint",
-    "load_checkpoint",
-    "load_from_checkpoint",
-    "load_full",
-    "load_sharded",
-    "remove_checkpoint",
-    "save_full",
-    "save_sharded",
+    "CheckpointError", "CheckpointNotFoundError", "Progress", "consolidate_checkpoint", "load_checkpoint",
+    "load_from_checkpoint", "load_full", "load_sharded", "remove_checkpoint", "save_full", "save_sharded",
     "sharded_optimizer_state",
-]
+    # the glue's
+    "BackgroundSave", "RemotePath", "ShardedStateDict", "agree", "as_path", "describe_error", "load_model_state",
+    "load_optimizer_states", "open_checkpoint", "save_in_background", "saver_comm",
+]  # fmt: skip

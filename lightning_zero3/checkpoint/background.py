@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -72,12 +73,12 @@ def _run_logged(fn: Callable[[], None]) -> None:
         log.warning(f"After a background checkpoint save: {describe_error(err)}")
 
 
-def saver_comm(world: Comm) -> Comm:
-    """A gloo group over `world`'s ranks (collective)."""
+def saver_comm(world: Comm, timeout: timedelta) -> Comm:
+    """A gloo group over `world`'s ranks (collective), failing after `timeout` as the world does."""
     if not world.distributed:
         return world
     ranks = dist.get_process_group_ranks(world.group) if world.group is not None else None
-    return Comm(new_group(ranks, backend="gloo"), device=torch.device("cpu"))
+    return Comm(new_group(ranks, backend="gloo", timeout=timeout), device=torch.device("cpu"))
 
 
 __all__ = ["BackgroundSave", "saver_comm"]

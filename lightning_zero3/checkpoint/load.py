@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
-from lightning_zero3.checkpoint.errors import CheckpointError, run_and_agree
+from lightning_zero3.checkpoint.errors import CheckpointError, require_exists, run_and_agree
 from lightning_zero3.checkpoint.files import few
 from lightning_zero3.checkpoint.format import (
     Pieces,
     ShardedCheckpoint,
+    ShardedOptimizerStates,
+    ShardedStateDict,
     check_fits,
     dtype_of,
     model_tensors,
@@ -23,19 +25,15 @@ from lightning_zero3.checkpoint.format import (
     optimizer_param_names,
     sharded_by_name,
 )
+from lightning_zero3.checkpoint.full import load_full
 from lightning_zero3.checkpoint.remote import RemotePath
-from lightning_zero3.engine import ShardedModel, ShardedParam
+from lightning_zero3.engine import ShardedModel, ShardedParam, load_full_optimizer_state
 
 
 def open_checked(
-    path: str | os.PathLike | RemotePath,
-    model: ShardedModel,
-    *,
-    strict: bool,
-    context: str,
-    trusted: bool,
+    path: str | os.PathLike | RemotePath, model: ShardedModel, *, strict: bool, context: str, trusted: bool,
     verify: bool = True,
-) -> ShardedCheckpoint:
+) -> ShardedCheckpoint:  # fmt: skip
     """`open_sharded`, checked to fit `model`; every rank raises if any rank found a problem."""
     ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
     expected = model_tensors(model)
@@ -43,6 +41,41 @@ def open_checked(
         model.world_comm, lambda: check_fits(ckpt.path, ckpt.tensors(), expected, strict=strict), context=context
     )
     return ckpt
+
+
+def open_checkpoint(
+    path: Path | RemotePath, model: ShardedModel, *, read: Callable[[Any], Any] | None, strict: bool, context: str,
+    key: str | None, trusted: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """A sharded directory's Lightning dict (its tensors still on disk) or a full file whose entry `key`
+    (None: the file itself) is the model's state dict, checked on every rank before anything loads."""
+    require_exists(model.world_comm, path, context=context)
+    if not path.is_dir():
+        return load_full(path, model, key=key, strict=strict, trusted=trusted, read=read)
+    opened = open_checked(path, model, strict=strict, context=context, trusted=trusted)
+    return run_and_agree(model.world_comm, opened.lightning_dict, context=context)  # type: ignore[no-any-return]
+
+
+def load_model_state(model: ShardedModel, state_dict: Any, *, strict: bool) -> None:
+    """A Lightning dict's "state_dict" into the shards: a sharded one's (each rank reads its chunks) or a whole one."""
+    if isinstance(state_dict, ShardedStateDict):
+        load_sharded_model(state_dict.checkpoint, model)
+    else:
+        model.load_full_state_dict(dict(state_dict), strict=strict)
+
+
+def load_optimizer_states(model: ShardedModel, states: list[Any], optimizers: list[torch.optim.Optimizer]) -> None:
+    """A Lightning dict's "optimizer_states" into `optimizers`, in the order saved."""
+    if isinstance(states, ShardedOptimizerStates):
+        load_sharded_optimizers(states.checkpoint, model, optimizers)
+        return
+    if len(states) != len(optimizers):
+        raise CheckpointError(
+            f"The checkpoint has state for {len(states)} optimizers but `configure_optimizers` returned "
+            f"{len(optimizers)}; resume with the same optimizers."
+        )
+    for optimizer, state in zip(optimizers, states):
+        load_full_optimizer_state(model, optimizer, state)
 
 
 def load_sharded_model(ckpt: ShardedCheckpoint, model: ShardedModel) -> None:
@@ -156,14 +189,9 @@ def _check_groups(path: Path | RemotePath, index: int, saved: list[list[str]], c
 
 
 def load_sharded(
-    path: str | os.PathLike,
-    model: ShardedModel,
-    *,
-    optimizers: list[torch.optim.Optimizer] | tuple = (),
-    strict: bool = True,
-    verify: bool = True,
-    trusted: bool = False,
-) -> dict[str, Any]:
+    path: str | os.PathLike, model: ShardedModel, *, optimizers: list[torch.optim.Optimizer] | tuple = (),
+    strict: bool = True, verify: bool = True, trusted: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """Check and load a sharded checkpoint into `model` (and `optimizers`) on every rank; the other
     entries of the checkpoint dict it was saved from. `trusted`: unpickle without restriction."""
     context = f"Cannot load the checkpoint {path}"

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lightning_zero3.checkpoint.background import BackgroundSave
 from lightning_zero3.checkpoint.errors import CheckpointError, agree, describe_error, error_of, run_and_agree
 from lightning_zero3.checkpoint.files import (
     Partial,
@@ -147,12 +148,19 @@ def save_sharded(path: str | os.PathLike | RemotePath, model: ShardedModel, chec
     list of `sharded_optimizer_state`s, other entries are kept as they are. Atomic (Note: temporary
     names in files.py); a `path` holding anything but a checkpoint is refused before anything is
     written (Note: what a save may replace)."""
+    path = as_path(path)  # decided here once: a local path or a URL (Note: remote checkpoints)
     write_sharded(path, plan_sharded(path, model, checkpoint), model.world_comm)
 
 
-def write_sharded(path: str | os.PathLike | RemotePath, planned: PlannedSave, comm: Comm) -> None:
+def save_in_background(path: Path | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any], comm: Comm
+                       ) -> BackgroundSave:  # fmt: skip
+    """`save_sharded` from a host snapshot (taken before it returns), in a thread, collectives on `comm` only."""
+    planned = plan_sharded(path, model, checkpoint, copy=True)
+    return BackgroundSave(lambda: write_sharded(path, planned, comm), what=f"the checkpoint {path}")
+
+
+def write_sharded(path: Path | RemotePath, planned: PlannedSave, comm: Comm) -> None:
     """Write a planned save at `path` (see `save_sharded`), with collectives on `comm` only."""
-    path = as_path(path)
     context = f"Saving the checkpoint {path} failed (any previous checkpoint there is unchanged)"
     mine: Partial | None = None  # rank 0's temporary directory (Note: temporary names in files.py)
     prefix: RemotePath | None = None  # rank 0's new prefix at a URL until committed (Note: remote checkpoints)
@@ -165,12 +173,13 @@ def write_sharded(path: str | os.PathLike | RemotePath, planned: PlannedSave, co
             check_replaceable(path)
             if isinstance(path, RemotePath):
                 prefix = path / f"shards.{secrets.token_hex(8)}"
-                return str(prefix)
+                return prefix.name
             mine = Partial(path, directory=True)
-            return str(mine.path)
+            return mine.path.name
 
         name, error = error_of(start)
-        partial = as_path(agree(comm, error, context=f"Cannot save the checkpoint {path}", share=name)[0])
+        name = agree(comm, error, context=f"Cannot save the checkpoint {path}", share=name)[0]
+        partial = path / name if isinstance(path, RemotePath) else path.with_name(name)  # rank 0's, beside `path`
         writer = _writer(partial)
         try:
             with warnings.catch_warnings():

@@ -39,6 +39,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -328,17 +329,18 @@ class Comm:
         self.stats.gather_wait_s += time.perf_counter() - start_s
 
 
-def consecutive_group(size: int) -> dist.ProcessGroup | None:
+def consecutive_group(size: int, timeout: timedelta | None) -> dist.ProcessGroup | None:
     """This rank's group of `size` consecutive ranks (collective)."""
     rank, mine = dist.get_rank(), None
     for start in range(0, dist.get_world_size(), size):
-        group = new_group(list(range(start, start + size)))
+        group = new_group(list(range(start, start + size)), timeout=timeout)
         if start <= rank < start + size:
             mine = group
     return mine
 
 
-def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+def hybrid_groups(shard_size: int, timeout: timedelta | None
+                  ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:  # fmt: skip
     """(shard group, replicate group): groups of `shard_size` (an int >= 1: config.py) consecutive
     ranks shard the model, the ranks at one position in each replicate it; (None, None): the
     whole world shards. Collective."""
@@ -351,17 +353,19 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup | None, dist.Proce
     if shard_size == world:
         return None, None
     rank = dist.get_rank()
-    shard_group, replicate_group = consecutive_group(shard_size), None
+    shard_group, replicate_group = consecutive_group(shard_size, timeout), None
     for offset in range(shard_size):
-        group = new_group(list(range(offset, world, shard_size)))
+        group = new_group(list(range(offset, world, shard_size)), timeout=timeout)
         if rank % shard_size == offset:
             replicate_group = group
     return shard_group, replicate_group
 
 
-def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> dist.ProcessGroup:
-    """`dist.new_group`, destroyed at exit at the latest (Note: leaving at exit)."""
-    group = dist.new_group(ranks=ranks, backend=backend)
+def new_group(
+    ranks: list[int] | None = None, *, backend: str | None = None, timeout: timedelta | None = None
+) -> dist.ProcessGroup:
+    """`dist.new_group`, destroyed at exit at the latest (Note: leaving at exit); timeout=None: torch's 30 min."""
+    group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
     if group is not dist.GroupMember.NON_GROUP_MEMBER:
         _MADE.append(group)
     return group

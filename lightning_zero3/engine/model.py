@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -48,7 +49,8 @@ class ShardedModel:
 
     def __init__(
         self, module: nn.Module, config: ShardingConfig | None = None, *, group: dist.ProcessGroup | None = None,
-        device: torch.device | str | None = None, sync_module_states: bool = True, **options: Any,
+        device: torch.device | str | None = None, sync_module_states: bool = True, timeout: timedelta | None = None,
+        **options: Any,
     ) -> None:  # fmt: skip
         """Options in `config` or as keyword arguments; `group` replaces the world (not with `shard_size`)."""
         if config is None:
@@ -61,7 +63,7 @@ class ShardedModel:
         if config.shard_size is not None:
             if group is not None:
                 raise ValueError("Pass either group or shard_size to ShardedModel, not both.")
-            group, replicate_group = hybrid_groups(config.shard_size)
+            group, replicate_group = hybrid_groups(config.shard_size, timeout)
         real = (t.device for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
         target = indexed(device) if device is not None else next(real, torch.device("cpu"))  # "cuda" -> "cuda:0"
         # Parameter data moves in the shard group; with `shard_size` gradients are also averaged
@@ -71,7 +73,7 @@ class ShardedModel:
         replicate = Comm(replicate_group, pool=self._pool, device=target) if replicate_group is not None else None
         self._replicate_comm = replicate
         self._reshard = resolve(config.reshard_after_forward, shard_group=self._comm.world_size)
-        group_of_g = consecutive_group(self._reshard) if type(self._reshard) is int else None  # collective
+        group_of_g = consecutive_group(self._reshard, timeout) if type(self._reshard) is int else None  # collective
         self._slice_comm = Comm(group_of_g, pool=self._pool, device=target) if group_of_g is not None else None
         self._world_comm = Comm(None, device=target)  # control traffic: broadcasts, order check, edits
         restore_if_left_sharded(module, world_comm=self._world_comm, device=target)
