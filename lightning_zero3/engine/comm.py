@@ -231,8 +231,7 @@ class Comm:
         self.recent.append(f"{collective} of {what}")
 
     def codec(self, kind: str, *, width: int, itemsize: int, data: int | None) -> RowCodec | None:
-        """How rows of `kind` ("weights", "gradients") are packed (quantize.py, Note: quantized
-        collectives); None: sent as they are (not asked for, `data` None, or one rank)."""
+        """How rows of `kind` ("weights", "gradients") are packed (quantize.py); None: sent as they are."""
         bits = self.quantization.bits(kind)
         if not bits or data is None or isinstance(self.transport, Local):
             return None
@@ -341,15 +340,12 @@ def consecutive_group(size: int, timeout: timedelta | None) -> dist.ProcessGroup
 
 def hybrid_groups(shard_size: int, timeout: timedelta | None
                   ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:  # fmt: skip
-    """(shard group, replicate group): groups of `shard_size` (an int >= 1: config.py) consecutive
-    ranks shard the model, the ranks at one position in each replicate it; (None, None): the
-    whole world shards. Collective."""
+    """(shard group, replicate group): groups of `shard_size` consecutive ranks shard the model, the ranks
+    at one position in each replicate it; (None, None): the whole world shards. Collective."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world % shard_size:
-        raise ValueError(
-            f"shard_size must be a positive int that divides the world size {world} (e.g. the processes "
-            f"per node); got {shard_size!r}."
-        )
+        raise ValueError(f"shard_size must be a positive int that divides the world size {world} (e.g. the "
+                         f"processes per node); got {shard_size!r}.")
     if shard_size == world:
         return None, None
     rank = dist.get_rank()
@@ -361,9 +357,8 @@ def hybrid_groups(shard_size: int, timeout: timedelta | None
     return shard_group, replicate_group
 
 
-def new_group(
-    ranks: list[int] | None = None, *, backend: str | None = None, timeout: timedelta | None = None
-) -> dist.ProcessGroup:
+def new_group(ranks: list[int] | None = None, *, backend: str | None = None,
+              timeout: timedelta | None = None) -> dist.ProcessGroup:  # fmt: skip
     """`dist.new_group`, destroyed at exit at the latest (Note: leaving at exit); timeout=None: torch's 30 min."""
     group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
     if group is not dist.GroupMember.NON_GROUP_MEMBER:

@@ -134,7 +134,6 @@ class ShardedModel:
         text = "; ".join(f"{phase} {[self._units[uid].name for uid in order]}" for phase, order in orders)
         return f"The recorded unit order, which every rank must follow: {text}"
 
-    # ---- lookups and communicators, for checkpoints ----------------------------------------
     @property
     def sharded_params(self) -> list[ShardedParam]:
         """Every sharded parameter, unit by unit: what a checkpoint reads and writes per shard."""
@@ -234,9 +233,8 @@ class ShardedModel:
         return self._gradient_sync.state is not SyncState.SYNCED
 
     def mark_final_batch(self, final: bool, *, fix: str = UNEVEN_FIX) -> None:
-        """Whether the step about to run takes this rank's last batch of the epoch (checks.py,
-        Note: uneven batches): its gathers tell the other ranks, so uneven batch counts fail, with
-        `fix` (how to give every rank the same number of batches) in the error."""
+        """Whether the next step takes this rank's last batch (checks.py, Note: uneven batches): its gathers
+        tell the other ranks, so uneven batch counts fail naming `fix` (how to even them)."""
         self._checks.final_batch, self._checks.uneven_fix = final, fix
 
     # ---- whole parameters outside forward -------------------------------------------------
