@@ -63,6 +63,7 @@ def results() -> list[dict[str, Any]]:
     return run_ranks(_fit_evaluate_fit_again, 2)
 
 
+@pytest.mark.slow
 def test_evaluation_and_a_second_fit_resume_the_run_at_rest_like_one_process(results: list[dict[str, Any]]) -> None:
     torch.manual_seed(0)
     reference = LitMLP()
@@ -88,6 +89,7 @@ def test_evaluation_and_a_second_fit_resume_the_run_at_rest_like_one_process(res
     assert max_difference(results[0]["first"], first) < TOL and results[1]["first"] == {}
 
 
+@pytest.mark.slow
 def test_the_modules_own_state_dict_at_rest_is_refused_on_every_rank_naming_the_way_to_whole_weights(
     results: list[dict[str, Any]],
 ) -> None:

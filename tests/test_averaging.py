@@ -93,6 +93,7 @@ def _resume(rank: int, world_size: int, path: str, kind: str) -> dict[str, Any]:
     return whole_state(model)
 
 
+@pytest.mark.slow
 def test_the_average_resumes_exactly_from_a_sharded_checkpoint_at_another_world_size(tmp_path: Path) -> None:
     """A checkpoint written during fit after the first of 2 epochs at 2 ranks (the average is in
     the optimizer state: averaging.py, Note: averages in the optimizer state), resumed at 3 ranks:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every backend of benchmarks/compare.py, each launched
+
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["ddp", "fsdp2", "lightning-ddp", "zero3-p0", "zero3-p1", "zero3-p2", "engine-p1", "engine-p1-async"]
 

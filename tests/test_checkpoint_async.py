@@ -69,6 +69,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list
     return out
 
 
+@pytest.mark.slow
 def test_saving_in_the_background_equals_saving_synchronously(runs):
     (sync_dir, sync_losses), (async_dir, async_losses) = runs["sync"], runs["async"]
     assert async_losses == sync_losses
@@ -84,6 +85,7 @@ def test_saving_in_the_background_equals_saving_synchronously(runs):
         assert a["global_step"] == b["global_step"] == int(name.split("=")[1].split(".")[0])
 
 
+@pytest.mark.slow
 def test_a_background_checkpoint_resumes_exactly_at_another_world_size(runs):
     torch.manual_seed(0)
     model = LitMLP()
@@ -120,6 +122,7 @@ def _fit_with_a_failing_background_write_on_rank_1(rank: int, world_size: int, d
     _fit_saving_every_2_steps(lightning_zero3.ZeRO3Strategy(async_save=True), world_size, directory, True)
 
 
+@pytest.mark.slow
 def test_an_error_in_the_background_write_is_raised_on_every_rank(tmp_path):
     with pytest.raises(RankFailure) as failure:
         run_ranks(_fit_with_a_failing_background_write_on_rank_1, 2, str(tmp_path))
@@ -159,6 +162,7 @@ def _fit_with_rank_0_killed_in_its_second_background_write(rank: int, world_size
     t.fit(LitMLP(), loader(world_size))
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
     with pytest.raises(RankFailure, match="rank 0"):
         run_ranks(_fit_with_rank_0_killed_in_its_second_background_write, 2, str(tmp_path))
@@ -189,6 +193,7 @@ def _fit_losing_rank_0_during_a_background_save(rank: int, world_size: int, dire
     t.fit(LitMLP(), loader(world_size))
 
 
+@pytest.mark.slow
 def test_a_rank_lost_during_a_background_save_is_a_checkpoint_error_on_the_survivor(tmp_path):
     with pytest.raises(RankFailure) as failure:
         run_ranks(_fit_losing_rank_0_during_a_background_save, 2, str(tmp_path))
@@ -218,6 +223,7 @@ def _fabric_saving_every_step(f: Any, directory: str, async_save: bool) -> list[
     return losses
 
 
+@pytest.mark.slow
 def test_fabric_saves_in_the_background_equal_synchronous_ones(tmp_path):
     from tests.fabric_helpers import launch
 
@@ -259,6 +265,7 @@ def _last_background_write_fails_on_rank_1(rank: int, world_size: int, directory
     return {"raised": raised, "state": strategy.run.state is Lifecycle.AT_REST, "dim": model.net.inp.weight.dim()}
 
 
+@pytest.mark.slow
 def test_an_error_of_the_last_background_write_is_raised_at_teardown_after_it_completes(tmp_path):
     for result in run_ranks(_last_background_write_fails_on_rank_1, 2, str(tmp_path)):
         assert "in the background failed" in result["raised"], result

@@ -68,6 +68,7 @@ def _assert_holds(path: Path, weights: dict, tmp_path: Path) -> None:
     os.remove(tmp_path / "check.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["disk full", "bad state on one rank"])
 def test_a_save_failing_on_one_rank_raises_everywhere_and_keeps_the_previous_checkpoint(tmp_path, failure):
     path = tmp_path / "gpt.ckpt"
@@ -100,6 +101,7 @@ def _run_while_one_rank_dies(fn: Any, *args: Any, survivor: int = 0, timeout_s: 
     return pickle.loads(value)
 
 
+@pytest.mark.slow
 def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(tmp_path):
     path = tmp_path / "gpt.ckpt"
     good, message = _run_while_one_rank_dies(_save_then_fail_to_save_again, str(path), "rank dies")
@@ -126,6 +128,7 @@ def _save_with_rank_0_dying_once_the_checkpoint_is_in_place(rank: int, world_siz
     return expected, str(raised.value), repr(raised.value.__cause__)
 
 
+@pytest.mark.slow
 def test_rank_0_dying_late_in_a_save_is_a_checkpoint_error_on_rank_1(tmp_path):
     """The last agreement fails on rank 1: a CheckpointError naming the path and the lost rank,
     caused by the process group's error; the path holds a complete checkpoint (here the new one)."""
@@ -145,6 +148,7 @@ class _FailInSecondEpoch(Callback):
             raise RuntimeError("callback failed while saving")
 
 
+@pytest.mark.slow
 def test_an_exception_in_a_callback_while_saving_leaves_the_previous_checkpoint(tmp_path):
     callback = ModelCheckpoint(dirpath=tmp_path, filename="latest")  # the same name every epoch
     t = trainer(launched("zero3"), 2, max_epochs=2, enable_checkpointing=True,
@@ -164,6 +168,7 @@ def _save_a_then_b(rank: int, world_size: int, path: str) -> dict:
     return sharded.full_state_dict(to_rank=None)
 
 
+@pytest.mark.slow
 def test_saving_again_to_a_path_replaces_the_checkpoint_there(tmp_path):
     path = tmp_path / "gpt.ckpt"
     second = run_ranks(_save_a_then_b, 2, str(path))[0]
@@ -171,6 +176,7 @@ def test_saving_again_to_a_path_replaces_the_checkpoint_there(tmp_path):
     _assert_holds(path, second, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_full_file_and_a_sharded_directory_replace_each_other(tmp_path):
     path = tmp_path / "model.ckpt"
     atomic_torch_save({"state_dict": {}}, path)
@@ -182,6 +188,7 @@ def test_a_full_file_and_a_sharded_directory_replace_each_other(tmp_path):
     assert os.listdir(tmp_path) == ["model.ckpt"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_last", [True, "link"], ids=["last_copy", "last_link"])
 def test_model_checkpoint_top_k_keeps_only_the_best_directories_and_last(tmp_path, save_last):
     torch.manual_seed(0)
@@ -200,6 +207,7 @@ def test_model_checkpoint_top_k_keeps_only_the_best_directories_and_last(tmp_pat
         assert open_sharded(tmp_path / "last.ckpt").meta["lightning"]["global_step"] == t.callback_metrics["steps"][0]
 
 
+@pytest.mark.slow
 def test_removing_a_link_keeps_its_target_and_removing_a_directory_leaves_nothing(tmp_path):
     target = tmp_path / "epoch=0.ckpt"
     run_ranks(save_trained_gpt, 2, str(target))

@@ -62,6 +62,7 @@ def _save_repeatedly(rank: int, world_size: int, path: str, seed: int, rendezvou
     return failures, span, whole
 
 
+@pytest.mark.slow
 def test_two_jobs_saving_to_one_path_each_put_a_whole_checkpoint_in_place(tmp_path):
     """Two independent jobs (2 ranks and 1 rank, two process groups) save to one path at once:
     every save succeeds, and what is at the path is all of one job's state (weights, optimizer
@@ -113,6 +114,7 @@ def _make_and_close_temporary_names(rank: int, world_size: int, path: str) -> li
     return failures
 
 
+@pytest.mark.slow
 def test_a_new_temporary_name_is_never_swept_away_by_another_save_before_it_is_locked(tmp_path):
     """Two processes saving next to one path: neither removes the other's new (empty, not yet
     locked) temporary directory as a stale one (issue 30.2)."""
@@ -183,6 +185,7 @@ def _save_with_rank_0_killed_while_writing(rank: int, world_size: int, path: str
         ckpt.save_sharded(path, sharded, {"state_dict": model.state_dict()})
 
 
+@pytest.mark.slow
 def test_the_next_save_removes_what_a_killed_save_left_and_nothing_else(tmp_path):
     """kill -9 of rank 0 during a sharded save leaves its temporary directory; the next save to
     that path removes it. A live save's (locked) temporary name, one holding a file no save
@@ -209,6 +212,7 @@ def test_the_next_save_removes_what_a_killed_save_left_and_nothing_else(tmp_path
     assert all(torch.equal(state_dict[k], v) for k, v in weights.items())
 
 
+@pytest.mark.slow
 def test_the_swap_puts_back_what_is_no_longer_a_checkpoint(tmp_path, monkeypatch):
     """Something that is not a checkpoint put at the path while the save ran (after the check
     at its start) is swapped back, untouched, and the save fails naming it."""

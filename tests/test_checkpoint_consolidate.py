@@ -30,6 +30,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[dict, d
     return path, expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mmap", [False, True])
 def test_consolidated_file_is_an_ordinary_checkpoint_with_whole_tensors(saved, tmp_path, mmap):
     path, (model, optimizer) = saved
@@ -188,6 +189,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
 def test_consolidation_peak_memory_is_about_one_parameter_not_the_output(tmp_path):
     path = tmp_path / "large.ckpt"

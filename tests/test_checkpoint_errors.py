@@ -4,7 +4,6 @@ every rank alike (never a hang), and the CLI exits non-zero with that message.""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,21 +15,7 @@ from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3.__main__ import main
 from lightning_zero3.checkpoint.full import read_full_file
 from tests.ranks import run_ranks
-from tests.test_checkpoint_sharded import load_into_fresh_gpt, save_trained_gpt
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("good") / "gpt.ckpt"
-    run_ranks(save_trained_gpt, 2, str(path))
-    return path
-
-
-@pytest.fixture
-def copy(good: Path, tmp_path: Path) -> Path:
-    path = tmp_path / "gpt.ckpt"
-    shutil.copytree(good, path)
-    return path
+from tests.test_checkpoint_sharded import load_into_fresh_gpt
 
 
 def _refused(path: Path, match: str) -> str:
@@ -58,40 +43,41 @@ def test_a_file_is_not_a_sharded_checkpoint_and_not_a_torch_checkpoint(tmp_path)
         read_full_file(notes, trusted=False)
 
 
-def test_an_interrupted_save_is_not_mistaken_for_a_checkpoint(copy):
-    (copy / "meta.json").unlink()
-    _refused(copy, "has shard files but no meta.json: the save that wrote it did not finish")
+@pytest.mark.slow
+def test_an_interrupted_save_is_not_mistaken_for_a_checkpoint(gpt_checkpoint):
+    (gpt_checkpoint / "meta.json").unlink()
+    _refused(gpt_checkpoint, "has shard files but no meta.json: the save that wrote it did not finish")
 
 
-def test_a_missing_rank_shard_is_named(copy):
-    (copy / "__1_0.distcp").unlink()
-    _refused(copy, r"rank 1's shard file .*__1_0.distcp is missing")
+def test_a_missing_rank_shard_is_named(gpt_checkpoint):
+    (gpt_checkpoint / "__1_0.distcp").unlink()
+    _refused(gpt_checkpoint, r"rank 1's shard file .*__1_0.distcp is missing")
 
 
-def test_a_truncated_shard_is_detected_by_its_size(copy):
-    shard = copy / "__0_0.distcp"
+def test_a_truncated_shard_is_detected_by_its_size(gpt_checkpoint):
+    shard = gpt_checkpoint / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
-    _refused(copy, r"rank 0's shard file .*__0_0.distcp is truncated or damaged: 1000 bytes, expected \d+")
+    _refused(gpt_checkpoint, r"rank 0's shard file .*__0_0.distcp is truncated or damaged: 1000 bytes, expected \d+")
 
 
-def test_a_corrupted_shard_is_detected_by_its_checksum(copy):
-    shard = copy / "__1_0.distcp"
+def test_a_corrupted_shard_is_detected_by_its_checksum(gpt_checkpoint):
+    shard = gpt_checkpoint / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    _refused(copy, r"__1_0.distcp is corrupted: CRC-32 [0-9a-f]{8} does not match [0-9a-f]{8} in meta.json")
+    _refused(gpt_checkpoint, r"__1_0.distcp is corrupted: CRC-32 [0-9a-f]{8} does not match [0-9a-f]{8} in meta.json")
 
 
-def test_an_unknown_format_version_is_refused(copy):
-    meta = json.loads((copy / "meta.json").read_text())
+def test_an_unknown_format_version_is_refused(gpt_checkpoint):
+    meta = json.loads((gpt_checkpoint / "meta.json").read_text())
     meta["format_version"] = 99
-    (copy / "meta.json").write_text(json.dumps(meta))
-    _refused(copy, "has checkpoint format version 99, but this lightning_zero3 reads version 1")
+    (gpt_checkpoint / "meta.json").write_text(json.dumps(meta))
+    _refused(gpt_checkpoint, "has checkpoint format version 99, but this lightning_zero3 reads version 1")
 
 
-def test_a_garbled_meta_json_is_reported_as_corrupted(copy):
-    (copy / "meta.json").write_text("{ not json")
-    _refused(copy, "meta.json is corrupted")
+def test_a_garbled_meta_json_is_reported_as_corrupted(gpt_checkpoint):
+    (gpt_checkpoint / "meta.json").write_text("{ not json")
+    _refused(gpt_checkpoint, "meta.json is corrupted")
 
 
 def _load_and_report(rank: int, world_size: int, path: str) -> str:
@@ -100,17 +86,17 @@ def _load_and_report(rank: int, world_size: int, path: str) -> str:
     return str(raised.value)
 
 
-def test_a_problem_only_one_rank_sees_fails_every_rank(copy):
+def test_a_problem_only_one_rank_sees_fails_every_rank(gpt_checkpoint):
     """Files are checksummed by one rank each; the corrupted one here is checked by rank 1 only,
     and rank 0 must not go on into the collective load."""
-    files = sorted(json.loads((copy / "meta.json").read_text())["files"])
+    files = sorted(json.loads((gpt_checkpoint / "meta.json").read_text())["files"])
     assert files[1::2][0] == "__0_0.distcp"  # rank 1 of 2 checks every second file
-    shard = copy / "__0_0.distcp"
+    shard = gpt_checkpoint / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    for message in run_ranks(_load_and_report, 2, str(copy), timeout_s=20):
-        assert f"Cannot load the checkpoint {copy}" in message and "__0_0.distcp is corrupted" in message
+    for message in run_ranks(_load_and_report, 2, str(gpt_checkpoint), timeout_s=20):
+        assert f"Cannot load the checkpoint {gpt_checkpoint}" in message and "__0_0.distcp is corrupted" in message
 
 
 def _load_into_another_model(rank: int, world_size: int, path: str) -> str:
@@ -122,19 +108,20 @@ def _load_into_another_model(rank: int, world_size: int, path: str) -> str:
     return str(raised.value)
 
 
-def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(good):
-    for message in run_ranks(_load_into_another_model, 2, str(good)):
-        assert f"checkpoint {good} holds another model" in message
+def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(gpt_checkpoint):
+    for message in run_ranks(_load_into_another_model, 2, str(gpt_checkpoint)):
+        assert f"checkpoint {gpt_checkpoint} holds another model" in message
         assert "keys of the model are not in the checkpoint: 'blocks.2.ln1.weight'" in message
 
 
-def test_the_cli_exits_non_zero_with_the_message(copy, capsys):
-    (copy / "__1_0.distcp").unlink()
-    assert main(["consolidate", str(copy), str(copy.parent / "out.pt")]) == 1
+def test_the_cli_exits_non_zero_with_the_message(gpt_checkpoint, capsys):
+    (gpt_checkpoint / "__1_0.distcp").unlink()
+    assert main(["consolidate", str(gpt_checkpoint), str(gpt_checkpoint.parent / "out.pt")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "__1_0.distcp is missing" in err and str(copy) in err
+    assert err.startswith("error: ") and "__1_0.distcp is missing" in err and str(gpt_checkpoint) in err
 
 
+@pytest.mark.slow
 def test_python_m_lightning_zero3_exits_non_zero_with_the_message(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "lightning_zero3", "consolidate", str(tmp_path / "absent"), str(tmp_path / "out.pt")],

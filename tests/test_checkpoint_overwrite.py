@@ -12,7 +12,6 @@ import errno
 import logging
 import os
 import resource
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -27,7 +26,6 @@ from lightning_zero3.checkpoint.files import atomic_torch_save
 from lightning_zero3.checkpoint.format import open_sharded
 from tests.lit import LitMLP, become_lightning_rank, loader, trainer
 from tests.ranks import _mp_context, run_ranks
-from tests.test_checkpoint_sharded import save_trained_gpt
 from tests.test_checkpoint_trust import save_mlp
 
 
@@ -68,6 +66,7 @@ def test_a_full_save_over_a_user_directory_or_file_is_refused_and_touches_nothin
     assert os.listdir(tmp_path) == ["target"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_directory_holding_a_foreign_file_is_refused(tmp_path):
     path = tmp_path / "mlp.ckpt"
     save_mlp(path)
@@ -77,6 +76,7 @@ def test_a_checkpoint_directory_holding_a_foreign_file_is_refused(tmp_path):
     assert (path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["nothing", "an empty directory", "a checkpoint", "a torch file", "a link"])
 def test_a_save_replaces_a_checkpoint_an_empty_directory_or_a_link(tmp_path, what):
     path = tmp_path / "mlp.ckpt"
@@ -143,36 +143,22 @@ def test_the_strategy_leaves_a_user_directory_with_a_warning(tmp_path, caplog):
 
 
 # ---- consolidate: the destination ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def gpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A TinyGPT checkpoint from 2 ranks; its consolidated file is ~100 KB."""
-    path = tmp_path_factory.mktemp("gpt") / "gpt.ckpt"
-    run_ranks(save_trained_gpt, 2, str(path))
-    return path
-
-
-@pytest.fixture
-def source(gpt: Path, tmp_path: Path) -> Path:
-    path = tmp_path / "gpt.ckpt"
-    shutil.copytree(gpt, path)
-    return path
-
-
 @pytest.mark.parametrize("dst", ["meta.json", "trainer_state.pt", "new.pt", ".", "link"])
-def test_consolidate_refuses_a_destination_inside_the_source_before_writing(source, capsys, dst):
-    (source.parent / "link").symlink_to(source.name)  # the source under another name
-    before = _contents(source)
-    target = source.parent / "link" if dst == "link" else source / dst
-    assert main(["consolidate", str(source), str(target)]) == 1
+def test_consolidate_refuses_a_destination_inside_the_source_before_writing(gpt_checkpoint, capsys, dst):
+    (gpt_checkpoint.parent / "link").symlink_to(gpt_checkpoint.name)  # the source under another name
+    before = _contents(gpt_checkpoint)
+    target = gpt_checkpoint.parent / "link" if dst == "link" else gpt_checkpoint / dst
+    assert main(["consolidate", str(gpt_checkpoint), str(target)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: cannot write {target}: it is ") and f"checkpoint {source} being consolidated" in err
-    assert _contents(source) == before
-    open_sharded(source)  # still complete, checksums match
+    assert err.startswith(f"error: cannot write {target}: it is ")
+    assert f"checkpoint {gpt_checkpoint} being consolidated" in err
+    assert _contents(gpt_checkpoint) == before
+    open_sharded(gpt_checkpoint)  # still complete, checksums match
 
 
-def test_consolidate_refuses_to_overwrite_a_file_that_is_not_a_checkpoint(source, tmp_path, capsys):
+def test_consolidate_refuses_to_overwrite_a_file_that_is_not_a_checkpoint(gpt_checkpoint, tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
-    assert main(["consolidate", str(source), str(tmp_path / "notes.txt")]) == 1
+    assert main(["consolidate", str(gpt_checkpoint), str(tmp_path / "notes.txt")]) == 1
     assert f"error: Refusing to save over {tmp_path / 'notes.txt'}" in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
@@ -188,13 +174,15 @@ def _consolidate_with_a_file_size_limit(limit: int, argv: list[str], stderr: str
 
 
 @pytest.mark.parametrize("output", ["torch", "safetensors"])
-def test_consolidate_onto_a_full_disk_exits_1_with_a_message_and_removes_the_partial_file(source, tmp_path, output):
+def test_consolidate_onto_a_full_disk_exits_1_with_a_message_and_removes_the_partial_file(
+    gpt_checkpoint, tmp_path, output
+):
     dst = tmp_path / "out" / "gpt.pt"
     dst.parent.mkdir()
-    consolidate_checkpoint(source, dst, safetensors=output == "safetensors")
+    consolidate_checkpoint(gpt_checkpoint, dst, safetensors=output == "safetensors")
     previous = dst.read_bytes()
     assert len(previous) > 20_000
-    argv = ["consolidate", str(source), str(dst)] + (["--safetensors"] if output == "safetensors" else [])
+    argv = ["consolidate", str(gpt_checkpoint), str(dst)] + (["--safetensors"] if output == "safetensors" else [])
     child = _mp_context().Process(target=_consolidate_with_a_file_size_limit, args=(20_000, argv, tmp_path / "err"))
     child.start()
     child.join(timeout=120)

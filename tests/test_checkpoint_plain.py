@@ -116,6 +116,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_best_model_path_is_a_sharded_directory_that_load_from_checkpoint_loads_in_one_process(trained):
     best = Path(trained["best"])
     assert best.is_dir() and (best / "meta.json").is_file()
@@ -189,6 +190,7 @@ def test_load_from_checkpoint_of_a_checkpoint_no_trainer_saved_says_how_to_load_
         lightning_zero3.load_from_checkpoint(HparamsMLP, tmp_path / "mlp.ckpt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [".metadata", "trainer_state.pt"])
 def test_a_crafted_pickle_is_refused_unrun_unless_trusted(tmp_path, name):
     path = tmp_path / "mlp.ckpt"

@@ -31,6 +31,8 @@ from tests.adapted import HandsBack, launched  # noqa: E402
 from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer  # noqa: E402
 from tests.ranks import RankFailure, run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a local S3 server (moto) and 2-rank Trainer runs against it
+
 TOL = 1e-5
 STEPS_PER_EPOCH = 4
 BUCKET = "ckpts"

@@ -92,6 +92,7 @@ def _assert_continues_uninterrupted(results: list[tuple[list[float], dict]], uni
         assert max_difference(final_state, state) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume_world_size", [1, 2, 3])
 def test_sharded_checkpoint_from_model_checkpoint_resumes_at_1_2_and_3_ranks(
     saved_at, uninterrupted, resume_world_size
@@ -101,6 +102,7 @@ def test_sharded_checkpoint_from_model_checkpoint_resumes_at_1_2_and_3_ranks(
     _assert_continues_uninterrupted(_resume(resume_world_size, path), uninterrupted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 @pytest.mark.parametrize("saved_world_size", [1, 3])
 def test_checkpoint_saved_at_1_or_3_ranks_resumes_at_2(saved_at, uninterrupted, saved_world_size, kind):
@@ -139,6 +141,7 @@ def test_consolidated_sharded_checkpoint_equals_the_full_checkpoint(saved_at, tm
             assert torch.equal(optim["state"][index][key], value), (index, key)
 
 
+@pytest.mark.slow
 def test_full_and_consolidated_checkpoints_load_without_lightning_zero3(saved_at, tmp_path):
     """Plain torch.load (weights_only) and LightningModule.load_from_checkpoint read them, and
     nothing in the pickle refers to lightning_zero3."""
@@ -155,6 +158,7 @@ def test_full_and_consolidated_checkpoints_load_without_lightning_zero3(saved_at
         assert max_difference(model.state_dict(), reference.state_dict()) < TOL
 
 
+@pytest.mark.slow
 def test_validate_with_a_sharded_checkpoint_uses_its_weights(saved_at):
     torch.manual_seed(0)
     reference = LitMLP()
@@ -180,10 +184,12 @@ def saved_by_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_ddp_checkpoint_resumes_under_zero3_at_another_world_size(saved_by_ddp, uninterrupted):
     _assert_continues_uninterrupted(_resume(3, saved_by_ddp / "ddp.ckpt"), uninterrupted)
 
 
+@pytest.mark.slow
 def test_plain_state_dict_file_fine_tunes_under_zero3(saved_by_ddp):
     weights = saved_by_ddp / "weights.pt"
     reference = LitMLP()

@@ -93,34 +93,31 @@ def assert_same_state(got: tuple[dict, dict], expected: tuple[dict, dict]) -> No
             assert torch.equal(optim["state"][index][key], value), (index, key)
 
 
-@pytest.fixture(scope="module")
-def saved_at_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[dict, dict]]:
-    path = tmp_path_factory.mktemp("sharded") / "gpt.ckpt"
-    expected = run_ranks(save_trained_gpt, 2, str(path))[0]
-    return path, expected
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_checkpoint_from_2_ranks_loads_exactly_at_1_2_and_3_ranks(saved_at_2, world_size):
-    path, expected = saved_at_2
+def test_checkpoint_from_2_ranks_loads_exactly_at_1_2_and_3_ranks(gpt_saved_at_2, world_size):
+    path, expected = gpt_saved_at_2
     for rank_result in run_ranks(load_into_fresh_gpt, world_size, str(path)):
         model, optim, extra = rank_result
         assert_same_state((model, optim), expected)
         assert extra == {"epoch": 3, "note": "kept"}
 
 
+@pytest.mark.slow
 def test_checkpoint_from_3_ranks_loads_exactly_at_2(tmp_path):
     path = str(tmp_path / "gpt.ckpt")
     expected = run_ranks(save_trained_gpt, 3, path)[0]
     assert_same_state(run_ranks(load_into_fresh_gpt, 2, path)[0][:2], expected)
 
 
+@pytest.mark.slow
 def test_one_process_without_a_process_group_saves_and_loads(tmp_path):
     path = tmp_path / "gpt.ckpt"
     expected = save_trained_gpt(0, 1, str(path))
     assert_same_state(load_into_fresh_gpt(0, 1, str(path))[:2], expected)
 
 
+@pytest.mark.slow
 def test_parameters_kept_whole_in_one_run_load_as_shards_in_another(tmp_path):
     """A different persistence_threshold: small parameters saved whole load into shards, and back."""
     whole = str(tmp_path / "whole.ckpt")
@@ -139,6 +136,7 @@ def test_parameters_kept_whole_in_one_run_load_as_shards_in_another(tmp_path):
     assert_same_state(run_ranks(load_into_fresh_gpt, 2, sharded, 100)[0][:2], expected)
 
 
+@pytest.mark.slow
 def test_hierarchical_sharding_saves_each_chunk_once_and_loads_at_any_layout(tmp_path):
     """4 ranks as 2 shard groups of 2: the two groups hold the same shards, written once; the
     checkpoint loads at 3 ranks, and a 3-rank one loads into 2 groups of 2."""
@@ -157,8 +155,8 @@ def test_hierarchical_sharding_saves_each_chunk_once_and_loads_at_any_layout(tmp
         assert_same_state(result[:2], expected)
 
 
-def test_directory_holds_meta_json_and_one_shard_file_per_rank(saved_at_2):
-    path, _ = saved_at_2
+def test_directory_holds_meta_json_and_one_shard_file_per_rank(gpt_saved_at_2):
+    path, _ = gpt_saved_at_2
     names = sorted(os.listdir(path))
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "trainer_state.pt"]
     meta = json.loads((path / "meta.json").read_text())
@@ -173,9 +171,9 @@ def test_directory_holds_meta_json_and_one_shard_file_per_rank(saved_at_2):
     assert all(len(f["crc32"]) == 8 for f in meta["files"].values())
 
 
-def test_shards_are_stored_with_their_global_offsets(saved_at_2):
+def test_shards_are_stored_with_their_global_offsets(gpt_saved_at_2):
     """Each rank's piece is a chunk at offset r * ceil(numel / N) of the flattened parameter."""
-    path, _ = saved_at_2
+    path, _ = gpt_saved_at_2
     import torch.distributed.checkpoint as dcp
 
     index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -216,8 +214,8 @@ def _load_into_a_deeper_gpt(rank: int, world_size: int, path: str) -> tuple[dict
     return sharded.full_state_dict(to_rank=None), untouched
 
 
-def test_strict_false_loads_the_keys_both_models_have_and_keeps_the_rest(saved_at_2):
-    path, (expected, _) = saved_at_2
+def test_strict_false_loads_the_keys_both_models_have_and_keeps_the_rest(gpt_saved_at_2):
+    path, (expected, _) = gpt_saved_at_2
     loaded, untouched = run_ranks(_load_into_a_deeper_gpt, 2, str(path))[0]
     for key, value in expected.items():
         assert torch.equal(loaded[key], value), key
@@ -225,8 +223,8 @@ def test_strict_false_loads_the_keys_both_models_have_and_keeps_the_rest(saved_a
         assert torch.equal(loaded[key], value), key
 
 
-def test_a_model_of_another_shape_is_refused_naming_the_difference(saved_at_2):
-    path, _ = saved_at_2
+def test_a_model_of_another_shape_is_refused_naming_the_difference(gpt_saved_at_2):
+    path, _ = gpt_saved_at_2
     with pytest.raises(ckpt.CheckpointError) as refused:
         open_checked(path, ShardedModel(MLP()), strict=True, context="Cannot load", trusted=False)
     problem = str(refused.value)

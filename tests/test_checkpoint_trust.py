@@ -182,6 +182,7 @@ def lightning_loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _load_crafted_under_lightning(tmp_path_factory.mktemp("lightning"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["fit", "validate"])
 @pytest.mark.parametrize("name", [".metadata", "trainer_state.pt"])
 def test_a_crafted_pickle_is_refused_unrun_by_ckpt_path(lightning_loads, name, entry):
@@ -191,6 +192,7 @@ def test_a_crafted_pickle_is_refused_unrun_by_ckpt_path(lightning_loads, name, e
     assert not ran
 
 
+@pytest.mark.slow
 def test_trust_checkpoint_on_the_strategy_unpickles_as_before(lightning_loads):
     steps, ran = lightning_loads["trusted"]
     assert ran and 1 < steps < 8  # trained on from the checkpoint (a fresh run takes 8 steps)

@@ -33,11 +33,12 @@ from tests.adapted import launched, lightning_trainer
 from tests.fabric_helpers import launch
 from tests.lit import LitMLP, loader
 from tests.ranks import RankFailure, run_ranks
-from tests.test_multinode import _env, _free_port, _slurm_task, _wait
+from tests.test_multinode import FinishedJob, _env, _free_port, _slurm_task, _wait
 
 SHORT_SAVE = str(Path(__file__).parent / "jobs" / "short_save.py")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant", [("--api", "trainer"), ("--api", "fabric", "--async-save", "--keep-gathered")], ids=["trainer", "fabric"]
 )
@@ -55,11 +56,21 @@ def test_no_gloo_worker_is_alive_when_a_job_that_saved_finalizes(tmp_path: Path,
         assert not [t for t in alive if "gloo" in t], f"{name}: threads alive as Python finalizes: {alive}"
 
 
-def test_short_jobs_that_save_inside_fit_exit_cleanly_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_short_jobs_that_save_inside_fit_exit_cleanly_on_every_rank(
+    slurm_job_saving_inside_fit: FinishedJob, tmp_path: Path
+) -> None:
+    """The first run is the suite's shared job (tests/conftest.py `slurm_job_saving_inside_fit`,
+    saving in the background; tests/test_multinode.py checks its training); more runs alternate
+    synchronous and background saves."""
     runs = int(os.environ.get("ZERO3_EXIT_RUNS", "1"))
     parallel = int(os.environ.get("ZERO3_EXIT_PARALLEL", "2"))
-    failures: list[str] = []
-    for first in range(0, runs, parallel):
+    failures = [
+        f"run 0 rank {rank} exited {code}:\n{output[-1500:]}"
+        for rank, (code, output) in enumerate(slurm_job_saving_inside_fit.exits)
+        if code != 0
+    ]
+    for first in range(1, runs, parallel):
         batch = []
         for run in range(first, min(first + parallel, runs)):
             out = tmp_path / f"run{run}"

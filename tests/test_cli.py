@@ -15,6 +15,8 @@ import pytest
 import torch
 import yaml
 from jsonargparse import ArgumentParser
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
 from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
 from lightning_zero3.engine import ShardingConfig
@@ -57,6 +59,7 @@ def test_the_signature_lists_every_option_with_its_default(strategy: type) -> No
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
+@pytest.mark.slow
 def test_lightning_cli_yaml_and_command_line_options_reach_the_strategy_on_two_ranks(tmp_path: Path) -> None:
     """`python cli.py fit --config config.yaml --trainer.strategy.prefetch=3` trains on 2 ranks
     started by Lightning's launcher (the script re-run per rank); each rank's strategy holds the
@@ -78,12 +81,18 @@ def test_lightning_cli_yaml_and_command_line_options_reach_the_strategy_on_two_r
         assert seen["persistence_threshold"] == 0 and seen["start_method"] == "popen"  # defaults
 
 
-def test_print_config_lists_every_option(tmp_path: Path) -> None:
+def test_print_config_lists_every_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--print_config` in this process: LightningCLI prints the config and exits, as it does in
+    the user's program (the 2-rank test above runs one as its own process)."""
     (tmp_path / "config.yaml").write_text(CONFIG)
-    cmd = [sys.executable, JOB, "fit", "--config", str(tmp_path / "config.yaml"), "--print_config"]
-    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    strategy = yaml.safe_load(done.stdout)["trainer"]["strategy"]
+    args = ["fit", "--config", str(tmp_path / "config.yaml"), "--print_config"]
+    monkeypatch.setattr(sys, "argv", ["cli.py"])  # pytest's own arguments are not the CLI's
+    with pytest.raises(SystemExit) as exited:
+        LightningCLI(BoringModel, BoringDataModule, args=args)
+    assert exited.value.code in (0, None)
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_zero3.ZeRO3Strategy"
     printed = strategy["init_args"]
     assert [name for name in printed if name in {o.name for o in OPTIONS}] == [o.name for o in OPTIONS]

@@ -86,6 +86,7 @@ SETTINGS = {  # (ranks, precision, options)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_training_evaluation_save_and_load_order_every_cross_stream_read(setting: str) -> None:
     """A race here is a wrong result or a crash on a GPU, seen by no CPU test before."""
@@ -132,6 +133,7 @@ def _transfers_per_step(rank: int, world_size: int, engine: str) -> list[dict]:
     return steps[2:]  # steps 3-7: the first records the order and checks at once
 
 
+@pytest.mark.slow
 def test_a_steady_training_step_writes_no_host_value_and_reads_about_as_often_as_ddp() -> None:
     """Before: each unit's Reduce-Scatter check column was stamped with `column[i] = code`, a
     Python int copied from pageable host memory (7 per step here; DDP 0)."""
@@ -225,6 +227,7 @@ def _waits_after_evaluation(rank: int, world_size: int, passes: int) -> dict:
     return {"waits": len(sharded.stats.waits), "units": len(sharded._units)}
 
 
+@pytest.mark.slow
 def test_evaluation_loops_keep_only_the_timing_events_in_flight() -> None:
     """Before: two events per gather, kept until an `end_step` that evaluation never calls."""
     for result in run_ranks(_waits_after_evaluation, 2, 20):

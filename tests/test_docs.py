@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -130,97 +131,134 @@ def _report() -> str:
         "open(f'rank{_dist.get_rank()}.json', 'w').write(json.dumps(seen))\n"
 
 
-def _run_script(tmp_path: Path, name: str, prelude: str, postlude: str, *, inside: bool = False) -> list[dict]:
-    """The block `name` between `prelude` and `postlude` (`inside`: the prelude holds it already),
-    run as `python block.py` in `tmp_path` (its files land there); returns each rank's rank{r}.json."""
-    block = "" if inside else BLOCKS[name].code
-    script = tmp_path / "block.py"
-    script.write_text(f"{prelude}\n# ---- the block ----\n{block}\n# ---- the checks ----\n{postlude}")
+@dataclass(frozen=True)
+class Section:
+    """One block of a script: `prelude` (what the block assumes; with `inside`, the block itself
+    too), the block `name`, then `postlude` (its checks, ending in `_report()`)."""
+
+    name: str
+    prelude: str
+    postlude: str
+    inside: bool = False
+
+    def code(self) -> str:
+        block = "" if self.inside else BLOCKS[self.name].code
+        return f"{self.prelude}\n# ---- the block {self.name} ----\n{block}\n# ---- its checks ----\n{self.postlude}"
+
+
+def _run_script(tmp_path: Path, sections: list[Section]) -> dict[str, list[dict]]:
+    """`sections` one after another after MODULE, as `python blocks.py` in `tmp_path` on 2 ranks
+    (one launch: each extra rank re-runs the script), each in a directory of its own named after
+    its block (its files land there); returns each section's rank{r}.json of every rank."""
+    here = "_HERE = os.path.dirname(os.path.abspath(__file__))\n"
+    parts = [MODULE, here]
+    for section in sections:
+        directory = f"os.path.join(_HERE, {section.name!r})"
+        enter = f"\nos.makedirs({directory}, exist_ok=True)\nos.chdir({directory})\n"
+        parts += [enter, section.code(), "os.chdir(_HERE)\n"]
+    script = tmp_path / "blocks.py"
+    script.write_text("\n".join(parts))
     done = subprocess.run([sys.executable, str(script)], env=_env(), cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
-    assert done.returncode == 0, f"{BLOCKS[name].file}:{BLOCKS[name].line} {name}:\n{done.stderr[-4000:]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    names = ", ".join(f"{BLOCKS[s.name].file}:{BLOCKS[s.name].line} {s.name}" for s in sections)
+    assert done.returncode == 0, f"{script} ({names}):\n{done.stderr[-4000:]}"
+    return {s.name: [json.loads((tmp_path / s.name / f"rank{r}.json").read_text()) for r in range(2)] for s in sections}
 
 
-def test_block_readme_quick_start(tmp_path: Path) -> None:
-    """The quick start trains on 2 ranks and `full_state_dict()` gives rank 0 whole weights."""
-    postlude = '''
+@pytest.fixture(scope="module")
+def trainer_blocks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """The blocks that fit a Trainer, in one script: one launch of 2 ranks, not one a block."""
+    return _run_script(tmp_path_factory.mktemp("trainer_blocks"), TRAINER_SECTIONS)
+
+
+@pytest.fixture(scope="module")
+def fabric_blocks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """The blocks that launch Fabric, in one script."""
+    return _run_script(tmp_path_factory.mktemp("fabric_blocks"), FABRIC_SECTIONS)
+
+
+QUICK_START = Section("readme-quick-start", "", '''
 if __name__ == "__main__":
     seen = {"shapes": {k: list(v.shape) for k, v in weights.items()}, "options": trainer.strategy.config.prefetch}
-''' + textwrap.indent(_report(), "    ")
-    ranks = _run_script(tmp_path, "readme-quick-start", MODULE, postlude)
+''' + textwrap.indent(_report(), "    "))
+
+
+@pytest.mark.slow
+def test_block_readme_quick_start(trainer_blocks: dict[str, list[dict]]) -> None:
+    """The quick start trains on 2 ranks and `full_state_dict()` gives rank 0 whole weights."""
+    ranks = trainer_blocks["readme-quick-start"]
     assert ranks[0]["shapes"]["blocks.0.layer.weight"] == [16, 16] and ranks[0]["shapes"]["head.weight"] == [1, 16]
     assert ranks[1]["shapes"] == {} and ranks[0]["options"] == 2
 
 
-FABRIC_PRELUDE = '''
+README_FABRIC = Section("readme-fabric", '''
 model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 x, y, loss_fn = torch.randn(4, 8), torch.randn(4, 1), F.mse_loss
-'''
-
-
-def test_block_readme_fabric(tmp_path: Path) -> None:
-    postlude = '''
+''', '''
 seen = {"shard": list(next(model.parameters()).shape), "saved": os.path.isdir("ckpt"), "step": optimizer.state != {}}
-''' + _report()
-    ranks = _run_script(tmp_path, "readme-fabric", MODULE + FABRIC_PRELUDE, postlude)
+''' + _report())
+
+
+@pytest.mark.slow
+def test_block_readme_fabric(fabric_blocks: dict[str, list[dict]]) -> None:
+    ranks = fabric_blocks["readme-fabric"]
     assert all(r["shard"] == [32] and r["saved"] and r["step"] for r in ranks)  # 8x8 weight: 64 / 2 ranks
 
 
-def test_block_guide_fabric(tmp_path: Path) -> None:
-    prelude = MODULE + '''
+GUIDE_FABRIC = Section("guide-fabric", '''
 MyModel = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
 loader = DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randint(0, 3, (16,))), batch_size=4)
-'''
-    postlude = '''
+''', '''
 seen = {"steps": step + 1, "saved": os.path.isdir("ckpt")}
-''' + _report()
-    ranks = _run_script(tmp_path, "guide-fabric", prelude, postlude)
+''' + _report())
+
+
+@pytest.mark.slow
+def test_block_guide_fabric(fabric_blocks: dict[str, list[dict]]) -> None:
+    ranks = fabric_blocks["guide-fabric"]
     assert all(r == {"steps": 2, "saved": True} for r in ranks)  # 16 samples, 4 per batch, 2 ranks
 
 
-def test_block_guide_stats_monitor(tmp_path: Path) -> None:
-    """One row per optimizer step in the CSV logger's file, with the strategy's figures."""
-    prelude = MODULE + "\nmodel = MyLightningModule()\n"
-    postlude = '''
+STATS_MONITOR = Section("guide-stats-monitor", "\nmodel = MyLightningModule()\n", '''
 import csv
 rows = []
 if trainer.global_rank == 0:
     with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
         rows = [row for row in csv.DictReader(f) if row.get("zero3/all_gather_bytes")]
 seen = {"steps": [int(row["step"]) for row in rows], "keys": sorted(rows[0]) if rows else []}
-''' + _report()
-    rank0 = _run_script(tmp_path, "guide-stats-monitor", prelude, postlude)[0]
+''' + _report())
+
+
+@pytest.mark.slow
+def test_block_guide_stats_monitor(trainer_blocks: dict[str, list[dict]]) -> None:
+    """One row per optimizer step in the CSV logger's file, with the strategy's figures."""
+    rank0 = trainer_blocks["guide-stats-monitor"][0]
     assert rank0["steps"] == list(range(20))  # at the steps Lightning logs `self.log` values at
     assert {"zero3/reduce_scatter_bytes_formula", "zero3/gather_wait_s", "zero3/rss_anon_bytes"} <= set(rank0["keys"])
 
 
-def test_block_guide_after_fit_state_dict(tmp_path: Path) -> None:
-    """After fit, inside `gathered_parameters`, `model.state_dict()` is whole: rank 0 saves it."""
-    prelude = MODULE + '''
+AFTER_FIT_STATE_DICT = Section("guide-after-fit-state-dict", '''
 model = MyLightningModule()
 trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2, max_steps=4, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False)
-'''
-    postlude = '''
+''', '''
 seen = {}
 if trainer.global_rank == 0:
     seen = {k: list(v.shape) for k, v in torch.load("weights.pt").items()}
-''' + _report()
-    rank0 = _run_script(tmp_path, "guide-after-fit-state-dict", prelude, postlude)[0]
+''' + _report())
+
+
+@pytest.mark.slow
+def test_block_guide_after_fit_state_dict(trainer_blocks: dict[str, list[dict]]) -> None:
+    """After fit, inside `gathered_parameters`, `model.state_dict()` is whole: rank 0 saves it."""
+    rank0 = trainer_blocks["guide-after-fit-state-dict"][0]
     assert rank0 == {"blocks.0.layer.weight": [16, 16], "blocks.0.layer.bias": [16],
                      "blocks.1.layer.weight": [16, 16], "blocks.1.layer.bias": [16],
                      "head.weight": [1, 16], "head.bias": [1]}  # fmt: skip
 
 
-
-def test_block_guide_gathered_state_dict(tmp_path: Path) -> None:
-    """After fit, inside `gathered_parameters`: rank 0 saves the whole state dict, every rank
-    clones a whole weight, rank 0 saves a Hugging Face model inside the LightningModule that
-    `from_pretrained` loads, and rank 0's `load_state_dict` with `modifier_rank=0` leaves the
-    weights whole and as saved (that rank 0's values win: tests/test_user_state_dict.py)."""
-    prelude = MODULE + '''
+GATHERED_STATE_DICT = Section("guide-gathered-state-dict", '''
 from transformers import GPT2Config, GPT2LMHeadModel
 
 
@@ -242,8 +280,7 @@ model = HFModule()
 trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2, max_steps=3, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False)
 trainer.fit(model, DataLoader(torch.randint(0, 32, (24, 8)), batch_size=4))
-'''
-    postlude = '''
+''', '''
 seen = {"head": list(head.shape)}
 with trainer.strategy.gathered_parameters(model):
     now = {k: v.clone() for k, v in model.state_dict().items()}
@@ -253,8 +290,16 @@ if trainer.global_rank == 0:
     seen["shapes"] = sorted({k: list(v.shape) for k, v in saved.items() if k.startswith("head")}.items())
     seen["pretrained_equal"] = all(torch.equal(v, saved["model." + k]) for k, v in loaded.items())
     seen["reloaded_equal"] = all(torch.equal(now[k], saved[k]) for k in saved)
-''' + _report()
-    ranks = _run_script(tmp_path, "guide-gathered-state-dict", prelude, postlude)
+''' + _report())
+
+
+@pytest.mark.slow
+def test_block_guide_gathered_state_dict(trainer_blocks: dict[str, list[dict]]) -> None:
+    """After fit, inside `gathered_parameters`: rank 0 saves the whole state dict, every rank
+    clones a whole weight, rank 0 saves a Hugging Face model inside the LightningModule that
+    `from_pretrained` loads, and rank 0's `load_state_dict` with `modifier_rank=0` leaves the
+    weights whole and as saved (that rank 0's values win: tests/test_user_state_dict.py)."""
+    ranks = trainer_blocks["guide-gathered-state-dict"]
     assert all(r["head"] == [3, 16] for r in ranks)
     assert ranks[0]["shapes"] == [["head.bias", [3]], ["head.weight", [3, 16]]]
     assert ranks[0]["pretrained_equal"] and ranks[0]["reloaded_equal"]
@@ -300,13 +345,15 @@ def test_block_readme_cli_yaml(tmp_path: Path) -> None:
     assert strategy.lightning_options.timeout.total_seconds() == 600
 
 
-def test_block_readme_example_usage() -> None:
-    """Every flag the README's synopsis of examples/train_gpt.py shows is one the script takes."""
+def test_block_readme_example_usage(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every flag the README's synopsis of examples/train_gpt.py shows is one the script takes
+    (its `--help`, from its own parser, in this process)."""
     shown = set(re.findall(r"--[\w-]+", BLOCKS["readme-example-usage"].code))
-    done = subprocess.run([sys.executable, "examples/train_gpt.py", "--help"], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    taken = set(re.findall(r"--[\w-]+", done.stdout)) - {"--help"}
+    example = runpy.run_path(str(Path(ROOT) / "examples" / "train_gpt.py"), run_name="train_gpt")
+    monkeypatch.setattr(sys, "argv", ["train_gpt.py", "--help"])
+    with pytest.raises(SystemExit):
+        example["parse_args"]()
+    taken = set(re.findall(r"--[\w-]+", capsys.readouterr().out)) - {"--help"}
     assert shown == taken, f"shown but not taken: {shown - taken}; taken but not shown: {taken - shown}"
 
 
@@ -368,28 +415,29 @@ class Hooks(L.LightningModule):
 '''
 
 
-def test_blocks_inside_a_lightning_module_run_in_one_fit(tmp_path: Path) -> None:
-    """guide-gathered-parameters (in `on_train_end`: rank 0's zeroed row kept on every rank),
-    guide-grad-norm (logged), guide-callback-gathered (LogHeadNorm logs the whole head's norm),
-    guide-direct-call (Sample generates in a callback), guide-gathered-for-inference (predict)."""
-    prelude = MODULE + HOOKS.format(
-        gathered=_in_class("guide-gathered-parameters", 8), grad_norm=_in_class("guide-grad-norm"),
-        predict=_in_class("guide-gathered-for-inference"), callback=BLOCKS["guide-callback-gathered"].code,
-        sample=BLOCKS["guide-direct-call"].code,
-    ) + '''
+IN_ONE_FIT = Section("guide-gathered-parameters", HOOKS.format(
+    gathered=_in_class("guide-gathered-parameters", 8), grad_norm=_in_class("guide-grad-norm"),
+    predict=_in_class("guide-gathered-for-inference"), callback=BLOCKS["guide-callback-gathered"].code,
+    sample=BLOCKS["guide-direct-call"].code,
+) + '''
 model = Hooks()
 trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2, max_epochs=2, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, callbacks=[LogHeadNorm(), Sample()])
 trainer.fit(model, DataLoader(torch.randint(0, 11, (16, 6)), batch_size=4))
 metrics = dict(trainer.callback_metrics)  # predict clears them
 predicted = trainer.predict(model, DataLoader(torch.randint(0, 11, (4, 3)), batch_size=2))
-'''
-    postlude = '''
+''', '''
 seen = {"wte_row0": model.wte_row0, "head_norm": float(metrics["head_norm"]),
         "grad_total": "grad_2.0_norm_total" in metrics, "predicted": [list(p.shape) for p in predicted]}
-''' + _report()
-    ranks = _run_script(tmp_path, "guide-gathered-parameters", prelude, postlude, inside=True)
-    for rank in ranks:
+''' + _report(), inside=True)
+
+
+@pytest.mark.slow
+def test_blocks_inside_a_lightning_module_run_in_one_fit(trainer_blocks: dict[str, list[dict]]) -> None:
+    """guide-gathered-parameters (in `on_train_end`: rank 0's zeroed row kept on every rank),
+    guide-grad-norm (logged), guide-callback-gathered (LogHeadNorm logs the whole head's norm),
+    guide-direct-call (Sample generates in a callback), guide-gathered-for-inference (predict)."""
+    for rank in trainer_blocks["guide-gathered-parameters"]:
         assert rank["wte_row0"] == 0.0 and rank["head_norm"] > 0 and rank["grad_total"]
         assert rank["predicted"] == [[2, 99]]  # 2 prompts of 3 tokens + 96 new, this rank's one batch
 
@@ -422,13 +470,19 @@ trainer.fit(model, DataLoader(torch.randint(0, 32, (16, 8)), batch_size=4))
 '''
 
 
-def test_block_guide_lora(tmp_path: Path) -> None:
-    """The peft model built in `__init__`, the optimizer over the trainable parameters only."""
-    postlude = '''
+LORA_SECTION = Section("guide-lora", LORA.format(lora=_in_class("guide-lora")), '''
 opt = trainer.optimizers[0]
 seen = {"in_optimizer": sum(len(g["params"]) for g in opt.param_groups),
         "trainable": sum(p.requires_grad for p in model.parameters()), "step": trainer.global_step}
-''' + _report()
-    prelude = MODULE + LORA.format(lora=_in_class("guide-lora"))
-    for rank in _run_script(tmp_path, "guide-lora", prelude, postlude, inside=True):
+''' + _report(), inside=True)
+
+
+@pytest.mark.slow
+def test_block_guide_lora(trainer_blocks: dict[str, list[dict]]) -> None:
+    """The peft model built in `__init__`, the optimizer over the trainable parameters only."""
+    for rank in trainer_blocks["guide-lora"]:
         assert rank["step"] == 2 and 0 < rank["in_optimizer"] == rank["trainable"]
+
+
+TRAINER_SECTIONS = [QUICK_START, STATS_MONITOR, AFTER_FIT_STATE_DICT, GATHERED_STATE_DICT, IN_ONE_FIT, LORA_SECTION]
+FABRIC_SECTIONS = [README_FABRIC, GUIDE_FABRIC]

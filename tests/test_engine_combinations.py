@@ -10,6 +10,7 @@ import tempfile
 from functools import partial
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from tests.adapted import HandsBack, SavesAfterFit, launched
@@ -65,10 +66,12 @@ def _check(world_size: int) -> None:
             assert worst["min_norm"] > 0.05, f"{name}: the clip value must clip"
 
 
+@pytest.mark.slow
 def test_settings_combined_at_2_ranks_match_one_process() -> None:
     _check(2)
 
 
+@pytest.mark.slow
 def test_settings_combined_at_4_ranks_match_one_process() -> None:
     _check(4)
 
@@ -84,6 +87,7 @@ SETTINGS = {"reshard_after_forward": False, "offload": "host", "accumulate_unsha
 FIT = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "accumulate_grad_batches": 2}
 
 
+@pytest.mark.slow
 def test_trainer_with_the_settings_combined_resumes_at_another_world_size_like_one_process(tmp_path) -> None:
     """reshard_after_forward=False, host offload with optimizer state on disk, accumulation without
     communication, clipping: saved at 2 ranks, resumed at 3; epoch 2 equals an uninterrupted run."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from lightning_zero3.engine import ShardedModel
@@ -62,6 +63,7 @@ def _compiled_training(rank: int, world_size: int, how: str) -> dict:
     return {"param_diff": param_diff, "graphs": first_step, "kept": kept, "block_bytes": block_bytes}
 
 
+@pytest.mark.slow
 def test_blocks_compiled_one_by_one_share_one_full_graph_and_train_exactly():
     for result in run_ranks(_compiled_training, 2, "blocks"):
         assert result["param_diff"] < 1e-5
@@ -69,6 +71,7 @@ def test_blocks_compiled_one_by_one_share_one_full_graph_and_train_exactly():
         assert result["kept"] < result["block_bytes"] // 2, f"the compiled blocks keep full weights: {result}"
 
 
+@pytest.mark.slow
 def test_a_model_compiled_whole_breaks_only_at_unit_boundaries_and_trains_exactly():
     """4 units (root + 3 blocks), hooks on the root's owner modules too: the breaks cut the
     forward into a bounded number of graphs, compiled in the first step only."""
@@ -84,6 +87,7 @@ class _CompiledBlocks(LitMLP):
             block.compile(backend="aot_eager", fullgraph=True)
 
 
+@pytest.mark.slow
 def test_trainer_fit_with_blocks_compiled_in_configure_model_matches_one_process():
     """What the user guide recommends, through Lightning's launcher: exact against the eager
     reference on every rank."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import pickle
 
+import pytest
 import torch
 
 from lightning_zero3.engine import ShardedModel
@@ -39,15 +40,21 @@ def _deepcopy_while_sharded_then_whole(rank: int, world_size: int) -> dict[str, 
     }
 
 
-def test_deepcopy_of_a_sharded_module_is_refused_with_the_fix_on_every_rank():
-    for result in run_ranks(_deepcopy_while_sharded_then_whole, 2):
+@pytest.fixture(scope="module")
+def copied() -> list[dict]:
+    """Each rank's outcomes of `_deepcopy_while_sharded_then_whole` (one run, two tests)."""
+    return run_ranks(_deepcopy_while_sharded_then_whole, 2)
+
+
+def test_deepcopy_of_a_sharded_module_is_refused_with_the_fix_on_every_rank(copied: list[dict]) -> None:
+    for result in copied:
         assert "deep-copied" in result["refused"] and "before" in result["refused"], result["refused"]
         assert result["whole_shapes"] == str([tuple(p.shape) for p in MLP().parameters()])
 
 
-def test_pickling_a_sharded_module_is_refused_with_the_fix_on_every_rank():
+def test_pickling_a_sharded_module_is_refused_with_the_fix_on_every_rank(copied: list[dict]) -> None:
     """`torch.save(model)` / `torch.save(trainer)` inside a rank (the module at rest after `fit`):
     the engine's message, not "cannot pickle 'ProcessGroup' object" from inside pickle."""
-    for result in run_ranks(_deepcopy_while_sharded_then_whole, 2):
+    for result in copied:
         assert "cannot be pickled" in result["pickle_refused"], result["pickle_refused"]
         assert "full_state_dict" in result["pickle_refused"], result["pickle_refused"]

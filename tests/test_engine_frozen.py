@@ -113,6 +113,7 @@ def hf_lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
     return lm_loss(output.logits, targets)  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_lora_on_hf_gpt2_matches_single_process():
     """peft's LoRA on transformers' GPT-2: frozen root (embeddings, tied head), blocks mixing
     frozen base weights and trainable adapters; only the adapters get gradients and move."""
@@ -136,6 +137,7 @@ def _greedy_generate(rank: int, world_size: int) -> tuple[list, list]:
     return tokens[0].tolist(), tokens[1].tolist()
 
 
+@pytest.mark.slow
 def test_generate_on_a_sharded_lora_model_gives_the_reference_tokens():
     """HF `generate` calls the model repeatedly outside any training step."""
     pytest.importorskip("peft")

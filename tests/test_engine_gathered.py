@@ -34,16 +34,24 @@ def _inside_gathered(rank: int, world_size: int) -> dict:
     return {"seen": seen, "outside": outside, "tied": tied, "after": after, "shard_shapes": shard_shapes}
 
 
-def test_gathered_parameters_are_whole_and_equal_to_the_reference():
-    for result in run_ranks(_inside_gathered, 3):
+@pytest.fixture(scope="module")
+def inside_gathered() -> list[dict]:
+    """What each of 3 ranks saw inside and after `gathered_parameters` (one run, two tests)."""
+    return run_ranks(_inside_gathered, 3)
+
+
+def test_gathered_parameters_are_whole_and_equal_to_the_reference(inside_gathered: list[dict]) -> None:
+    for result in inside_gathered:
         for name, (same_shape, diff) in result["seen"].items():
             assert same_shape, f"blocks.1.{name} is not whole inside gathered_parameters"
             assert diff == 0.0, f"blocks.1.{name} differs from the reference by {diff:.3g}"
         assert result["tied"] == ((37, 16), 0.0), f"tied lm_head.weight not whole: {result['tied']}"
 
 
-def test_gathered_parameters_leaves_other_modules_and_the_model_afterwards_sharded():
-    for result in run_ranks(_inside_gathered, 3):
+def test_gathered_parameters_leaves_other_modules_and_the_model_afterwards_sharded(
+    inside_gathered: list[dict],
+) -> None:
+    for result in inside_gathered:
         assert len(result["outside"]) == 1, "a module outside the gathered scope was gathered too"
         assert result["after"] == result["shard_shapes"], "parameters not back to their shards after the block"
 

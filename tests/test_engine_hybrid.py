@@ -16,6 +16,7 @@ from tests.ranks import run_ranks
 TOL = 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [4])
 def test_two_groups_of_two_train_exactly_like_one_process(world_size: int) -> None:
     recipe = Recipe(model=models.MLP, batch=models.mlp_batch, optimizer=adamw, sharded_kwargs={"shard_size": 2})
@@ -45,6 +46,7 @@ def _recording_async_all_reduces(rank: int, world_size: int) -> dict:
     return {"worst": worst, "issued": issued}
 
 
+@pytest.mark.slow
 def test_the_all_reduce_across_groups_is_asynchronous_and_exact() -> None:
     """With shard groups each unit's reduced piece is All-Reduced across groups; it is issued
     without waiting (async_op) once its Reduce-Scatter is done, and overlaps what follows."""
@@ -58,6 +60,7 @@ def gpt_batch_of_12(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return models.gpt_batch(seed, batch=12)  # divisible by 4 ranks
 
 
+@pytest.mark.slow
 def test_tied_gpt_with_persistent_params_in_two_groups_is_exact() -> None:
     recipe = Recipe(
         model=models.TinyGPT,

@@ -226,6 +226,7 @@ def _torch_distributed_calls(rank: int, world_size: int) -> dict:
     return {"calls": by_name, "units": len(units), "payload": payload, "kept": len(kept), "kept_payload": kept_payload}
 
 
+@pytest.mark.slow
 def test_on_gloo_a_gather_is_one_broadcast_per_rank_and_a_reduce_scatter_sends_each_peer_its_row():
     """An independent count of what one step asks of torch.distributed on gloo (transport.py, Note:
     gloo): per unit and pass N in-place broadcasts covering the gathered buffer once; per unit
@@ -298,6 +299,7 @@ def _live_objects_per_step(rank: int, world_size: int, model_name: str) -> list[
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["mlp", "tiny_gpt"])
 def test_training_steps_leave_no_unit_calls_or_tensors_behind(model_name):
     """Each forward of a unit creates a UnitCall holding its full tensors, whose autograd node
@@ -338,6 +340,7 @@ def _trained_with(rank: int, world_size: int, model_name: str, gloo_in_place: bo
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_native_collectives_and_gloo_in_place_ones_train_alike(world_size):
     """On CPU the engine gathers with broadcasts and reduces with send/recv (transport.py, Note:

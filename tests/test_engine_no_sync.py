@@ -57,6 +57,7 @@ def _recipes(rank: int, world_size: int) -> list[dict[str, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_accumulation_without_sync_matches_single_process() -> None:
     """k = 2, 3 at 2 ranks: a frozen unit with shard groups (of 1: Reduce-Scatter, then All-Reduce
     across), tied weights, persistent parameters, a unit
@@ -146,6 +147,7 @@ def _bytes_and_buffers(rank: int, world_size: int, k: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [3])
 def test_reduce_scatter_bytes_fall_k_fold_and_the_sums_are_freed_at_the_sync(k: int) -> None:
     for result in run_ranks(_bytes_and_buffers, 2, k):

@@ -101,6 +101,7 @@ def _train_routed_against_reference(rank: int, world_size: int, prefetch: int, r
     return max_param_difference(sharded, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_order_changed_on_every_rank_alike_is_followed_exactly(prefetch):
     """Departing from the recorded order is fine when every rank departs alike: units are
@@ -144,15 +145,40 @@ def _stall_in_backward(rank: int, world_size: int, stall_s: float) -> tuple[str,
     return "finished", time.perf_counter() - start
 
 
-def test_rank_stalled_inside_backward_fails_the_others_after_the_timeout_naming_the_unit():
+STALL_TIMEOUT_S, STALL_S = 2, 6
+
+
+@pytest.fixture(scope="module")
+def stalled_in_backward() -> list[tuple[str, float]]:
+    """What each rank saw when rank 1 stalled `STALL_S` inside backward under a collective
+    timeout of `STALL_TIMEOUT_S` (one run, read by the two tests below)."""
+    return run_ranks(_stall_in_backward, 2, STALL_S, timeout_s=STALL_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_rank_stalled_inside_backward_fails_the_others_after_the_timeout_naming_the_unit(
+    stalled_in_backward: list[tuple[str, float]],
+) -> None:
     """A rank that stops answering (alive, but stuck) while the others wait in a Reduce-Scatter
     (send/recv on gloo) must not hang them: they fail when the process group's timeout expires,
     with the unit named."""
-    timeout_s, stall_s = 2, 6
-    waiting, stalled = run_ranks(_stall_in_backward, 2, stall_s, timeout_s=timeout_s)
-    message, seconds = waiting
+    message, seconds = stalled_in_backward[0]
     assert message.startswith("CollectiveError: Reduce-Scatter of gradients of unit 'blocks.0'"), message
-    assert timeout_s - 0.5 < seconds < stall_s - 1, seconds
+    assert STALL_TIMEOUT_S - 0.5 < seconds < STALL_S - 1, seconds
+
+
+@pytest.mark.slow
+def test_a_collective_timeout_names_the_last_collectives_and_the_recorded_order(
+    stalled_in_backward: list[tuple[str, float]],
+) -> None:
+    """What a rank sees when a peer stops answering (on NCCL, also what ranks running units of
+    different sizes end with; unit tags: tests/test_engine_tags.py): the unit, this rank's last
+    collectives, the recorded order and how to diagnose (TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+    message = stalled_in_backward[0][0]
+    assert "last collectives, oldest first: All-Gather of unit" in message, message
+    # The first forward is recorded as soon as it ends (schedule.py): its order is named.
+    assert "The recorded unit order, which every rank must follow: forward ['<root>', 'blocks.0'" in message, message
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message, message
 
 
 def test_the_first_backward_hands_its_recorded_orders_to_the_cross_rank_comparison_once() -> None:
@@ -179,6 +205,7 @@ def test_recorded_orders_that_differ_between_ranks_raise_naming_the_position_and
         checks.agree_on_orders(_World(), [1, 2], [2, 1])  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_a_pass_that_leaves_the_record_announces_it_once(prefetch: int) -> None:
     """One process: an evaluation pass running the blocks in reverse (alike on every rank) leaves

@@ -37,6 +37,7 @@ def parity(recipe: Recipe, world_size: int) -> dict[str, float]:
     return results[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("optimizer", [sgd, adamw], ids=["sgd", "adamw"])
 def test_mlp_matches_single_process(optimizer, world_size):
@@ -49,6 +50,7 @@ def test_param_groups_chosen_by_name_match_single_process():
     parity(recipe, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("optimizer", [sgd, adamw_large_eps], ids=["sgd", "adamw"])
 def test_tied_weights_match_single_process(optimizer, world_size):
@@ -66,11 +68,13 @@ def test_activation_checkpointing_matches_single_process(mode):
     parity(Recipe(model=partial(MLP, checkpointing=mode), batch=mlp_batch, optimizer=adamw), 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gradient_accumulation_matches_single_process(world_size):
     parity(Recipe(model=MLP, batch=mlp_batch, optimizer=adamw, accumulate=3), world_size)
 
 
+@pytest.mark.slow
 def test_clipping_by_global_norm_matches_single_process():
     result = parity(Recipe(model=MLP, batch=mlp_batch, optimizer=sgd, clip_norm=0.05), 3)
     assert result["min_norm"] > 0.05, "the gradient norm never exceeded clip_norm: nothing was clipped"
@@ -87,6 +91,7 @@ def test_frozen_parameters_match_single_process(model):
     parity(Recipe(model=model, batch=mlp_batch, optimizer=adamw), 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("threshold", "world_size"), [(64, 2), (64, 3), (100_000, 2)], ids=["64-2", "64-3", "everything_whole-2"]
 )
@@ -113,6 +118,7 @@ def test_prefetch_depth_does_not_change_results(prefetch):
     parity(recipe, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_reductions_left_in_flight_during_backward_do_not_change_results(world_size):
     """Reduce-Scatters overlapping the next units' backward (up to 2 in flight), with tied

@@ -66,6 +66,7 @@ def _train(rank: int, world_size: int, set_to_none: bool, shard_size: int | None
     return {"worst": worst, "addresses": addresses, "copies": sharded._persistent_grads.copies}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_accumulated_persistent_gradients_match_one_process(set_to_none: bool) -> None:
     for result in run_ranks(_train, 3, set_to_none, None):
@@ -78,6 +79,7 @@ def test_gradients_held_past_zero_grad_set_to_none_are_neither_reused_nor_change
         assert worst["grad"] < TOL and worst["param"] < TOL and worst["kept"] == 0.0, worst
 
 
+@pytest.mark.slow
 def test_persistent_gradients_stay_in_one_buffer_when_zeroed_in_place() -> None:
     """zero_grad(set_to_none=False): the first backward makes the buffer; every later one
     All-Reduces the gradients where autograd accumulated them (same addresses, no copy)."""
@@ -118,6 +120,7 @@ def _count_all_reduces(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow
 def test_persistent_gradients_with_shard_groups_take_one_all_reduce_over_all_ranks() -> None:
     """4 ranks as 2 groups of 2: exact against one process, and one All-Reduce over the 4 ranks
     (was: one inside the group, then one across groups)."""

@@ -104,6 +104,7 @@ def _mislabelled_at(rank: int, world_size: int, rank_checks: str | int, bad_step
     return "finished"
 
 
+@pytest.mark.slow
 def test_a_checked_step_still_fails_on_every_rank_and_an_unchecked_one_does_not_look():
     """K=2: a mislabel at step 2 (checked) raises OrderMismatchError on both ranks; at step 1
     (not checked), it goes unseen until step 2 checks it. "first_step" never looks again."""

@@ -53,6 +53,7 @@ def _recipe(model, reshard, **options) -> Recipe:
     ids=["false-frozen-checkpointed-2", "false-reused-2", "false-reentrant-shard_size-4",
          "g2-frozen-checkpointed-4", "g2-reused-4", "g2-shard_size4-8"],
 )  # fmt: skip
+@pytest.mark.slow
 def test_reshard_after_forward_matches_single_process(model, reshard, world_size, options):
     """Clipping by global norm in every recipe; frozen units, a unit called twice in one
     forward, recomputation in backward (both kinds), shard groups."""
@@ -81,6 +82,7 @@ def _bf16_alike(rank: int, world_size: int) -> list[float]:
     return [moved, sliced]
 
 
+@pytest.mark.slow
 def test_bf16_gathers_train_alike_under_every_setting():
     for differences in run_ranks(_bf16_alike, 4):
         assert differences == [0.0, 0.0], differences
@@ -202,6 +204,7 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
             "diff": max_param_difference(sharded, reference)}  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("reshard", "world_size"), [(False, 2), (2, 4)])
 def test_passes_without_backward_leave_nothing_gathered(reshard, world_size):
     for result in run_ranks(_passes_without_backward, world_size, reshard):

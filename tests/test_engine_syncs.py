@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -81,17 +82,23 @@ def _host_reads_per_step(rank: int, world_size: int, steps: int) -> dict:
     return {"train": train, "eval": reads.count, "units": len(sharded._units)}
 
 
-def test_a_training_step_reads_device_memory_on_the_host_at_most_once():
+@pytest.fixture(scope="module")
+def host_reads() -> list[dict]:
+    """Each rank's host reads per training step and per evaluation pass (one run, two tests)."""
+    return run_ranks(_host_reads_per_step, 2, 4)
+
+
+def test_a_training_step_reads_device_memory_on_the_host_at_most_once(host_reads: list[dict]) -> None:
     """12 reads per step before the tags were checked on the device (3 per unit)."""
-    for result in run_ranks(_host_reads_per_step, 2, 4):
+    for result in host_reads:
         assert result["units"] == 4
         # Step 1 records the order and checks every collective at once (it may sync freely).
         assert all(count <= 1 for count in result["train"][1:]), result
 
 
-def test_an_evaluation_pass_reads_device_memory_on_the_host_at_most_once():
+def test_an_evaluation_pass_reads_device_memory_on_the_host_at_most_once(host_reads: list[dict]) -> None:
     """4 reads per pass before (1 per unit)."""
-    for result in run_ranks(_host_reads_per_step, 2, 4):
+    for result in host_reads:
         assert result["eval"] <= 4, result
 
 

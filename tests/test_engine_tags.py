@@ -176,21 +176,6 @@ def test_a_mismatched_step_raises_out_of_backward_before_the_optimizer_step():
         assert "'blocks.1'" in outcome, outcome
 
 
-def test_a_collective_timeout_names_the_last_collectives_and_the_recorded_order():
-    """What a rank sees when a peer stops answering (on NCCL, also what ranks running units of
-    different sizes end with): the unit, this rank's last collectives, the recorded order and
-    how to diagnose (TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
-    from tests.test_engine_order import _stall_in_backward
-
-    waiting, _ = run_ranks(_stall_in_backward, 2, 6, timeout_s=2)
-    message = waiting[0]
-    assert message.startswith("CollectiveError: Reduce-Scatter of gradients of unit 'blocks.0'"), message
-    assert "last collectives, oldest first: All-Gather of unit" in message, message
-    # The first forward is recorded as soon as it ends (schedule.py): its order is named.
-    assert "The recorded unit order, which every rank must follow: forward ['<root>', 'blocks.0'" in message, message
-    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message, message
-
-
 class _Leaf(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()

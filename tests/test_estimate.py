@@ -62,6 +62,7 @@ def _run(rank: int, world_size: int, param_dtype: str | None, reshard: bool | in
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world_size", "param_dtype", "reshard"),
     [(2, None, True), (3, None, True), (2, "bf16", True), (2, "bf16", False), (4, None, 2)],

@@ -58,6 +58,7 @@ def _train(f: L.Fabric, how: str) -> list[dict[str, Any]]:
     })  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "how", ["setup_together", "setup_module_then_optimizer", "optimizer_before_setup_module", "init_module_empty"]
 )
@@ -194,6 +195,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return directory
 
 
+@pytest.mark.slow
 def test_sharded_and_full_checkpoints_resume_at_another_world_size(saved: Any) -> None:
     results = launch(_resume_and_step, str(saved), devices=3)
     model, expected = reference(3)
@@ -205,6 +207,7 @@ def test_sharded_and_full_checkpoints_resume_at_another_world_size(saved: Any) -
         assert max_difference(result["raw"], reference(2)[0].state_dict()) == 0.0
 
 
+@pytest.mark.slow
 def test_full_checkpoint_is_what_a_plain_pytorch_run_reads(saved: Any) -> None:
     checkpoint = torch.load(saved / "full.pt", weights_only=True)
     plain = models.MLP()

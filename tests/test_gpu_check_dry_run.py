@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # one process running every section of benchmarks/gpu_check.py
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -85,6 +85,7 @@ def one_process() -> Any:
     return model
 
 
+@pytest.mark.slow
 def test_save_pretrained_inside_gathered_parameters_on_rank_0_loads_equal_to_one_process(tmp_path: Path) -> None:
     outside = run_ranks(_fit_then_save_pretrained, 2, str(tmp_path), timeout_s=120)
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "inside")

@@ -113,6 +113,7 @@ def _peak_setup_bytes(rank: int, world_size: int, on_meta: bool) -> dict:
     return {"peak": status("VmHWM") - start, "model": model_bytes, "unit": unit_bytes}
 
 
+@pytest.mark.slow
 def test_setup_peak_memory_per_rank_is_a_shard_plus_a_unit_not_the_model() -> None:
     meta = run_ranks(_peak_setup_bytes, 2, True)
     whole = run_ranks(_peak_setup_bytes, 2, False)
@@ -153,6 +154,7 @@ class _LitConfigured(pl.LightningModule):
         self.whole = whole_state(self)
 
 
+@pytest.mark.slow
 def test_configure_model_builds_on_meta_and_trains_exactly_from_param_init_fn() -> None:
 
     reference = _LitConfigured()
@@ -202,6 +204,7 @@ def _stream_pretrained(rank: int, world_size: int, path: str) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_pretrained_full_weights_stream_into_a_meta_built_model_without_a_private_copy(tmp_path: Any) -> None:
     torch.manual_seed(0)
     path = str(tmp_path / "pretrained.pt")

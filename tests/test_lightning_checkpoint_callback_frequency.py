@@ -49,6 +49,7 @@ def _count_saves(rank: int, strategy: str, root: str, k: int, epochs: int, val_c
     return {"checkpoints": save.call_count, "torch_save": len(whole_file_saves), "kept": sorted(os.listdir(root))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(("k", "epochs", "val_check_interval", "expected"), [(2, 2, 0.3, 4)])
 def test_top_k_ddp(strategy: str, k: int, epochs: int, val_check_interval: float, expected: int, tmp_path) -> None:

@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch import callbacks
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_zero3
 from tests.adapted import is_checkpoint, lightning_trainer, load_module, read_checkpoint
+
+pytestmark = pytest.mark.slow  # "spawn": each rank imports torch and Lightning
 
 
 def _strategy() -> lightning_zero3.ZeRO3Strategy:
@@ -37,8 +40,9 @@ class _LogsLoss(BoringModel):
 
 def test_checkpoints_written_under_the_launcher_resume_and_load(tmp_path: Path) -> None:
     """ModelCheckpoint under the spawn launcher keeps its top 2 and its last, and its state comes
-    back to this process; `fit(ckpt_path=...)` resumes from the last in a new launch; the best
-    loads in this process, where no process group exists."""
+    back to this process; `fit(ckpt_path=...)` resumes from the last in a new launch, whose whole
+    weights come back to this process; the best loads in this process, where no process group
+    exists."""
 
     def checkpoints(directory: str) -> callbacks.ModelCheckpoint:
         return callbacks.ModelCheckpoint(
@@ -57,8 +61,14 @@ def test_checkpoints_written_under_the_launcher_resume_and_load(tmp_path: Path) 
 
     second = checkpoints("second")
     resumed = lightning_trainer(_strategy(), tmp_path, max_epochs=4, limit_train_batches=2, callbacks=[second])
-    resumed.fit(_LogsLoss(), ckpt_path=str(tmp_path / "first" / "last.ckpt"))
-    assert read_checkpoint(tmp_path / "second" / "last.ckpt")["global_step"] == 8
+    module = _LogsLoss()
+    resumed.fit(module, ckpt_path=str(tmp_path / "first" / "last.ckpt"))
+    last = read_checkpoint(tmp_path / "second" / "last.ckpt")
+    assert last["global_step"] == 8
+    # The launcher handed rank 0's whole weights back to this process: those of the last step.
+    handed_back = module.state_dict()
+    assert handed_back.keys() == last["state_dict"].keys()
+    assert all(torch.equal(handed_back[name], value) for name, value in last["state_dict"].items())
     assert load_module(_LogsLoss, first.best_model_path).layer.weight.shape == (2, 32)
 
 

@@ -64,6 +64,7 @@ def test_model_checkpoint_save_last_link(strategy: str, tmp_path) -> None:
     assert is_checkpoint(os.path.realpath(last), strategy) and is_checkpoint(tmp_path / "epoch=0-step=2.ckpt", strategy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_model_checkpoint_save_last_checkpoint_contents(strategy: str, tmp_path) -> None:
     """Adapted from `test_model_checkpoint_save_last_checkpoint_contents` (one process there):
@@ -143,6 +144,7 @@ class ValLossModel(BoringModel):
         self.log("val_loss", self.step(batch), sync_dist=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_checkpoint_repeated_strategy(strategy: str, tmp_path) -> None:
     """Adapted from `test_checkpoint_repeated_strategy` (one process there, 4 repetitions): fit
@@ -159,6 +161,7 @@ def test_checkpoint_repeated_strategy(strategy: str, tmp_path) -> None:
     assert is_checkpoint(tmp_path / "epoch=00.ckpt", strategy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_resume_and_old_checkpoint_files_remain(strategy: str, tmp_path) -> None:
     """Adapted from `test_resume_and_old_checkpoint_files_remain[True]` (one process there): top-k

@@ -115,6 +115,7 @@ def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return {"strategy": request.param, "root": root, **results[0], "ranks": results}
 
 
+@pytest.mark.slow
 def test_correct_step_and_epoch(resumed: dict[str, Any]) -> None:
     """Adapted from `test_correct_step_and_epoch` and `test_model_properties_fit_ckpt_path` (one
     process there): a checkpoint saved after fit holds the advanced epoch and step, and the fit

@@ -10,11 +10,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from tests.lit import LitMLP, max_difference, reference_fit
+
+pytestmark = pytest.mark.slow  # each node is a separate Python process that imports torch and Lightning
 
 JOB = str(Path(__file__).parent / "jobs" / "train_mlp.py")
 ROOT = str(Path(__file__).parent.parent)
@@ -105,12 +108,23 @@ def _slurm_task(rank: int, ntasks: int, port: int, out: Path, *extra: str, timeo
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def test_slurm_environment_two_nodes_train_like_one_process(tmp_path: Path) -> None:
+class FinishedJob(NamedTuple):
+    out: Path  # what its ranks wrote
+    exits: list[tuple[int, str]]  # each rank's exit code and output
+
+
+def slurm_job(out: Path, *extra: str) -> FinishedJob:
+    """Two SLURM tasks of tests/jobs/train_mlp.py (`extra`: its flags), run to the end."""
     port = _free_port()
-    procs = [_slurm_task(rank, 2, port, tmp_path) for rank in range(2)]
-    for code, output in _wait(procs):
+    return FinishedJob(out, _wait([_slurm_task(rank, 2, port, out, *extra) for rank in range(2)]))
+
+
+def test_slurm_environment_two_nodes_train_like_one_process(slurm_job_saving_inside_fit: FinishedJob) -> None:
+    """The job of tests/conftest.py `slurm_job_saving_inside_fit` (tests/test_clean_exit.py
+    checks its exits too): its save inside fit leaves training as it was."""
+    for code, output in slurm_job_saving_inside_fit.exits:
         assert code == 0, output[-3000:]
-    _check_parity(tmp_path, 2, "SLURMEnvironment")
+    _check_parity(slurm_job_saving_inside_fit.out, 2, "SLURMEnvironment")
 
 
 def test_rank_that_never_arrives_fails_the_others_within_the_timeout(tmp_path: Path) -> None:

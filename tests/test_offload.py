@@ -90,6 +90,7 @@ def side_by_side(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any
     return run_ranks(_side_by_side, 2, str(tmp_path_factory.mktemp("offload_dir")))
 
 
+@pytest.mark.slow
 def test_host_offload_matches_one_process_with_clipping_accumulation_and_frozen_layers(side_by_side) -> None:
     for result in side_by_side:
         worst = result["parity"]
@@ -97,6 +98,7 @@ def test_host_offload_matches_one_process_with_clipping_accumulation_and_frozen_
         assert worst["min_norm"] > 0.05 and worst["moved"] > 100 * TOL, worst  # it clipped, it trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gathers", ["fp32", "bf16"])
 def test_host_offload_changes_no_bit_of_training(side_by_side, gathers: str) -> None:
     for result in side_by_side:
@@ -104,6 +106,7 @@ def test_host_offload_changes_no_bit_of_training(side_by_side, gathers: str) -> 
         assert max_difference(plain["full"], host["full"]) == 0.0
 
 
+@pytest.mark.slow
 def test_the_device_keeps_one_copy_of_the_shards_in_the_compute_dtype_refreshed_once_a_pass(side_by_side) -> None:
     for result in side_by_side:
         for gathers, dtype, size in (("fp32", torch.float32, 4), ("bf16", torch.bfloat16, 2)):
@@ -117,6 +120,7 @@ def test_the_device_keeps_one_copy_of_the_shards_in_the_compute_dtype_refreshed_
             assert plain["grad_storages"][0] < plain["grad_storages"][1] and plain["device_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_optimizer_state_on_disk_changes_no_bit_and_lives_on_unlinked_file_maps(side_by_side) -> None:
     for result in side_by_side:
         disk, host = result["disk"], result["fp32"]["host"]
@@ -226,6 +230,7 @@ class _AfterFit(pl.Callback):
         pl_module.whole = whole_state(pl_module)
 
 
+@pytest.mark.slow
 def test_trainer_fit_with_host_and_disk_offload_matches_one_process(tmp_path) -> None:
     torch.manual_seed(0)
     model = _LitOffloaded()
@@ -276,6 +281,7 @@ def _fabric_resume(f: Any, directory: str) -> list[dict[str, Any]]:
     })  # fmt: skip
 
 
+@pytest.mark.slow
 def test_fabric_with_host_and_disk_offload_resumes_a_sharded_checkpoint_at_another_world_size(tmp_path) -> None:
     launch(_fabric_save, str(tmp_path), offload="host")
     os.makedirs(tmp_path / "states")

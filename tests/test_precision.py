@@ -64,17 +64,26 @@ def _train_autocast(rank: int, world_size: int, param_dtype: Any, reduce_dtype: 
     }
 
 
-def test_bf16_gathers_compute_in_bf16_and_stay_close_to_single_process_autocast() -> None:
-    for result in run_ranks(_train_autocast, 2, torch.bfloat16, None):
+@pytest.fixture(scope="module")
+def bf16_gathers() -> list[dict]:
+    """Each rank's view of training with bf16 gathers and fp32 reductions (one run, two tests)."""
+    return run_ranks(_train_autocast, 2, torch.bfloat16, None)
+
+
+def test_bf16_gathers_compute_in_bf16_and_stay_close_to_single_process_autocast(bf16_gathers: list[dict]) -> None:
+    for result in bf16_gathers:
         assert result["gathered"] == {torch.bfloat16}  # what is sent (and computed with) is bf16
         assert result["shard_dtypes"] == {torch.float32} and result["grad_dtypes"] == {torch.float32}
         assert result["loss"] < 2e-2 and result["param"] < 2e-2
         assert {k: result["bytes"][k] for k in ("all_gather", "reduce_scatter")} == result["expected"]
 
 
-def test_bf16_gathers_move_half_the_bytes_of_fp32_and_reduce_dtype_is_configurable() -> None:
+@pytest.mark.slow
+def test_bf16_gathers_move_half_the_bytes_of_fp32_and_reduce_dtype_is_configurable(
+    bf16_gathers: list[dict],
+) -> None:
     fp32 = run_ranks(_train_autocast, 2, None, None)[0]["bytes"]
-    bf16 = run_ranks(_train_autocast, 2, torch.bfloat16, None)[0]["bytes"]
+    bf16 = bf16_gathers[0]["bytes"]
     bf16_reduce = run_ranks(_train_autocast, 2, torch.bfloat16, torch.bfloat16)[0]["bytes"]
     # root + 3 blocks, 2 ranks: rows of 2 per unit per collective. A row is the shards, a tag
     # (4 bytes in either dtype) and < 16 bytes of alignment, so half of an fp32 row and a bf16
@@ -121,6 +130,7 @@ class _WholeDtypes(pl.Callback):
         pl_module.dtypes = sorted({str(tensor.dtype) for tensor in whole.values()})
 
 
+@pytest.mark.slow
 def test_trainer_bf16_mixed_gathers_in_bf16_and_stays_close_to_single_process() -> None:
     torch.manual_seed(0)
     reference = LitMLP(sgd=True)
@@ -141,6 +151,7 @@ def test_trainer_bf16_mixed_gathers_in_bf16_and_stays_close_to_single_process() 
     assert max_difference(model.state_dict(), reference.state_dict()) < 2e-2
 
 
+@pytest.mark.slow
 def test_bf16_true_holds_bf16_shards_and_trains_like_a_bf16_single_process() -> None:
     torch.manual_seed(0)
     reference = LitMLP(sgd=True).to(torch.bfloat16)
@@ -185,6 +196,7 @@ def test_sixteen_bit_param_dtype_under_fp32_precision_raises_a_clear_error() -> 
         assert "precision='bf16-mixed'" in message and "param_dtype" in message
 
 
+@pytest.mark.slow
 def test_trainer_16_mixed_loss_scaling_agrees_on_skips_and_counts_the_flag() -> None:
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     every_rank = HandsBack(scaler="precision_plugin.scaler.__class__.__name__", stats="strategy.stats")
@@ -203,6 +215,7 @@ class _FusedAdamW(LitMLP):
         return torch.optim.AdamW(param_groups(self), lr=self.lr, fused=True)
 
 
+@pytest.mark.slow
 def test_trainer_16_mixed_clips_with_a_fused_optimizer_like_one_process() -> None:
     """Lightning's own 16-mixed plugin raises for clipping with a fused optimizer (its gradients
     are still scaled when clipping runs); ours unscales first, then clips by the global norm."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 from torch import nn
 
 from benchmarks.measure import reset_peak_rss, status_bytes
@@ -45,6 +46,7 @@ def _figures(result: dict) -> dict:
     return {k: round(v / MB, 1) for k, v in result.items() if k != "sharded"}
 
 
+@pytest.mark.slow
 def test_setup_from_meta_grows_by_the_shards_and_two_layers_not_the_model() -> None:
     for result in _results():
         assert result["sharded"]
@@ -52,6 +54,7 @@ def test_setup_from_meta_grows_by_the_shards_and_two_layers_not_the_model() -> N
         assert result["peak"] <= bound, f"{_figures(result)}, bound {bound / MB:.0f} MiB"
 
 
+@pytest.mark.slow
 def test_restore_after_setup_keeps_no_unit_resident_on_the_shards_device() -> None:
     for result in _results():
         assert result["restore_peak"] < 3 * result["unit"] + 8 * MB, _figures(result)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from tests.adapted import HandsBack, launched
@@ -33,6 +34,7 @@ def _reference(model_kwargs: dict, **fit_kwargs: object) -> tuple[dict, list[flo
     return model.state_dict(), losses
 
 
+@pytest.mark.slow
 def test_fit_with_adamw_and_param_groups_matches_single_process() -> None:
     state, losses = _fit({"max_epochs": 2}, {})
     expected_state, expected_losses = _reference({}, epochs=2)
@@ -42,6 +44,7 @@ def test_fit_with_adamw_and_param_groups_matches_single_process() -> None:
         assert max(abs(a - b) for a, b in zip(rank_losses, expected_losses)) < TOL
 
 
+@pytest.mark.slow
 def test_gradient_clipping_by_norm_uses_the_global_norm() -> None:
     state, _ = _fit({"max_epochs": 1, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}, {})
     expected, _ = _reference({}, epochs=1, clip_norm=0.05)
@@ -50,18 +53,21 @@ def test_gradient_clipping_by_norm_uses_the_global_norm() -> None:
     assert max_difference(state, expected) < TOL
 
 
+@pytest.mark.slow
 def test_gradient_clipping_by_value_matches_single_process() -> None:
     state, _ = _fit({"max_epochs": 1, "gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}, {"lr": 0.001})
     expected, _ = _reference({"lr": 0.001}, epochs=1, clip_value=0.01)
     assert max_difference(state, expected) < TOL
 
 
+@pytest.mark.slow
 def test_accumulate_grad_batches_matches_single_process() -> None:
     state, _ = _fit({"max_epochs": 1, "accumulate_grad_batches": 2}, {})
     expected, _ = _reference({}, epochs=1, accumulate=2)
     assert max_difference(state, expected) < TOL
 
 
+@pytest.mark.slow
 def test_manual_optimization_matches_single_process() -> None:
     state, losses = _fit({"max_epochs": 1}, {"manual": True})
     expected_state, expected_losses = _reference({}, epochs=1)
@@ -71,12 +77,14 @@ def test_manual_optimization_matches_single_process() -> None:
         assert max(abs(a - b) for a, b in zip(rank_losses, expected_losses)) < TOL
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_inside_lightning_matches_single_process() -> None:
     state, _ = _fit({"max_epochs": 1}, {"checkpointing": "non_reentrant"}, prefetch=2)
     expected, _ = _reference({}, epochs=1)
     assert max_difference(state, expected) < TOL
 
 
+@pytest.mark.slow
 def test_parameters_kept_whole_train_exactly_under_a_forkserver_launch() -> None:
     state, _ = _fit({"max_steps": 2}, {}, persistence_threshold=13)  # norms and small biases kept whole
     expected, _ = _reference({}, max_steps=2)

@@ -1,11 +1,11 @@
 """The Lightning behaviour users rely on keeps working under `strategy="zero3"`: ranks started
 by the strategy's launcher (tests/adapted.py `launched`), each rank's view handed back
-(`HandsBack`), the whole weights handed back by the launcher."""
+(`HandsBack`), the whole weights handed back by the launcher (under "spawn":
+tests/test_lightning_launchers.py)."""
 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ class _WritesPredictions(BasePredictionWriter):
         torch.save(torch.cat(predictions), os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))
 
 
+@pytest.mark.slow
 def test_validate_fit_test_fit_again_and_predict_match_single_process(tmp_path: Path) -> None:
     """Each call launches its ranks; between calls this process holds the whole weights the launcher
     handed back (a module at rest in the same process: tests/test_at_rest.py)."""
@@ -162,6 +163,7 @@ class _StatsAtStep2(pl.Callback):
             pl_module.stats_at_step_2 = trainer.strategy.stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_stats_report_formula_bytes_and_sharded_model_state(world_size: int) -> None:
     full = sum(p.numel() for p in LitMLP().parameters())
@@ -190,6 +192,7 @@ def test_stats_report_formula_bytes_and_sharded_model_state(world_size: int) -> 
         assert stats["peak_units_alive_without_root"] <= 1 + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume_world_size", [1, 3])
 def test_full_checkpoint_resumes_at_another_world_size(tmp_path: Any, resume_world_size: int) -> None:
     path = str(tmp_path / "model.ckpt")
@@ -215,19 +218,6 @@ def test_full_checkpoint_resumes_at_another_world_size(tmp_path: Any, resume_wor
     assert max_difference(model.state_dict(), reference.state_dict()) < TOL
 
 
-def test_spawn_launcher_hands_back_whole_weights() -> None:
-    import lightning_zero3
-
-    torch.manual_seed(0)
-    model = LitMLP()
-    strategy = lightning_zero3.ZeRO3Strategy(start_method="spawn", timeout=timedelta(seconds=60))
-    trainer(strategy, 2, max_steps=2).fit(model, loader(2))
-    torch.manual_seed(0)
-    reference = LitMLP()
-    reference_fit(reference, max_steps=2)
-    assert max_difference(model.state_dict(), reference.state_dict()) < TOL
-
-
 def test_zero3_is_registered_and_bad_options_raise_clear_errors() -> None:
     import lightning_zero3
 
@@ -250,6 +240,7 @@ class _StatsEveryStep(pl.Callback):
         pl_module.last_stats = trainer.strategy.stats
 
 
+@pytest.mark.slow
 def test_hierarchical_sharding_trains_exactly_and_reports_traffic_inside_and_across_groups() -> None:
     torch.manual_seed(0)
     reference = LitMLP()

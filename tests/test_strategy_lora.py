@@ -78,6 +78,7 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     return losses, {k: v.detach() for k, v in model.state_dict().items()}, norms
 
 
+@pytest.mark.slow
 def test_lora_fit_save_resume_and_load_equal_one_process(tmp_path: Path) -> None:
     pytest.importorskip("peft", reason="peft (the test extra) is needed for a LoRA model")
     import lightning_zero3

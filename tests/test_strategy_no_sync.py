@@ -9,6 +9,7 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -93,6 +94,7 @@ class _Accumulation(pl.Callback):
         }
 
 
+@pytest.mark.slow
 def test_trainer_accumulate_unsharded_matches_single_process_with_one_reduction_per_step() -> None:
     torch.manual_seed(0)
     reference = LitMLP()

@@ -5,6 +5,7 @@ no_grad and grad, before training; training afterwards equals the single-process
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from tests.adapted import HandsBack, launched
@@ -23,6 +24,7 @@ class SampleInnerModel(pl.Callback):
         pl_module.grad_shape = tuple(pl_module.net(x).shape)  # under grad, no backward
 
 
+@pytest.mark.slow
 def test_callback_calling_the_inner_model_sees_whole_weights_and_training_stays_exact() -> None:
     torch.manual_seed(0)
     model = LitMLP()

@@ -13,6 +13,7 @@ from tests.lit import LitMLP, loader, max_difference, reference_fit, trainer
 TOL = 1e-5
 
 
+@pytest.mark.slow
 def test_overlapping_reductions_are_exact_under_lightning() -> None:
     torch.manual_seed(0)
     reference = LitMLP()

@@ -10,6 +10,7 @@ returns, and Lightning's multiprocessing launcher, by design, gathers whole weig
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,6 +58,7 @@ def test_restore_to_another_device_holds_one_unit_on_the_shards_device_not_the_m
         assert result["peak"] < 3 * result["unit"] + 8 * MB, {k: result[k] for k in ("peak", "unit", "model")}
 
 
+@pytest.mark.slow
 def test_restore_to_the_cpu_builds_the_whole_model_exactly_with_one_unit_of_overhead() -> None:
     for result in run_ranks(_restore, 2, "cpu"):
         assert result["devices"] == {"cpu"} and result["shapes_whole"] and result["equal"]
@@ -107,6 +109,7 @@ def _fit_and_look(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_after_fit_the_module_stays_sharded_with_no_whole_copy_gradients_or_pool() -> None:
     """At rest after `fit` (core.py, Note: run lifecycle) the module's parameters are this rank's
     shards and nothing whole was built: anonymous RSS after `fit` returns is within a quarter of

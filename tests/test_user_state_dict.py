@@ -108,6 +108,7 @@ def one_process() -> LitMLP:
     return model
 
 
+@pytest.mark.slow
 def test_torch_save_of_state_dict_inside_gathered_parameters_loads_into_a_fresh_module_equal_to_one_process(
     results: list[dict[str, Any]], directory: Path, one_process: LitMLP
 ) -> None:
@@ -194,6 +195,7 @@ def _train_then_read(fabric: Any, directory: str) -> list[dict[str, Any]]:
     return every_rank(out)
 
 
+@pytest.mark.slow
 def test_fabric_state_dict_inside_gathered_parameters_is_whole_and_outside_every_level_refuses(tmp_path: Path) -> None:
     results = launch(_train_then_read, str(tmp_path))
     expected, _ = reference(STEPS)

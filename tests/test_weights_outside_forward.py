@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
@@ -35,6 +36,7 @@ def _norms_under(strategy: str) -> list[dict[str, float]]:
     return fit.callback_metrics["norms"]
 
 
+@pytest.mark.slow
 def test_grad_norm_in_a_lightning_module_equals_ddps() -> None:
     for ddp, zero3 in zip(_norms_under("ddp"), _norms_under("zero3"), strict=True):
         assert zero3.keys() == ddp.keys() and "grad_2.0_norm_total" in zero3 and len(zero3) > 10
