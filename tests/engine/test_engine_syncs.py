@@ -1,0 +1,138 @@
+"""The engine reads device memory on the host at most once per training step (checks.py, Note:
+deferred tag checks): every such read drains a GPU's queue and stops the CPU running ahead, so
+prefetching could hide nothing. On CPU nothing really syncs, so the test counts the operations
+that would: `aten._local_scalar_dense` (what `.item()`, `bool(t)`, `float(t)` and `int(t)`
+dispatch to), `aten.is_nonzero`, `aten.equal`, copies from a non-CPU device to the CPU, and
+`Tensor.tolist()` (which reads memory without dispatching)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_zero3.engine import ShardedModel
+from tests.support.models import MLP, mlp_batch
+from tests.support.parity import local_slice
+from tests.support.ranks import run_ranks
+
+_SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the operations that read a device's memory on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SYNCING:
+            self.count += 1
+        elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            target = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device")
+            if source.device.type != "cpu" and target is not None and torch.device(target).type == "cpu":
+                self.count += 1
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _counting_host_reads():
+    mode = _HostReads()
+    original = torch.Tensor.tolist
+
+    def tolist(self):
+        mode.count += 1
+        return original(self)
+
+    torch.Tensor.tolist = tolist
+    try:
+        with mode:
+            yield mode
+    finally:
+        torch.Tensor.tolist = original
+
+
+def _host_reads_per_step(rank: int, world_size: int, steps: int) -> dict:
+    """Host reads during each training step (forward, backward, optimizer step) of a 4-unit
+    model (root + 3 blocks), then during `steps` evaluation passes in a row and the explicit
+    check after them (a pass without backward is checked when the next pass starts)."""
+    torch.manual_seed(0)
+    model = MLP(depth=3)
+    sharded = ShardedModel(model, prefetch=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    train = []
+    x, y = mlp_batch(0)
+    x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+    for _ in range(steps):
+        with _counting_host_reads() as reads:
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        train.append(reads.count)
+    with _counting_host_reads() as reads, torch.no_grad():
+        for _ in range(steps):
+            model(x)
+        sharded._checks.check()  # what the next pass would do first
+    return {"train": train, "eval": reads.count, "units": len(sharded._units)}
+
+
+@pytest.fixture(scope="module")
+def host_reads() -> list[dict]:
+    """Each rank's host reads per training step and per evaluation pass (one run, two tests)."""
+    return run_ranks(_host_reads_per_step, 2, 4)
+
+
+def test_a_training_step_reads_device_memory_on_the_host_at_most_once(host_reads: list[dict]) -> None:
+    """12 reads per step before the tags were checked on the device (3 per unit)."""
+    for result in host_reads:
+        assert result["units"] == 4
+        # Step 1 records the order and checks every collective at once (it may sync freely).
+        assert all(count <= 1 for count in result["train"][1:]), result
+
+
+def test_an_evaluation_pass_reads_device_memory_on_the_host_at_most_once(host_reads: list[dict]) -> None:
+    """4 reads per pass before (1 per unit)."""
+    for result in host_reads:
+        assert result["eval"] <= 4, result
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the operations dispatched, by name: what a GPU launches kernels for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_gather_and_clip(rank: int, world_size: int, depth: int) -> dict:
+    from lightning_zero3.engine import clip_grad_norm_
+
+    torch.manual_seed(0)
+    model = MLP(depth=depth)
+    sharded = ShardedModel(model, prefetch=0)
+    x, y = mlp_batch(0)
+    with _Ops() as forward:
+        loss = F.mse_loss(model(x), y)
+    loss.backward()
+    with _Ops() as clip:
+        clip_grad_norm_(sharded, list(model.parameters()), 0.01)
+    return {"copies": forward.names.count("split_with_sizes_copy"), "clip": [n for n in clip.names if n != "detach"]}
+
+
+def test_copy_out_is_one_op_per_gather_and_clipping_a_fixed_number_of_ops():
+    """Before: one copy per rank per gather, and ~3 ops per parameter to clip (a 3-block MLP's
+    14 parameters against a 6-block one's 26)."""
+    small, large = (run_ranks(_ops_per_gather_and_clip, 2, depth) for depth in (3, 6))
+    for shallow, deep in zip(small, large):
+        assert (shallow["copies"], deep["copies"]) == (4, 7), (shallow, deep)  # one per unit gathered in forward
+        assert shallow["clip"] == deep["clip"], (shallow, deep)
