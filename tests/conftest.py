@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from tests.reliability.test_multinode import FinishedJob
+    from tests.support.processes import FinishedJob
 
 
 @pytest.fixture(autouse=True)
@@ -32,17 +32,17 @@ def slurm_job_saving_inside_fit(tmp_path_factory: pytest.TempPathFactory) -> Fin
     """Two SLURM tasks training one epoch and saving in the background after step 1: it trains
     like one process (tests/reliability/test_multinode.py) and every rank exits 0
     (tests/reliability/test_clean_exit.py)."""
-    from tests.reliability.test_multinode import slurm_job
+    from tests.support.processes import slurm_job
 
     return slurm_job(tmp_path_factory.mktemp("slurm_saving_inside_fit"), "--save-step", "1", "--async-save")
 
 
 @pytest.fixture(scope="session")
 def gpt_saved_at_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[dict, dict]]:
-    """A sharded checkpoint of TinyGPT saved by 2 ranks (tests/checkpoint/test_checkpoint_sharded.py
+    """A sharded checkpoint of TinyGPT saved by 2 ranks (tests/support/checkpoints.py
     `save_trained_gpt`) and the whole state it holds. Read it only: a test that damages a
     checkpoint or writes beside one takes `gpt_checkpoint`."""
-    from tests.checkpoint.test_checkpoint_sharded import save_trained_gpt
+    from tests.support.checkpoints import save_trained_gpt
     from tests.support.ranks import run_ranks
 
     path = tmp_path_factory.mktemp("gpt_saved_at_2") / "gpt.ckpt"

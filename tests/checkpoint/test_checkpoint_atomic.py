@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-import pickle
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +20,10 @@ from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3 import consolidate_checkpoint
 from lightning_zero3.checkpoint.files import atomic_torch_save
 from lightning_zero3.checkpoint.format import open_sharded
-from tests.checkpoint.test_checkpoint_sharded import save_trained_gpt, trained_gpt
 from tests.support.adapted import HandsBack, launched
+from tests.support.checkpoints import save_trained_gpt, trained_gpt
 from tests.support.lit import LitMLP, loader, trainer
-from tests.support.ranks import _entry, _mp_context, run_ranks
+from tests.support.ranks import run_ranks, run_ranks_while_one_dies
 
 
 def _checkpoint_dict(model: Any, sharded: Any, optimizer: Any) -> dict[str, Any]:
@@ -81,30 +79,10 @@ def test_a_save_failing_on_one_rank_raises_everywhere_and_keeps_the_previous_che
     _assert_holds(path, results[0][0], tmp_path)
 
 
-def _run_while_one_rank_dies(fn: Any, *args: Any, survivor: int = 0, timeout_s: float = 30) -> Any:
-    """Like run_ranks at 2 ranks, but only `survivor` is expected to report (the other exits)."""
-    ctx = _mp_context()
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(r, 2, store, timeout_s, fn, args, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            rank, ok, value = queue.get(timeout=timeout_s + 30)
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-    assert rank == survivor and ok, value
-    return pickle.loads(value)
-
-
 @pytest.mark.slow
 def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(tmp_path):
     path = tmp_path / "gpt.ckpt"
-    good, message = _run_while_one_rank_dies(_save_then_fail_to_save_again, str(path), "rank dies")
+    good, message = run_ranks_while_one_dies(_save_then_fail_to_save_again, str(path), "rank dies")
     assert str(path) in message and "previous checkpoint there is unchanged" in message
     assert os.listdir(tmp_path) == ["gpt.ckpt"]
     _assert_holds(path, good, tmp_path)
@@ -133,7 +111,7 @@ def test_rank_0_dying_late_in_a_save_is_a_checkpoint_error_on_rank_1(tmp_path):
     """The last agreement fails on rank 1: a CheckpointError naming the path and the lost rank,
     caused by the process group's error; the path holds a complete checkpoint (here the new one)."""
     path = tmp_path / "gpt.ckpt"
-    saved, message, cause = _run_while_one_rank_dies(
+    saved, message, cause = run_ranks_while_one_dies(
         _save_with_rank_0_dying_once_the_checkpoint_is_in_place, str(path), survivor=1
     )
     assert f"Saving the checkpoint {path} failed as rank 0 put it in place" in message

@@ -20,10 +20,9 @@ import lightning_zero3
 from lightning_zero3 import ShardedModel, consolidate_checkpoint
 from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3.engine.state import full_optimizer_state
-from tests.checkpoint.test_checkpoint_atomic import _run_while_one_rank_dies
-from tests.checkpoint.test_checkpoint_trust import save_mlp
+from tests.support.checkpoints import save_mlp
 from tests.support.models import MLP
-from tests.support.ranks import run_ranks
+from tests.support.ranks import run_ranks, run_ranks_while_one_dies
 
 SAVES = 12  # per job; on the code before unique temporary names, 2-5 of them failed per run
 
@@ -192,7 +191,7 @@ def test_the_next_save_removes_what_a_killed_save_left_and_nothing_else(tmp_path
     writes, and one of another path stay."""
     path = tmp_path / "mlp.ckpt"
     save_mlp(path)
-    _run_while_one_rank_dies(_save_with_rank_0_killed_while_writing, str(path), survivor=1)
+    run_ranks_while_one_dies(_save_with_rank_0_killed_while_writing, str(path), survivor=1)
     left = [name for name in os.listdir(tmp_path) if name != "mlp.ckpt"]
     assert len(left) == 1 and left[0].startswith(".mlp.ckpt.") and left[0].endswith(".zero3-partial"), left
     live = tmp_path / ".mlp.ckpt.00000000000000aa.zero3-partial"

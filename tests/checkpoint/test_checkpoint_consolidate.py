@@ -18,7 +18,7 @@ import torch
 from lightning_zero3 import consolidate_checkpoint
 from lightning_zero3.__main__ import ProgressBar, main
 from lightning_zero3.checkpoint import Progress
-from tests.checkpoint.test_checkpoint_sharded import save_trained_gpt
+from tests.support.checkpoints import save_trained_gpt
 from tests.support.ranks import run_ranks
 
 

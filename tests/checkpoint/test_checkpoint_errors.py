@@ -14,7 +14,7 @@ from lightning_zero3 import CheckpointError, consolidate_checkpoint
 from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3.__main__ import main
 from lightning_zero3.checkpoint.full import read_full_file
-from tests.checkpoint.test_checkpoint_sharded import load_into_fresh_gpt
+from tests.support.checkpoints import load_into_fresh_gpt
 from tests.support.ranks import run_ranks
 
 

@@ -24,7 +24,7 @@ from lightning_zero3 import consolidate_checkpoint
 from lightning_zero3.__main__ import main
 from lightning_zero3.checkpoint.files import atomic_torch_save
 from lightning_zero3.checkpoint.format import open_sharded
-from tests.checkpoint.test_checkpoint_trust import save_mlp
+from tests.support.checkpoints import save_mlp
 from tests.support.lit import LitMLP, become_lightning_rank, loader, trainer
 from tests.support.ranks import _mp_context, run_ranks
 

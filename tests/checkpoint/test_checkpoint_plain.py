@@ -23,8 +23,9 @@ import lightning_zero3
 from lightning_zero3 import CheckpointError
 from lightning_zero3.checkpoint.full import read_full_file
 from lightning_zero3.checkpoint.trust import read_dcp_index
-from tests.checkpoint.test_checkpoint_trust import craft, save_mlp
+from tests.checkpoint.test_checkpoint_trust import craft
 from tests.support.adapted import HandsBack, launched
+from tests.support.checkpoints import save_mlp
 from tests.support.lit import LitMLP, dataset, loader, trainer, whole_state
 
 

@@ -28,26 +28,12 @@ from lightning_zero3 import checkpoint as ckpt
 from lightning_zero3.__main__ import main
 from lightning_zero3.checkpoint.files import crc32
 from tests.support.adapted import HandsBack, SavesAfterFit, launched
+from tests.support.checkpoints import save_mlp
 from tests.support.lit import LitMLP, loader, trainer
 from tests.support.models import MLP
 
 
 # ---- helpers (also used by test_checkpoint_overwrite.py) ------------------------------------
-def save_mlp(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A sharded checkpoint of an MLP with AdamW state, saved by this one process; its weights."""
-    torch.manual_seed(seed)
-    model = MLP()
-    sharded = ShardedModel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model(torch.randn(4, 7)).sum().backward()
-    optimizer.step()
-    optimizer_states = [ckpt.sharded_optimizer_state(sharded, optimizer)]
-    ckpt.save_sharded(
-        path, sharded, {"epoch": 1, "state_dict": model.state_dict(), "optimizer_states": optimizer_states}
-    )
-    return sharded.full_state_dict(to_rank=None)
-
-
 def load_mlp(path: Path, **options: Any) -> dict[str, Any]:
     model = MLP()
     sharded = ShardedModel(model)

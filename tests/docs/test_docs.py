@@ -25,7 +25,7 @@ from torch import nn
 from lightning_zero3 import ZeRO3Strategy
 from lightning_zero3.engine import ShardingConfig
 from lightning_zero3.options import LightningOptions
-from tests.reliability.test_multinode import ROOT, _env
+from tests.support.processes import ROOT, job_env
 
 DOCS = ("README.md", "docs/user-guide.md")
 MARKER = re.compile(r"^(?P<indent> *)<!-- docs-test: (?P<name>[\w-]+) -->\n(?P=indent)```(?P<lang>\w*)\n", re.M)
@@ -158,7 +158,7 @@ def _run_script(tmp_path: Path, sections: list[Section]) -> dict[str, list[dict]
         parts += [enter, section.code(), "os.chdir(_HERE)\n"]
     script = tmp_path / "blocks.py"
     script.write_text("\n".join(parts))
-    done = subprocess.run([sys.executable, str(script)], env=_env(), cwd=tmp_path, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(script)], env=job_env(), cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     names = ", ".join(f"{BLOCKS[s.name].file}:{BLOCKS[s.name].line} {s.name}" for s in sections)
     assert done.returncode == 0, f"{script} ({names}):\n{done.stderr[-4000:]}"

@@ -45,7 +45,7 @@ def test_evaluation_passes_prefetch_the_next_unit(mode):
 def _evaluation_before_training(rank: int, world_size: int) -> dict:
     """Three evaluation passes of a fresh 4-unit model (root + 3 blocks): what was in flight
     while each block ran, and the host reads of each pass (issue 22, item 4)."""
-    from tests.engine.test_engine_syncs import _counting_host_reads
+    from tests.support.host_reads import counting_host_reads
 
     torch.manual_seed(0)
     model = MLP(depth=3)
@@ -61,7 +61,7 @@ def _evaluation_before_training(rank: int, world_size: int) -> dict:
     reads = []
     for _ in range(3):
         seen.append({})
-        with _counting_host_reads() as counted, torch.no_grad():
+        with counting_host_reads() as counted, torch.no_grad():
             model(x)
         reads.append(counted.count)
     return {"seen": seen, "reads": reads, "record": sharded._schedule.forward_order}

@@ -7,55 +7,16 @@ dispatch to), `aten.is_nonzero`, `aten.equal`, copies from a non-CPU device to t
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_zero3.engine import ShardedModel
+from tests.support.host_reads import counting_host_reads
 from tests.support.models import MLP, mlp_batch
 from tests.support.parity import local_slice
 from tests.support.ranks import run_ranks
-
-_SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
-
-
-class _HostReads(TorchDispatchMode):
-    """Counts the operations that read a device's memory on the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _SYNCING:
-            self.count += 1
-        elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
-            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
-            target = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device")
-            if source.device.type != "cpu" and target is not None and torch.device(target).type == "cpu":
-                self.count += 1
-        return func(*args, **kwargs)
-
-
-@contextmanager
-def _counting_host_reads():
-    mode = _HostReads()
-    original = torch.Tensor.tolist
-
-    def tolist(self):
-        mode.count += 1
-        return original(self)
-
-    torch.Tensor.tolist = tolist
-    try:
-        with mode:
-            yield mode
-    finally:
-        torch.Tensor.tolist = original
 
 
 def _host_reads_per_step(rank: int, world_size: int, steps: int) -> dict:
@@ -70,12 +31,12 @@ def _host_reads_per_step(rank: int, world_size: int, steps: int) -> dict:
     x, y = mlp_batch(0)
     x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
     for _ in range(steps):
-        with _counting_host_reads() as reads:
+        with counting_host_reads() as reads:
             F.mse_loss(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
         train.append(reads.count)
-    with _counting_host_reads() as reads, torch.no_grad():
+    with counting_host_reads() as reads, torch.no_grad():
         for _ in range(steps):
             model(x)
         sharded._checks.check()  # what the next pass would do first

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero3.engine import ShardedModel, ShardingConfig, clip_grad_norm_
-from tests.engine.test_engine_syncs import _counting_host_reads
 from tests.support import models
 from tests.support.adapted import HandsBack, launched
 from tests.support.fabric_helpers import adamw as fabric_adamw
 from tests.support.fabric_helpers import every_rank, full_state, launch, max_difference, reference, train_step
+from tests.support.host_reads import counting_host_reads
 from tests.support.lit import LitMLP, loader, reference_fit, trainer, whole_state
 from tests.support.parity import Recipe, adamw, local_slice, run_parity
 from tests.support.ranks import run_ranks
@@ -190,7 +190,7 @@ def _host_reads(rank: int, world_size: int) -> list[int]:
     x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
     counts = []
     for _ in range(3):
-        with _counting_host_reads() as reads:
+        with counting_host_reads() as reads:
             F.mse_loss(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -269,7 +269,7 @@ def test_bf16_mixed_gathers_in_bf16_and_clipping_by_value_acts_on_shards() -> No
 
 
 def _host_reads_of_clipping(f: L.Fabric) -> list[dict[str, Any]]:
-    from tests.engine.test_engine_syncs import _counting_host_reads
+    from tests.support.host_reads import counting_host_reads
 
     rank, world_size = f.global_rank, f.world_size
     torch.manual_seed(0)
@@ -279,7 +279,7 @@ def _host_reads_of_clipping(f: L.Fabric) -> list[dict[str, Any]]:
     f.backward(torch.nn.functional.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)))
     reads = {}
     for check in (False, True):
-        with _counting_host_reads() as counter:
+        with counting_host_reads() as counter:
             f.clip_gradients(model, optimizer, max_norm=1e6, error_if_nonfinite=check)
         reads[check] = counter.count
     first, *others = model.parameters()

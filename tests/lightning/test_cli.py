@@ -21,9 +21,9 @@ from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
 from lightning_zero3.engine import ShardingConfig
 from lightning_zero3.options import LightningOptions
-from tests.reliability.test_multinode import ROOT, _env
+from tests.support.processes import JOBS, ROOT, job_env
 
-JOB = str(Path(__file__).parents[1] / "jobs" / "cli.py")
+JOB = str(JOBS / "cli.py")
 OPTIONS = [f for config in (ShardingConfig, LightningOptions) for f in fields(config)]
 
 CONFIG = """\
@@ -68,7 +68,7 @@ def test_lightning_cli_yaml_and_command_line_options_reach_the_strategy_on_two_r
     config.write_text(CONFIG)
     cmd = [sys.executable, JOB, "fit", "--config", str(config), "--trainer.strategy.prefetch=3",
            f"--model.out={tmp_path}", f"--trainer.default_root_dir={run}"]  # fmt: skip
-    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, env=job_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -29,13 +29,13 @@ import lightning.pytorch as pl
 import pytest
 from torch.multiprocessing import ProcessExitedException
 
-from tests.reliability.test_multinode import FinishedJob, _env, _free_port, _slurm_task, _wait
 from tests.support.adapted import launched, lightning_trainer
 from tests.support.fabric_helpers import launch
 from tests.support.lit import LitMLP, loader
+from tests.support.processes import JOBS, FinishedJob, free_port, job_env, slurm_task, wait_all
 from tests.support.ranks import RankFailure, run_ranks
 
-SHORT_SAVE = str(Path(__file__).parents[1] / "jobs" / "short_save.py")
+SHORT_SAVE = str(JOBS / "short_save.py")
 
 
 @pytest.mark.slow
@@ -45,9 +45,9 @@ SHORT_SAVE = str(Path(__file__).parents[1] / "jobs" / "short_save.py")
 def test_no_gloo_worker_is_alive_when_a_job_that_saved_finalizes(tmp_path: Path, variant: tuple[str, ...]) -> None:
     job = subprocess.Popen(
         [sys.executable, SHORT_SAVE, "--out", str(tmp_path), *variant],
-        env=_env(MASTER_PORT=str(_free_port())), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=job_env(MASTER_PORT=str(free_port())), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
-    [(code, output)] = _wait([job])
+    [(code, output)] = wait_all([job])
     assert code == 0 and "terminate called" not in output, output[-3000:]
     assert sorted(p.name for p in tmp_path.glob("rank*.done")) == ["rank0.done", "rank1.done"], output[-3000:]
     threads = {p.name: p.read_text().split() for p in tmp_path.glob("threads-*.txt")}
@@ -75,11 +75,11 @@ def test_short_jobs_that_save_inside_fit_exit_cleanly_on_every_rank(
         for run in range(first, min(first + parallel, runs)):
             out = tmp_path / f"run{run}"
             out.mkdir()
-            port = _free_port()
+            port = free_port()
             extra = ("--save-step", "1", *([] if run % 2 else ["--async-save"]))
-            batch.append((run, [_slurm_task(rank, 2, port, out, *extra) for rank in range(2)]))
+            batch.append((run, [slurm_task(rank, 2, port, out, *extra) for rank in range(2)]))
         for run, procs in batch:
-            for rank, (code, output) in enumerate(_wait(procs)):
+            for rank, (code, output) in enumerate(wait_all(procs)):
                 if code != 0:
                     failures.append(f"run {run} rank {rank} exited {code}:\n{output[-1500:]}")
     assert not failures, f"{len(failures)} rank exits not 0 in {runs} runs:\n" + "\n".join(failures)

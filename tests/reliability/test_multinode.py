@@ -4,52 +4,20 @@ the global batch, and a rank that dies or never arrives must fail the others qui
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
 
 from tests.support.lit import LitMLP, max_difference, reference_fit
+from tests.support.processes import TRAIN_MLP, FinishedJob, free_port, job_env, slurm_task, wait_all
 
 pytestmark = pytest.mark.slow  # each node is a separate Python process that imports torch and Lightning
 
-JOB = str(Path(__file__).parents[1] / "jobs" / "train_mlp.py")
-ROOT = str(Path(__file__).parents[2])
 TOL = 1e-5
-LAUNCH_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LOCAL_RANK", "NODE_RANK", "RANK"))}
-    env.pop("WORLD_SIZE", None)
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-def _wait(procs: list[subprocess.Popen], timeout_s: float = LAUNCH_TIMEOUT_S) -> list[tuple[int, str]]:
-    deadline = time.monotonic() + timeout_s
-    results = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"a launched process did not finish within {timeout_s} s") from None
-        results.append((p.returncode, out.decode(errors="replace")))
-    return results
 
 
 def _check_parity(out: Path, world_size: int, environment: str) -> None:
@@ -69,54 +37,33 @@ def _torchrun_node(node_rank: int, nnodes: int, nproc: int, port: int, out: Path
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
         "--master-addr=127.0.0.1", f"--master-port={port}",
-        JOB, "--out", str(out), "--num-nodes", str(nnodes), "--devices", str(nproc),
+        TRAIN_MLP, "--out", str(out), "--num-nodes", str(nnodes), "--devices", str(nproc),
     ]  # fmt: skip
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.parametrize("nproc_per_node", [1, 2])
 def test_two_torchrun_nodes_train_like_one_process(tmp_path: Path, nproc_per_node: int) -> None:
-    port = _free_port()
+    port = free_port()
     procs = [_torchrun_node(node, 2, nproc_per_node, port, tmp_path) for node in (0, 1)]
-    for code, output in _wait(procs):
+    for code, output in wait_all(procs):
         assert code == 0, output[-3000:]
     _check_parity(tmp_path, 2 * nproc_per_node, "TorchElasticEnvironment")
 
 
 def _lightning_node(node_rank: int, port: int, out: Path) -> subprocess.Popen:
     """One "node" started by hand; Lightning's own launcher starts its second process."""
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node_rank))
-    cmd = [sys.executable, JOB, "--out", str(out), "--num-nodes", "2", "--devices", "2"]
+    env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node_rank))
+    cmd = [sys.executable, TRAIN_MLP, "--out", str(out), "--num-nodes", "2", "--devices", "2"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def test_lightning_launcher_on_each_of_two_nodes_trains_like_one_process(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     procs = [_lightning_node(node, port, tmp_path) for node in (0, 1)]
-    for code, output in _wait(procs):
+    for code, output in wait_all(procs):
         assert code == 0, output[-3000:]
     _check_parity(tmp_path, 4, "LightningEnvironment")
-
-
-def _slurm_task(rank: int, ntasks: int, port: int, out: Path, *extra: str, timeout: float = 60) -> subprocess.Popen:
-    env = _env(
-        SLURM_NTASKS=str(ntasks), SLURM_NTASKS_PER_NODE="1", SLURM_NNODES=str(ntasks),
-        SLURM_PROCID=str(rank), SLURM_LOCALID="0", SLURM_NODEID=str(rank),
-        SLURM_JOB_NAME="zero3-test", SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
-    cmd = [sys.executable, JOB, "--out", str(out), "--num-nodes", str(ntasks), "--timeout", str(timeout), *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-class FinishedJob(NamedTuple):
-    out: Path  # what its ranks wrote
-    exits: list[tuple[int, str]]  # each rank's exit code and output
-
-
-def slurm_job(out: Path, *extra: str) -> FinishedJob:
-    """Two SLURM tasks of tests/jobs/train_mlp.py (`extra`: its flags), run to the end."""
-    port = _free_port()
-    return FinishedJob(out, _wait([_slurm_task(rank, 2, port, out, *extra) for rank in range(2)]))
 
 
 def test_slurm_environment_two_nodes_train_like_one_process(slurm_job_saving_inside_fit: FinishedJob) -> None:
@@ -129,18 +76,18 @@ def test_slurm_environment_two_nodes_train_like_one_process(slurm_job_saving_ins
 
 def test_rank_that_never_arrives_fails_the_others_within_the_timeout(tmp_path: Path) -> None:
     start = time.monotonic()
-    ((code, output),) = _wait([_slurm_task(0, 2, _free_port(), tmp_path, timeout=5)], timeout_s=120)
+    ((code, output),) = wait_all([slurm_task(0, 2, free_port(), tmp_path, timeout=5)], timeout_s=120)
     assert code != 0
     assert "ranks did not all join" in output, output[-3000:]
     assert time.monotonic() - start < 60
 
 
 def test_rank_that_dies_mid_training_fails_the_others_with_a_clear_message(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     die = ("--die-rank", "1", "--die-step", "1")
-    procs = [_slurm_task(rank, 2, port, tmp_path, *die, timeout=20) for rank in range(2)]
-    (code0, output0), (code1, _) = _wait(procs, timeout_s=150)
+    procs = [slurm_task(rank, 2, port, tmp_path, *die, timeout=20) for rank in range(2)]
+    (code0, output0), (code1, _) = wait_all(procs, timeout_s=150)
     assert code1 == 17  # the rank we killed
     assert code0 != 0
     assert "rank 0" in output0 and ("failed" in output0 or "timed out" in output0.lower()), output0[-3000:]

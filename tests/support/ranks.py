@@ -111,6 +111,26 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = DEFA
         return collect_results(procs, queue, timeout_s * 3 + 30)
 
 
+def run_ranks_while_one_dies(fn: Any, *args: Any, survivor: int = 0, timeout_s: float = 30) -> Any:
+    """Like run_ranks at 2 ranks, but only `survivor` is expected to report (the other exits)."""
+    ctx = _mp_context()
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(r, 2, store, timeout_s, fn, args, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            rank, ok, value = queue.get(timeout=timeout_s + 30)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    assert rank == survivor and ok, value
+    return pickle.loads(value)
+
+
 def collect_results(procs: list[Any], queue: Any, timeout_s: float) -> list[Any]:
     """Wait for each started rank process to put (rank, ok, pickled result or traceback) on
     `queue`; return the results in rank order, or raise `RankFailure` with every failed rank's
