@@ -2,7 +2,7 @@
 training is blocked, the time until written and the peak host memory added (VmHWM growth over the
 RSS before it); the sharded load at 2, 1 and 3 ranks; reading the sharded checkpoint in one process
 (`load_checkpoint`, `load_from_checkpoint`, `consolidate` as call and command, and torch's
-`dcp_to_torch_save` for comparison). `tests.models.TinyGPT` (48.8 M parameters, fp32, AdamW after
+`dcp_to_torch_save` for comparison). `tests.support.models.TinyGPT` (48.8 M parameters, fp32, AdamW after
 one step: 586 MiB of state) in a LightningModule; every figure from fresh processes.
 
     PYTHONPATH=. python benchmarks/checkpoint_costs.py DIR [--parts save,load,plain]  # or e.g. sharded,plain
@@ -34,8 +34,8 @@ from lightning_zero3 import ShardedModel
 from lightning_zero3.checkpoint import load_sharded
 from lightning_zero3.core import ShardedRun
 from lightning_zero3.options import LightningOptions
-from tests.models import TinyGPT
-from tests.ranks import run_ranks
+from tests.support.models import TinyGPT
+from tests.support.ranks import run_ranks
 
 SHAPE = {"vocab": 8192, "dim": 768, "heads": 12, "depth": 6, "context": 512}
 MiB = 2**20

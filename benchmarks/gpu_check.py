@@ -7,7 +7,7 @@ Checks run at world size 1 with the engine's one-rank shortcut off (real collect
 streams; a counter at `torch.distributed` proves it), (a) and (g) on 2 ranks when 2 GPUs are present.
 (a) stream races: identical blocks (units share pool keys), fp32 and bf16, bitwise equal with and
     without `torch.cuda._sleep` before issuing every collective; 2 steps under the CUDA sanitizer
-    (on CPU: the stand-in of tests/cuda_standin.py).
+    (on CPU: the stand-in of tests/support/cuda_standin.py).
 (b) syncs, batches on the device: 1 per steady step (32-true, bf16-mixed, 16-mixed; fused AdamW;
     Fabric); an evaluation pass of an untrained model checks each gather at once: 1 per unit.
 (c) memory: each step's peak within model state + (root, live, prefetched, in-flight) units + the
@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.launch import run_ranks  # noqa: E402
 from benchmarks.measure import DistCounter  # noqa: E402
 from lightning_zero3 import ShardedModel, ZeRO3FabricStrategy, ZeRO3Strategy  # noqa: E402
-from tests.cuda_standin import standin  # noqa: E402
+from tests.support.cuda_standin import standin  # noqa: E402
 
 RESULTS: list[str] = []
 FAST = False  # --fast: fewer variants per check (the test suite's dry run)

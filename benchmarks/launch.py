@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from tests.ranks import call_in_group, collect_results, report
+from tests.support.ranks import call_in_group, collect_results, report
 
 _PRELOAD = ["torch", "lightning.pytorch", "lightning_zero3", "benchmarks.backends"]
 

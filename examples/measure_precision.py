@@ -21,12 +21,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.ranks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support.ranks
 
 from train_gpt import GPT, SIZES, CharTokenizer, GPTConfig, load_text  # noqa: E402
 
 from lightning_zero3.engine import ShardedModel  # noqa: E402
-from tests.ranks import run_ranks  # noqa: E402
+from tests.support.ranks import run_ranks  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -34,14 +34,14 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.ranks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support.ranks
 
 from benchmarks.measure import reset_peak_rss, status_bytes  # noqa: E402
 from lightning_zero3.engine import (
     ShardedModel,  # noqa: E402
     parameters_on_meta,  # noqa: E402
 )
-from tests.ranks import run_ranks  # noqa: E402
+from tests.support.ranks import run_ranks  # noqa: E402
 
 MB = 2**20
 

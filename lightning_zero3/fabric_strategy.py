@@ -81,7 +81,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         # The options: the engine's (ShardingConfig), then the Lightning-only ones (LightningOptions),
-        # with their fields' types and defaults (tests/test_cli.py holds them to it).
+        # with their fields' types and defaults (tests/lightning/test_cli.py holds them to it).
         wrap_policy: set[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
         prefetch: int = 1,
         persistence_threshold: int = 0,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from functools import partial
 
-from tests.models import MLP, ReusedBlockModel, TinyGPT, gpt_batch, mlp_batch, mlp_frozen_block
-from tests.parity import (
+from tests.support.models import MLP, ReusedBlockModel, TinyGPT, gpt_batch, mlp_batch, mlp_frozen_block
+from tests.support.parity import (
     Recipe,
     adamw,
     adamw_large_eps,
@@ -19,7 +19,7 @@ from tests.parity import (
     run_parity,
     sgd,
 )
-from tests.ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 
 def gpt_batch_of_12(seed: int):  # divisible by 2, 3 and 4 ranks

@@ -14,7 +14,7 @@
     background.py   saves written in a thread [Note: background saves]
 """
 
-# The door: users' names, then the glue's (nothing outside imports a module: tests/test_engine_imports.py).
+# The door: users' names, then the glue's (nothing outside imports a module: tests/engine/test_engine_imports.py).
 from lightning_zero3.checkpoint.background import BackgroundSave, saver_comm
 from lightning_zero3.checkpoint.consolidate import Progress, consolidate_checkpoint
 from lightning_zero3.checkpoint.errors import CheckpointError, CheckpointNotFoundError, agree, describe_error

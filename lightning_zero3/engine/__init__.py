@@ -1,5 +1,5 @@
 """The sharding engine: ZeRO stage 3 on a bare nn.Module and a process group; never imports Lightning.
-The only door into it: code outside engine/ imports these names from here (tests/test_engine_imports.py)."""
+The only door into it: code outside engine/ imports these names from here (tests/engine/test_engine_imports.py)."""
 
 from lightning_zero3.engine.accounting import UnitSizes, live_peak, sent_row_bytes, step_bytes
 from lightning_zero3.engine.checks import OrderMismatchError

@@ -17,7 +17,7 @@ fp32 rounding against one process; with bf16 the sum of k micro-batches is round
 a bf16 buffer would round every addition against the growing sum. Measured on the test MLP at
 k = 4, 2 ranks, bf16 reduction, largest difference from one process: 8.0e-4 with these sums,
 6.4e-4 with bf16 sums, 3.2e-4 with every micro-batch reduced (smaller pieces rounded): all bf16
-rounding, none better by design (tests/test_engine_no_sync.py bounds it at k = 16). The cost:
+rounding, none better by design (tests/engine/test_engine_no_sync.py bounds it at k = 16). The cost:
 4 bytes per parameter of every unit that ran backward, N times its shard gradient, from the
 first unsynced backward to the sync (docs/accounting.md, "Accumulation without communication").
 

@@ -36,7 +36,7 @@ go (the caching allocator reuses it there). On CPU program order suffices.
 Every stream, event and stream wait of the engine goes through `stream_api(device)`: the module
 giving `Stream`, `Event`, `current_stream`, `stream` and `current_device` for the device's type,
 or None where program order suffices. Only "cuda" (`torch.cuda`) is registered; the tests
-register a CPU stand-in for "cpu" (tests/cuda_standin.py) that records every wait and event and
+register a CPU stand-in for "cpu" (tests/support/cuda_standin.py) that records every wait and event and
 checks each tensor read against them, so CUDA's ordering rules are tested on CPU through the
 code a GPU runs, with no branch for tests. Pinned memory and the like still ask `device.type`.
 """

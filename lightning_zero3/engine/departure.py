@@ -33,7 +33,7 @@ def announce_departure(
         return  # nothing predictable: the tag checks at the next collectives must do
     expected = units[order[ahead]]
     # A unit this rank holds may still be what the others gather next (an outer unit called again
-    # right after `position`): holding it is no reason to skip the notice (tests/test_engine_tags.py).
+    # right after `position`): holding it is no reason to skip the notice (tests/engine/test_engine_tags.py).
     if not expected.params or expected.gather_in_flight:
         return
     notice = checks.tag(unit.uid, notice=True)

@@ -11,7 +11,7 @@ a time (DDP's rule, with a peak of one module). Meta modules are materialised an
 On the host, glibc serves shards and transient full tensors from one heap; made in turn, each
 long-lived shard lands between freed full tensors, holes the heap cannot return (setup grew by
 ~2.6x the shards, 24 x 16 MiB layers on 2 ranks). So every shard is allocated first and one
-module's full tensors come and go above them (tests/test_setup_memory.py).
+module's full tensors come and go above them (tests/lightning/test_setup_memory.py).
 
 [Note: sharding from host memory]
 A model whole in host memory is sharded from there: each module's own parameters visit the

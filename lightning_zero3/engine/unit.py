@@ -32,7 +32,7 @@ each gradient and appends the check column, reduce.py); `_foreach_copy_`: pairs 
 casting (the gather copy-in of shards moved off their buffer; one `copy_` while they lie in it).
 FSDP2 packs with the same ops. `torch._chunk_cat` and
 `torch._foreach_copy_` are private (FSDP2's copy-ins; tried on torch 2.13); where one is missing
-`torch.cat` does the same work, a kernel per tensor when it casts. tests/test_cuda_standin.py
+`torch.cat` does the same work, a kernel per tensor when it casts. tests/engine/test_cuda_standin.py
 asserts these forms on the path CUDA takes.
 """
 

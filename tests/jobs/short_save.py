@@ -3,7 +3,7 @@
 writes OUT/rank{r}.done as its last act, and OUT/threads-{pid}.txt, the names of the threads
 still alive when Python is about to finalize (after every exit handler): gloo's workers
 ("pt_gloo_runloop") must be gone by then (lightning_zero3/engine/comm.py, Note: leaving at exit).
-benchmarks/exit_stress.py runs many of these at once; tests/test_clean_exit.py one of each."""
+benchmarks/exit_stress.py runs many of these at once; tests/reliability/test_clean_exit.py one of each."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy  # noqa: E402
-from tests import models  # noqa: E402
-from tests.lit import LitMLP, loader, trainer  # noqa: E402
+from tests.support import models  # noqa: E402
+from tests.support.lit import LitMLP, loader, trainer  # noqa: E402
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_zero3 import ZeRO3Strategy  # noqa: E402
-from tests.lit import LitMLP, loader, trainer  # noqa: E402
+from tests.support.lit import LitMLP, loader, trainer  # noqa: E402
 
 
 class _DieAt(pl.Callback):

@@ -1,0 +1,1 @@
+"""Sharded and full checkpoints (lightning_zero3/checkpoint/): format, save, load, consolidate."""

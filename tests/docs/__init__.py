@@ -1,0 +1,1 @@
+"""The README's and the guide's code, the examples and benchmarks, run as written."""

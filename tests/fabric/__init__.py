@@ -1,0 +1,1 @@
+"""The Fabric strategy."""

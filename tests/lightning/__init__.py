@@ -1,0 +1,1 @@
+"""The Trainer strategy and what users call beside it (Lightning's own tests adapted, the CLI)."""

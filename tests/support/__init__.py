@@ -1,0 +1,1 @@
+"""The tests' shared helpers: launching ranks, models, LightningModules, parity checks."""
