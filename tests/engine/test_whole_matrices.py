@@ -279,8 +279,12 @@ def test_the_trainer_trains_torch_muon_like_ddp():
 
 
 def _fabric_muon(rank: int, world_size: int) -> float:
-    """Muon and AdamW built on the whole model, then `fabric.setup(model, muon, adamw)`."""
+    """Muon and AdamW built on the whole model, then `fabric.setup(model, muon, adamw)`; the worst
+    difference, every step, from one process stepping on DDP's averaged gradient (`_ddp_step`).
+    Not the global batch's: its gradient differs in the last bits, and Newton-Schulz's bf16
+    rounding turns that into ~1e-3 within 2 to 3 steps for some initial weights (as under DDP)."""
     f = fabric(rank, world_size)
+    torch.manual_seed(0)
     reference, model = models.MLP(), models.MLP()
     model.load_state_dict(reference.state_dict())
     build = lambda m: [
@@ -290,9 +294,9 @@ def _fabric_muon(rank: int, world_size: int) -> float:
     ref_optimizers = build(reference)
     model, *optimizers = f.setup(model, *build(model))
     worst = 0.0
-    for step in range(GLOBAL_STEPS):
+    for step in range(STEPS):
         x, y = models.mlp_batch(step)
-        _step(reference, ref_optimizers, x, y)
+        _ddp_step(reference, ref_optimizers, x, y, world_size)
         f.backward(F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)))
         for optimizer in optimizers:
             optimizer.step()
@@ -303,7 +307,7 @@ def _fabric_muon(rank: int, world_size: int) -> float:
 
 
 def test_fabric_trains_torch_muon_passed_to_setup_like_one_process():
-    assert max(run_ranks(_fabric_muon, 2)) < 1e-5
+    assert max(run_ranks(_fabric_muon, 2)) < 1e-6
 
 
 # ---- GPU habits, on CPU (tests/support/cuda_standin.py) and hybrid sharding ---------------------------
