@@ -29,7 +29,13 @@ from typing_extensions import override
 from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.checkpoint import as_path
 from lightning_zero3.core import Fixes, Lifecycle, ShardedRun, ShardedStrategy, remove_checkpoint
-from lightning_zero3.engine import check_optimizer_fits_shards, full_shapes, parameters_on_meta, step_whole_matrices
+from lightning_zero3.engine import (
+    check_optimizer_fits_shards,
+    full_shapes,
+    parameters_on_meta,
+    shard_state_built_whole,
+    step_whole_matrices,
+)
 from lightning_zero3.options import (
     RanksAndDevices,
     StartMethod,
@@ -194,6 +200,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         engine = self.sharded_model()
         with full_shapes(engine.sharded_params):  # engine/whole_matrix.py, Note: optimizers built on full shapes
             super().setup_optimizers(trainer)
+        shard_state_built_whole(engine, self.optimizers)
         sharded = {id(p.param) for p in engine.sharded_params}
         names = {id(p): name for name, p in engine.module.named_parameters()}
         for optimizer in self.optimizers:

@@ -23,7 +23,8 @@ Inside `full_shapes`, where the strategies build the user's optimizers, each sha
 shows its whole shape: its data is a zero-stride view of its own first element (no memory, its
 device and dtype). Constructors check shapes and devices, never values; the optimizer keeps
 the parameter objects, which hold their shards again on exit. A `p.dim() >= 2` filter there
-selects what it selects under DDP.
+selects what it selects under DDP. State a constructor makes at once (Adagrad's sums) has the
+full shape: `shard_state_built_whole` cuts it to this rank's piece, as a loaded full state is.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero3.engine.comm import Comm
-from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.shard import ShardedParam, shard_slice
 
 Group = dict[str, Any]  # one param group of the optimizer
 
@@ -238,7 +239,19 @@ def full_shapes(sharded_params: Iterable[ShardedParam]) -> Iterator[None]:
             sharded.param.data = shard
 
 
+def shard_state_built_whole(model: _Sharded, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """State the optimizers' constructors made inside `full_shapes` in a parameter's full shape:
+    this rank's piece of it instead (Note: optimizers built on full shapes)."""
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            if (sharded := model.sharded_param(param)) is None:
+                continue
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.dim() and value.shape == sharded.full_shape:
+                    state[key] = shard_slice(value, sharded.rank, sharded.world_size)
+
+
 __all__ = [
     "MUON", "WHOLE_MATRIX_NEEDS", "WholeMatrixNeed", "WholeMatrixSteps", "balanced_owners", "full_shapes",
-    "step_whole_matrices", "whole_matrix_need", "whole_matrix_step_bytes",
+    "shard_state_built_whole", "step_whole_matrices", "whole_matrix_need", "whole_matrix_step_bytes",
 ]  # fmt: skip

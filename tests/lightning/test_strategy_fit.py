@@ -89,3 +89,28 @@ def test_parameters_kept_whole_train_exactly_under_a_forkserver_launch() -> None
     state, _ = _fit({"max_steps": 2}, {}, persistence_threshold=13)  # norms and small biases kept whole
     expected, _ = _reference({}, max_steps=2)
     assert max_difference(state, expected) < TOL
+
+
+class _LitAdagradByDim(LitMLP):
+    """Groups chosen by `p.dim()` as DDP users do, and an optimizer whose constructor makes its
+    state (Adagrad's sums, from `initial_accumulator_value`)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        matrices = [p for p in self.parameters() if p.dim() >= 2]
+        vectors = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
+        return torch.optim.Adagrad(groups, lr=0.05, initial_accumulator_value=0.1)
+
+
+@pytest.mark.slow
+def test_an_optimizer_building_its_state_in_configure_optimizers_trains_like_one_process() -> None:
+    """Before: its state was made for the full shapes shown inside `configure_optimizers` (engine/
+    whole_matrix.py, Note: optimizers built on full shapes) and the first step raised a size mismatch."""
+    torch.manual_seed(0)
+    model = _LitAdagradByDim()
+    fit = trainer(launched("zero3"), 2, callbacks=[HandsBack()], max_epochs=1)
+    fit.fit(model, loader(2))
+    torch.manual_seed(0)
+    reference = _LitAdagradByDim()
+    reference_fit(reference, epochs=1)
+    assert max_difference(model.state_dict(), reference.state_dict()) < TOL
