@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from lightning_zero3.engine.buffers import current_event, stream_api
-from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.shard import ShardedParam, one_row
 from lightning_zero3.engine.unit import Unit
 
 __all__ = ["HostOffload", "move_module"]
@@ -54,24 +54,6 @@ class _Staging:
 
     def free(self) -> bool:
         return not self.busy and all(view() is None for view in self.lent)
-
-
-def one_row(tensors: list[torch.Tensor | None], offsets: list[int], numel: int) -> torch.Tensor | None:
-    """A 1-D view of `numel` elements over the storage `tensors` lie in, each at its offset from
-    the view's start (None entries skipped); None where they do not lie so."""
-    placed = [(t, o) for t, o in zip(tensors, offsets) if t is not None]
-    if not placed:
-        return None
-    first, start = placed[0]
-    base = first.storage_offset() - start
-    storage = first.untyped_storage()
-    if base < 0 or (base + numel) * first.element_size() > storage.nbytes():
-        return None
-    for t, o in placed:
-        if (t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != base + o
-                or not t.is_contiguous() or t.dtype != first.dtype):  # fmt: skip
-            return None
-    return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, base, (numel,), (1,))
 
 
 class HostOffload:
@@ -131,7 +113,7 @@ class HostOffload:
                     f"places it (ShardedModel.move_module)."
                 )
         shards = [p.param.detach() for p in unit.params]
-        row = one_row(list(shards), unit.offsets, unit.shard_numel)
+        row = one_row(shards, unit.offsets, unit.shard_numel)
         if row is not None:  # Note: staging reused
             copy.copy_(row, non_blocking=self.pinned)
         else:
@@ -161,8 +143,9 @@ class HostOffload:
             else:
                 staging, hosts = None, []
                 for grad in grads:  # one by one
-                    host = None if grad is None else torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pinned)
-                    if host is not None and grad is not None:
+                    host = None
+                    if grad is not None:
+                        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pinned)
                         host.copy_(grad, non_blocking=self.pinned)
                     hosts.append(host)
                 self._sources.extend(present)

@@ -21,6 +21,7 @@ strategies' state-dict guard (core.py) reads it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,25 @@ def tensors_in_one_row(
         tensors.append(torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (numel,), (1,)))
         offset += numel
     return tensors
+
+
+def one_row(tensors: Sequence[torch.Tensor | None], offsets: list[int], numel: int) -> torch.Tensor | None:
+    """A 1-D view of `numel` elements over the storage `tensors` lie in, each at its offset from
+    the view's start (None entries skipped); None where they do not lie so (Note: shards in one
+    buffer: moved off it by a `.data` replaced)."""
+    placed = [(t, o) for t, o in zip(tensors, offsets) if t is not None]
+    if not placed:
+        return None
+    first, start = placed[0]
+    base = first.storage_offset() - start
+    storage = first.untyped_storage()
+    if base < 0 or (base + numel) * first.element_size() > storage.nbytes():
+        return None
+    for t, o in placed:
+        if (t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != base + o
+                or not t.is_contiguous() or t.dtype != first.dtype):  # fmt: skip
+            return None
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, base, (numel,), (1,))
 
 
 def shard_slice(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

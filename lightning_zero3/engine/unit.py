@@ -48,7 +48,7 @@ from torch import nn
 from lightning_zero3.engine.checks import OrderMismatchError, RankChecks, exact_integers, read_tags, tag_numel
 from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.record import StepRecord
-from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.shard import ShardedParam, one_row
 
 __all__ = ["ALIGN_BYTES", "ShardSource", "Unit", "aligned_numel"]
 
@@ -284,12 +284,10 @@ class Unit:
         """This rank's shards back to back into `send` (S elements, any dtype: cast on the way):
         one copy from their buffer while they lie in it (shard.py, Note: shards in one buffer)."""
         shards = [p.param.detach() for p in self.params]
-        first = shards[0]
-        start, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
+        row = one_row(shards, self.offsets, self.shard_numel)
         with torch.no_grad():
-            if all(t.untyped_storage().data_ptr() == ptr and t.storage_offset() == start + o and t.is_contiguous()
-                   for t, o in zip(shards, self.offsets)):  # fmt: skip
-                send.copy_(first.new_empty(0).set_(first.untyped_storage(), start, (self.shard_numel,), (1,)))
+            if row is not None:
+                send.copy_(row)
             elif _foreach_copy is None:
                 torch.cat(shards, out=send)
             else:  # moved off their buffer (e.g. `param.data = ...`)
