@@ -6,8 +6,9 @@ classes), Fabric refuses the Trainer's class; the name "zero3" works in both.
 Sharding replaces each parameter by a new 1-D `nn.Parameter` (its shard), so an optimizer built
 from the model before `fabric.setup` holds the old, whole parameters. While the optimizer has no
 state yet, its param groups are pointed at the shards, matched by parameter name; this is what
-Fabric itself does for XLA, where moving a model copies its parameters. An optimizer that
-already stepped (state of full shapes) is refused: build it after `setup_module`.
+Fabric itself does for XLA, where moving a model copies its parameters. An optimizer with
+state of full shapes (it stepped, or its constructor made state: Adagrad) is refused: build it
+after `setup_module`.
 """
 
 from __future__ import annotations
@@ -332,8 +333,9 @@ def _check_no_state(optimizers: list[Optimizer], owner: str) -> None:
     for optimizer in optimizers:
         if optimizer.state:
             raise ValueError(
-                f"{owner}: the optimizer {type(optimizer).__name__} has already stepped, and its state has the "
-                f"whole parameters' shapes, not the shards'. Build the optimizer after `fabric.setup_module(model)` "
+                f"{owner}: the optimizer {type(optimizer).__name__} has state (it has already stepped, or its "
+                f"constructor made it, as Adagrad's does) in the whole parameters' shapes, not the shards'. Build "
+                f"the optimizer after `fabric.setup_module(model)` "
                 f"(or pass a fresh one to `fabric.setup(model, optimizer)`), and load saved state with `fabric.load`."
             )
 
