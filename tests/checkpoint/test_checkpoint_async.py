@@ -321,6 +321,7 @@ def _fit_losing_rank_0_after_its_save(rank: int, world_size: int, directory: str
     t.fit(LitMLP(), loader(world_size))
 
 
+@pytest.mark.slow
 def test_a_rank_lost_in_lightnings_barrier_after_a_save_is_a_collective_error_naming_it(tmp_path):
     with pytest.raises(RankFailure) as failure:
         run_ranks(_fit_losing_rank_0_after_its_save, 2, str(tmp_path))
@@ -342,6 +343,7 @@ def _lost_in_a_control_collective(rank: int, world_size: int, strategy: str, cal
         made.reduce_boolean_decision(True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "call", "collective"),
     [("ZeRO3Strategy", "broadcast", "broadcast from rank 0"), ("ZeRO3FabricStrategy", "broadcast", "broadcast from "

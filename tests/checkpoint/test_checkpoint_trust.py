@@ -357,6 +357,7 @@ def test_a_truncated_full_file_is_named_truncated(tmp_path):
         ckpt.load_checkpoint(full)
 
 
+@pytest.mark.slow
 def test_a_truncated_pickle_is_named_truncated_never_an_empty_reason(tmp_path):
     """A full file in torch's legacy (non-zip) format, cut at every length: pickle's EOFError,
     often without a message, reads "truncated", never "EOFError: " and nothing."""

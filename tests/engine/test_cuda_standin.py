@@ -235,6 +235,7 @@ def test_a_steady_step_reads_and_writes_the_host_as_often_as_ddp_on_the_cuda_pat
                 assert ours[count] == plain[count], (count, mine, theirs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [{}, {"param_dtype": torch.bfloat16}, {"param_dtype": torch.bfloat16, "moved": True},
@@ -254,6 +255,7 @@ def test_every_copy_of_a_steady_step_runs_as_one_kernel_on_cuda_whatever_the_lay
             assert a["copies"] == b["copies"], (few, many)
 
 
+@pytest.mark.slow
 def test_gradients_are_averaged_and_cast_on_the_communication_stream() -> None:
     """Before: the division by N and the cast to the shards' dtype ran on the compute stream,
     after it waited for each Reduce-Scatter (FSDP2 runs both on the Reduce-Scatter stream)."""

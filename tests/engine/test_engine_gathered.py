@@ -179,6 +179,7 @@ def _entered_on_rank_0_only(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_gathered_parameters_entered_on_rank_0_only_names_the_cause_and_the_fix_there() -> None:
     with pytest.raises(RankFailure) as failure:
         run_ranks(_entered_on_rank_0_only, 2, timeout_s=10)

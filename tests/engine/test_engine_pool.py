@@ -92,6 +92,7 @@ def whole_weights_calls() -> list[dict]:
     return run_ranks(_whole_weights_calls, 2)
 
 
+@pytest.mark.slow
 def test_whole_weights_calls_leave_the_pool_as_the_training_step_left_it(whole_weights_calls) -> None:
     """After `gathered_for_inference()` (the whole model gathered), `full_state_dict()` and
     `gathered_parameters()` (fp32 gathers) the pool holds what the step left, no more, and within
@@ -151,6 +152,7 @@ def _buffers_of_a_step(rank: int, world_size: int, in_flight: int) -> dict:
         return {"forward": at_forward_end, "backward": max(in_backward), "peaks": peaks[1:], "formula": formula}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_flight", [0, ShardingConfig().in_flight("cuda")], ids=["cpu_default", "cuda_default"])
 def test_a_steady_step_holds_the_formulas_buffers(in_flight: int) -> None:
     """The pool's peak over a steady step is `step_buffer_bytes` (docs/accounting.md); with CUDA's
@@ -229,6 +231,7 @@ def _release(rank: int, world_size: int) -> dict:
     return {"before": before, "after": after, "again": sharded._pool.cached_bytes}
 
 
+@pytest.mark.slow
 def test_release_buffers_gives_every_pooled_buffer_back() -> None:
     for result in run_ranks(_release, 2):
         (pooled, live), (pooled_after, live_after) = result["before"], result["after"]

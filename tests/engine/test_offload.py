@@ -254,6 +254,7 @@ def _copies_per_step(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_offload_copies_once_per_unit_and_direction_reuses_its_staging_and_waits_on_an_event() -> None:
     """Before: a new host tensor and a copy per parameter per backward, a copy per parameter per
     upload, and a synchronize of the whole stream (engine/offload.py, Note: staging reused)."""

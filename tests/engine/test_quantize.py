@@ -142,6 +142,7 @@ def _quantized_training(rank: int, world_size: int, options: dict[str, Any], mic
             "deviation": deviation, "compute": compute}  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world_size", "options", "micro_batches"),
     [

@@ -365,6 +365,7 @@ def _fit_and_resume(strategy: str, directory: Path) -> dict[str, torch.Tensor]:
     return resumed.state_dict()
 
 
+@pytest.mark.slow
 def test_a_sharded_muon_checkpoint_resumes_at_another_world_size_as_ddps_does(tmp_path):
     (tmp_path / "zero3").mkdir()
     (tmp_path / "ddp").mkdir()

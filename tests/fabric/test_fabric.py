@@ -399,6 +399,7 @@ def _stall_in_the_replicate_group(rank: int, world_size: int, flag: str) -> str:
         Path(flag).touch()
 
 
+@pytest.mark.slow
 def test_a_rank_stalled_on_a_side_group_fails_the_other_after_the_strategys_timeout(tmp_path) -> None:
     """The groups `shard_size` makes time out after `timeout` as the default group does, not
     after torch's 30 min (torch 2.13's `new_group` does not inherit the default group's)."""

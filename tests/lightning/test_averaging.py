@@ -56,6 +56,7 @@ def _fit(rank: int, world_size: int, strategy: str, kind: str) -> dict[str, Any]
     return {"val_losses": model.val_losses, "state": whole_state(model)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ema", "swa"])
 def test_averaging_on_shards_gives_lightnings_averaged_weights_under_ddp(kind: str) -> None:
     ddp = run_ranks(_fit, 2, "ddp", kind)[0]
