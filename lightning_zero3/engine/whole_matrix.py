@@ -20,8 +20,9 @@ torch is patched. Another optimizer of this kind (a Shampoo-style preconditioner
 [Note: optimizers built on full shapes]
 `torch.optim.Muon(params)` refuses a parameter that is not 2-D, so it cannot be built on shards.
 Inside `full_shapes`, where the strategies build the user's optimizers, each sharded parameter
-shows its whole shape: its data is a zero-stride view of its own first element (no memory, its
-device and dtype). Constructors check shapes and devices, never values; the optimizer keeps
+shows its whole shape: its data is a zero-stride view of one NaN of its device and dtype (no
+memory). Constructors check shapes and devices, never values; a write there (an init in
+`configure_optimizers`) lands on that NaN, never a shard, and is refused on exit. The optimizer keeps
 the parameter objects, which hold their shards again on exit. A `p.dim() >= 2` filter there
 selects what it selects under DDP. State a constructor makes at once (Adagrad's sums) has the
 full shape: `shard_state_built_whole` cuts it to this rank's piece, as a loaded full state is.
@@ -224,19 +225,29 @@ def whole_matrix_step_bytes(model: _Sharded, optimizers: Iterable[torch.optim.Op
 
 @contextmanager
 def full_shapes(sharded_params: Iterable[ShardedParam]) -> Iterator[None]:
-    """Each sharded parameter shows its whole shape inside (Note: optimizers built on full shapes)."""
-    shown: list[tuple[ShardedParam, Tensor]] = []
+    """Each sharded parameter shows its whole shape inside, its values NaN; a write is refused on
+    exit, the shards untouched (Note: optimizers built on full shapes)."""
+    shown: list[tuple[ShardedParam, Tensor, Tensor]] = []
     try:
         for sharded in sharded_params:
             shard = sharded.param.data
             if shard.numel() == 0:  # nothing to view; no optimizer steps it
                 continue
-            shown.append((sharded, shard))
-            sharded.param.data = shard.as_strided(sharded.full_shape, [0] * len(sharded.full_shape))
+            stand_in = torch.full((1,), float("nan"), dtype=shard.dtype, device=shard.device)
+            shown.append((sharded, shard, stand_in))
+            sharded.param.data = stand_in.as_strided(sharded.full_shape, [0] * len(sharded.full_shape))
         yield
     finally:
-        for sharded, shard in shown:
+        for sharded, shard, _ in shown:
             sharded.param.data = shard
+    untouched = torch.cat([stand_in for *_, stand_in in shown]).isnan().tolist() if shown else []  # one sync
+    if written := [sharded.name for (sharded, *_), nan in zip(shown, untouched) if not nan]:
+        raise RuntimeError(
+            f"{written[:5]} were written while the optimizers were built (e.g. an init in configure_optimizers). "
+            f"There a sharded parameter shows its whole shape but holds no values, so the write was dropped. "
+            f"Initialise weights in the module's __init__ or configure_model(), or after setup under "
+            f"gathered_parameters(modifier_rank=0)."
+        )
 
 
 def shard_state_built_whole(model: _Sharded, optimizers: Iterable[torch.optim.Optimizer]) -> None:

@@ -372,3 +372,23 @@ def test_a_sharded_muon_checkpoint_resumes_at_another_world_size_as_ddps_does(tm
     zero3 = _fit_and_resume("zero3", tmp_path / "zero3")
     assert (tmp_path / "zero3" / "epoch1.ckpt").is_dir()  # sharded: a directory, each rank its pieces
     assert max_difference(zero3, _fit_and_resume("ddp", tmp_path / "ddp")) < 1e-6
+
+
+def _write_inside_full_shapes(rank: int, world_size: int) -> tuple[str, bool]:
+    model = _model()
+    sharded = ShardedModel(model, persistence_threshold=100)
+    before = [s.param.data.clone() for s in sharded.sharded_params]
+    try:
+        with full_shapes(sharded.sharded_params):
+            torch.nn.init.constant_(model.blocks[0].fc1.weight, 1.0)  # a user's init in configure_optimizers
+        message = ""
+    except RuntimeError as err:
+        message = str(err)
+    unchanged = all(torch.equal(a, s.param.data) for a, s in zip(before, sharded.sharded_params))
+    return message, unchanged
+
+
+def test_a_write_to_a_parameter_while_optimizers_are_built_is_refused_and_leaves_the_shards():
+    for message, unchanged in run_ranks(_write_inside_full_shapes, 2):
+        assert "blocks.0.fc1.weight" in message and "configure_model" in message, message
+        assert unchanged
