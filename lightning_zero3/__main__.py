@@ -10,9 +10,9 @@ from typing import TextIO
 
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
 
-from lightning_zero3 import estimate
 from lightning_zero3.checkpoint import CheckpointError, Progress, consolidate_checkpoint
 from lightning_zero3.engine import DTYPE_NAMES
+from lightning_zero3.tools import estimate
 
 
 class ProgressBar:

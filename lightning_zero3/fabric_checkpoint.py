@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import CheckpointError, ShardedStateDict, as_path
-from lightning_zero3.core import ReadFile, ShardedRun, WriteFile
+from lightning_zero3.common.run import ReadFile, ShardedRun, WriteFile
 
 OWNER = "ZeRO3FabricStrategy"  # the class these functions serve, named in their messages
 

@@ -34,16 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
-from lightning_zero3.core import Fixes, ShardedRun, ShardedStrategy
-from lightning_zero3.engine import (
-    AgreeingGradScaler,
-    check_optimizer_fits_shards,
-    clip_grad_norm_,
-    parameters_on_meta,
-    step_whole_matrices,
-)
-from lightning_zero3.grads import sharded_grad_norm
-from lightning_zero3.options import (
+from lightning_zero3.common.options import (
     RanksAndDevices,
     StartMethod,
     StateDictType,
@@ -52,7 +43,16 @@ from lightning_zero3.options import (
     checkpoint_io_files,
     split_options,
 )
-from lightning_zero3.summary import step_metrics
+from lightning_zero3.common.run import Fixes, ShardedRun, ShardedStrategy
+from lightning_zero3.engine import (
+    AgreeingGradScaler,
+    check_optimizer_fits_shards,
+    clip_grad_norm_,
+    parameters_on_meta,
+    step_whole_matrices,
+)
+from lightning_zero3.tools.grads import sharded_grad_norm
+from lightning_zero3.tools.summary import step_metrics
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler

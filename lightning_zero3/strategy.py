@@ -26,17 +26,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.checkpoint import as_path
-from lightning_zero3.core import Fixes, Lifecycle, ShardedRun, ShardedStrategy, remove_checkpoint
-from lightning_zero3.engine import (
-    check_optimizer_fits_shards,
-    full_shapes,
-    parameters_on_meta,
-    shard_state_built_whole,
-    step_whole_matrices,
-)
-from lightning_zero3.options import (
+from lightning_zero3.common.options import (
     RanksAndDevices,
     StartMethod,
     StateDictType,
@@ -45,8 +36,17 @@ from lightning_zero3.options import (
     checkpoint_io_files,
     split_options,
 )
+from lightning_zero3.common.run import Fixes, Lifecycle, ShardedRun, ShardedStrategy, remove_checkpoint
+from lightning_zero3.engine import (
+    check_optimizer_fits_shards,
+    full_shapes,
+    parameters_on_meta,
+    shard_state_built_whole,
+    step_whole_matrices,
+)
 from lightning_zero3.precision import sharded_precision
-from lightning_zero3.summary import count_full_parameters
+from lightning_zero3.tools.callbacks import refuse_unsupported_callbacks
+from lightning_zero3.tools.summary import count_full_parameters
 
 
 class _RootCall(nn.Module):

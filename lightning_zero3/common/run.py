@@ -79,7 +79,7 @@ from lightning_zero3.engine import (
 )
 
 if TYPE_CHECKING:
-    from lightning_zero3.options import LightningOptions
+    from lightning_zero3.common.options import LightningOptions
 
 # How a strategy's checkpoint plugin writes, reads and removes one full file; None: the package's
 # own atomic writer, memory-mapped reader and remover (checkpoint/full.py).
