@@ -1,6 +1,6 @@
 """`python -m lightning_zero3 consolidate SRC DST`: one ordinary checkpoint file from a sharded
 checkpoint directory, offline (docs/checkpoints.md). `python -m lightning_zero3 estimate ...`:
-per-rank memory and bytes per step before launching (estimate.py)."""
+per-rank memory and bytes per step before launching (tools/estimate.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`fabric.save` and `fabric.load` under `ZeRO3FabricStrategy`, on top of the run (core.py).
+"""`fabric.save` and `fabric.load` under `ZeRO3FabricStrategy`, on top of the run (common/run.py).
 One model (with any number of its optimizers) per checkpoint, as Lightning's FSDP requires.
 - "sharded": stored as a Trainer's sharded checkpoint ("state_dict", "optimizer_states"; docs/
   checkpoints.md), plus the entry "fabric": the user's keys for them and the rest of the state.

@@ -291,9 +291,9 @@ def test_sharded_model_shows_three_attributes_and_documents_each_method():
 
 
 def test_the_trainer_and_fabric_strategies_share_one_surface_on_their_models():
-    """`sharded_model` and the gathered views: the same method in both, written once (core.py)."""
+    """`sharded_model` and the gathered views: the same method in both, written once (common/base.py)."""
     from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
-    from lightning_zero3.common.run import ShardedStrategy
+    from lightning_zero3.common.base import ShardedStrategy
 
     for name in ("sharded_model", "gathered_parameters", "gathered_for_inference"):
         assert getattr(ZeRO3Strategy, name) is getattr(ZeRO3FabricStrategy, name) is getattr(ShardedStrategy, name)
