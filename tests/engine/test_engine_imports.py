@@ -297,3 +297,13 @@ def test_the_trainer_and_fabric_strategies_share_one_surface_on_their_models():
 
     for name in ("sharded_model", "gathered_parameters", "gathered_for_inference"):
         assert getattr(ZeRO3Strategy, name) is getattr(ZeRO3FabricStrategy, name) is getattr(ShardedStrategy, name)
+
+
+def test_the_glue_layout_holds():
+    """docs/design.md, "The glue": the run imports no Lightning (the strategies hand it their plugin's
+    file functions), and tools/ import neither strategy nor what only one of them uses."""
+    run = [m for _, m in _imported_modules(ast.parse((PACKAGE / "common" / "run.py").read_text()))]
+    one_api = {f"lightning_zero3.{name}" for name in ("strategy", "fabric_strategy", "fabric_checkpoint", "precision")}
+    graph = import_graph(PACKAGE)
+    tools = {name: graph[name] & one_api for name in graph if name.startswith("lightning_zero3.tools")}
+    assert [m for m in run if m.split(".")[0] in LIGHTNING] == [] and {k: v for k, v in tools.items() if v} == {}
