@@ -32,8 +32,8 @@ import lightning_zero3
 from benchmarks.measure import peak_rss_bytes, reset_peak_rss
 from lightning_zero3 import ShardedModel
 from lightning_zero3.checkpoint import load_sharded
-from lightning_zero3.core import ShardedRun
-from lightning_zero3.options import LightningOptions
+from lightning_zero3.common.options import LightningOptions
+from lightning_zero3.common.run import ShardedRun
 from tests.support.models import TinyGPT
 from tests.support.ranks import run_ranks
 

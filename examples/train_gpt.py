@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero3 import ShardingStatsMonitor, ZeRO3Strategy
-from lightning_zero3.estimate import parse_option
+from lightning_zero3.tools.estimate import parse_option
 
 # ---------------------------------------------------------------------------------------------
 # Model

@@ -9,13 +9,13 @@ model = lightning_zero3.load_from_checkpoint(MyModule, best_model_path)  # one p
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero3.averaging import ShardedEMAWeightAveraging, ShardedWeightAveraging
 from lightning_zero3.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, load_from_checkpoint
 from lightning_zero3.engine import OrderMismatchError, ShardedModel
 from lightning_zero3.fabric_strategy import ZeRO3FabricStrategy
-from lightning_zero3.grads import grad_norm
 from lightning_zero3.strategy import ZeRO3Strategy
-from lightning_zero3.summary import ShardingStatsMonitor
+from lightning_zero3.tools.averaging import ShardedEMAWeightAveraging, ShardedWeightAveraging
+from lightning_zero3.tools.grads import grad_norm
+from lightning_zero3.tools.summary import ShardingStatsMonitor
 
 __all__ = [
     "CheckpointError",

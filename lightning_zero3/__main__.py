@@ -1,6 +1,6 @@
 """`python -m lightning_zero3 consolidate SRC DST`: one ordinary checkpoint file from a sharded
 checkpoint directory, offline (docs/checkpoints.md). `python -m lightning_zero3 estimate ...`:
-per-rank memory and bytes per step before launching (estimate.py)."""
+per-rank memory and bytes per step before launching (tools/estimate.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import TextIO
 
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
 
-from lightning_zero3 import estimate
 from lightning_zero3.checkpoint import CheckpointError, Progress, consolidate_checkpoint
 from lightning_zero3.engine import DTYPE_NAMES
+from lightning_zero3.tools import estimate
 
 
 class ProgressBar:

@@ -1,4 +1,4 @@
-"""`fabric.save` and `fabric.load` under `ZeRO3FabricStrategy`, on top of the run (core.py).
+"""`fabric.save` and `fabric.load` under `ZeRO3FabricStrategy`, on top of the run (common/run.py).
 One model (with any number of its optimizers) per checkpoint, as Lightning's FSDP requires.
 - "sharded": stored as a Trainer's sharded checkpoint ("state_dict", "optimizer_states"; docs/
   checkpoints.md), plus the entry "fabric": the user's keys for them and the rest of the state.
@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero3.checkpoint import CheckpointError, ShardedStateDict, as_path
-from lightning_zero3.core import ReadFile, ShardedRun, WriteFile
+from lightning_zero3.common.run import ReadFile, ShardedRun, WriteFile
 
 OWNER = "ZeRO3FabricStrategy"  # the class these functions serve, named in their messages
 

@@ -34,7 +34,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero3 import fabric_checkpoint
-from lightning_zero3.core import Fixes, ShardedRun, ShardedStrategy
+from lightning_zero3.common.base import ShardedStrategy, all_reduce, checkpoint_io_files
+from lightning_zero3.common.options import StartMethod, StateDictType, build_engine, split_options
+from lightning_zero3.common.run import Fixes, ShardedRun
 from lightning_zero3.engine import (
     AgreeingGradScaler,
     check_optimizer_fits_shards,
@@ -42,23 +44,14 @@ from lightning_zero3.engine import (
     parameters_on_meta,
     step_whole_matrices,
 )
-from lightning_zero3.grads import sharded_grad_norm
-from lightning_zero3.options import (
-    RanksAndDevices,
-    StartMethod,
-    StateDictType,
-    all_reduce,
-    build_engine,
-    checkpoint_io_files,
-    split_options,
-)
-from lightning_zero3.summary import step_metrics
+from lightning_zero3.tools.grads import sharded_grad_norm
+from lightning_zero3.tools.summary import step_metrics
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 
-class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
+class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
     """ZeRO stage 3 for Lightning Fabric: parameters, gradients and optimizer state 1/N per rank.
 
     Takes the options of the Trainer's `ZeRO3Strategy` (its docstring, the README), read back as
@@ -70,7 +63,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     strategy_name = "zero3"
     description = "ZeRO stage 3 for Fabric (lightning_zero3)"
     which = "a Fabric strategy: for the Trainer use ZeRO3Strategy"
-    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)  # RanksAndDevices._configure_launcher
+    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)  # ShardedStrategy._configure_launcher
 
     def __init__(
         self,
@@ -125,7 +118,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         self._replaced: dict[int, tuple[weakref.ref[Tensor], nn.Parameter]] = {}
         self._backward_sync_control = _NoBackwardSync(self._run_of)  # fabric.no_backward_sync
 
-    # ---- what Fabric asks of a distributed strategy (and RanksAndDevices in options.py) -------
+    # ---- what Fabric asks of a distributed strategy (and ShardedStrategy, common/base.py) -----
     # ---- building and sharding the model ----------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -257,7 +250,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     def step_metrics(self, module: nn.Module | None = None, prefix: str = "zero3/") -> dict[str, float]:
         """What the last optimizer step of `module` (default: the only model) moved, waited and
         held, as flat numbers for `fabric.log_dict(fabric.strategy.step_metrics(model))` after
-        `optimizer.step()` (summary.py `step_metrics`, the Trainer's `ShardingStatsMonitor`)."""
+        `optimizer.step()` (tools/summary.py `step_metrics`, the Trainer's `ShardingStatsMonitor`)."""
         return step_metrics(self.sharded_model(module).report([]), self.root_device, prefix)
 
     # ---- collectives Fabric uses -----------------------------------------------------------
@@ -293,7 +286,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     @override
     def teardown(self) -> None:
         # Fabric tells a strategy nothing of failures, so no collective: each module is left
-        # sharded (core.py, Note: run lifecycle), the last background save's error raised here.
+        # sharded (common/run.py, Note: run lifecycle), the last background save's error raised here.
         errors = [run.wait_for_save(agree=False) for run in self._runs.values()]
         for run in self._runs.values():
             run.end(failed=True)
@@ -306,7 +299,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
 
 
 
-_FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (core.py)
+_FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (common/run.py)
     read="For whole weights, read them inside `with fabric.strategy.gathered_parameters(model):` on every rank (there "
     "`state_dict()` of the model and of any submodule is whole), or save with `fabric.save(path, {'model': model})` "
     "(with `ZeRO3FabricStrategy(state_dict_type='full')`: one ordinary file of whole tensors).",

@@ -26,9 +26,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero3.callbacks import refuse_unsupported_callbacks
 from lightning_zero3.checkpoint import as_path
-from lightning_zero3.core import Fixes, Lifecycle, ShardedRun, ShardedStrategy, remove_checkpoint
+from lightning_zero3.common.base import ShardedStrategy, all_reduce, checkpoint_io_files
+from lightning_zero3.common.options import StartMethod, StateDictType, build_engine, split_options
+from lightning_zero3.common.run import Fixes, Lifecycle, ShardedRun, remove_checkpoint
 from lightning_zero3.engine import (
     check_optimizer_fits_shards,
     full_shapes,
@@ -36,17 +37,9 @@ from lightning_zero3.engine import (
     shard_state_built_whole,
     step_whole_matrices,
 )
-from lightning_zero3.options import (
-    RanksAndDevices,
-    StartMethod,
-    StateDictType,
-    all_reduce,
-    build_engine,
-    checkpoint_io_files,
-    split_options,
-)
 from lightning_zero3.precision import sharded_precision
-from lightning_zero3.summary import count_full_parameters
+from lightning_zero3.tools.callbacks import refuse_unsupported_callbacks
+from lightning_zero3.tools.summary import count_full_parameters
 
 
 class _RootCall(nn.Module):
@@ -78,11 +71,11 @@ class _WholeWeightsLauncher(_MultiProcessingLauncher):
         return output
 
 
-class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
+class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state partitioned 1/N over ranks.
 
     Takes keyword options only: Lightning's own, then the engine's (`lightning_zero3.engine.ShardingConfig`)
-    and the Lightning-only ones (`LightningOptions` in options.py), both in the README's table (LightningCLI's
+    and the Lightning-only ones (`LightningOptions` in common/options.py), both in the README's table (LightningCLI's
     `init_args` take them). They are read back as `strategy.config` and `strategy.lightning_options`;
     `dataclasses.replace(strategy.config, prefetch=2)` validates again. A ``param_dtype`` of None
     follows the Trainer's precision ("bf16-mixed" -> bf16, "16-mixed" -> fp16).
@@ -90,7 +83,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
 
     strategy_name = "zero3"
     description, which = "ZeRO stage 3 (lightning_zero3)", "a Trainer strategy: for Fabric use ZeRO3FabricStrategy"
-    _launchers = (_SubprocessScriptLauncher, _WholeWeightsLauncher)  # RanksAndDevices._configure_launcher
+    _launchers = (_SubprocessScriptLauncher, _WholeWeightsLauncher)  # ShardedStrategy._configure_launcher
 
     def __init__(
         self,
@@ -132,7 +125,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         self.config, self.lightning_options = split_options(type(self).__name__, locals())
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
-        # The module under ZeRO-3 (core.py, Note: run lifecycle); None before the first setup.
+        # The module under ZeRO-3 (common/run.py, Note: run lifecycle); None before the first setup.
         self.run: ShardedRun | None = None
         # Set by `on_exception`: teardown then makes no collective (other ranks may be gone).
         self._failed = False
@@ -143,7 +136,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         # `torch.save(trainer)`) leaves it behind, like Lightning's DDP drops its process group.
         return {**super().__getstate__(), "run": None}
 
-    # ---- what Lightning asks of a distributed strategy (and RanksAndDevices in options.py) ----
+    # ---- what Lightning asks of a distributed strategy (and ShardedStrategy, common/base.py) --
     @property
     def is_distributed(self) -> bool:
         # Lightning only knows its own strategies as distributed; without this no
@@ -158,7 +151,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     # ---- setup ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
-        refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__)  # callbacks.py: why and what instead
+        refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__)  # tools/callbacks.py: why and what instead
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -184,7 +177,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if self.run is not None and self.run.engine.module is module and self.run.at_rest:
-            self.run.resume()  # after `fit`: the same shards, no collective (core.py, Note: run lifecycle)
+            self.run.resume()  # after `fit`: the same shards, no collective (common/run.py, Note: run lifecycle)
             engine = self.run.engine
         else:
             engine = build_engine(type(self).__name__, module, self.config, precision=self.precision_plugin,
@@ -283,7 +276,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         return all_reduce(type(self).__name__, tensor, group, reduce_op)
 
-    # ---- whole parameters on demand (and core.py's ShardedStrategy) ------------------------
+    # ---- whole parameters on demand (and ShardedStrategy's, common/base.py) -----------------
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The LightningModule's whole state dict, gathered one unit at a time into host memory,
         on rank 0 (others get {}) or with `rank0_only=False` on every rank. Collective: call it
@@ -296,7 +289,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
         """What this rank holds and sends: see docs/accounting.md."""
         return self.sharded_model().report(self.optimizers)
 
-    # ---- checkpoints (core.py's run): "sharded" a directory, each rank its shards; "full" one
+    # ---- checkpoints (the run, common/run.py): "sharded" a directory, each rank its shards; "full" one
     # ordinary Lightning file from rank 0.
     def _run_of(self, module: nn.Module | None = None, *, within: bool = False) -> ShardedRun:  # one LightningModule
         if self.run is None:
@@ -362,7 +355,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
                 self.run.wait_for_save(agree=not self._failed)
         finally:
             if self.run is not None and self.run.state is Lifecycle.SHARDED:
-                self.run.end(failed=self._failed)  # left sharded, or at rest (core.py, Note: run lifecycle)
+                self.run.end(failed=self._failed)  # left sharded, or at rest (common/run.py, Note: run lifecycle)
                 self.model = self.lightning_module
             # Lightning's teardown without its moves of the module and optimizer state to the CPU,
             # as Lightning's FSDPStrategy: the shards stay on the device, whole nowhere.
@@ -374,7 +367,7 @@ class ZeRO3Strategy(ShardedStrategy, RanksAndDevices, ParallelStrategy):
 
 
 
-_FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (core.py)
+_FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (common/run.py)
     read="For whole weights, read them inside `with trainer.strategy.gathered_parameters(model):` on every rank (there "
     "`state_dict()` of the model and of any submodule is whole), or call `trainer.strategy.full_state_dict()` on every "
     "rank (rank 0 gets them), or save a checkpoint with `trainer.save_checkpoint(path)`.",

@@ -2,7 +2,7 @@
 the oracle for a step's traffic (which units are gathered once or twice, kept whole or as a
 slice, and the payload bytes: docs/accounting.md). The engine records what it did (record.py);
 tests and the summary check that and the measured bytes against this formula. The rules take
-`UnitSizes`: the engine's exact rows here, estimate.py's for a model not built.
+`UnitSizes`: the engine's exact rows here, tools/estimate.py's for a model not built.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ group's destructor joins its workers (torch runs it with the GIL released), and 
 last reference goes: torch's own (`destroy_process_group`) and every `Comm`'s. So at exit,
 before Python finalizes, `_leave_at_exit` destroys the groups `new_group` made and makes every
 `Comm` let go of its group; the strategies destroy the default group they joined
-(options.py). Registered at import, it runs after every exit handler registered later.
+(common/base.py). Registered at import, it runs after every exit handler registered later.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`ShardingConfig`: every option of the engine, defined and validated once. The strategies
-pass on whatever this dataclass declares (options.py): a field is added here and nowhere else.
+pass on whatever this dataclass declares (common/options.py): a field is added here and nowhere else.
 """
 
 from __future__ import annotations

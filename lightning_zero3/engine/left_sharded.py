@@ -6,7 +6,7 @@
 engine first asks every rank (one all_gather_object): left sharded everywhere, the old engine
 makes it whole; on some ranks only, every rank raises. A forward pre-hook keeps the old engine
 alive and refuses a forward on the shards; the registry holds both weakly.
-A module at rest after a Trainer's `fit` (core.py, Note: run lifecycle) is remembered the same
+A module at rest after a Trainer's `fit` (common/run.py, Note: run lifecycle) is remembered the same
 way, its hooks kept and its engine held by the strategies' state-dict guard, which `forget`
 removes with the forward refusal once the module is whole or resumed.
 """
@@ -50,7 +50,7 @@ def leave_sharded(module: nn.Module, engine: Restorable, fix: str = SHARD_AGAIN)
 
 
 def remember_sharded(module: nn.Module, engine: Restorable, handle: Any) -> None:
-    """`engine` holds `module` sharded (left, or at rest after `fit`: core.py, Note: run
+    """`engine` holds `module` sharded (left, or at rest after `fit`: common/run.py, Note: run
     lifecycle); `handle`, a hook of the module that holds the engine, is removed by `forget`,
     with those remembered before for the same engine."""
     entry = _LEFT.get(module)

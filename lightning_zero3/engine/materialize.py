@@ -183,7 +183,7 @@ def _version(module: nn.Module, buffer: str) -> int:
     return tensor._version
 
 
-# The end of the message above; the strategies name their own ways to the same (options.py).
+# The end of the message above; the strategies name their own ways to the same (common/options.py).
 META_FIX = (
     "Build the model under lightning_zero3.engine.materialize.parameters_on_meta(device), which defers only "
     'parameters, not under torch.device("meta").'

@@ -124,7 +124,7 @@ class ShardedModel:
         )  # fmt: skip
         held = lambda: self._hooks.state is PassState.HELD
         self._synced_generate = install_synced_generate(module, held, ranks=self._comm.world_size * groups)
-        self._reading_own = False  # inside `own_reads` (core.py, Note: a module's own state_dict)
+        self._reading_own = False  # inside `own_reads` (common/run.py, Note: a module's own state_dict)
 
     def _describe_step(self) -> str:
         orders = [(phase, order) for phase, order in (("forward", self._schedule.forward_order),

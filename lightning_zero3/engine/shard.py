@@ -15,7 +15,7 @@ own version counter, so writing one shard does not make the others look changed.
 whole data in it and pushes the block's `modifier_rank` on `gathered` (None: writes are dropped on
 exit), popped on exit. During forward the whole tensors only shadow `param` (hooks.py, Note: one
 unit call), so `gathered` empty means `param`, what `state_dict()` reads, is a shard. The
-strategies' state-dict guard (core.py) reads it.
+strategies' state-dict guard (common/run.py) reads it.
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ def _last_background_write_fails_on_rank_1(rank: int, world_size: int, directory
         _fail_background_writes()
     become_lightning_rank(rank, world_size)
     from lightning_zero3 import ZeRO3Strategy
-    from lightning_zero3.core import Lifecycle
+    from lightning_zero3.common.run import Lifecycle
 
     model = LitMLP()
     every = ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=2, save_top_k=-1)
@@ -277,7 +277,7 @@ def test_a_removal_asked_for_while_a_save_writes_runs_once_it_succeeded(tmp_path
     """ModelCheckpoint's rotation under async_save (core.remove_checkpoint): the old checkpoint
     goes only once the new one is in place, and stays if the new one failed."""
     from lightning_zero3.checkpoint.background import BackgroundSave
-    from lightning_zero3.core import remove_checkpoint
+    from lightning_zero3.common.run import remove_checkpoint
 
     old = tmp_path / "old.ckpt"
     old.touch()  # an empty file: something a save may replace

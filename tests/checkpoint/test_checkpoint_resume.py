@@ -215,9 +215,9 @@ def test_plain_state_dict_as_ckpt_path_says_how_to_fine_tune(saved_by_ddp):
 def test_a_full_checkpoint_of_another_number_of_optimizers_is_refused_before_any_loads(saved, returned):
     """One process: a full checkpoint's "optimizer_states" hold `saved` optimizers, the run
     configured `returned`: a CheckpointError naming both counts, and no optimizer changed."""
-    from lightning_zero3.core import ShardedRun
+    from lightning_zero3.common.options import LightningOptions
+    from lightning_zero3.common.run import ShardedRun
     from lightning_zero3.engine import ShardedModel
-    from lightning_zero3.options import LightningOptions
     from tests.support.models import MLP
 
     model = MLP()

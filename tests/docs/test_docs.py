@@ -23,8 +23,8 @@ import yaml
 from torch import nn
 
 from lightning_zero3 import ZeRO3Strategy
+from lightning_zero3.common.options import LightningOptions
 from lightning_zero3.engine import ShardingConfig
-from lightning_zero3.options import LightningOptions
 from tests.support.processes import ROOT, job_env
 
 DOCS = ("README.md", "docs/user-guide.md")

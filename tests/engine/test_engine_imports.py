@@ -157,8 +157,8 @@ def test_the_door_check_sees_an_engine_or_checkpoint_module(tmp_path):
 
 def test_the_checkpoint_door_exports_only_what_users_and_the_glue_use():
     """Each name of `lightning_zero3.checkpoint.__all__` is imported by the glue or is a user's (README)."""
-    glue = {m.rsplit(".", 1)[-1] for path in PACKAGE.glob("*.py") for _, m in _imported_modules(
-        ast.parse(path.read_text())) if m.startswith("lightning_zero3.checkpoint.")}  # fmt: skip
+    glue = {m.rsplit(".", 1)[-1] for path in PACKAGE.rglob("*.py") if path.parent.name != "checkpoint" for _, m in
+            _imported_modules(ast.parse(path.read_text())) if m.startswith("lightning_zero3.checkpoint.")}  # fmt: skip
     readme = (PACKAGE.parent / "README.md").read_text() + (PACKAGE.parent / "docs" / "checkpoints.md").read_text()
     assert [name for name in lightning_zero3.checkpoint.__all__ if name not in glue and name not in readme] == []
 
@@ -291,9 +291,19 @@ def test_sharded_model_shows_three_attributes_and_documents_each_method():
 
 
 def test_the_trainer_and_fabric_strategies_share_one_surface_on_their_models():
-    """`sharded_model` and the gathered views: the same method in both, written once (core.py)."""
+    """`sharded_model` and the gathered views: the same method in both, written once (common/base.py)."""
     from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
-    from lightning_zero3.core import ShardedStrategy
+    from lightning_zero3.common.base import ShardedStrategy
 
     for name in ("sharded_model", "gathered_parameters", "gathered_for_inference"):
         assert getattr(ZeRO3Strategy, name) is getattr(ZeRO3FabricStrategy, name) is getattr(ShardedStrategy, name)
+
+
+def test_the_glue_layout_holds():
+    """docs/design.md, "The glue": the run imports no Lightning (the strategies hand it their plugin's
+    file functions), and tools/ import neither strategy nor what only one of them uses."""
+    run = [m for _, m in _imported_modules(ast.parse((PACKAGE / "common" / "run.py").read_text()))]
+    one_api = {f"lightning_zero3.{name}" for name in ("strategy", "fabric_strategy", "fabric_checkpoint", "precision")}
+    graph = import_graph(PACKAGE)
+    tools = {name: graph[name] & one_api for name in graph if name.startswith("lightning_zero3.tools")}
+    assert [m for m in run if m.split(".")[0] in LIGHTNING] == [] and {k: v for k, v in tools.items() if v} == {}

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_zero3.core import ShardedRun
+from lightning_zero3.common.options import LightningOptions
+from lightning_zero3.common.run import ShardedRun
 from lightning_zero3.engine import ShardedModel
-from lightning_zero3.options import LightningOptions
 from tests.support.models import MLP, mlp_batch
 from tests.support.parity import local_slice
 from tests.support.ranks import RankFailure, run_ranks

@@ -331,7 +331,7 @@ def test_gathered_parameters_gives_whole_weights_and_keeps_the_modifiers_writes(
 
 
 def test_release_buffers_empties_the_engines_pool(gathered) -> None:
-    """`strategy.release_buffers()` (both strategies, core.py) gives the pooled buffers back."""
+    """`strategy.release_buffers()` (both strategies, common/base.py) gives the pooled buffers back."""
     for result in gathered:
         pooled, after = result["released"]
         assert pooled > 0 and after == 0, result

@@ -1,4 +1,4 @@
-"""After `fit` the module stays sharded, "at rest" (core.py, Note: run lifecycle), as under FSDP:
+"""After `fit` the module stays sharded, "at rest" (common/run.py, Note: run lifecycle), as under FSDP:
 validate, test, predict and a second `fit` by the same strategy resume the same run and compute
 what one process computes; the module's own `state_dict()` is refused on every rank, naming the
 way to whole weights, `strategy.full_state_dict()`, which equals one process's; given to another

@@ -1,4 +1,4 @@
-"""`ShardedEMAWeightAveraging` / `ShardedWeightAveraging` (lightning_zero3/averaging.py) under
+"""`ShardedEMAWeightAveraging` / `ShardedWeightAveraging` (lightning_zero3/tools/averaging.py) under
 zero3 give the weights Lightning's `EMAWeightAveraging` / `WeightAveraging` give under DDP: after
 fit (the average copied into the model) and while validating (the average swapped in); and a
 run resumed from a sharded checkpoint at another world size continues the average exactly. On the
@@ -97,7 +97,7 @@ def _resume(rank: int, world_size: int, path: str, kind: str) -> dict[str, Any]:
 @pytest.mark.slow
 def test_the_average_resumes_exactly_from_a_sharded_checkpoint_at_another_world_size(tmp_path: Path) -> None:
     """A checkpoint written during fit after the first of 2 epochs at 2 ranks (the average is in
-    the optimizer state: averaging.py, Note: averages in the optimizer state), resumed at 3 ranks:
+    the optimizer state: tools/averaging.py, Note: averages in the optimizer state), resumed at 3 ranks:
     the final averaged weights equal those of the run that went on."""
     uninterrupted = run_ranks(_fit_saving_after_epoch_1, 2, str(tmp_path))[0]
     for resumed in run_ranks(_resume, 3, str(tmp_path / "epoch=0.ckpt"), "sharded"):

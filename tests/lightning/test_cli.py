@@ -20,8 +20,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
 from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
+from lightning_zero3.common.options import LightningOptions
 from lightning_zero3.engine import ShardingConfig
-from lightning_zero3.options import LightningOptions
 from tests.support.processes import JOBS, ROOT, job_env
 
 JOB = str(JOBS / "cli.py")

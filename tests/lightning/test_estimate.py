@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_zero3.__main__ import main
 from lightning_zero3.engine import ShardedModel, ShardingConfig
-from lightning_zero3.estimate import OPTIONS, add_arguments, estimate
+from lightning_zero3.tools.estimate import OPTIONS, add_arguments, estimate
 from tests.support.ranks import run_ranks
 
 

@@ -2,7 +2,7 @@
 `model.model.save_pretrained(path)` on rank 0, inside `trainer.strategy.gathered_parameters(...)`
 over the HF model (on every rank), then `from_pretrained(path)` in one process equals a
 one-process run. Outside the block `save_pretrained` refuses, where it used to write a model of
-1-D shards without a word (core.py, Note: a module's own state_dict). 2 gloo ranks; a tiny GPT-2
+1-D shards without a word (common/run.py, Note: a module's own state_dict). 2 gloo ranks; a tiny GPT-2
 built from a local config (no downloads)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Lightning's tests_pytorch/callbacks/test_pruning.py, adapted with the strategy as a parameter (2
 CPU ranks started by the strategy's launcher, as there). DDP prunes as Lightning's test does; zero3
-refuses ModelPruning at setup with the message of lightning_zero3/callbacks.py (torch.nn.utils.prune
+refuses ModelPruning at setup with the message of lightning_zero3/tools/callbacks.py (torch.nn.utils.prune
 would replace the parameters the engine has sharded)."""
 
 from __future__ import annotations

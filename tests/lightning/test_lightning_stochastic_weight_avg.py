@@ -1,7 +1,7 @@
 """Lightning's tests_pytorch/callbacks/test_stochastic_weight_avg.py, adapted with the strategy as a
 parameter (2 CPU ranks started by the strategy's launcher, as there). DDP runs
 StochasticWeightAveraging as Lightning's test does; zero3 refuses the callback at setup with the
-message of lightning_zero3/callbacks.py (the averaged copy would be whole while the live parameters
+message of lightning_zero3/tools/callbacks.py (the averaged copy would be whole while the live parameters
 are 1-D shards)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Lightning's tests_pytorch/callbacks/test_weight_averaging.py, adapted with the strategy as a
 parameter (2 CPU ranks started by the strategy's launcher, as there). DDP runs WeightAveraging (an
 EMA) as Lightning's test does; zero3 refuses it at setup with the message of
-lightning_zero3/callbacks.py (the averaged copy would be whole while the live parameters are 1-D
+lightning_zero3/tools/callbacks.py (the averaged copy would be whole while the live parameters are 1-D
 shards; lightning_zero3's ShardedEMAWeightAveraging keeps the EMA on the shards instead, tested in
 tests/lightning/test_averaging.py).
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
+from lightning_zero3.common.options import build_engine
 from lightning_zero3.engine import ShardedModel, ShardingConfig
 from lightning_zero3.engine.materialize import parameters_on_meta
-from lightning_zero3.options import build_engine
 from tests.support import fabric_helpers
 from tests.support.adapted import HandsBack, launched
 from tests.support.lit import LitMLP, dataset, loader, trainer

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lightning_zero3 import ZeRO3FabricStrategy, ZeRO3Strategy
+from lightning_zero3.common.options import LightningOptions
 from lightning_zero3.engine import ShardingConfig
-from lightning_zero3.options import LightningOptions
 
 STRATEGIES = [ZeRO3Strategy, ZeRO3FabricStrategy]
 

@@ -1,4 +1,4 @@
-"""After `fit` the Trainer's teardown leaves the module sharded, at rest (core.py, Note: run
+"""After `fit` the Trainer's teardown leaves the module sharded, at rest (common/run.py, Note: run
 lifecycle): no whole copy anywhere. Putting whole parameters back on the modules
 (`ShardedModel.restore_module`, what a new engine does with a module left sharded or at rest)
 builds the output one unit at a time on the device asked for: the shards' device holds one unit
@@ -126,7 +126,7 @@ def fit_and_look() -> list[dict]:
 
 @pytest.mark.slow
 def test_after_fit_the_module_stays_sharded_with_no_whole_copy_gradients_or_pool(fit_and_look) -> None:
-    """At rest after `fit` (core.py, Note: run lifecycle) the module's parameters are this rank's
+    """At rest after `fit` (common/run.py, Note: run lifecycle) the module's parameters are this rank's
     shards and nothing whole was built: anonymous RSS after `fit` returns is within a quarter of
     the model of what it was at `on_train_end` (a whole copy adds the model, 48 MiB); the shards'
     gradients and the buffer pool are freed; the optimizer state stays, for a save or a next fit."""

@@ -1,5 +1,5 @@
 """A user's own `state_dict()` and `load_state_dict()` around `fit`, written as DeepSpeed's
-`GatheredParameters` users write them (core.py, Note: a module's own state_dict): inside
+`GatheredParameters` users write them (common/run.py, Note: a module's own state_dict): inside
 `strategy.gathered_parameters(...)` the model and any submodule answer with whole tensors (rank 0
 saves them with `torch.save`; a fresh module in one process loads them, equal to one process's
 run); everywhere else (a callback during `fit`, the module at rest after it) every level refuses

@@ -149,7 +149,7 @@ class ShardingStatsMonitor(Callback):
             return  # no optimizer step since the last log (accumulating), or not the logging rank
         self._logged_step = trainer.global_step
         metrics = step_metrics(trainer.strategy.stats, trainer.strategy.root_device, self.prefix)
-        # The step Lightning logs `self.log` values at, and DeviceStatsMonitor's (options.py, Note:
+        # The step Lightning logs `self.log` values at, and DeviceStatsMonitor's (common/base.py, Note:
         # Lightning's private names); without it, this step's number before its increment.
         step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step - 1)
         for logger in trainer.loggers:

@@ -1,7 +1,7 @@
-"""The options both strategies take (Trainer's `ZeRO3Strategy`, Fabric's `ZeRO3FabricStrategy`),
-checked once, at construction, with a message that says what was expected and how to fix it;
-joining the process group with an error that names a rank that never arrived; and the rank and
-device properties Lightning asks of both (`RanksAndDevices`).
+"""`ShardedStrategy`: the base both strategies derive from (Trainer's `ZeRO3Strategy`, Fabric's
+`ZeRO3FabricStrategy`), mixed in before Lightning's `ParallelStrategy` (each API has its own): the
+rank and device properties, the launcher, joining the process group with an error that names a rank
+that never arrived, the control collectives Lightning asks for, and what both offer on a model.
 
 [Note: Lightning's private names]
 A strategy outside Lightning cannot avoid a few of Lightning's underscored names; each use is
@@ -13,7 +13,7 @@ name, not mid-training.
   Lightning's own DDP/FSDP strategies set in `_configure_launcher`.
 - Fabric's `_FabricModule._forward_module` (fabric_strategy.py): the module `fabric.setup`
   wrapped, to find the engine that holds it.
-- The Trainer's `fit_loop.epoch_loop._batches_that_stepped` (summary.py `ShardingStatsMonitor`):
+- The Trainer's `fit_loop.epoch_loop._batches_that_stepped` (tools/summary.py `ShardingStatsMonitor`):
   the step `self.log` values are logged at; the fallback, `global_step - 1`, is the same number
   in an ordinary run (Lightning 2.6.6 tried).
 - Fabric's `_BackwardSyncControl` and `Strategy._backward_sync_control` (fabric_strategy.py):
@@ -24,110 +24,24 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar, get_args
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
-from torch import nn
 
 from lightning_zero3.checkpoint import CheckpointError, describe_error
-from lightning_zero3.engine import CollectiveError, ShardedModel, ShardingConfig, config_field_names
+from lightning_zero3.common.run import ReadFile, RemoveFile, ShardedRun, WriteFile
+from lightning_zero3.engine import CollectiveError, ShardedModel
+
+if TYPE_CHECKING:
+    from lightning_zero3.common.options import LightningOptions
 
 T = TypeVar("T")
-StateDictType = Literal["sharded", "full"]
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-
-
-@dataclass(frozen=True)
-class LightningOptions:
-    """The options only the Lightning strategies have (the engine's are `ShardingConfig`); the
-    README's table says what each does.
-
-    Args:
-        state_dict_type: "sharded" (a directory, each rank its shards) or "full" (one file from rank 0).
-        trust_checkpoint: unpickle checkpoint files without restriction (checkpoint/trust.py).
-        timeout: process-group timeout: a rank that never arrives fails the others after it.
-        start_method: "popen" (re-run the script per rank) or a multiprocessing start method.
-        async_save: sharded saves write in a background thread (docs/checkpoints.md).
-        accumulate_unsharded: micro-batches of `accumulate_grad_batches` Reduce-Scatter once
-            (engine/accumulate.py).
-    """
-
-    state_dict_type: StateDictType = "sharded"
-    trust_checkpoint: bool = False
-    timeout: timedelta = timedelta(minutes=30)
-    start_method: StartMethod = "popen"
-    async_save: bool = False
-    accumulate_unsharded: bool = False
-
-    def __post_init__(self) -> None:
-        for option, valid, expected in (
-            ("state_dict_type", self.state_dict_type in get_args(StateDictType), f"one of {get_args(StateDictType)}"),
-            ("trust_checkpoint", isinstance(self.trust_checkpoint, bool), "a bool"),
-            (
-                "timeout",
-                isinstance(self.timeout, timedelta) and self.timeout > timedelta(0),
-                "a datetime.timedelta longer than 0 (how long a rank waits for the others, e.g. timedelta(minutes=30))",
-            ),
-            ("async_save", isinstance(self.async_save, bool), "a bool"),
-            ("accumulate_unsharded", isinstance(self.accumulate_unsharded, bool), "a bool"),
-            ("start_method", self.start_method in get_args(StartMethod), f"one of {get_args(StartMethod)}"),
-        ):
-            if not valid:
-                raise ValueError(f"LightningOptions({option}=...) must be {expected}; got {getattr(self, option)!r}.")
-
-
-def split_options(owner: str, arguments: Mapping[str, Any]) -> tuple[ShardingConfig, LightningOptions]:
-    """The options among a strategy's `__init__` arguments (its `locals()`: one keyword per field
-    of both dataclasses) as the engine's config and the Lightning-only ones, each validated once;
-    errors name `owner` (the strategy class) as the constructor the user called."""
-    engine_names, lightning_names = config_field_names(ShardingConfig), config_field_names(LightningOptions)
-    try:
-        config = ShardingConfig(**{k: v for k, v in arguments.items() if k in engine_names})
-        lightning = LightningOptions(**{k: v for k, v in arguments.items() if k in lightning_names})
-    except ValueError as err:  # "ShardingConfig(prefetch=...) must be ..." -> "ZeRO3Strategy(prefetch=...) ..."
-        message = re.sub(r"^(ShardingConfig|LightningOptions)\(", f"{owner}(", str(err))
-        raise ValueError(message if message != str(err) else f"{owner}: {err}") from None
-    return config, lightning
-
-
-def build_engine(
-    owner: str, module: nn.Module, config: ShardingConfig, *, precision: object, world_size: int, device: torch.device,
-    timeout: timedelta | None = None,
-) -> ShardedModel:  # fmt: skip
-    """Shard `module` as both strategies do: the gather dtype defaults to what the precision
-    plugin implies, and 16-bit compute under a 32-bit plugin is refused before anything changes."""
-    narrow = config.param_dtype is not None and config.param_dtype.itemsize < 4
-    flag = str(getattr(precision, "precision", ""))
-    if narrow and flag in ("32-true", "64-true"):
-        raise ValueError(
-            f"{owner}(param_dtype={config.param_dtype}) computes in 16 bits, but the precision is {flag}, "
-            f"so inputs stay fp32 and the first layer fails on mixed dtypes. Use precision='bf16-mixed' (autocast; "
-            f"param_dtype then defaults to bf16) or cast inputs."
-        )
-    config = replace(
-        config,
-        param_dtype=config.param_dtype or {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(flag),
-        shard_size=config.shard_size if config.shard_size != world_size else None,
-    )
-    try:
-        return ShardedModel(module, config, device=device, timeout=timeout)  # its groups' timeout: ours
-    except ValueError as err:  # the engine names its own way to build on meta (engine/materialize.py): add ours
-        if "are tensors on the meta device" not in str(err):
-            raise
-        raise ValueError(
-            f"{err} With {owner}: build it in `configure_model()` or under `trainer.init_module(empty_init=True)` "
-            f"(Fabric: `fabric.init_module(empty_init=True)`), which defer only parameters too."
-        ) from None
 
 
 class CheckpointFiles(NamedTuple):
@@ -135,9 +49,9 @@ class CheckpointFiles(NamedTuple):
     (its own format and guarantees), or None for Lightning's default plugin, which the package's
     atomic writer, memory-mapped reader and remover replace (checkpoint/full.py)."""
 
-    write: Callable[[dict[str, Any], Path], None] | None  # core.py's WriteFile, ReadFile, RemoveFile
-    read: Callable[[Path], Any] | None
-    remove: Callable[[Path], None] | None
+    write: WriteFile | None
+    read: ReadFile | None
+    remove: RemoveFile | None
 
 
 def checkpoint_io_files(checkpoint_io: CheckpointIO, *, weights_only: bool | None = None) -> CheckpointFiles:
@@ -210,11 +124,13 @@ def all_reduce(owner: str, tensor: Any, group: Any | None = None, reduce_op: Any
     return tensor
 
 
-class RanksAndDevices:
-    """Lightning's rank and device properties, launcher and control collectives, the same for the Trainer's
-    `ZeRO3Strategy` and Fabric's `ZeRO3FabricStrategy`: mixed in before Lightning's
-    `ParallelStrategy` (Trainer and Fabric each have their own), which leaves them to each strategy."""
+class ShardedStrategy:
+    """What the Trainer's and Fabric's strategies do alike: Lightning's rank and device properties,
+    launcher and control collectives, and the operations on the models they shard; each finds a
+    module's run with its own `_run_of` (one LightningModule, or each model `fabric.setup` got)."""
 
+    description: str  # in Lightning's registry of strategies, under "zero3"
+    which: str  # which API the class serves, and the class the other one wants
     _num_nodes: int  # set in the strategy's __init__
     _process_group_backend: str | None  # the user's choice, else resolved on joining
     _launchers: tuple[type, type]  # the API's own for start_method "popen", and for the others
@@ -227,6 +143,41 @@ class RanksAndDevices:
         node_rank: int
         lightning_options: LightningOptions  # set in the strategy's __init__
 
+    def _run_of(self, module: Any = None, *, within: bool = False) -> ShardedRun:
+        raise NotImplementedError
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's: the name "zero3" for this class (each API has its own registry)."""
+        if "zero3" not in strategy_registry:
+            strategy_registry.register("zero3", cls, description=cls.description)
+
+    def __repr__(self) -> str:  # shown by the other API when given this class: say which one it wants
+        return f"{type(self).__name__}({self.which} or strategy='zero3')"
+
+    def sharded_model(self, module: Any = None) -> ShardedModel:
+        """The engine holding `module`'s shards (a model set up, or the wrapper `fabric.setup`
+        returned); with one model set up, `module` may be omitted."""
+        return self._run_of(module).engine
+
+    def gathered_parameters(self, module: Any = None, *, modifier_rank: int | None = None) -> AbstractContextManager:
+        """Make the parameters of `module` (default: the whole model; or a submodule of it) whole
+        on every rank inside the block. With `modifier_rank=r`, what rank r wrote is kept on exit."""
+        owner = self._run_of(module, within=True).engine
+        target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
+        return owner.gathered_parameters(target, modifier_rank=modifier_rank)
+
+    def release_buffers(self, module: Any = None) -> None:
+        """Give the engine's pooled gather and reduction buffers back to the allocator (e.g. before
+        a memory-hungry evaluation); the next step makes them again. Teardown does it too."""
+        self._run_of(module).engine.release_buffers()
+
+    def gathered_for_inference(self, module: Any = None) -> AbstractContextManager:
+        """Keep every unit of `module` (default: the only model) gathered inside the block (no
+        gradients), so `generate()` and evaluation run at DDP's speed (`ShardedModel.gathered_for_inference`)."""
+        return self._run_of(module, within=True).engine.gathered_for_inference()
+
+    # ---- ranks, devices, the launcher and the process group
     def _configure_launcher(self) -> None:  # "popen" also for ranks started outside: it sets their torch threads
         assert self.cluster_environment is not None
         popen, spawn = self._launchers

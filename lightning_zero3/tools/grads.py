@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_zero3.core import ShardedStrategy
+from lightning_zero3.common.base import ShardedStrategy
 from lightning_zero3.engine import ShardedModel, grad_norms
 
 

@@ -42,7 +42,6 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from enum import Enum
 from functools import partial
 from pathlib import Path
@@ -79,7 +78,7 @@ from lightning_zero3.engine import (
 )
 
 if TYPE_CHECKING:
-    from lightning_zero3.options import LightningOptions
+    from lightning_zero3.common.options import LightningOptions
 
 # How a strategy's checkpoint plugin writes, reads and removes one full file; None: the package's
 # own atomic writer, memory-mapped reader and remover (checkpoint/full.py).
@@ -324,46 +323,6 @@ class ShardedRun:
         load_optimizer_states(self.engine, states, optimizers)
 
 
-class ShardedStrategy:
-    """What the Trainer's and Fabric's strategies offer on the models they shard, written once; each
-    finds a module's run with its own `_run_of` (one LightningModule, or each model `fabric.setup` got)."""
-
-    description: str  # in Lightning's registry of strategies, under "zero3"
-    which: str  # which API the class serves, and the class the other one wants
-
-    def _run_of(self, module: Any = None, *, within: bool = False) -> ShardedRun:
-        raise NotImplementedError
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Lightning's: the name "zero3" for this class (each API has its own registry)."""
-        if "zero3" not in strategy_registry:
-            strategy_registry.register("zero3", cls, description=cls.description)
-
-    def __repr__(self) -> str:  # shown by the other API when given this class: say which one it wants
-        return f"{type(self).__name__}({self.which} or strategy='zero3')"
-
-    def sharded_model(self, module: Any = None) -> ShardedModel:
-        """The engine holding `module`'s shards (a model set up, or the wrapper `fabric.setup`
-        returned); with one model set up, `module` may be omitted."""
-        return self._run_of(module).engine
-
-    def gathered_parameters(self, module: Any = None, *, modifier_rank: int | None = None) -> AbstractContextManager:
-        """Make the parameters of `module` (default: the whole model; or a submodule of it) whole
-        on every rank inside the block. With `modifier_rank=r`, what rank r wrote is kept on exit."""
-        owner = self._run_of(module, within=True).engine
-        target = None if module is None or module is owner.module else getattr(module, "_forward_module", module)
-        return owner.gathered_parameters(target, modifier_rank=modifier_rank)
-
-    def release_buffers(self, module: Any = None) -> None:
-        """Give the engine's pooled gather and reduction buffers back to the allocator (e.g. before
-        a memory-hungry evaluation); the next step makes them again. Teardown does it too."""
-        self._run_of(module).engine.release_buffers()
-
-    def gathered_for_inference(self, module: Any = None) -> AbstractContextManager:
-        """Keep every unit of `module` (default: the only model) gathered inside the block (no
-        gradients), so `generate()` and evaluation run at DDP's speed (`ShardedModel.gathered_for_inference`)."""
-        return self._run_of(module, within=True).engine.gathered_for_inference()
 
 
 def remove_checkpoint(
@@ -384,4 +343,4 @@ def remove_checkpoint(
             log.warning(str(err))
 
 
-__all__ = ["Lifecycle", "ReadFile", "RemoveFile", "ShardedRun", "ShardedStrategy", "WriteFile", "remove_checkpoint"]
+__all__ = ["Lifecycle", "ReadFile", "RemoveFile", "ShardedRun", "WriteFile", "remove_checkpoint"]

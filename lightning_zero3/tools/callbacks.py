@@ -13,7 +13,7 @@ _AVERAGING = (
     "it averages a whole copy of the LightningModule (made before sharding) with the live parameters, which are "
     "this rank's 1-D shards. The average is elementwise, so it can be kept on the shards: use "
     "lightning_zero3.ShardedWeightAveraging or ShardedEMAWeightAveraging (the same arguments; "
-    "lightning_zero3/averaging.py)."
+    "lightning_zero3/tools/averaging.py)."
 )
 _PRUNING = (
     "torch.nn.utils.prune replaces each pruned parameter by `weight_orig * weight_mask`, and the parameters are the "
