@@ -152,8 +152,11 @@ def consolidate_checkpoint(
     if safetensors:
         tensors = {k: v for k, v in output["state_dict"].items() if isinstance(v, Deferred)}
         extra = ckpt.trainer_state()["extra"]
-        meta = {"format": "pt", "source": str(src),
-                **{k: str(extra[k]) for k in ("epoch", "global_step") if k in extra}}  # fmt: skip
+        meta = {
+            "format": "pt",
+            "source": str(src),
+            **{k: str(extra[k]) for k in ("epoch", "global_step") if k in extra},
+        }
         unique = list(tensors.values())
     else:
         unique = list({id(t): t for t in find_deferred(output)}.values())
@@ -178,9 +181,14 @@ def consolidate_checkpoint(
     except Exception as err:
         raise CheckpointError(f"writing {dst} failed: {describe_error(err)}; nothing was written there") from err
     return ConsolidationSummary(
-        src=src, dst=dst, world_size=ckpt.meta["world_size"], tensors=done.tensors_done, bytes=done.bytes_done,
-        file_bytes=dst.stat().st_size, seconds=time.perf_counter() - start,
-    )  # fmt: skip
+        src=src,
+        dst=dst,
+        world_size=ckpt.meta["world_size"],
+        tensors=done.tensors_done,
+        bytes=done.bytes_done,
+        file_bytes=dst.stat().st_size,
+        seconds=time.perf_counter() - start,
+    )
 
 
 def _check_destination(src: Path | RemotePath, dst: Path | RemotePath) -> None:

@@ -96,8 +96,10 @@ def check_fits(
     (`tensor_json`s), naming names on one side only (when `strict`) and shapes that differ."""
     shape = {k: tuple(v["shape"]) for k, v in saved.items()}
     shapes = [k for k in expected if k in shape and shape[k] != tuple(expected[k]["shape"])]
-    problems = [f"'{k}' has shape {shape[k]} in the checkpoint but {tuple(expected[k]['shape'])} in the model"
-                for k in shapes[:10]]  # fmt: skip
+    problems = [
+        f"'{k}' has shape {shape[k]} in the checkpoint but {tuple(expected[k]['shape'])} in the model"
+        for k in shapes[:10]
+    ]
     missing, unexpected = [k for k in expected if k not in saved], [k for k in saved if k not in expected]
     if strict and missing:
         problems.append(f"{len(missing)} keys of the model are not in the checkpoint: {few(missing)}")
@@ -107,8 +109,9 @@ def check_fits(
         problems.append(f"and {len(shapes) - 10} more shape differences")
     if problems:
         fix = ", or set strict_loading=False" if strict else ""
-        raise CheckpointError(f"checkpoint {path} holds another model: {'; '.join(problems)}. Load a checkpoint of "
-                              f"this model{fix}.")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {path} holds another model: {'; '.join(problems)}. Load a checkpoint of this model{fix}."
+        )
 
 
 def optimizer_param_names(model: ShardedModel, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -180,16 +183,16 @@ class Pieces:
             groups = [replicate.group, shard.group]
             self._meshes[kind] = DeviceMesh.from_group(groups, kind, mesh=layout, mesh_dim_names=("replicate", "shard"))
         placements = [Shard(0)] if replicate is None else [Replicate(), Shard(0)]
-        return DTensor.from_local(piece, self._meshes[kind], placements, run_check=False, shape=torch.Size([numel]),
-                                  stride=(1,))  # fmt: skip
+        return DTensor.from_local(
+            piece, self._meshes[kind], placements, run_check=False, shape=torch.Size([numel]), stride=(1,)
+        )
 
 
 class ShardedCheckpoint:
     """A sharded checkpoint directory whose meta.json, DCP index and trainer_state.pt were read
     and checked; `reader` reads its tensors."""
 
-    def __init__(self, path: Path | RemotePath, meta: dict[str, Any], *, reader: CheckpointReader, saved: dict
-                 ) -> None:  # fmt: skip
+    def __init__(self, path: Path | RemotePath, meta: dict[str, Any], *, reader: CheckpointReader, saved: dict) -> None:
         self.path = path
         self.meta = meta
         self.reader = reader

@@ -20,9 +20,12 @@ from lightning_zero3.engine import Comm, ShardedModel
 
 
 def save_full(
-    checkpoint: Mapping[str, Any], path: str | os.PathLike | RemotePath, comm: Comm, *,
+    checkpoint: Mapping[str, Any],
+    path: str | os.PathLike | RemotePath,
+    comm: Comm,
+    *,
     write: Callable[..., Any] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Rank 0 writes `checkpoint` (whole tensors, already gathered to it) to the file `path`,
     atomically, or with `write(checkpoint, path)` (a `CheckpointIO` plugin's own save) if given;
     every rank returns, or raises the same `CheckpointError`."""
@@ -38,9 +41,14 @@ def save_full(
 
 
 def load_full(
-    path: str | os.PathLike | RemotePath, model: ShardedModel, *, key: str | None = "state_dict", strict: bool,
-    trusted: bool, read: Callable[[Any], Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    path: str | os.PathLike | RemotePath,
+    model: ShardedModel,
+    *,
+    key: str | None = "state_dict",
+    strict: bool,
+    trusted: bool,
+    read: Callable[[Any], Any] | None = None,
+) -> dict[str, Any]:
     """`read_full_file` on every rank, checked to fit `model`: its entry `key` (the whole dict when
     None) has the model's names (with `strict`) and shapes. Every rank returns it, or raises the
     same `CheckpointError`."""
@@ -56,9 +64,12 @@ def load_full(
 
 
 def read_full_file(
-    path: str | os.PathLike | RemotePath, *, key: str | None = "state_dict", trusted: bool,
+    path: str | os.PathLike | RemotePath,
+    *,
+    key: str | None = "state_dict",
+    trusted: bool,
     read: Callable[[Any], Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The dict saved in the file `path`, with an entry `key` unless None: read with `read` if
     given, else by `load_torch_file` (memory-mapped)."""
     path = as_path(path)

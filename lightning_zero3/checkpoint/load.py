@@ -31,9 +31,14 @@ from lightning_zero3.engine import ShardedModel, ShardedParam, load_full_optimiz
 
 
 def open_checked(
-    path: str | os.PathLike | RemotePath, model: ShardedModel, *, strict: bool, context: str, trusted: bool,
+    path: str | os.PathLike | RemotePath,
+    model: ShardedModel,
+    *,
+    strict: bool,
+    context: str,
+    trusted: bool,
     verify: bool = True,
-) -> ShardedCheckpoint:  # fmt: skip
+) -> ShardedCheckpoint:
     """`open_sharded`, checked to fit `model`; every rank raises if any rank found a problem."""
     ckpt = open_sharded(path, comm=model.world_comm, verify=verify, trusted=trusted)
     expected = model_tensors(model)
@@ -44,9 +49,15 @@ def open_checked(
 
 
 def open_checkpoint(
-    path: Path | RemotePath, model: ShardedModel, *, read: Callable[[Any], Any] | None, strict: bool, context: str,
-    key: str | None, trusted: bool,
-) -> dict[str, Any]:  # fmt: skip
+    path: Path | RemotePath,
+    model: ShardedModel,
+    *,
+    read: Callable[[Any], Any] | None,
+    strict: bool,
+    context: str,
+    key: str | None,
+    trusted: bool,
+) -> dict[str, Any]:
     """A sharded directory's Lightning dict (its tensors still on disk) or a full file whose entry `key`
     (None: the file itself) is the model's state dict, checked on every rank before anything loads."""
     require_exists(model.world_comm, path, context=context)
@@ -189,9 +200,14 @@ def _check_groups(path: Path | RemotePath, index: int, saved: list[list[str]], c
 
 
 def load_sharded(
-    path: str | os.PathLike, model: ShardedModel, *, optimizers: list[torch.optim.Optimizer] | tuple = (),
-    strict: bool = True, verify: bool = True, trusted: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    path: str | os.PathLike,
+    model: ShardedModel,
+    *,
+    optimizers: list[torch.optim.Optimizer] | tuple = (),
+    strict: bool = True,
+    verify: bool = True,
+    trusted: bool = False,
+) -> dict[str, Any]:
     """Check and load a sharded checkpoint into `model` (and `optimizers`) on every rank; the other
     entries of the checkpoint dict it was saved from. `trusted`: unpickle without restriction."""
     context = f"Cannot load the checkpoint {path}"

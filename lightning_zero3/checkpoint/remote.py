@@ -146,7 +146,6 @@ class RemotePath:
             self.fs.rm(rest)
         self.fs.invalidate_cache()
 
-
     def abort_uploads(self) -> None:
         """Abort the multipart uploads open under `URL/` (DCP's shard files, when a part or the
         upload's completion failed): no object shows them, but S3 keeps and bills their parts until

@@ -152,8 +152,9 @@ def save_sharded(path: str | os.PathLike | RemotePath, model: ShardedModel, chec
     write_sharded(path, plan_sharded(path, model, checkpoint), model.world_comm)
 
 
-def save_in_background(path: Path | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any], comm: Comm
-                       ) -> BackgroundSave:  # fmt: skip
+def save_in_background(
+    path: Path | RemotePath, model: ShardedModel, checkpoint: Mapping[str, Any], comm: Comm
+) -> BackgroundSave:
     """`save_sharded` from a host snapshot (taken before it returns), in a thread, collectives on `comm` only."""
     planned = plan_sharded(path, model, checkpoint, copy=True)
     return BackgroundSave(lambda: write_sharded(path, planned, comm), what=f"the checkpoint {path}")

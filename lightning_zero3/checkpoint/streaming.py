@@ -26,8 +26,14 @@ from lightning_zero3.checkpoint.errors import CheckpointError
 class Deferred:
     """A tensor of known shape and dtype whose data `produce()` returns when it is written."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, produce: Callable[[], torch.Tensor], *,
-                 requires_grad: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        produce: Callable[[], torch.Tensor],
+        *,
+        requires_grad: bool = False,
+    ) -> None:
         self.shape, self.dtype, self.produce, self.requires_grad = tuple(shape), dtype, produce, requires_grad
         self.numel = math.prod(self.shape)
         self.nbytes = self.numel * torch.empty(0, dtype=dtype).element_size()
@@ -146,9 +152,13 @@ def stream_torch_save(obj: Any, f: BinaryIO, on_tensor: Callable[[int], None]) -
             out.write(data)
 
     try:
-        for name, data in (("data.pkl", buffer.getvalue()), (".format_version", b"1"),
-                           (".storage_alignment", str(alignment).encode()), ("byteorder", sys.byteorder.encode())):
-            record(name, data)  # fmt: skip
+        for name, data in (
+            ("data.pkl", buffer.getvalue()),
+            (".format_version", b"1"),
+            (".storage_alignment", str(alignment).encode()),
+            ("byteorder", sys.byteorder.encode()),
+        ):
+            record(name, data)
         del buffer
         for key, deferred in records.items():
             deferred.write(functools.partial(record, f"data/{key}"), on_tensor)
@@ -161,10 +171,19 @@ def stream_torch_save(obj: Any, f: BinaryIO, on_tensor: Callable[[int], None]) -
 
 
 _SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
 def stream_safetensors(

@@ -85,8 +85,11 @@ def check_meta(meta: dict[str, Any], meta_file: Path | RemotePath) -> None:
             require(isinstance(entry.get("dtype"), str), f"{where}['dtype']", "a dtype name")
 
     require(type(meta["world_size"]) is int and meta["world_size"] >= 1, "'world_size'", "a positive integer")
-    require(isinstance(meta["fingerprint"], str) and isinstance(meta["parameters"], dict),
-            "'fingerprint' and 'parameters'", "a string and an object")  # fmt: skip
+    require(
+        isinstance(meta["fingerprint"], str) and isinstance(meta["parameters"], dict),
+        "'fingerprint' and 'parameters'",
+        "a string and an object",
+    )
     require(isinstance(meta["files"], dict), "'files'", "an object mapping file names to their size and CRC-32")
     for name, info in meta["files"].items():
         check_plain_name(meta_file.parent, name, str(meta_file))
@@ -118,10 +121,26 @@ def _admitted() -> dict[tuple[str, str], Any]:
     torch, but its own pickle names them: a release that renames them makes loading refuse the
     index, naming the global."""
     classes = (
-        dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.StorageMeta, dcp_metadata.TensorStorageMetadata,
-        dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties, torch.Size, OrderedDict,
-        dict, list, tuple, set, frozenset, str, bytes, int, float, bool, complex,
-    )  # fmt: skip
+        dcp_metadata.Metadata,
+        dcp_metadata.MetadataIndex,
+        dcp_metadata.StorageMeta,
+        dcp_metadata.TensorStorageMetadata,
+        dcp_metadata.ChunkStorageMetadata,
+        dcp_metadata.TensorProperties,
+        torch.Size,
+        OrderedDict,
+        dict,
+        list,
+        tuple,
+        set,
+        frozenset,
+        str,
+        bytes,
+        int,
+        float,
+        bool,
+        complex,
+    )
     admitted: dict[tuple[str, str], Any] = {(cls.__module__, cls.__name__): cls for cls in classes}
     for path_cls in (PosixPath, WindowsPath, PurePosixPath, PureWindowsPath):  # StorageMeta.checkpoint_id
         admitted[("pathlib", path_cls.__name__)] = path_cls

@@ -61,8 +61,13 @@ class SyncState(Enum):
 
 
 _S = SyncState
-LEGAL = {(_S.SYNCED, _S.OWED), (_S.OWED, _S.SYNCED), (_S.SYNCED, _S.INCOMPLETE), (_S.OWED, _S.INCOMPLETE),
-         (_S.INCOMPLETE, _S.SYNCED)}  # fmt: skip
+LEGAL = {
+    (_S.SYNCED, _S.OWED),
+    (_S.OWED, _S.SYNCED),
+    (_S.SYNCED, _S.INCOMPLETE),
+    (_S.OWED, _S.INCOMPLETE),
+    (_S.INCOMPLETE, _S.SYNCED),
+}
 
 FIX = (
     "Call `discard_unsynced_gradients()` on the ShardedModel that holds the module (a strategy's `sharded_model()`) "
@@ -114,8 +119,11 @@ class GradientSync:
         self._began_unsynced = not self.requires_sync
         if self.state is not _S.OWED:
             return self._began_unsynced
-        changed = [p.name for p, grad, version, _ in self._watched.values()
-                   if p.param.grad is not grad or grad._version != version]  # fmt: skip
+        changed = [
+            p.name
+            for p, grad, version, _ in self._watched.values()
+            if p.param.grad is not grad or grad._version != version
+        ]
         if changed:
             self._move(_S.INCOMPLETE)
             self._held.clear()

@@ -178,7 +178,7 @@ class BufferPool:
             release_freed_heap()
 
     def bytes(self) -> dict[str, int]:
-        """"pooled" (free), "taken" (handed out) and "peak" (the most of both at once since `reset_peak`)."""
+        """ "pooled" (free), "taken" (handed out) and "peak" (the most of both at once since `reset_peak`)."""
         return {"pooled": self.cached_bytes, "taken": self.taken_bytes, "peak": self.peak_bytes}
 
     def reset_peak(self) -> None:

@@ -94,11 +94,20 @@ class CallState(Enum):
 
 S = CallState  # short name for the tables below
 LEGAL = {
-    (S.SHARDED, S.FORWARD), (S.FORWARD, S.RESHARDED), (S.FORWARD, S.DONE),
-    (S.FORWARD, S.REDUCED_IN_FORWARD), (S.REDUCED_IN_FORWARD, S.DONE), (S.RESHARDED, S.BACKWARD),
-    (S.RESHARDED, S.DONE), (S.BACKWARD, S.DONE), (S.DONE, S.BACKWARD),
-    (S.FORWARD, S.KEPT), (S.KEPT, S.BACKWARD), (S.KEPT, S.RESHARDED), (S.KEPT, S.DONE),
-}  # fmt: skip
+    (S.SHARDED, S.FORWARD),
+    (S.FORWARD, S.RESHARDED),
+    (S.FORWARD, S.DONE),
+    (S.FORWARD, S.REDUCED_IN_FORWARD),
+    (S.REDUCED_IN_FORWARD, S.DONE),
+    (S.RESHARDED, S.BACKWARD),
+    (S.RESHARDED, S.DONE),
+    (S.BACKWARD, S.DONE),
+    (S.DONE, S.BACKWARD),
+    (S.FORWARD, S.KEPT),
+    (S.KEPT, S.BACKWARD),
+    (S.KEPT, S.RESHARDED),
+    (S.KEPT, S.DONE),
+}
 HOLDING = (S.FORWARD, S.KEPT, S.BACKWARD, S.REDUCED_IN_FORWARD)  # states whose storage is filled
 
 
@@ -114,10 +123,17 @@ class PassState(Enum):
 
 P = PassState
 PASS_LEGAL = {
-    (P.IDLE, P.FORWARD), (P.FORWARD, P.IDLE), (P.IDLE, P.BACKWARD), (P.FORWARD, P.BACKWARD),
-    (P.BACKWARD, P.IDLE), (P.BACKWARD, P.FORWARD), (P.IDLE, P.HELD), (P.FORWARD, P.HELD),
-    (P.HELD, P.IDLE), (P.HELD, P.FORWARD),
-}  # fmt: skip
+    (P.IDLE, P.FORWARD),
+    (P.FORWARD, P.IDLE),
+    (P.IDLE, P.BACKWARD),
+    (P.FORWARD, P.BACKWARD),
+    (P.BACKWARD, P.IDLE),
+    (P.BACKWARD, P.FORWARD),
+    (P.IDLE, P.HELD),
+    (P.FORWARD, P.HELD),
+    (P.HELD, P.IDLE),
+    (P.HELD, P.FORWARD),
+}
 
 
 @dataclass(eq=False)

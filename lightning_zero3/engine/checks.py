@@ -184,8 +184,9 @@ class RankChecks:
         column.copy_(stamp)
         return True
 
-    def reduce_tail(self, uid: int, rank: int, shape: tuple[int, int], dtype: torch.dtype,
-                    device: torch.device) -> tuple[torch.Tensor, bool]:  # fmt: skip
+    def reduce_tail(
+        self, uid: int, rank: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, bool]:
         """The (N, columns) end of a Reduce-Scatter input after the gradients (reduce.py): unit
         `uid`'s check column for the next rank, then zeros; all zeros, and False, on an unchecked
         step. Built once on the device."""
@@ -200,9 +201,15 @@ class RankChecks:
         return tail, stamped
 
     def read_reduce(
-        self, collective: str, unit: str, received: torch.Tensor, uid: int, dtype: torch.dtype,
-        *, ready: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        collective: str,
+        unit: str,
+        received: torch.Tensor,
+        uid: int,
+        dtype: torch.dtype,
+        *,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         """Record the code a stamped reduction brought (after the All-Reduce: G codes summed);
         `ready` orders the read after `received`'s stream (None: it is the current one)."""
         code = self.reduce_code(uid, dtype) * (self.groups if collective == "All-Reduce" else 1)
@@ -210,9 +217,14 @@ class RankChecks:
 
     # ---- the ledger -----------------------------------------------------------------------------
     def expect(
-        self, collective: str, unit: str, received: torch.Tensor, expected: list[int],
-        *, ready: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        collective: str,
+        unit: str,
+        received: torch.Tensor,
+        expected: list[int],
+        *,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         """Remember `received` (int64 on the device, a copy nothing else writes) that should equal
         `expected`; check at once when watching closely. `ready`: see `_Record`."""
         self._records.append(_Record(collective, unit, expected, received, ready))

@@ -10,9 +10,14 @@ from lightning_zero3.engine.unit import Unit
 
 
 def announce_departure(
-    unit: Unit, units: list[Unit], schedule: Schedule, checks: RankChecks, *, backward: bool,
+    unit: Unit,
+    units: list[Unit],
+    schedule: Schedule,
+    checks: RankChecks,
+    *,
+    backward: bool,
     kept: Callable[[Unit], bool],
-) -> None:  # fmt: skip
+) -> None:
     """Before `unit` is gathered: if it leaves the record, join the All-Gather the ranks on the
     record issue next with a tag naming `unit`; raise unless every rank departed alike."""
     position = schedule.departure(unit.uid, backward=backward)

@@ -5,11 +5,19 @@ from __future__ import annotations
 import torch
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "32": torch.float32,
-    "fp64": torch.float64, "float64": torch.float64, "64": torch.float64,
-}  # fmt: skip
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "32": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "64": torch.float64,
+}
 
 
 def parse_dtype(value: object, where: str) -> torch.dtype | None:

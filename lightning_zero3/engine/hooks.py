@@ -83,10 +83,19 @@ class HookDriver:
         raise TypeError(PICKLE_REFUSED)
 
     def __init__(
-        self, units: list[Unit], *, schedule: Schedule, checks: RankChecks, grads: GradientSync,
-        persistent: PersistentGrads, live: UnitStats, record: StepRecord, world_comm: Comm, reshard: bool | int,
+        self,
+        units: list[Unit],
+        *,
+        schedule: Schedule,
+        checks: RankChecks,
+        grads: GradientSync,
+        persistent: PersistentGrads,
+        live: UnitStats,
+        record: StepRecord,
+        world_comm: Comm,
+        reshard: bool | int,
         offload: ShardSource | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.units = units
         self.schedule = schedule
         self.checks = checks
@@ -177,8 +186,9 @@ class HookDriver:
         try:
             if unit.params:
                 if not backward:  # departure notice (departure.py)
-                    announce_departure(unit, self.units, self.schedule, self.checks, backward=False,
-                                       kept=self.calls.is_kept)  # fmt: skip
+                    announce_departure(
+                        unit, self.units, self.schedule, self.checks, backward=False, kept=self.calls.is_kept
+                    )
                 call = self._gather_call(unit)
         except (CollectiveError, OrderMismatchError) as err:
             if torch.is_grad_enabled() or backward:
@@ -235,8 +245,9 @@ class HookDriver:
             tensor.register_hook(partial(self._pre_backward, call))
 
     def _ends_forward(self, unit: Unit) -> bool:  # Note: kept for backward
-        return self.state is not P.BACKWARD and ((unit is self.units[0] and not self.calls.open)
-                                                 or self.schedule.forward_complete)  # fmt: skip
+        return self.state is not P.BACKWARD and (
+            (unit is self.units[0] and not self.calls.open) or self.schedule.forward_complete
+        )
 
     def _begin_pass(self, state: P = P.FORWARD) -> None:
         """A unit starts forward (or every unit is held) with nothing open, no backward running."""

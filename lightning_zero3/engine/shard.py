@@ -57,8 +57,12 @@ def one_row(tensors: Sequence[torch.Tensor | None], offsets: list[int], numel: i
     if base < 0 or (base + numel) * first.element_size() > storage.nbytes():
         return None
     for t, o in placed:
-        if (t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != base + o
-                or not t.is_contiguous() or t.dtype != first.dtype):  # fmt: skip
+        if (
+            t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.storage_offset() != base + o
+            or not t.is_contiguous()
+            or t.dtype != first.dtype
+        ):
             return None
     return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, base, (numel,), (1,))
 

@@ -87,9 +87,12 @@ class GlooInPlace:
         self.peers = [dist.get_global_rank(group, r) for r in range(world_size)]
 
     def all_gather(self, rows: torch.Tensor) -> Works:
-        return Works([
-            dist.broadcast(rows[r], src=self.peers[r], group=self.group, async_op=True) for r in range(self.world_size)
-        ])  # fmt: skip
+        return Works(
+            [
+                dist.broadcast(rows[r], src=self.peers[r], group=self.group, async_op=True)
+                for r in range(self.world_size)
+            ]
+        )
 
     def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor) -> Works:
         """Row j goes to rank j; the wait sums what arrives in rank order (rounding alike on every rank)."""

@@ -149,9 +149,11 @@ class WholeMatrixSteps:
 
     def _pieces(self) -> list[tuple[Group, Tensor, ShardedParam]]:
         return [
-            (group, p, sharded) for group in self.optimizer.param_groups for p in group["params"]
+            (group, p, sharded)
+            for group in self.optimizer.param_groups
+            for p in group["params"]
             if p.grad is not None and (sharded := self._model.sharded_param(p)) is not None
-        ]  # fmt: skip
+        ]
 
     @torch.no_grad()
     def step_shards(self) -> None:
@@ -181,8 +183,14 @@ class WholeMatrixSteps:
             offset += sizes[i]
         back = torch.cat(results, dim=1).reshape(-1) if results else sent.new_empty(0)
         returned = torch.empty_like(sent)
-        comm.all_to_all(returned, back, output_splits=splits, input_splits=[own] * n,
-                        what="whole matrices' results", payload_is_output=True)  # fmt: skip
+        comm.all_to_all(
+            returned,
+            back,
+            output_splits=splits,
+            input_splits=[own] * n,
+            what="whole matrices' results",
+            payload_is_output=True,
+        )
         offset = 0
         for i in order:
             group, p, sharded = pieces[i]
@@ -263,6 +271,14 @@ def shard_state_built_whole(model: _Sharded, optimizers: Iterable[torch.optim.Op
 
 
 __all__ = [
-    "MUON", "WHOLE_MATRIX_NEEDS", "WholeMatrixNeed", "WholeMatrixSteps", "balanced_owners", "full_shapes",
-    "shard_state_built_whole", "step_whole_matrices", "whole_matrix_need", "whole_matrix_step_bytes",
-]  # fmt: skip
+    "MUON",
+    "WHOLE_MATRIX_NEEDS",
+    "WholeMatrixNeed",
+    "WholeMatrixSteps",
+    "balanced_owners",
+    "full_shapes",
+    "shard_state_built_whole",
+    "step_whole_matrices",
+    "whole_matrix_need",
+    "whole_matrix_step_bytes",
+]
