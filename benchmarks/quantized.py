@@ -1,13 +1,15 @@
 """What `quantize_weights` / `quantize_gradients` cost and gain, on examples/train_gpt.py.
 
     python benchmarks/quantized.py run --steps 300 --size tiny --link 1e6 --link-steps 40
+    python benchmarks/quantized.py run --steps 300 --size tiny --link 1e6 --link-steps 40 --devices 4 \
+        --out benchmarks/results/quantized-4
     python benchmarks/quantized.py link 1e6 examples/train_gpt.py --size tiny --steps 20   # one slowed run
     python benchmarks/quantized.py blocks        # the error against the block size (docs/accounting.md)
 
-`run` trains the example at 2 ranks once per setting (exact, int8 weights, int8 gradients, both,
+`run` trains the example at `--devices` ranks (default 2) once per setting (exact, int8 weights, int8 gradients, both,
 int8 weights + int4 gradients, and for reference bf16 gradient reductions) with the same seed
 and data, and writes OUT/quantized.json, a table OUT/quantized.md and
-docs/figures/quantized-loss.png: each step's loss against the exact run, the final loss, the
+docs/figures/quantized-loss-{N}ranks.png: each step's loss against the exact run, the final loss, the
 weights' difference from the exact run's and the payload the strategy counted in the last step;
 then, for exact and int8 both, the median time from one training step to the next in shorter
 runs on loopback and on a slowed link.
@@ -102,12 +104,15 @@ def install_slow_link(bytes_per_s: float) -> None:
     Comm._choose = slowed  # type: ignore[method-assign]
 
 
-def _train(setting: str, *, steps: int, out: Path, link: float | None, size: str, reuse: bool) -> dict[str, Any]:
+def _train(
+    setting: str, *, steps: int, out: Path, link: float | None, size: str, devices: int, reuse: bool
+) -> dict[str, Any]:
     name = "".join(c for c in setting.replace(" ", "_") if c.isalnum() or c == "_")
     name += f"-{steps}{'-slow' if link else ''}"
     results = out / f"{name}.pt"
-    example = [str(ROOT / "examples" / "train_gpt.py"), "--size", size, "--steps", str(steps), "--devices", "2",
-               "--log-dir", str(out / "logs"), "--results", str(results), *SETTINGS[setting]]  # fmt: skip
+    example = [str(ROOT / "examples" / "train_gpt.py"), "--size", size, "--steps", str(steps),
+               "--devices", str(devices), "--log-dir", str(out / "logs"), "--results", str(results),
+               *SETTINGS[setting]]  # fmt: skip
     command = [sys.executable, __file__, "link", str(link), *example] if link else [sys.executable, *example]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if not (reuse and results.exists()):
@@ -120,10 +125,10 @@ def run(args: argparse.Namespace) -> None:
     "int8 both" on loopback and on the slowed link for the step times."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table: dict[str, Any] = {"steps": args.steps, "size": args.size, "link_bytes_per_s": args.link,
-                             "timed_steps": args.link_steps, "runs": {}}  # fmt: skip
+    table: dict[str, Any] = {"steps": args.steps, "size": args.size, "devices": args.devices,
+                             "link_bytes_per_s": args.link, "timed_steps": args.link_steps, "runs": {}}  # fmt: skip
     train = lambda setting, steps, link: _train(setting, steps=steps, out=out, link=link, size=args.size,
-                                                reuse=args.reuse)  # fmt: skip
+                                                devices=args.devices, reuse=args.reuse)  # fmt: skip
     exact = train("exact", args.steps, None)
     for setting in SETTINGS:
         result = train(setting, args.steps, None)
@@ -148,14 +153,15 @@ def run(args: argparse.Namespace) -> None:
         print(setting, {k: v for k, v in row.items() if k != "losses"}, flush=True)
     (out / "quantized.json").write_text(json.dumps(table, indent=1))
     _write_table(table, out / "quantized.md")
-    _plot(table, ROOT / "docs" / "figures" / "quantized-loss.png")
+    _plot(table, ROOT / "docs" / "figures" / f"quantized-loss-{args.devices}ranks.png")
 
 
 def _write_table(table: dict[str, Any], path: Path) -> None:
     runs = table["runs"]
     exact = runs["exact"]
-    lines = [f"train_gpt.py --size {table['size']}, 2 ranks, {table['steps']} steps; step times: median over "
-             f"{table['timed_steps']} steps, loopback and a link slowed to {table['link_bytes_per_s'] / 1e6:g} MB/s\n",
+    lines = [f"train_gpt.py --size {table['size']}, {table['devices']} ranks, {table['steps']} steps; step times: "
+             f"median over {table['timed_steps']} steps, loopback and a link slowed to "
+             f"{table['link_bytes_per_s'] / 1e6:g} MB/s\n",
              "| setting | final loss (mean of last 10) | vs exact | weights vs exact: max, relative RMS | "
              "All-Gather B/step | Reduce-Scatter B/step | s/step loopback | s/step slowed |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -196,7 +202,7 @@ def _plot(table: dict[str, Any], path: Path) -> None:
     bottom.axhline(0, color="grey", linewidth=0.5)
     bottom.set_ylabel("vs exact, %")
     bottom.set_xlabel("step")
-    top.set_title(f"train_gpt.py --size {table['size']}, 2 CPU ranks: quantized collectives")
+    top.set_title(f"train_gpt.py --size {table['size']}, {table['devices']} CPU ranks: quantized collectives")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -267,6 +273,7 @@ def main() -> None:
     parser.add_argument("--link-steps", type=int, default=40, help="steps of the timed runs")
     parser.add_argument("--link", type=float, default=125e6, help="bytes per second of the slowed link (1 Gbit/s)")
     parser.add_argument("--size", default="small")
+    parser.add_argument("--devices", type=int, default=2, help="ranks of every run")
     parser.add_argument("--out", default="benchmarks/results/quantized")
     parser.add_argument("--reuse", action="store_true", help="read the runs OUT already holds instead of rerunning")
     args = parser.parse_args()

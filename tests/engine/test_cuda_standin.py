@@ -77,6 +77,7 @@ def _train_evaluate_save_load(rank: int, world_size: int, precision: str | None,
     }
 
 
+QUANTIZED = {"quantize_weights": True, "quantize_gradients": True}
 SETTINGS = {  # (ranks, precision, options)
     "defaults": (2, None, {}),
     "shard_size": (2, None, {"shard_size": 1}),
@@ -87,6 +88,12 @@ SETTINGS = {  # (ranks, precision, options)
     "16-mixed": (2, "16-mixed", {}),
     "quantized bf16-mixed": (2, "bf16-mixed", {"quantize_weights": True, "quantize_gradients": True}),
     "quantized shard_size 2": (4, None, {"shard_size": 2, "quantize_weights": True, "quantize_gradients": "int4"}),
+    # an unconfirmed race report with 16-mixed + quantization (issue 37), refuted by these
+    "quantized 16-mixed": (2, "16-mixed", QUANTIZED),
+    "quantized 16-mixed kept offload": (2, "16-mixed", {"quantize_weights": True, "quantize_gradients": "int4",
+                                                        "reshard_after_forward": False, "offload": "host"}),
+    "quantized bf16-mixed shard_size 2 reshard 2": (4, "bf16-mixed", {**QUANTIZED, "shard_size": 2,
+                                                                      "reshard_after_forward": 2}),
 }
 
 

@@ -195,8 +195,10 @@ class StandIn(TorchDispatchMode):
                 if isinstance(arg, torch.Tensor):
                     self.read_on_host(arg, name)
             return func(*args, **kwargs)
-        if name == "lift_fresh":
+        if name == "lift_fresh":  # a tensor just made from a Python value, outside dispatch
             self.counts["host_writes"] += 1
+            # Its storage is new: the history kept at that address is a freed tensor's (a false race).
+            self._storages.pop(args[0].untyped_storage().data_ptr(), None)
         if name == "copy_":
             self.counts["copies"] += 1
             self.counts["non_blocking_copies"] += bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
