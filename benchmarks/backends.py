@@ -132,7 +132,7 @@ def _run_raw(spec: RunSpec, model: nn.Module, batches: list, recorder: StepRecor
     else:
         raise ValueError(f"unknown backend {spec.backend!r}")
     optimizer = make_optimizer(model.parameters(), spec.lr)
-    wait = (lambda: sharded.stats.last_step_gather_wait_s) if sharded is not None else None
+    wait = (lambda: sharded.stats.shard_group.last_step_gather_wait_s) if sharded is not None else None
     k = spec.accumulate
     for x, y in batches:
         recorder.start()
@@ -143,15 +143,16 @@ def _run_raw(spec: RunSpec, model: nn.Module, batches: list, recorder: StepRecor
             loss.backward()
         optimizer.step()
         if sharded is not None:
-            sharded.end_step()  # the traffic and the record of the step (its orders and micro-batches)
+            sharded.stats.end_step()  # the traffic and the record of the step (its orders and micro-batches)
         recorder.stop(loss, wait)
     # RssAnon after the last step: what optimizer state on disk saves.
     extra: dict[str, Any] = {"model_state_bytes": model_state_bytes(model.parameters(), [optimizer]),
                              "anon_rss_bytes": status_bytes("RssAnon")}  # fmt: skip
     if sharded is not None:
-        extra.update(model_state_bytes=sharded.model_state_bytes([optimizer]), peak_units_alive=sharded.unit_stats.peak,
-                     engine_step_bytes={k: vars(v).copy() for k, v in sharded.stats.last_step.items()})  # fmt: skip
-        extra["expected_step_bytes"] = sharded.last_step_expected_bytes()  # k micro-batches, the last synced
+        stats = sharded.stats
+        extra.update(model_state_bytes=stats.model_state_bytes([optimizer]), peak_units_alive=stats.units.peak,
+                     engine_step_bytes={k: vars(v).copy() for k, v in stats.shard_group.last_step.items()})  # fmt: skip
+        extra["expected_step_bytes"] = sharded.stats.last_step_expected_bytes()  # k micro-batches, the last synced
     return extra
 
 

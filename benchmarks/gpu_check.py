@@ -252,7 +252,7 @@ def fabric_run(dev: torch.device, precision: str, *, zero3: bool, fused: bool = 
             }
         out["losses"].append(loss.item())
     if zero3:  # read after the loop: on CUDA the events are read then (a sync outside any window)
-        out["gather_wait_s"] = fabric.strategy.sharded_model(model).stats.last_step_gather_wait_s
+        out["gather_wait_s"] = fabric.strategy.sharded_model(model).stats.shard_group.last_step_gather_wait_s
     return out
 
 
@@ -339,7 +339,7 @@ def check_c(dry: bool) -> None:
         memory.reset()
         F.mse_loss(model(batch(step, dev, 256)[0]), y).backward()
         optimizer.step()
-        state = sharded.model_state_bytes([optimizer])["total"]  # shards, their gradients, AdamW state
+        state = sharded.stats.model_state_bytes([optimizer])["total"]  # shards, their gradients, AdamW state
         optimizer.zero_grad()
         peaks.append(memory.peak())
     # Each gathered unit (the root, the one computing, the prefetched ones): its receive buffer,
@@ -536,12 +536,12 @@ def _settings_run(dev: torch.device, steps: int, no_sync: bool = False, **option
                     (loss / k).backward()
             optimizer.step()
             optimizer.zero_grad()
-        sharded.end_step()
+        sharded.stats.end_step()
         losses.append(loss.detach())
         counted = syncs[0]
         peak = memory.peak()
     psi = sum(p.numel() for p in fresh(256, 4).parameters())
-    gathered = sharded.stats.last_step["all_gather"].wire_bytes  # this rank's bytes sent in the last step
+    gathered = sharded.stats.shard_group.last_step["all_gather"].wire_bytes  # this rank's bytes sent in the last step
     return {"losses": torch.stack(losses).tolist(), "syncs": counted, "peak": peak, "psi": psi, "sent": gathered}
 
 

@@ -63,11 +63,11 @@ def measure(rank: int, world_size: int, config: GPTConfig, policy: tuple, steps:
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))  # (B*T, V) vs (B*T,)
         loss.backward()
         grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
-        state = sharded.model_state_bytes([optimizer])  # with gradients, before they are freed
+        state = sharded.stats.model_state_bytes([optimizer])  # with gradients, before they are freed
         optimizer.step()
         optimizer.zero_grad()
-        sharded.end_step()
-    last = {kind: (b.calls, b.payload_bytes) for kind, b in sharded.stats.last_step.items()}
+        sharded.stats.end_step()
+    last = {kind: (b.calls, b.payload_bytes) for kind, b in sharded.stats.shard_group.last_step.items()}
     return {
         "psi": sum(p.numel for p in sharded.sharded_params),
         "units": len([u for u in sharded._units if u.params]),
@@ -75,7 +75,7 @@ def measure(rank: int, world_size: int, config: GPTConfig, policy: tuple, steps:
         "gathered": gathered,
         "grad": grad_dtypes,
         "last": last,
-        "expected": sharded.expected_step_bytes(),
+        "expected": sharded.stats.expected_step_bytes(),
         "state": state,
         "reduce": sharded._units[0].reduce_dtype,
         "loss": float(loss.detach()),

@@ -137,7 +137,7 @@ def main() -> None:
     if args.save:
         fabric.save(args.save, state)  # every rank writes its own shards; nothing is gathered
     text = sample(model, tokenizer, "The ", 80, config.block_size)
-    held = fabric.strategy.sharded_model(model).model_state_bytes([optimizer])
+    held = fabric.strategy.sharded_model(model).stats.model_state_bytes([optimizer])
     mine = held["param"] + held["optimizer"]  # gradients were freed by zero_grad
     numel = sum(fabric.strategy.sharded_model(model).full_numel(p) for p in model.parameters())
     fabric.print(f"\nval loss {val_loss:.3f} after {state['step']} steps ({wall_s:.1f} s)")

@@ -225,7 +225,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         inner = getattr(optimizer, "optimizer", optimizer)
         if isinstance(inner, Optimizer):
-            self._run_of_optimizer(inner).engine.end_step()  # close the step's traffic accounting
+            self._run_of_optimizer(inner).engine.stats.end_step()  # close the step's traffic accounting
         return output
 
     @override
@@ -251,7 +251,7 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
         """What the last optimizer step of `module` (default: the only model) moved, waited and
         held, as flat numbers for `fabric.log_dict(fabric.strategy.step_metrics(model))` after
         `optimizer.step()` (tools/summary.py `step_metrics`, the Trainer's `ShardingStatsMonitor`)."""
-        return step_metrics(self.sharded_model(module).report([]), self.root_device, prefix)
+        return step_metrics(self.sharded_model(module).stats.report([]), self.root_device, prefix)
 
     # ---- collectives Fabric uses -----------------------------------------------------------
     @override

@@ -241,8 +241,8 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
     # traffic is left out.
     @override
     def on_train_start(self) -> None:
-        self.sharded_model().forget_traffic()
-        self.sharded_model().reset_peaks()
+        self.sharded_model().stats.forget_traffic()
+        self.sharded_model().stats.reset_peaks()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -255,7 +255,7 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.sharded_model().end_step()
+        self.sharded_model().stats.end_step()
         return output
 
     @contextmanager
@@ -269,7 +269,7 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
     @override
     def on_validation_end(self) -> None:
         if self.run is not None:
-            self.run.engine.forget_traffic()
+            self.run.engine.stats.forget_traffic()
 
     # ---- collectives Lightning uses for metrics/logging -----------------------------------
     @override
@@ -287,7 +287,7 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
     @property
     def stats(self) -> dict[str, Any]:
         """What this rank holds and sends: see docs/accounting.md."""
-        return self.sharded_model().report(self.optimizers)
+        return self.sharded_model().stats.report(self.optimizers)
 
     # ---- checkpoints (the run, common/run.py): "sharded" a directory, each rank its shards; "full" one
     # ordinary Lightning file from rank 0.

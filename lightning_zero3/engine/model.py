@@ -17,12 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero3.engine import accounting
 from lightning_zero3.engine.accumulate import GradientSync, SyncState
 from lightning_zero3.engine.buffers import BufferPool, indexed, stream_api
 from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import UNEVEN_FIX, RankChecks
-from lightning_zero3.engine.comm import Comm, CommStats, consecutive_group, hybrid_groups
+from lightning_zero3.engine.comm import Comm, consecutive_group, hybrid_groups
 from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.disk import DiskState
 from lightning_zero3.engine.gathered import gathered_parameters
@@ -33,13 +32,13 @@ from lightning_zero3.engine.materialize import restore_whole, shard_parameters
 from lightning_zero3.engine.offload import HostOffload, move_module
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.plan import make_plan
-from lightning_zero3.engine.record import Step, StepRecord, UnitStats
+from lightning_zero3.engine.record import StepRecord
 from lightning_zero3.engine.reduce import Reductions
 from lightning_zero3.engine.reshard import resolve
 from lightning_zero3.engine.schedule import Schedule
 from lightning_zero3.engine.shard import ShardedParam
+from lightning_zero3.engine.stats import ModelStats
 from lightning_zero3.engine.unit import Unit
-from lightning_zero3.engine.whole_matrix import whole_matrix_step_bytes
 
 
 class ShardedModel:
@@ -85,7 +84,6 @@ class ShardedModel:
             on_host=config.offload is not None,
         )  # fmt: skip
         self._record = StepRecord()
-        self._unit_stats = UnitStats()
         groups = self._replicate_comm.world_size if self._replicate_comm is not None else 1
         self._checks = RankChecks(rank=self._comm.rank, names=[u.name for u in self._plan.units],
                                   rank_checks=config.rank_checks, groups=groups)  # fmt: skip
@@ -117,9 +115,16 @@ class ShardedModel:
                                 pool=self._pool if stream_api(target) is not None else None)  # fmt: skip
         self._gradient_sync = GradientSync(self._units, reductions=reductions, persistent=self._persistent_grads,
                                            record=self._record)  # fmt: skip
+        schedule, by_param = self._schedule, self._by_param  # no reference back to this object
+        self.stats = ModelStats(
+            self._units, self._persistent, comm=self._comm, replicate_comm=self._replicate_comm,
+            slice_comm=self._slice_comm, world_comm=self._world_comm, record=self._record, pool=self._pool,
+            reshard=self._reshard, orders=lambda: (schedule.forward_order, schedule.backward_order),
+            sharded_param=lambda param: by_param.get(id(param)),
+        )  # fmt: skip
         self._hooks = HookDriver(
             self._units, schedule=self._schedule, checks=self._checks, grads=self._gradient_sync,
-            persistent=self._persistent_grads, live=self._unit_stats,
+            persistent=self._persistent_grads, live=self.stats.units,
             record=self._record, world_comm=self._world_comm, reshard=self._reshard, offload=self._offload,
         )  # fmt: skip
         held = lambda: self._hooks.state is PassState.HELD
@@ -156,55 +161,6 @@ class ShardedModel:
     def full_numel(self, param: torch.Tensor) -> int:
         """Elements of `param` whole (a shard's full parameter, else `param` itself)."""
         return sharded.numel if (sharded := self.sharded_param(param)) is not None else param.numel()
-
-    @property
-    def stats(self) -> CommStats:
-        """Traffic inside the shard group (the whole world unless `shard_size` is set)."""
-        return self._comm.stats
-
-    @property
-    def replicate_stats(self) -> CommStats | None:
-        """Traffic across shard groups (hierarchical sharding only)."""
-        return self._replicate_comm.stats if self._replicate_comm is not None else None
-
-    @property
-    def slice_stats(self) -> CommStats | None:
-        """Traffic inside the groups of G (`reshard_after_forward=G` only)."""
-        return self._slice_comm.stats if self._slice_comm is not None else None
-
-    def end_step(self) -> None:
-        """Close the step: `stats.last_step` and `last_step_record` become this step's."""
-        for comm in filter(None, (self._comm, self._replicate_comm, self._slice_comm, self._world_comm)):
-            comm.stats.end_step()
-        self._record.end_step()
-
-    def forget_traffic(self) -> None:
-        """Drop the traffic counted in the groups since the last `end_step` (e.g. evaluation's)."""
-        for comm in filter(None, (self._comm, self._replicate_comm)):
-            comm.stats.current.clear()
-
-    @property
-    def last_step_record(self) -> Step | None:
-        """What the last step did (units gathered, kept, reduced; record.py); None before `end_step`."""
-        return self._record.last
-
-    @property
-    def unit_stats(self) -> UnitStats:
-        """Units holding full parameters now and at most (invariant 4)."""
-        return self._unit_stats
-
-    def last_step_expected_bytes(self, *, across_groups: bool = False, slices: bool = False) -> dict[str, int] | None:
-        """The formula for the step `stats.last_step` measured, its orders and passes; None before any `end_step`."""
-        last = self._record.last
-        if last is None:
-            return None
-        passes = {"micro_batches": last.backwards, "synced": last.synced} if last.backwards else {}
-        return accounting.expected_step_bytes(self._units, self._persistent, orders=last.orders, reshard=self._reshard,
-                                              across_groups=across_groups, slices=slices, **passes)  # fmt: skip
-
-    def reset_peaks(self) -> None:
-        """Start `unit_stats`' peaks afresh (e.g. when training starts after evaluation)."""
-        self._unit_stats.reset_peaks()
 
     # ---- gradient sync (accumulate.py, Note: unsynced accumulation) ---------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -314,48 +270,6 @@ class ShardedModel:
             if unexpected or absent:
                 raise KeyError(f"State dict does not match the model: missing keys {absent[:10]}, unexpected keys "
                                f"{unexpected[:10]}. Load a checkpoint of the same model or pass strict=False.")
-
-    # ---- model-state accounting (accounting.py) -------------------------------------------
-    def model_state_bytes(self, optimizers: list[torch.optim.Optimizer] | None = None) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank holds between steps."""
-        return accounting.model_state_bytes([p.param for p in self.sharded_params] + self._persistent, optimizers)
-
-    def expected_step_bytes(self, *, across_groups: bool = False, slices: bool = False) -> dict[str, int]:
-        """The formula (accounting.py) for a training step with the unit orders recorded now."""
-        orders = (self._schedule.forward_order, self._schedule.backward_order)
-        return accounting.expected_step_bytes(self._units, self._persistent, orders=orders, reshard=self._reshard,
-                                              across_groups=across_groups, slices=slices)  # fmt: skip
-
-    def report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-        """What this rank holds and sends (`ZeRO3Strategy.stats`, docs/accounting.md): the last
-        step's measured bytes next to the formula for it (the last step's, else the next one's)."""
-        measured = lambda stats: {k: vars(b).copy() for k, b in stats.last_step.items()} if stats is not None else {}
-        expected = lambda **group: self.last_step_expected_bytes(**group) or self.expected_step_bytes(**group)
-        whole_matrices = whole_matrix_step_bytes(self, optimizers)  # whole_matrix.py: the optimizers' own
-        alive, units = self._unit_stats, [u for u in self._units if u.params]
-        return {
-            "world_size": self._world_comm.world_size,
-            "shard_size": self._comm.world_size,
-            "param_dtype": str(self._units[-1].param_dtype).removeprefix("torch."),
-            "reduce_dtype": str(self._units[-1].reduce_dtype).removeprefix("torch."),
-            "full_parameters": sum(p.numel for p in self.sharded_params) + sum(p.numel() for p in self._persistent),
-            "units": len(units),
-            "last_step": measured(self.stats),
-            "expected_step_bytes": {**expected(), **({"all_to_all": whole_matrices} if whole_matrices else {})},
-            "last_step_across_groups": measured(self.replicate_stats),
-            "expected_step_bytes_across_groups": expected(across_groups=True),
-            # reshard_after_forward=G: the backward's All-Gathers inside the groups of G.
-            "last_step_in_slice_groups": measured(self.slice_stats),
-            "expected_step_bytes_in_slice_groups": expected(slices=True),
-            # Scalars on the whole world: the GradScaler's inf flag, checkpoint agreement, order check.
-            "last_step_control": measured(self._world_comm.stats),
-            "gather_wait_s": self.stats.last_step_gather_wait_s,
-            "units_alive": alive.alive,
-            "peak_units_alive": alive.peak,
-            "peak_units_alive_without_root": alive.peak_without_root,
-            "buffer_bytes": self._pool.bytes(),  # pooled, taken, peak (buffers.py)
-            "model_state_bytes": self.model_state_bytes(optimizers),
-        }
 
     def move_module(self, device: torch.device | str) -> None:
         """`module.to(device)`; with offload the shards stay on the host."""

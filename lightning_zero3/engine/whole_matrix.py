@@ -216,7 +216,9 @@ def step_whole_matrices(model: _Sharded, optimizer: torch.optim.Optimizer, owner
     return WholeMatrixSteps(optimizer, need, model)
 
 
-def whole_matrix_step_bytes(model: _Sharded, optimizers: Iterable[torch.optim.Optimizer]) -> int:
+def whole_matrix_step_bytes(
+    sharded_param: Callable[[Tensor], ShardedParam | None], optimizers: Iterable[torch.optim.Optimizer]
+) -> int:
     """Payload bytes of the two All-to-Alls per step of `optimizers` that need whole matrices:
     twice each trainable sharded parameter's piece, in the pieces' promoted dtype."""
     total = 0
@@ -224,7 +226,7 @@ def whole_matrix_step_bytes(model: _Sharded, optimizers: Iterable[torch.optim.Op
         if whole_matrix_need(optimizer) is None:
             continue
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        shards = [(p, s) for p in params if (s := model.sharded_param(p)) is not None]
+        shards = [(p, s) for p in params if (s := sharded_param(p)) is not None]
         if shards:
             dtype = functools.reduce(torch.promote_types, [p.dtype for p, _ in shards])
             total += 2 * sum(s.shard_numel for _, s in shards) * dtype.itemsize

@@ -1,5 +1,5 @@
 """What users read about a sharded model: Lightning's model summary with the sizes of whole
-parameters, not of this rank's shards (`ZeRO3Strategy.stats` is `ShardedModel.report`), and those
+parameters, not of this rank's shards (`ZeRO3Strategy.stats` is `ShardedModel.stats.report`), and those
 figures per optimizer step in the user's logger (`ShardingStatsMonitor`; Fabric:
 `fabric.log_dict(fabric.strategy.step_metrics(model))`).
 

@@ -124,10 +124,10 @@ def test_shards_are_stored_with_their_global_offsets(gpt_saved_at_2):
 
 def _gathers_during_save(rank: int, world_size: int, path: str) -> int:
     model, sharded, optimizer = trained_gpt()
-    before = sharded.stats.current["all_gather"].calls
+    before = sharded.stats.shard_group.current["all_gather"].calls
     optimizer_states = [ckpt.sharded_optimizer_state(sharded, optimizer)]
     ckpt.save_sharded(path, sharded, {"state_dict": model.state_dict(), "optimizer_states": optimizer_states})
-    return sharded.stats.current["all_gather"].calls - before
+    return sharded.stats.shard_group.current["all_gather"].calls - before
 
 
 def test_saving_gathers_no_parameter(tmp_path):

@@ -61,7 +61,7 @@ def _train_evaluate_save_load(rank: int, world_size: int, precision: str | None,
         scaler = AgreeingGradScaler(sharded, device="cpu") if precision == "16-mixed" else None
         for _ in range(3):
             _step(model, optimizer, x, y, precision, scaler)
-            sharded.end_step()
+            sharded.stats.end_step()
         with torch.no_grad(), _autocast(precision):
             model(x)
         state = sharded.full_state_dict(to_rank=None)
@@ -352,7 +352,7 @@ def _waits_after_evaluation(rank: int, world_size: int, passes: int) -> dict:
         with torch.no_grad():
             for _ in range(passes):
                 model(x)  # no optimizer step: nothing calls end_step
-    return {"waits": len(sharded.stats.waits), "units": len(sharded._units)}
+    return {"waits": len(sharded.stats.shard_group.waits), "units": len(sharded._units)}
 
 
 @pytest.mark.slow

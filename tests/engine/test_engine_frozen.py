@@ -71,12 +71,12 @@ def _frozen_step(rank: int, world_size: int, frozen_name: str) -> dict:
         if ref.grad is not None:
             sp = sharded.sharded_param(param)
             grad_diff = max(grad_diff, float((param.grad - shard_slice(ref.grad, sp.rank, world_size)).abs().max()))
-    gathers = sharded.stats.current["all_gather"].calls
+    gathers = sharded.stats.shard_group.current["all_gather"].calls
     return {
         "saved_after_forward": after_forward,
         "saved_in_backward": in_backward,
         "grad_diff": grad_diff,
-        "alive": sharded.unit_stats.alive,
+        "alive": sharded.stats.units.alive,
         "gathers": gathers,
     }
 

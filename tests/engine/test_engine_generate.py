@@ -44,7 +44,7 @@ def _generate(model: nn.Module, prompt: list[int], **options: object) -> list[in
 
 
 def _gathers(sharded: ShardedModel) -> int:
-    return sharded.stats.current["all_gather"].calls
+    return sharded.stats.shard_group.current["all_gather"].calls
 
 
 def _tokens(rank: int, world_size: int, held: bool, prompts: dict[int, list[int]], synced: bool | None) -> dict:
@@ -67,7 +67,7 @@ def _tokens(rank: int, world_size: int, held: bool, prompts: dict[int, list[int]
         "expected": _generate(reference, prompts[rank]),
         "gathers_inside": inside,
         "gathers": _gathers(sharded) - before,
-        "alive": sharded.unit_stats.alive,
+        "alive": sharded.stats.units.alive,
         "shadowed": _shadowed(model),
     }
 
@@ -172,7 +172,7 @@ def _train_after_context(rank: int, world_size: int, fail_inside: bool) -> dict:
     except KeyError:
         pass
     held_diff = float((got - expected).abs().max())
-    left = {"alive": sharded.unit_stats.alive, "shadowed": _shadowed(model)}
+    left = {"alive": sharded.stats.units.alive, "shadowed": _shadowed(model)}
     for step in range(1, 3):
         step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
     return {"held_diff": held_diff, **left, "param_diff": max_param_difference(sharded, reference)}
@@ -207,7 +207,7 @@ def _gradients_inside(rank: int, world_size: int, what: str) -> str:
         message = str(err)
     else:
         message = "no error"
-    assert sharded.unit_stats.alive == 0 and not _shadowed(model)
+    assert sharded.stats.units.alive == 0 and not _shadowed(model)
     return message
 
 
@@ -295,7 +295,7 @@ def _fabric_held(f: Any) -> list[dict]:
         got = model(x)
         inside = _gathers(sharded) - before
     return every_rank(
-        {"diff": float((got - reference(x)).abs().max()), "inside": inside, "alive": sharded.unit_stats.alive}
+        {"diff": float((got - reference(x)).abs().max()), "inside": inside, "alive": sharded.stats.units.alive}
     )
 
 

@@ -82,16 +82,17 @@ def _traffic(rank: int, world_size: int) -> dict:
         F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
         optimizer.step()
         optimizer.zero_grad()
-        sharded.end_step()
-    inside = {k: (b.calls, b.payload_bytes, b.wire_bytes) for k, b in sharded.stats.last_step.items() if b.calls}
-    assert sharded.replicate_stats is not None
-    across = {k: (b.calls, b.payload_bytes, b.wire_bytes) for k, b in sharded.replicate_stats.last_step.items()}
+        sharded.stats.end_step()
+    last_step = sharded.stats.shard_group.last_step
+    inside = {k: (b.calls, b.payload_bytes, b.wire_bytes) for k, b in last_step.items() if b.calls}
+    assert sharded.stats.across_groups is not None
+    across = {k: (b.calls, b.payload_bytes, b.wire_bytes) for k, b in sharded.stats.across_groups.last_step.items()}
     shard_sizes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     return {
         "inside": inside,
         "across": across,
-        "expected_inside": sharded.expected_step_bytes(),
-        "expected_across": sharded.expected_step_bytes(across_groups=True),
+        "expected_inside": sharded.stats.expected_step_bytes(),
+        "expected_across": sharded.stats.expected_step_bytes(across_groups=True),
         "units": len([u for u in sharded._units if u.params]),
         "psi": sum(u.numel for u in sharded._units),
         "shards": shard_sizes,

@@ -280,14 +280,49 @@ def test_the_layer_check_sees_an_import_going_up():
     assert upward_imports(graph, design_layers(DESIGN)) == ["reduce.py (layer 4) imports offload.py (layer 7)"]
 
 
-def test_sharded_model_shows_three_attributes_and_documents_each_method():
-    """The engine's surface (docs/design.md): collaborators private, each public member documented."""
+MODEL_MEMBERS_AT_MOST = 22  # methods and properties of ShardedModel; its accounting is one `stats` object
+DOOR_AT_MOST = 32  # names in lightning_zero3.engine.__all__
+
+
+def _public_members(cls: type) -> dict[str, Any]:
+    return {name: m for name, m in vars(cls).items() if not name.startswith("_")}
+
+
+def test_sharded_model_shows_four_attributes_and_documents_each_method():
+    """The engine's surface (docs/design.md): collaborators private, accounting behind `stats`,
+    each public member documented, and no more members than today (a ceiling: a new one replaces one)."""
     from torch import nn
 
+    from lightning_zero3.engine.stats import ModelStats
+
     sharded = lightning_zero3.engine.ShardedModel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device="cpu")
-    assert sorted(name for name in vars(sharded) if not name.startswith("_")) == ["config", "device", "module"]
-    members = {name: m for name, m in vars(type(sharded)).items() if not name.startswith("_")}
-    assert len(members) >= 20 and [name for name, m in members.items() if not (m.__doc__ or "").strip()] == []
+    assert sorted(name for name in vars(sharded) if not name.startswith("_")) == ["config", "device", "module", "stats"]
+    members = _public_members(type(sharded))
+    assert len(members) <= MODEL_MEMBERS_AT_MOST, sorted(members)
+    assert [name for name, m in members.items() if not (m.__doc__ or "").strip()] == []
+    assert [name for name, m in _public_members(ModelStats).items() if callable(m) and not m.__doc__] == []
+
+
+def _door_users() -> dict[str, set[str]]:
+    """Each name imported from `lightning_zero3.engine` by the glue, the examples or the benchmarks."""
+    users: dict[str, set[str]] = {}
+    for folder in ("lightning_zero3", "examples", "benchmarks"):
+        for path in (PACKAGE.parent / folder).rglob("*.py"):
+            if ENGINE in path.parents:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "lightning_zero3.engine":
+                    for alias in node.names:
+                        users.setdefault(alias.name, set()).add(path.name)
+    return users
+
+
+def test_the_engine_door_holds_only_names_used_outside_it():
+    """A ceiling on the door: every name in `__all__` is imported by the glue, an example or a
+    benchmark (tests reach inside by module path), and there are no more of them than today."""
+    users = _door_users()
+    assert [name for name in lightning_zero3.engine.__all__ if name not in users] == []
+    assert len(lightning_zero3.engine.__all__) <= DOOR_AT_MOST
 
 
 def test_the_trainer_and_fabric_strategies_share_one_surface_on_their_models():

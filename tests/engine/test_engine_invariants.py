@@ -35,12 +35,12 @@ def _train(model_name: str, rank: int, world_size: int, *, steps: int, **sharded
     sharded = ShardedModel(model, **sharded_kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(steps):
-        sharded.reset_peaks()
+        sharded.stats.reset_peaks()
         optimizer.zero_grad()  # first, so the last step's gradients stay for inspection
         x, y = batch(step)
         loss_fn(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
         optimizer.step()
-        sharded.stats.end_step()
+        sharded.stats.shard_group.end_step()
     return model, sharded, optimizer
 
 
@@ -108,7 +108,7 @@ def _step_bytes(rank: int, world_size: int, model_name: str, prefetch: int, pers
     _, sharded, _ = _train(
         model_name, rank, world_size, steps=2, prefetch=prefetch, persistence_threshold=persistence_threshold
     )
-    last = sharded.stats.last_step
+    last = sharded.stats.shard_group.last_step
     kept = _kept_for_backward(sharded)
     units = [
         {
@@ -122,7 +122,7 @@ def _step_bytes(rank: int, world_size: int, model_name: str, prefetch: int, pers
     ]
     return {
         "kinds": {kind: (b.calls, b.payload_bytes, b.wire_bytes) for kind, b in last.items() if b.calls},
-        "expected": sharded.expected_step_bytes(),
+        "expected": sharded.stats.expected_step_bytes(),
         "units": units,
     }
 
@@ -246,7 +246,7 @@ def test_on_gloo_a_gather_is_one_broadcast_per_rank_and_a_reduce_scatter_sends_e
 # ---- 4. units whole at once -------------------------------------------------------------------
 def _peak_units(rank: int, world_size: int, prefetch: int) -> dict:
     _, sharded, _ = _train("deep_mlp", rank, world_size, steps=2, prefetch=prefetch)
-    stats = sharded.unit_stats
+    stats = sharded.stats.units
     return {"peak": stats.peak, "peak_without_root": stats.peak_without_root, "alive": stats.alive}
 
 
@@ -269,10 +269,10 @@ def test_peaks_reset_while_the_root_is_whole_leave_the_root_out_of_peak_without_
     count 2 units, 1 without the root (was: 2 without the root, the root counted in)."""
     model = MLP()
     sharded = ShardedModel(model, prefetch=0)
-    model.blocks[0].register_forward_pre_hook(lambda *_: sharded.reset_peaks())
+    model.blocks[0].register_forward_pre_hook(lambda *_: sharded.stats.reset_peaks())
     with torch.no_grad():
         model(mlp_batch(0)[0])
-    assert (sharded.unit_stats.peak, sharded.unit_stats.peak_without_root) == (2, 1)
+    assert (sharded.stats.units.peak, sharded.stats.units.peak_without_root) == (2, 1)
 
 
 # ---- 5. nothing kept between steps ------------------------------------------------------------
@@ -336,7 +336,7 @@ def _trained_with(rank: int, world_size: int, model_name: str, gloo_in_place: bo
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-        "calls": sharded.stats.last_step,
+        "calls": sharded.stats.shard_group.last_step,
     }
 
 
@@ -372,10 +372,10 @@ def _bytes_of_each_step(rank: int, world_size: int) -> list[tuple[int, int]]:
         F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
         optimizer.step()
         optimizer.zero_grad()
-        sharded.end_step()
-        expected = sharded.last_step_expected_bytes()
+        sharded.stats.end_step()
+        expected = sharded.stats.last_step_expected_bytes()
         assert expected is not None
-        measured = sharded.stats.last_step["all_gather"].payload_bytes
+        measured = sharded.stats.shard_group.last_step["all_gather"].payload_bytes
         pairs.append((measured, expected["all_gather"]))
     return pairs
 

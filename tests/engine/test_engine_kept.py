@@ -271,7 +271,7 @@ def _root_called_inside_blocks(rank: int, world_size: int) -> dict:
     # layer's other names (blocks.0.shared.weight), a defect of its own (notes/rev5engine.md).
     full = sharded.full_state_dict(to_rank=None)
     diff = max(float((full[name] - p.detach()).abs().max()) for name, p in reference.named_parameters())
-    return {"held": held, "diff": diff, "alive": sharded.unit_stats.alive}
+    return {"held": held, "diff": diff, "alive": sharded.stats.units.alive}
 
 
 def test_a_root_call_inside_another_units_forward_is_not_kept():

@@ -57,7 +57,7 @@ def _forward_without_grad(rank: int, world_size: int, model_name: str, mode: str
         "diff": float((out - expected).abs().max()),
         "changed": [name for name, value in _registered(model).items() if before[name] != value],
         "shadowed": _shadowed(model),
-        "alive": sharded.unit_stats.alive,
+        "alive": sharded.stats.units.alive,
         "in_flight": [unit.name for unit in sharded._units if unit.gather_in_flight],
     }
 

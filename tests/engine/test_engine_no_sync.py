@@ -105,8 +105,8 @@ def _step(optimizers: list, set_to_none: bool = True) -> None:
 
 
 def _formula(sharded: ShardedModel, **counts: int) -> dict[str, int]:
-    assert sharded.last_step_record is not None
-    orders = sharded.last_step_record.orders
+    assert sharded.stats.last_step_record is not None
+    orders = sharded.stats.last_step_record.orders
     return accounting.expected_step_bytes(sharded._units, sharded._persistent, orders=orders, **counts)
 
 
@@ -133,15 +133,16 @@ def _bytes_and_buffers(rank: int, world_size: int, k: int) -> dict:
                 (F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)) / k).backward()
         out["alive"].append(sum(ref() is not None for ref in held))
         _step(optimizers)
-        sharded.end_step()
+        sharded.stats.end_step()
         out.setdefault("steps", []).append({
-            kind: sharded.stats.last_step[kind].payload_bytes for kind in ("all_gather", "reduce_scatter", "all_reduce")
+            kind: sharded.stats.shard_group.last_step[kind].payload_bytes
+            for kind in ("all_gather", "reduce_scatter", "all_reduce")
         })  # fmt: skip
         if step == 1:  # the record's count of backwards and synced ones gives the formula its k
-            out["synced_formula"] = sharded.last_step_expected_bytes()
+            out["synced_formula"] = sharded.stats.last_step_expected_bytes()
             assert out["synced_formula"] == _formula(sharded, micro_batches=k)
         if step == 3:
-            out["unsynced_formula"] = sharded.last_step_expected_bytes()
+            out["unsynced_formula"] = sharded.stats.last_step_expected_bytes()
             assert out["unsynced_formula"] == _formula(sharded, micro_batches=k, synced=1)
     out["full_numel"] = sum(u.world_size * u.shard_numel for u in sharded._units)
     return out

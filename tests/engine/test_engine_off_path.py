@@ -96,7 +96,7 @@ def _direct_inner_calls(rank: int, world_size: int) -> dict[str, float]:
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad()
-    worst["leftover"] = float(len(_shadowed(model)) + sharded.unit_stats.alive)
+    worst["leftover"] = float(len(_shadowed(model)) + sharded.stats.units.alive)
     for step in range(1, 3):  # then ordinary steps through the root module
         for module, (x, y) in ((reference, gpt_batch(step)), (model, gpt_batch(step))):
             if module is model:
@@ -144,7 +144,7 @@ def _steps_after_a_caught_exception(rank: int, world_size: int) -> dict[str, flo
         model(mlp_batch(1)[0])
     except SimulatedOOM:
         pass
-    leftover = float(len(_shadowed(model)) + sharded.unit_stats.alive)
+    leftover = float(len(_shadowed(model)) + sharded.stats.units.alive)
     for step in range(1, 4):
         step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
     return {"leftover": leftover, "param": max_param_difference(sharded, reference)}
@@ -181,7 +181,7 @@ def _steps_after_a_caught_backward_exception(rank: int, world_size: int) -> dict
         optimizer.zero_grad()
     for step in range(1, 4):
         step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
-    return {"param": max_param_difference(sharded, reference), "alive": sharded.unit_stats.alive}
+    return {"param": max_param_difference(sharded, reference), "alive": sharded.stats.units.alive}
 
 
 def test_steps_after_an_exception_inside_backward_match_single_process():
@@ -213,7 +213,7 @@ def _steps_without_the_graph_task_id(rank: int, world_size: int) -> dict[str, fl
             step_side_by_side(reference, model, optimizers, mlp_batch(step), rank, world_size)
     finally:
         torch._C._current_graph_task_id = saved
-    return {"param": max_param_difference(sharded, reference), "alive": sharded.unit_stats.alive}
+    return {"param": max_param_difference(sharded, reference), "alive": sharded.stats.units.alive}
 
 
 def test_without_torchs_graph_task_id_training_still_matches_single_process():

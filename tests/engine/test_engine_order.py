@@ -216,11 +216,11 @@ def test_a_pass_that_leaves_the_record_announces_it_once(prefetch: int) -> None:
     sharded = ShardedModel(model, prefetch=prefetch)
     x, y = mlp_batch(0)
     F.mse_loss(model(x), y).backward()
-    sharded.end_step()
+    sharded.stats.end_step()
     model.route = [5, 4, 3, 2, 1, 0]
     with torch.no_grad():
         model(x)
-    sharded.end_step()
+    sharded.stats.end_step()
     units = len([u for u in sharded._units if u.params])
     # Every unit once, the notice, and with prefetch the one gather issued ahead and dropped.
-    assert sharded.stats.last_step["all_gather"].calls == units + 1 + prefetch
+    assert sharded.stats.shard_group.last_step["all_gather"].calls == units + 1 + prefetch

@@ -56,8 +56,8 @@ def _gathers_per_step(rank: int, world_size: int) -> list[int]:
     calls = []
     for _ in range(3):
         F.mse_loss(model(x), y).backward()
-        sharded.end_step()
-        calls.append(sharded.stats.last_step["all_gather"].calls)
+        sharded.stats.end_step()
+        calls.append(sharded.stats.shard_group.last_step["all_gather"].calls)
     return calls
 
 

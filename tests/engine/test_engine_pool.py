@@ -130,7 +130,7 @@ def _buffers_of_a_step(rank: int, world_size: int, in_flight: int) -> dict:
         inputs = unit.world_size * unit.reduce_row_numel * 4
         at_forward_end: list[int] = []
         in_backward: list[int] = []
-        steady = lambda: sharded.last_step_record is not None  # noqa: E731 - from the second step on
+        steady = lambda: sharded.stats.last_step_record is not None  # noqa: E731 - from the second step on
         model.head.register_forward_hook(lambda *_: at_forward_end.append(_storages_of(inputs)) if steady() else None)
         reductions = sharded._gradient_sync.reductions
         start = type(reductions).start
@@ -146,7 +146,7 @@ def _buffers_of_a_step(rank: int, world_size: int, in_flight: int) -> dict:
         for step in range(3):
             sharded._pool.reset_peak()
             _train(model, optimizer, rank, world_size, step)
-            sharded.end_step()
+            sharded.stats.end_step()
             peaks.append(sharded._pool.peak_bytes)
         formula = step_buffer_bytes(sharded._units, prefetch=1, in_flight=in_flight, received=True)
         return {"forward": at_forward_end, "backward": max(in_backward), "peaks": peaks[1:], "formula": formula}

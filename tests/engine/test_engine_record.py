@@ -32,8 +32,8 @@ def _steps(rank: int, world_size: int, model_name: str, prefetch: int, reshard: 
         loss_fn(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
         optimizer.step()
         optimizer.zero_grad()
-        sharded.end_step()
-        record = sharded.last_step_record
+        sharded.stats.end_step()
+        record = sharded.stats.last_step_record
         assert record is not None
         row = {u.uid: world_size * u.row_numel() * u.param_dtype.itemsize for u in units}
         g = sharded._slice_comm.world_size if sharded._slice_comm is not None else 1
@@ -57,11 +57,11 @@ def _steps(rank: int, world_size: int, model_name: str, prefetch: int, reshard: 
                 "reduce_scatter": sum(reduce_row[uid] * k for uid, k in record.reduced.items()),
                 "slices": sum(slice_row[uid] * k for uid, k in record.gathered_slice.items()),
             },
-            "measured": {kind: b.payload_bytes for kind, b in sharded.stats.last_step.items()},
-            "measured_slices": sum(b.payload_bytes for b in sharded.slice_stats.last_step.values())
-            if sharded.slice_stats is not None else 0,
-            "formula": sharded.last_step_expected_bytes(),
-            "formula_slices": sharded.last_step_expected_bytes(slices=True),
+            "measured": {kind: b.payload_bytes for kind, b in sharded.stats.shard_group.last_step.items()},
+            "measured_slices": sum(b.payload_bytes for b in sharded.stats.slice_groups.last_step.values())
+            if sharded.stats.slice_groups is not None else 0,
+            "formula": sharded.stats.last_step_expected_bytes(),
+            "formula_slices": sharded.stats.last_step_expected_bytes(slices=True),
         })  # fmt: skip
     return out
 

@@ -158,14 +158,14 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
     mine = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
     with torch.no_grad():
         model(mine[0])  # evaluation before training
-    alive["after_eval"] = sharded.unit_stats.alive
+    alive["after_eval"] = sharded.stats.units.alive
     saved = SavedPerBlock(model)
     model(mine[0])  # grad enabled, never backpropagated
     held_then = sum(saved.weight_bytes(i) for i in range(len(model.blocks)))
     slices_then = sum(u._slice is not None for u in sharded._units)
     with torch.no_grad():
         model.inp(mine[0])  # the next pass (the root alone) gives back what the first kept
-    alive["after_next_pass"] = sharded.unit_stats.alive
+    alive["after_next_pass"] = sharded.stats.units.alive
     alive["slices_after_next_pass"] = sum(u._slice is not None for u in sharded._units)
     alive["left_by_first"] = sum(saved.weight_bytes(i) for i in range(len(model.blocks)))
 
@@ -176,18 +176,18 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
     with pytest.raises(KeyError):
         model(mine[0])
     handle.remove()
-    alive["after_raise"] = sharded.unit_stats.alive
+    alive["after_raise"] = sharded.stats.units.alive
     hidden: list[torch.Tensor] = []
     handle = model.blocks[0].register_forward_hook(lambda module, args, out: hidden.append(out))
     model(mine[0])
     handle.remove()
     hidden[0].square().sum().backward()  # never reaches the later blocks
     optimizers[1].zero_grad()
-    alive["after_partial_backward"] = sharded.unit_stats.alive
+    alive["after_partial_backward"] = sharded.stats.units.alive
     alive["slices_after_partial_backward"] = sum(u._slice is not None for u in sharded._units)
     with sharded.gathered_for_inference(), torch.no_grad():
         model(mine[0])
-    alive["after_held"] = sharded.unit_stats.alive
+    alive["after_held"] = sharded.stats.units.alive
     for step in range(3):  # retain_graph: two backwards through one forward, each one adds in
         x, y = mlp_batch(step)
         loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
@@ -197,8 +197,8 @@ def _passes_without_backward(rank: int, world_size: int, reshard: bool | int) ->
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-        alive[f"after_step_{step}"] = sharded.unit_stats.alive
-    sharded.end_step()
+        alive[f"after_step_{step}"] = sharded.stats.units.alive
+    sharded.stats.end_step()
     alive["slices_at_end"] = sum(u._slice is not None for u in sharded._units)
     return {"alive": alive, "held_then": held_then, "slices_then": slices_then,
             "diff": max_param_difference(sharded, reference)}  # fmt: skip

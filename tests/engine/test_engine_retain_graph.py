@@ -27,9 +27,9 @@ def _two_backwards(rank: int, world_size: int) -> dict:
     ref_loss.backward()
     loss = F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
     loss.backward(retain_graph=True)
-    gathers_first = sharded.stats.current["all_gather"].calls
+    gathers_first = sharded.stats.shard_group.current["all_gather"].calls
     loss.backward()
-    gathers_second = sharded.stats.current["all_gather"].calls - gathers_first
+    gathers_second = sharded.stats.shard_group.current["all_gather"].calls - gathers_first
     ref_grads = dict(reference.named_parameters())
     grad_diff = 0.0
     for param in model.parameters():
@@ -43,7 +43,7 @@ def _two_backwards(rank: int, world_size: int) -> dict:
         "grad_diff": grad_diff,
         "param_diff": max_param_difference(sharded, reference),
         "gathers_second": gathers_second,
-        "alive": sharded.unit_stats.alive,
+        "alive": sharded.stats.units.alive,
     }
 
 

@@ -50,9 +50,9 @@ def _train_autocast(rank: int, world_size: int, param_dtype: Any, reduce_dtype: 
         for opt_ in (ref_opt, opt):
             opt_.step()
             opt_.zero_grad()
-        sharded.end_step()
+        sharded.stats.end_step()
     full = sharded.full_state_dict(to_rank=None)
-    last = sharded.stats.last_step
+    last = sharded.stats.shard_group.last_step
     return {
         "loss": worst_loss,
         "param": max_difference(full, reference.state_dict()),
@@ -60,7 +60,7 @@ def _train_autocast(rank: int, world_size: int, param_dtype: Any, reduce_dtype: 
         "shard_dtypes": {p.dtype for p in model.parameters()},
         "grad_dtypes": grad_dtypes,
         "bytes": {k: b.payload_bytes for k, b in last.items()},
-        "expected": sharded.expected_step_bytes(),
+        "expected": sharded.stats.expected_step_bytes(),
     }
 
 

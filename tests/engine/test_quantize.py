@@ -114,11 +114,11 @@ def _quantized_training(rank: int, world_size: int, options: dict[str, Any], mic
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-        sharded.end_step()
+        sharded.stats.end_step()
         steps.append({
-            "measured": {kind: b.payload_bytes for kind, b in sharded.stats.last_step.items()},
-            "formula": sharded.last_step_expected_bytes(),
-            "as_is": _sent_as_is(sharded._units, sharded.last_step_record),
+            "measured": {kind: b.payload_bytes for kind, b in sharded.stats.shard_group.last_step.items()},
+            "formula": sharded.stats.last_step_expected_bytes(),
+            "as_is": _sent_as_is(sharded._units, sharded.stats.last_step_record),
         })  # fmt: skip
     unit = max(sharded._units, key=lambda u: u.shard_numel)
     fulls = unit.gather()  # what forward computes with

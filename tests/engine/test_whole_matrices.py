@@ -110,7 +110,7 @@ def _train(rank: int, world_size: int, save_after: int) -> dict[str, Any]:
         _step(reference, ref_optimizers, x, y)
         _ddp_step(ddp, ddp_optimizers, x, y, world_size)
         kept = _step(model, optimizers, local_slice(x, rank, world_size), local_slice(y, rank, world_size))
-        sharded.end_step()
+        sharded.stats.end_step()
         if step < GLOBAL_STEPS:
             worst["global"] = max(worst["global"], _max_difference(sharded, reference))
         worst["ddp"] = max(worst["ddp"], _max_difference(sharded, ddp))
@@ -120,7 +120,7 @@ def _train(rank: int, world_size: int, save_after: int) -> dict[str, Any]:
                 "optimizers": [full_optimizer_state(sharded, o, to_rank=None) for o in optimizers],
             })
             ref_saved = copy.deepcopy(ddp_optimizers[0].state_dict())
-    report = sharded.report(optimizers)
+    report = sharded.stats.report(optimizers)
     ref_state = ddp_optimizers[0].state_dict()["state"]
     muon = optimizers[0]
     momentum = {}
@@ -196,7 +196,7 @@ def _resume(rank: int, world_size: int, saved: dict[str, Any], saved_at: int) ->
         _ddp_step(ddp, ddp_optimizers, x, y, saved_at if step < SAVE_AFTER else world_size)
         if step >= SAVE_AFTER:
             _step(model, optimizers, local_slice(x, rank, world_size), local_slice(y, rank, world_size))
-            sharded.end_step()
+            sharded.stats.end_step()
             worst = max(worst, _max_difference(sharded, ddp))
     return worst
 

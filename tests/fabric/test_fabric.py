@@ -239,7 +239,7 @@ def _bf16_mixed_and_clip_by_value(f: L.Fabric) -> list[dict[str, Any]]:
     gathered: set[torch.dtype] = set()
     model.blocks[0].fc1.register_forward_pre_hook(lambda m, a: gathered.add(m.weight.dtype))
     # Asked before the first step: no order recorded yet, so only the root is kept for backward.
-    expected = sharded.expected_step_bytes()["all_gather"]
+    expected = sharded.stats.expected_step_bytes()["all_gather"]
     x, y = models.mlp_batch(0)
     loss = torch.nn.functional.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
     f.backward(loss)
@@ -247,7 +247,7 @@ def _bf16_mixed_and_clip_by_value(f: L.Fabric) -> list[dict[str, Any]]:
     largest = max(float(p.grad.abs().max()) for p in model.parameters())
     optimizer.step()  # closes the step's accounting: stats.last_step is this step's traffic
     return every_rank({"gathered": gathered, "shards": {p.dtype for p in model.parameters()}, "largest": largest,
-                       "gather_bytes": sharded.stats.last_step["all_gather"].payload_bytes,
+                       "gather_bytes": sharded.stats.shard_group.last_step["all_gather"].payload_bytes,
                        "expected": expected, "state": full_state(f, model)})  # fmt: skip
 
 

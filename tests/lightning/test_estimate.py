@@ -50,16 +50,16 @@ def _run(rank: int, world_size: int, param_dtype: str | None, reshard: bool | in
             model(torch.randn(4, 64)).float().square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        sharded.end_step()
+        sharded.stats.end_step()
     params = list(model.parameters())
     states = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
     return {
         "parameters": _alive_bytes(params),
         "gradients": _alive_bytes([p.grad for p in params if p.grad is not None]),
         "optimizer_states": _alive_bytes(states),
-        **{kind: counted.payload_bytes for kind, counted in sharded.stats.last_step.items()},
-        "all_gather_in_groups": sum(c.payload_bytes for c in sharded.slice_stats.last_step.values())
-        if sharded.slice_stats is not None else 0,
+        **{kind: counted.payload_bytes for kind, counted in sharded.stats.shard_group.last_step.items()},
+        "all_gather_in_groups": sum(c.payload_bytes for c in sharded.stats.slice_groups.last_step.values())
+        if sharded.stats.slice_groups is not None else 0,
     }
 
 
@@ -134,7 +134,7 @@ def _run_offloaded_and_unsynced(rank: int, world_size: int, directory: str) -> d
             model(torch.randn(4, 64)).square().mean().backward()
         sums = sum(held.total.nbytes for held in sharded._gradient_sync._held.values())
         model(torch.randn(4, 64)).square().mean().backward()
-        sharded.end_step()
+        sharded.stats.end_step()
         optimizer.step()
     params = list(model.parameters())
     states = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
@@ -142,7 +142,7 @@ def _run_offloaded_and_unsynced(rank: int, world_size: int, directory: str) -> d
         "host": _alive_bytes(params) + _alive_bytes([p.grad for p in params if p.grad is not None]),
         "disk": _alive_bytes(states),
         "sums": sums,
-        **{kind: counted.payload_bytes for kind, counted in sharded.stats.last_step.items()},
+        **{kind: counted.payload_bytes for kind, counted in sharded.stats.shard_group.last_step.items()},
     }
 
 

@@ -41,7 +41,7 @@ def _fabric_accumulates(f: Any) -> list[dict[str, Any]]:
                     f.backward(loss / K)
             optimizer.step()
             optimizer.zero_grad()
-            out["reduce_scatters"].append(engine.stats.last_step["reduce_scatter"].calls)
+            out["reduce_scatters"].append(engine.stats.shard_group.last_step["reduce_scatter"].calls)
     out["warnings"] = [str(w.message) for w in caught if "gradient synchronization" in str(w.message)]
     out["state"] = full_state(f, model)
     out["units"] = sum(1 for u in engine._units if u.params)
@@ -79,14 +79,14 @@ class _Accumulation(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = trainer.strategy.sharded_model()
-        assert engine.last_step_record is not None
+        assert engine.stats.last_step_record is not None
         stats = trainer.strategy.stats
         shown = {kind: stats["last_step"][kind]["payload_bytes"] for kind in ("all_gather", "reduce_scatter")}
         formula = accounting.expected_step_bytes(
-            engine._units, engine._persistent, orders=engine.last_step_record.orders, micro_batches=K, synced=1
+            engine._units, engine._persistent, orders=engine.stats.last_step_record.orders, micro_batches=K, synced=1
         )
         pl_module.accumulation = {
-            "reduce_scatter": engine.stats.last_step["reduce_scatter"].payload_bytes,
+            "reduce_scatter": engine.stats.shard_group.last_step["reduce_scatter"].payload_bytes,
             "formula": formula["reduce_scatter"],
             "shown": shown,
             "shown_formula": {kind: stats["expected_step_bytes"][kind] for kind in shown},
