@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event, indexed, stream_api
 from lightning_zero3.engine.config import Quantization
-from lightning_zero3.engine.quantize import RowCodec, pack_gather, pack_reduce
+from lightning_zero3.engine.quantize import KeptPacked, RowCodec, pack_gather, pack_reduce
 from lightning_zero3.engine.transport import GlooInPlace, Local, NativeCollectives, Transport
 
 
@@ -237,17 +237,17 @@ class Comm:
             return None
         return RowCodec(width=width, data=data, itemsize=itemsize, block=self.quantization.block, bits=bits)
 
-    def all_gather(
-        self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str, quantize_data: int | None = None
-    ) -> Any:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str,
+                   quantize_data: int | None = None, kept: tuple[KeptPacked, object] | None = None) -> Any:  # fmt: skip
         """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row. The
-        first `quantize_data` elements of each row may travel quantized (quantize_weights)."""
+        first `quantize_data` elements of each row may travel quantized (quantize_weights), this
+        rank's packed through `kept` (quantize.py, Note: packed once per change)."""
         rows = output.view(self.world_size, -1)
         if shard.data_ptr() != rows[self.rank].data_ptr():
             rows[self.rank].copy_(shard.view(-1))
         codec = self.codec("weights", width=rows.shape[1], itemsize=rows.element_size(), data=quantize_data)
         plain = (output, lambda t: t.all_gather(rows))
-        sent, issue = plain if codec is None else pack_gather(rows, self.rank, codec, self.pool)
+        sent, issue = plain if codec is None else pack_gather(rows, self.rank, codec, self.pool, kept)
         self._count("All-Gather", what, sent, 1.0, output)
         return self._run("All-Gather", what, lambda: issue(self.transport), async_op)
 

@@ -14,6 +14,17 @@ bytes, what is sent. One rank sends nothing: nothing is quantized. Not quantized
 All-Reduce across shard groups, and the slices of reshard_after_forward=G (model.py gives their
 Comm no quantization): those hold the weights forward decoded, so backward computes with them.
 
+[Note: packed once per change]
+A unit's row changes only when its shards do, yet it is gathered many times a step (forward,
+backward's re-gather, each micro-batch, validation): its codes and scales are kept (`KeptPacked`,
+~(1 + 4/B)/4 of the fp32 shard) and sent again while the shards' state is the one they were
+packed at, so the same bytes travel as if packed anew. The state (unit.py, `Unit.shard_state`)
+is the shards' version counters and storage addresses, and the count of engine-seen writes
+(shard.py, Note: shard writes): every `torch.optim` step, state-dict and checkpoint loads. Not
+seen: a write through `.data` outside an optimizer's step (autograd counts no version there):
+write the parameter itself under `torch.no_grad()`. `Tensor._version` is private (plan.py, Note:
+nn.Module's registries). Only the tail (check slot, padding) is copied anew each gather.
+
 [Note: packed row]
 A row of `width` elements whose first `data` may be quantized (the rest, a unit's check slot and
 padding, travels bit for bit) is packed into `RowCodec.row_bytes` bytes:
@@ -37,7 +48,7 @@ import torch.nn.functional as F
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.transport import Transport, Works
 
-__all__ = ["RowCodec", "pack_gather", "pack_reduce", "packed_row_bytes"]
+__all__ = ["KeptPacked", "RowCodec", "pack_gather", "pack_reduce", "packed_row_bytes"]
 
 def _up(n: int, to: int) -> int:
     return -(-n // to) * to
@@ -81,15 +92,19 @@ class RowCodec:
     def qmax(self) -> int:
         return 2 ** (self.bits - 1) - 1
 
+    @property
+    def tail_start(self) -> int:  # the bytes of codes and scales
+        return self.value_bytes + 4 * self.blocks
+
     def _parts(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, scales, tail) views of (R, row_bytes) `packed`."""
-        v, s = self.value_bytes, self.value_bytes + 4 * self.blocks
+        v, s = self.value_bytes, self.tail_start
         return packed[:, :v], packed[:, v:s].view(torch.float32), packed[:, s : s + self.tail_bytes]
 
     def quantize(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
         """Pack (R, width) float `rows` into (R, row_bytes) uint8 `packed`."""
         r, d, b = rows.shape[0], self.data, self.blocks * self.block
-        codes, scales, tail = self._parts(packed)
+        codes, scales, _ = self._parts(packed)
         x = F.pad(rows[:, :d].float(), (0, b - d)).view(r, self.blocks, self.block)  # (R, blocks, block)
         torch.div(x.abs().amax(dim=2), self.qmax, out=scales)
         inverse = torch.where(scales > 0, scales.reciprocal(), 0.0)  # an all-zero block: codes 0, scale 0
@@ -99,8 +114,12 @@ class RowCodec:
         else:  # two codes a byte, biased into 0..15 (Note: packed row)
             q = F.pad(q, (0, d % 2)).add_(8).to(torch.uint8).view(r, -1, 2)
             codes[:, : q.shape[1]].copy_(q[:, :, 0] | (q[:, :, 1] << 4))
+        self.copy_tail(rows, packed)
+
+    def copy_tail(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
+        """The elements of `rows` after `data`, bit for bit, into `packed`'s tail."""
         if self.tail_bytes:
-            tail.copy_(rows[:, d:].contiguous().view(torch.uint8))
+            self._parts(packed)[2].copy_(rows[:, self.data :].contiguous().view(torch.uint8))
 
     def dequantize(self, packed: torch.Tensor, rows: torch.Tensor) -> None:
         """Unpack (R, row_bytes) `packed` into (R, width) `rows` (any float dtype)."""
@@ -117,15 +136,43 @@ class RowCodec:
             rows[:, d:].view(torch.uint8).copy_(tail)
 
 
+class KeptPacked:
+    """One sender's codes and scales, kept to be sent again while the caller's `state` of the
+    values is the one they were packed at (Note: packed once per change)."""
+
+    def __init__(self) -> None:
+        self.state: object = None
+        self.codes_and_scales: torch.Tensor | None = None  # the first `tail_start` bytes of the packed row
+
+    def pack(self, codec: RowCodec, row: torch.Tensor, packed: torch.Tensor, state: object) -> None:
+        """Pack (1, width) `row` into (1, row_bytes) `packed`, quantizing only if `state` changed."""
+        kept, n = self.codes_and_scales, codec.tail_start
+        if kept is not None and kept.numel() == n and self.state == state:
+            packed[0, :n].copy_(kept)
+            codec.copy_tail(row, packed)  # the check slot changes every gather
+            return
+        codec.quantize(row, packed)
+        self.codes_and_scales, self.state = packed[0, :n].clone(), state
+
+    def forget(self) -> None:
+        self.state, self.codes_and_scales = None, None
+
+
 Issue = Callable[[Transport], Works]
 
 
-def pack_gather(rows: torch.Tensor, rank: int, codec: RowCodec, pool: BufferPool) -> tuple[torch.Tensor, Issue]:
-    """Pack this rank's row of (N, width) `rows`; the packed rows (N, row_bytes) and the issue,
-    whose wait decodes every row into `rows` (Note: quantized collectives)."""
+def pack_gather(
+    rows: torch.Tensor, rank: int, codec: RowCodec, pool: BufferPool, kept: tuple[KeptPacked, object] | None = None
+) -> tuple[torch.Tensor, Issue]:
+    """Pack this rank's row of (N, width) `rows` (through `kept`: (the kept codes, the values'
+    state)); the packed rows (N, row_bytes) and the issue, whose wait decodes every row into
+    `rows` (Note: quantized collectives)."""
     packed = pool.take("packed", rows.shape[0] * codec.row_bytes, torch.uint8, rows.device).view(rows.shape[0], -1)
     with torch.no_grad():
-        codec.quantize(rows[rank : rank + 1], packed[rank : rank + 1])
+        if kept is None:
+            codec.quantize(rows[rank : rank + 1], packed[rank : rank + 1])
+        else:
+            kept[0].pack(codec, rows[rank : rank + 1], packed[rank : rank + 1], kept[1])
 
     def decode() -> None:
         with torch.no_grad():

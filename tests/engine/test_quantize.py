@@ -171,3 +171,76 @@ def test_quantized_training_stays_close_to_one_process_and_counts_the_packed_byt
             weights = 0.27 * (2 if options.get("param_dtype") == "bf16" else 1)  # against the gather's own dtype
             assert measured["all_gather"] <= weights * as_is["all_gather"], step
             assert measured["reduce_scatter"] <= (0.17 if int4 else 0.3) * as_is["reduce_scatter"], step
+
+
+def _packs_once_per_change(rank: int, world_size: int, micro_batches: int) -> dict[str, Any]:
+    """quantize_weights on TinyGPT: the codec's packing calls and the gathers of each step of
+    `micro_batches` micro-batches; then the compute gather after each kind of write to the shards,
+    against a fresh packing (the kept codes forgotten) and against the gather before the write."""
+    calls = [0]
+    quantize = RowCodec.quantize
+
+    def counted(codec: RowCodec, rows: torch.Tensor, packed: torch.Tensor) -> None:
+        calls[0] += 1
+        quantize(codec, rows, packed)
+
+    RowCodec.quantize = counted  # type: ignore[method-assign]  # this rank's process only
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    sharded = ShardedModel(model, quantize_weights=True, persistence_threshold=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # fused: no version counted
+    steps = []
+    for step in range(3):
+        calls[0] = 0
+        for micro in range(micro_batches):
+            x, y = models.gpt_batch(step * micro_batches + micro, batch=4)
+            with sharded.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext():
+                lm_loss(model(x), y).backward()
+            with torch.no_grad():  # a validation pass between micro-batches
+                model(x)
+        optimizer.step()
+        optimizer.zero_grad()
+        sharded.end_step()
+        steps.append({"packs": calls[0], "gathers": sum(sharded.last_step_record.gathered.values())})
+    unit = max(sharded._units, key=lambda u: u.shard_numel)
+
+    def compute() -> list[torch.Tensor]:
+        fulls = unit.gather()
+        values = [t.clone() for t in fulls]
+        unit.release(fulls)
+        return values
+
+    def fresh() -> list[torch.Tensor]:
+        unit._packed.forget()
+        return compute()
+
+    full = sharded.full_state_dict(to_rank=None)
+    shard = unit.params[0].param
+    writes: dict[str, Any] = {
+        "in place": lambda: shard.mul_(1.5),
+        "data swapped": lambda: setattr(shard, "data", shard.data * 0.5),
+        "optimizer step": lambda: (setattr(shard, "grad", torch.ones_like(shard)), optimizer.step()),
+        "load_full_state_dict": lambda: sharded.load_full_state_dict({k: v * 2 for k, v in full.items()}),
+    }
+    seen = {}
+    for name, write in writes.items():
+        fresh()
+        before = compute()
+        with torch.no_grad():
+            write()
+        after = compute()
+        seen[name] = {"changed": not all(torch.equal(a, b) for a, b in zip(before, after)),
+                      "fresh": all(torch.equal(a, b) for a, b in zip(after, fresh()))}  # fmt: skip
+    RowCodec.quantize = quantize  # type: ignore[method-assign]
+    return {"steps": steps, "units": sum(1 for u in sharded._units if u.params), "seen": seen, "compute": compute()}
+
+
+@pytest.mark.slow
+def test_each_unit_packs_its_row_once_per_change_of_its_shards_and_never_sends_stale_codes() -> None:
+    results = run_ranks(_packs_once_per_change, 2, 3, timeout_s=120)
+    for result in results:
+        for step in result["steps"]:  # three micro-batches, each with a validation pass
+            assert step["packs"] == result["units"] < step["gathers"], step
+        for name, seen in result["seen"].items():
+            assert seen == {"changed": True, "fresh": True}, (name, seen)
+        assert all(torch.equal(a, b) for a, b in zip(result["compute"], results[0]["compute"]))
