@@ -7,12 +7,15 @@ With the options (config.py, `Quantization`) a `Comm` packs rows around the same
 All-Gather sends this rank's packed row and decodes every row, its own too, into the caller's
 rows when waited for (all ranks compute with the same weights); a Reduce-Scatter becomes an
 all-to-all of packed rows, each decoded and summed in rank order in the reduce dtype, so each
-contribution is rounded once, however many ranks. Only what the caller marks (`quantize_data`:
+contribution is rounded once, however many ranks; with shard groups the All-Reduce of the
+reduced shards across them is an All-Gather of packed rows, each rank decoding and summing all
+(its own too) in rank order, so every group holds the same sum, each contribution rounded once.
+Only what the caller marks (`quantize_data`:
 a row's leading elements) is quantized: check slots and padding travel bit for bit; exact
 gathers (checkpoints, whole parameters, master values) pass None. The counters count the packed
 bytes, what is sent. One rank sends nothing: nothing is quantized. Not quantized either: the
-All-Reduce across shard groups, and the slices of reshard_after_forward=G (model.py gives their
-Comm no quantization): those hold the weights forward decoded, so backward computes with them.
+slices of reshard_after_forward=G (model.py gives their Comm no quantization): those hold the
+weights forward decoded, so backward computes with them.
 
 [Note: packed once per change]
 A unit's row changes only when its shards do, yet it is gathered many times a step (forward,
@@ -48,7 +51,7 @@ import torch.nn.functional as F
 from lightning_zero3.engine.buffers import BufferPool
 from lightning_zero3.engine.transport import Transport, Works
 
-__all__ = ["KeptPacked", "RowCodec", "pack_gather", "pack_reduce", "packed_row_bytes"]
+__all__ = ["KeptPacked", "RowCodec", "pack_all_reduce", "pack_gather", "pack_reduce", "packed_row_bytes"]
 
 def _up(n: int, to: int) -> int:
     return -(-n // to) * to
@@ -195,11 +198,41 @@ def pack_reduce(
     def add_up() -> None:
         with torch.no_grad():
             codec.dequantize(received, rows)
-            flat = output.view(-1)
-            torch.add(rows[0], rows[1], out=flat) if n > 1 else flat.copy_(rows[0])
-            for row in rows[2:]:
-                flat.add_(row)
+            _sum_rows(rows, output.view(-1))
         pool.give("packed", sent.view(-1))
         pool.give("packed", received.view(-1))
 
     return sent, lambda transport: Works([transport.all_to_all(received, sent)], then=add_up)
+
+
+def pack_all_reduce(tensor: torch.Tensor, rank: int, n: int, codec: RowCodec, pool: BufferPool
+                    ) -> tuple[torch.Tensor, Issue]:  # fmt: skip
+    """Pack 1-D `tensor` as this rank's row of n; the packed rows and the issue of their
+    All-Gather, whose wait decodes every row, this rank's too, and sums them in rank order into
+    `tensor`: the same sum on every rank (Note: quantized collectives)."""
+    rows = pool.take("packed", n * codec.width, tensor.dtype, tensor.device).view(n, -1)
+    rows[rank].copy_(tensor)
+    packed, gather = pack_gather(rows, rank, codec, pool)
+
+    def issue(transport: Transport) -> Works:
+        works = gather(transport)
+        decode = works.then
+        assert decode is not None
+
+        def add_up() -> None:
+            decode()
+            with torch.no_grad():
+                _sum_rows(rows, tensor)
+            pool.give("packed", rows.view(-1))
+
+        works.then = add_up
+        return works
+
+    return packed, issue
+
+
+def _sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """The rows of (n, width) `rows` summed in rank order into 1-D `out`."""
+    torch.add(rows[0], rows[1], out=out) if rows.shape[0] > 1 else out.copy_(rows[0])
+    for row in rows[2:]:
+        out.add_(row)

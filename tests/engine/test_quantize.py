@@ -66,11 +66,11 @@ def test_a_bad_quantization_option_names_itself(option: str, value: Any) -> None
         ShardingConfig(**{option: value})
 
 
-@pytest.mark.parametrize("option", ["quantize_weights", "quantize_gradients"])
-def test_quantizing_with_shard_groups_of_one_rank_is_refused(option: str) -> None:
-    """Groups of one send nothing to quantize; gradients cross in the All-Reduce, unquantized."""
-    with pytest.raises(ValueError, match=rf"{option}=True with shard_size=1"):
-        ShardingConfig(shard_size=1, **{option: True})
+def test_quantized_weights_with_shard_groups_of_one_rank_are_refused_and_gradients_allowed() -> None:
+    """Groups of one gather no weights; their gradients cross between groups, quantized."""
+    with pytest.raises(ValueError, match=r"quantize_weights=True with shard_size=1"):
+        ShardingConfig(shard_size=1, quantize_weights=True)
+    assert ShardingConfig(shard_size=1, quantize_gradients=True).quantization.gradients == 8
 
 
 QUANTIZED = {"quantize_weights": True, "quantize_gradients": True, "persistence_threshold": 16}
@@ -82,7 +82,8 @@ def _sent_as_is(units: list, record: Any) -> dict[str, int]:
                  for u, k in record.gathered.items())  # fmt: skip
     reduce = sum(units[u].world_size * units[u].reduce_row_numel * units[u].reduce_dtype.itemsize * k
                  for u, k in record.reduced.items())  # fmt: skip
-    return {"all_gather": gather, "reduce_scatter": reduce}
+    groups = units[0].replicate.world_size if units[0].replicate is not None else 0  # an All-Gather of the rows
+    return {"all_gather": gather, "reduce_scatter": reduce, "across": groups * reduce // units[0].world_size}
 
 
 def _quantized_training(rank: int, world_size: int, options: dict[str, Any], micro_batches: int) -> dict[str, Any]:
@@ -115,10 +116,13 @@ def _quantized_training(rank: int, world_size: int, options: dict[str, Any], mic
             optimizer.step()
             optimizer.zero_grad()
         sharded.end_step()
+        across = sharded.replicate_stats.last_step if sharded.replicate_stats is not None else {}
         steps.append({
             "measured": {kind: b.payload_bytes for kind, b in sharded.stats.last_step.items()},
             "formula": sharded.last_step_expected_bytes(),
             "as_is": _sent_as_is(sharded._units, sharded.last_step_record),
+            "across": {kind: b.payload_bytes for kind, b in across.items()},
+            "across_formula": sharded.last_step_expected_bytes(across_groups=True),
         })  # fmt: skip
     unit = max(sharded._units, key=lambda u: u.shard_numel)
     fulls = unit.gather()  # what forward computes with
@@ -148,9 +152,12 @@ def _quantized_training(rank: int, world_size: int, options: dict[str, Any], mic
     [
         (3, QUANTIZED, 1),
         (4, {**QUANTIZED, "shard_size": 2, "param_dtype": "bf16"}, 1),
+        (4, {"quantize_gradients": "int4", "shard_size": 2, "persistence_threshold": 16}, 1),
+        (2, {"quantize_gradients": True, "shard_size": 1, "persistence_threshold": 16}, 1),
         (2, {**QUANTIZED, "quantize_gradients": "int4", "reshard_after_forward": False, "offload": "host"}, 2),
     ],
-    ids=["int8-3-ranks", "shard_size-bf16-4-ranks", "int4-kept-offload-no_sync"],
+    ids=["int8-3-ranks", "shard_size-bf16-4-ranks", "int4-2-groups-of-2", "int8-groups-of-1",
+         "int4-kept-offload-no_sync"],
 )
 def test_quantized_training_stays_close_to_one_process_and_counts_the_packed_bytes(world_size, options, micro_batches):
     int4 = options["quantize_gradients"] == "int4"
@@ -163,14 +170,22 @@ def test_quantized_training_stays_close_to_one_process_and_counts_the_packed_byt
         assert result["param"] < 1e-2, result["param"]  # AdamW moves an element at most ~lr (1e-3) a step
         assert result["masters_in_full"], "the full state dict holds the master shards, unquantized"
         rounding = 2**-9 if options.get("param_dtype") == "bf16" else 1e-6  # of the cast to the compute dtype
-        assert 0 < result["deviation"] <= 1 / 254 + rounding, result["deviation"]  # half the largest scale, relative
+        weights_quantized, inside = options.get("quantize_weights", False), options.get("shard_size") != 1
+        assert (0 < result["deviation"]) == weights_quantized, result["deviation"]
+        assert result["deviation"] <= 1 / 254 + rounding, result["deviation"]  # half the largest scale, relative
         for step in result["steps"]:
             measured, formula, as_is = step["measured"], step["formula"], step["as_is"]
             assert measured["all_gather"] == formula["all_gather"], step
             assert measured["reduce_scatter"] == formula["reduce_scatter"], step
             weights = 0.27 * (2 if options.get("param_dtype") == "bf16" else 1)  # against the gather's own dtype
-            assert measured["all_gather"] <= weights * as_is["all_gather"], step
-            assert measured["reduce_scatter"] <= (0.17 if int4 else 0.3) * as_is["reduce_scatter"], step
+            assert measured["all_gather"] <= (weights if weights_quantized else 1) * as_is["all_gather"], step
+            assert measured["reduce_scatter"] <= ((0.17 if int4 else 0.3) if inside else 1) * as_is["reduce_scatter"]
+            across, across_formula = step["across"], step["across_formula"]
+            assert set(across) == set(across_formula), step
+            if "shard_size" in options:  # the gradients cross the groups quantized (all_reduce: the persistent's)
+                assert across["all_gather"] == across_formula["all_gather"], step
+                assert across.get("all_reduce") == across_formula.get("all_reduce"), step
+                assert 0 < across["all_gather"] <= (0.17 if int4 else 0.3) * as_is["across"], step
 
 
 def _packs_once_per_change(rank: int, world_size: int, micro_batches: int) -> dict[str, Any]:
