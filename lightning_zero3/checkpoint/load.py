@@ -27,7 +27,7 @@ from lightning_zero3.checkpoint.format import (
 )
 from lightning_zero3.checkpoint.full import load_full
 from lightning_zero3.checkpoint.remote import RemotePath
-from lightning_zero3.engine import ShardedModel, ShardedParam, load_full_optimizer_state
+from lightning_zero3.engine import ShardedModel, ShardedParam, load_full_optimizer_state, note_shard_writes
 
 
 def open_checked(
@@ -136,6 +136,7 @@ class _Loads:
         self.ckpt.reader.load(self.targets, self.model.world_comm)
         for copy in self.after:
             copy()
+        note_shard_writes()  # engine/shard.py, Note: shard writes
 
 
 def load_sharded_optimizers(

@@ -13,7 +13,7 @@ from lightning_zero3.engine.optim import AgreeingGradScaler, check_optimizer_fit
 from lightning_zero3.engine.plan import make_plan
 from lightning_zero3.engine.quantize import RowCodec
 from lightning_zero3.engine.reshard import resolve
-from lightning_zero3.engine.shard import ShardedParam, shard_slice
+from lightning_zero3.engine.shard import ShardedParam, note_shard_writes, shard_slice
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero3.engine.whole_matrix import full_shapes, shard_state_built_whole, step_whole_matrices
 
@@ -21,7 +21,7 @@ __all__ = [
     "DTYPE_NAMES", "AgreeingGradScaler", "CollectiveError", "Comm", "OrderMismatchError", "RowCodec", "ShardedModel",
     "ShardedParam", "ShardingConfig", "UnitSizes", "check_optimizer_fits_shards", "clip_grad_norm_",
     "config_field_names", "destroy_group", "forget", "full_optimizer_state", "full_shapes", "grad_norms", "holder",
-    "live_peak", "load_full_optimizer_state", "make_plan", "new_group", "parameters_on_meta", "parse_dtype",
-    "remember_sharded", "resolve", "sent_row_bytes", "shard_slice", "shard_state_built_whole",
-    "step_bytes", "step_whole_matrices",
+    "live_peak", "load_full_optimizer_state", "make_plan", "new_group", "note_shard_writes", "parameters_on_meta",
+    "parse_dtype", "remember_sharded", "resolve", "sent_row_bytes", "shard_slice",
+    "shard_state_built_whole", "step_bytes", "step_whole_matrices",
 ]  # fmt: skip

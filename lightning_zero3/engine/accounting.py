@@ -45,7 +45,7 @@ class UnitSizes:
 
     gather: int  # one All-Gather over the shard group
     reduce: int  # one Reduce-Scatter of its gradients (0: frozen)
-    reduced: int  # this rank's reduced row, All-Reduced across shard groups
+    reduced: int  # this rank's reduced row across shard groups: All-Reduced, or its packed rows All-Gathered
     slice_gather: int = 0  # one All-Gather of the slices inside a group of G (reshard.py)
     backward: bool = True  # runs backward (trainable, or its input needs a gradient)
     ends_forward: bool = False  # backward begins with it: the root, the last unit (hooks.py)
@@ -66,11 +66,12 @@ def gathers(unit: UnitSizes, reshard: bool | int) -> tuple[int, int]:
 
 def step_bytes(
     units: Sequence[UnitSizes], reshard: bool | int, *, persistent: int = 0, micro_batches: int = 1,
-    synced: int | None = None,
+    synced: int | None = None, across: str = "all_reduce",
 ) -> dict[str, dict[str, int]]:  # fmt: skip
     """Payload bytes per optimizer step by group, {collective: bytes} each: "shard" (with the
-    persistent All-Reduce), "across" (shard groups) and "slices" (groups of G). Gathers repeat
-    per pass of `micro_batches`, reductions per `synced` pass (default: all)."""
+    persistent All-Reduce), "across" (shard groups: `across`, "all_gather" where the gradients
+    cross quantized) and "slices" (groups of G). Gathers repeat per pass of `micro_batches`,
+    reductions per `synced` pass (default: all)."""
     reduced = micro_batches if synced is None else synced
     counts = [gathers(u, reshard) for u in units]
     shard = {
@@ -80,7 +81,7 @@ def step_bytes(
     if persistent:
         shard["all_reduce"] = reduced * persistent
     slices = {"all_gather": micro_batches * sum(k * u.slice_gather for (_, k), u in zip(counts, units))}
-    return {"shard": shard, "across": {"all_reduce": reduced * sum(u.reduced for u in units)}, "slices": slices}
+    return {"shard": shard, "across": {across: reduced * sum(u.reduced for u in units)}, "slices": slices}
 
 
 def live_peak(full: Sequence[int], reshard: bool | int, *, prefetch: int, ends_forward: Sequence[bool]) -> int:
@@ -133,7 +134,11 @@ def unit_sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:
     for u in units:
         trainable = any(p.requires_grad for p in u.params)
         n, g = u.world_size, u.slice_comm.world_size if u.slice_comm is not None else 1
-        reduced = u.reduce_row_numel * u.reduce_dtype.itemsize if trainable else 0
+        reduced = u.reduce_row_numel * u.reduce_dtype.itemsize * trainable
+        if _across_packed(u):  # an All-Gather of R packed rows (quantize.py, Note: quantized collectives)
+            assert u.replicate is not None
+            reduced = u.replicate.world_size * trainable * _sent_row(
+                u.replicate, "gradients", u.reduce_row_numel, u.reduce_dtype.itemsize, u.shard_numel)
         sent = _sent_row(u.comm, "weights", u.row_numel(), u.param_dtype.itemsize, u.shard_numel)
         reduce_sent = _sent_row(u.comm, "gradients", u.reduce_row_numel, u.reduce_dtype.itemsize, u.shard_numel)
         sizes[u.uid] = UnitSizes(
@@ -148,6 +153,12 @@ def sent_row_bytes(width: int, itemsize: int, *, data: int, bits: int, block: in
     """Bytes of a row of `width` elements as sent: its first `data` packed with `bits` (0: as it
     is; quantize.py, Note: packed row), the rest as they are."""
     return packed_row_bytes(data, (width - data) * itemsize, block=block, bits=bits) if bits else width * itemsize
+
+
+def _across_packed(unit: Unit) -> bool:
+    """Whether `unit`'s gradients cross shard groups quantized."""
+    across = unit.replicate
+    return across is not None and across.codec("gradients", width=1, itemsize=1, data=0) is not None
 
 
 def _sent_row(comm: Comm, kind: str, width: int, itemsize: int, data: int) -> int:
@@ -167,14 +178,18 @@ def expected_step_bytes(
     hybrid = units[0].replicate is not None
     persistent_bytes = sum((p.numel() + 1) * p.element_size() for p in persistent if p.requires_grad)
     sized = unit_sizes(units, orders)
+    across = "all_gather" if _across_packed(units[0]) else "all_reduce"
     by_group = step_bytes([sized[u.uid] for u in units if u.params], reshard, persistent=persistent_bytes,
-                          micro_batches=micro_batches, synced=synced)  # fmt: skip
+                          micro_batches=micro_batches, synced=synced, across=across)  # fmt: skip
     if slices:
         return by_group["slices"] if units[0].slice_comm is not None else {}
     expected = by_group["shard"]
     persistent_all_reduce = expected.pop("all_reduce", 0)
     if across_groups:
-        return {"all_reduce": by_group["across"]["all_reduce"] + persistent_all_reduce} if hybrid else {}
+        if not hybrid:
+            return {}
+        crossing = {**by_group["across"], "all_reduce": by_group["across"].get("all_reduce", 0) + persistent_all_reduce}
+        return {k: v for k, v in crossing.items() if v or k == across}
     if persistent_all_reduce and n > 1 and not hybrid:  # with shard groups: counted across them
         expected["all_reduce"] = persistent_all_reduce
     return expected

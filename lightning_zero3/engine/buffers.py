@@ -27,7 +27,7 @@ never moves to a stream its role does not use, whatever sizes coincide:
 gather stream wrote it; "block" (full parameters) lives on the compute stream; "reduce" is filled
 and given back there, read by the reduce stream; "slice" (reshard.py) lives on copy-in;
 "received" (transport.py, gloo) is CPU only; "packed" (comm.py, quantized rows) is taken on the
-gather or reduce stream and given back where the work is waited for.
+gather, reduce or replicate stream and given back where the work is waited for.
 `give` records an event once the giving stream has waited for every use; `take` makes the
 taker's stream wait for it, and so does the stream that allocated a buffer before the pool lets it
 go (the caching allocator reuses it there). On CPU program order suffices.

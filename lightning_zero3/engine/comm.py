@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event, indexed, stream_api
 from lightning_zero3.engine.config import Quantization
-from lightning_zero3.engine.quantize import RowCodec, pack_gather, pack_reduce
+from lightning_zero3.engine.quantize import KeptPacked, RowCodec, pack_all_reduce, pack_gather, pack_reduce
 from lightning_zero3.engine.transport import GlooInPlace, Local, NativeCollectives, Transport
 
 
@@ -237,17 +237,17 @@ class Comm:
             return None
         return RowCodec(width=width, data=data, itemsize=itemsize, block=self.quantization.block, bits=bits)
 
-    def all_gather(
-        self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str, quantize_data: int | None = None
-    ) -> Any:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str,
+                   quantize_data: int | None = None, kept: tuple[KeptPacked, object] | None = None) -> Any:  # fmt: skip
         """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row. The
-        first `quantize_data` elements of each row may travel quantized (quantize_weights)."""
+        first `quantize_data` elements of each row may travel quantized (quantize_weights), this
+        rank's packed through `kept` (quantize.py, Note: packed once per change)."""
         rows = output.view(self.world_size, -1)
         if shard.data_ptr() != rows[self.rank].data_ptr():
             rows[self.rank].copy_(shard.view(-1))
         codec = self.codec("weights", width=rows.shape[1], itemsize=rows.element_size(), data=quantize_data)
         plain = (output, lambda t: t.all_gather(rows))
-        sent, issue = plain if codec is None else pack_gather(rows, self.rank, codec, self.pool)
+        sent, issue = plain if codec is None else pack_gather(rows, self.rank, codec, self.pool, kept)
         self._count("All-Gather", what, sent, 1.0, output)
         return self._run("All-Gather", what, lambda: issue(self.transport), async_op)
 
@@ -273,8 +273,15 @@ class Comm:
         except RuntimeError as err:
             raise self.failed(collective, what, err) from err
 
-    def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum", async_op: bool = False) -> Any:
-        """Reduce `tensor` over ranks in place (`op`: "sum" or "max")."""
+    def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum", async_op: bool = False,
+                   quantize_data: int | None = None) -> Any:  # fmt: skip
+        """Reduce 1-D `tensor` over ranks in place (`op`: "sum" or "max"); a sum's first
+        `quantize_data` elements may travel quantized (quantize_gradients): an All-Gather of packed rows."""
+        codec = self.codec("gradients", width=tensor.numel(), itemsize=tensor.element_size(), data=quantize_data)
+        if codec is not None and op == "sum":
+            sent, packed = pack_all_reduce(tensor, self.rank, self.world_size, codec, self.pool)
+            self._count("All-Gather", what, sent, 1.0, tensor)
+            return self._run("All-Reduce", what, lambda: packed(self.transport), async_op)
         self._count("All-Reduce", what, tensor, 2.0)
         if not self.distributed:
             return None
@@ -330,12 +337,8 @@ class Comm:
 
 def consecutive_group(size: int, timeout: timedelta | None) -> dist.ProcessGroup | None:
     """This rank's group of `size` consecutive ranks (collective)."""
-    rank, mine = dist.get_rank(), None
-    for start in range(0, dist.get_world_size(), size):
-        group = new_group(list(range(start, start + size)), timeout=timeout)
-        if start <= rank < start + size:
-            mine = group
-    return mine
+    starts = range(0, dist.get_world_size(), size)
+    return [new_group(list(range(start, start + size)), timeout=timeout) for start in starts][dist.get_rank() // size]
 
 
 def hybrid_groups(shard_size: int, timeout: timedelta | None
@@ -348,13 +351,9 @@ def hybrid_groups(shard_size: int, timeout: timedelta | None
                          f"processes per node); got {shard_size!r}.")
     if shard_size == world:
         return None, None
-    rank = dist.get_rank()
-    shard_group, replicate_group = consecutive_group(shard_size, timeout), None
-    for offset in range(shard_size):
-        group = new_group(list(range(offset, world, shard_size)), timeout=timeout)
-        if rank % shard_size == offset:
-            replicate_group = group
-    return shard_group, replicate_group
+    shard_group = consecutive_group(shard_size, timeout)
+    replicate = [new_group(list(range(offset, world, shard_size)), timeout=timeout) for offset in range(shard_size)]
+    return shard_group, replicate[dist.get_rank() % shard_size]
 
 
 def new_group(ranks: list[int] | None = None, *, backend: str | None = None,

@@ -54,7 +54,8 @@ class ShardingConfig:
         offload_dir: a directory for the optimizer state in files (disk.py); needs offload="host".
         quantize_weights: True: the weights' All-Gathers send int8 blocks, one scale each (quantize.py).
         quantize_gradients: True or "int8", or "int4": the Reduce-Scatters become all-to-alls of
-            quantized blocks, decoded and summed in the reduce dtype (quantize.py).
+            quantized blocks, decoded and summed in the reduce dtype, and with shard_size the
+            All-Reduces across groups All-Gathers of them (quantize.py).
         quantize_block: elements per scale of the quantized collectives (a multiple of 16).
     """
 
@@ -113,12 +114,11 @@ class ShardingConfig:
         for option, valid, expected in rules:
             if not valid:
                 raise bad(option, expected)
-        quantized = [o for o in ("quantize_weights", "quantize_gradients") if getattr(self, o) is not False]
-        if quantized and self.shard_size == 1:
+        if self.quantize_weights and self.shard_size == 1:
             raise ValueError(
-                f"ShardingConfig({quantized[0]}=True with shard_size=1): groups of one rank send nothing to quantize "
-                f"and the gradients cross between them in an All-Reduce, which is not quantized. Use shard_size "
-                f">= 2 (e.g. the devices per node) or leave {quantized[0]} off."
+                "ShardingConfig(quantize_weights=True with shard_size=1): in groups of one rank every weight is "
+                "whole on each rank and no All-Gather sends any (quantize_gradients still quantizes the gradients "
+                "crossing between them). Use shard_size >= 2 (e.g. the devices per node) or leave quantize_weights off."
             )
         # Frozen to its users, not to its own constructor.
         object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))

@@ -65,11 +65,11 @@ class ShardedModel:
             group, replicate_group = hybrid_groups(config.shard_size, timeout)
         real = (t.device for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
         target = indexed(device) if device is not None else next(real, torch.device("cpu"))  # "cuda" -> "cuda:0"
-        # Parameter data moves in the shard group; with `shard_size` gradients are also averaged
-        # across `replicate_comm`, and with reshard_after_forward=G slices move in `slice_comm`.
+        # Weights move in the shard group, gradients across `replicate_comm` too, G's slices in `slice_comm`.
         self._pool = BufferPool()
         self._comm = Comm(group, pool=self._pool, device=target, quantization=config.quantization)
-        replicate = Comm(replicate_group, pool=self._pool, device=target) if replicate_group is not None else None
+        replicate = (Comm(replicate_group, pool=self._pool, device=target, quantization=config.quantization)
+                     if replicate_group is not None else None)  # quantized gradients cross groups quantized too
         self._replicate_comm = replicate
         self._reshard = resolve(config.reshard_after_forward, shard_group=self._comm.world_size)
         group_of_g = consecutive_group(self._reshard, timeout) if type(self._reshard) is int else None  # collective

@@ -216,8 +216,8 @@ def _replicate(pending: PendingReduce) -> None:
     assert unit.replicate is not None
     pending.replicated = True
     _wait(pending, "Reduce-Scatter", "replicate")  # on its stream: the reduce stream goes on to the next unit
-    streams = unit.comm.streams(pending.out.device)
+    streams, s = unit.comm.streams(pending.out.device), unit.shard_numel
     with streams.on("replicate", after=pending.done, wait_current=False):  # not behind the compute
         what = f"gradients of unit '{unit.name}' across shard groups"
-        pending.work = unit.replicate.all_reduce(pending.out, what=what, async_op=True)
+        pending.work = unit.replicate.all_reduce(pending.out, what=what, async_op=True, quantize_data=s)
         pending.done = streams.event()

@@ -16,6 +16,12 @@ whole data in it and pushes the block's `modifier_rank` on `gathered` (None: wri
 exit), popped on exit. During forward the whole tensors only shadow `param` (hooks.py, Note: one
 unit call), so `gathered` empty means `param`, what `state_dict()` reads, is a shard. The
 strategies' state-dict guard (common/run.py) reads it.
+
+[Note: shard writes]
+Writes to shards that no version counter shows (`.data.copy_`, fused optimizer kernels, DCP's
+loads) are counted instead: every `torch.optim` optimizer's step (a global post-step hook,
+public), `load_full`, the checkpoint loads. Caches of what shards hold (quantize.py, Note: packed
+once per change) compare the count.
 """
 
 from __future__ import annotations
@@ -26,6 +32,22 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+_writes = 0  # Note: shard writes
+
+
+def note_shard_writes(*_: object) -> None:
+    """Shards may have changed (Note: shard writes); any arguments (an optimizer hook's) ignored."""
+    global _writes
+    _writes += 1
+
+
+def shard_writes() -> int:
+    return _writes
+
+
+register_optimizer_step_post_hook(note_shard_writes)
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -124,3 +146,4 @@ class ShardedParam:
         with torch.no_grad():
             piece = shard_slice(full, self.rank, self.world_size)  # slice first: no whole-tensor copy
             self.param.data.copy_(piece)  # casts to the shard's dtype and device
+        note_shard_writes()

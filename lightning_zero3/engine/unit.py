@@ -47,8 +47,9 @@ from torch import nn
 
 from lightning_zero3.engine.checks import OrderMismatchError, RankChecks, exact_integers, read_tags, tag_numel
 from lightning_zero3.engine.comm import Comm
+from lightning_zero3.engine.quantize import KeptPacked
 from lightning_zero3.engine.record import StepRecord
-from lightning_zero3.engine.shard import ShardedParam, one_row
+from lightning_zero3.engine.shard import ShardedParam, one_row, shard_writes
 
 __all__ = ["ALIGN_BYTES", "ShardSource", "Unit", "aligned_numel"]
 
@@ -131,6 +132,7 @@ class Unit:
         self.slice_comm = slice_comm
         self._slice: tuple[torch.Tensor, tuple[int, ...]] | None = None
         self.offload = offload  # where the shards live off the device (offload.py), else None
+        self._packed = KeptPacked()  # quantize_weights: this rank's codes and scales (quantize.py)
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, params={len(self.params)}, shard_numel={self.shard_numel})"
@@ -163,6 +165,10 @@ class Unit:
 
     def versions(self) -> tuple[int, ...]:
         return tuple(p.param._version for p in self.params)
+
+    def shard_state(self) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """What the shards' values depend on, as far as can be seen (quantize.py, Note: packed once per change)."""
+        return shard_writes(), tuple((p.param._version, p.param.data_ptr()) for p in self.params)
 
     # ---- gather ---------------------------------------------------------------------------
     def start_gather(self, dtype: torch.dtype | None = None, *, tag: int | None = None) -> None:
@@ -197,7 +203,9 @@ class Unit:
             copied = streams.event()
         with streams.on("gather", after=copied):
             quantize = None if exact else s  # compute weights may travel quantized, master values never
-            work = comm.all_gather(recv, mine, async_op=True, what=f"unit '{self.name}'", quantize_data=quantize)
+            packed = None if exact else (self._packed, self.shard_state())
+            work = comm.all_gather(recv, mine, async_op=True, what=f"unit '{self.name}'", quantize_data=quantize,
+                                   kept=packed)  # fmt: skip
             issued = streams.event()
         self._pending = _PendingGather(work, recv, issued, tag, stamped, comm, s)
         self.record.add("gathered" if kept is None else "gathered_slice", self.uid)

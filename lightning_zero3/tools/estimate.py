@@ -68,6 +68,7 @@ class Estimate:
     all_reduce: int
     all_reduce_across_groups: int
     all_gather_in_groups: int = 0  # reshard_after_forward=G: the backward's, inside groups of G
+    all_gather_across_groups: int = 0  # quantize_gradients with shard groups: the packed reduced rows
     slice_group: int = 1
     unsynced_sums: int = 0  # full gradients summed while sync is off (accumulate.py)
     offloaded_to_host: int = 0  # of the model state: shards, gradients, optimizer state (offload.py)
@@ -90,7 +91,8 @@ class Estimate:
             self.all_reduce
         )
         inside = (self.slice_group - 1) / self.slice_group * self.all_gather_in_groups
-        return ring + inside + (2 * (r - 1) / r * self.all_reduce_across_groups if r > 1 else 0.0)
+        across = 2 * self.all_reduce_across_groups + self.all_gather_across_groups
+        return ring + inside + ((r - 1) / r * across if r > 1 else 0.0)
 
     def table(self) -> str:
         in_groups = [(f"All-Gather in groups of {self.slice_group} / step", self.all_gather_in_groups)]
@@ -107,6 +109,7 @@ class Estimate:
             ("All-Gather payload / step", self.all_gather),
             *in_groups * (self.slice_group > 1),
             ("Reduce-Scatter payload / step", self.reduce_scatter),
+            *[("All-Gather across groups / step", self.all_gather_across_groups)] * bool(self.all_gather_across_groups),
             ("All-Reduce payload / step", self.all_reduce + self.all_reduce_across_groups),
             ("sent by each rank / step (ring)", round(self.sent_per_rank)),
         ]
@@ -155,15 +158,21 @@ def estimate_units(
     def row(r: int, itemsize: int, kind: str) -> int:  # one row as sent (the check slot, padding left out)
         return sent_row_bytes(r, itemsize, data=r, bits=quantized.bits(kind), block=quantized.block)
 
+    across_packed = bool(config.quantization.gradients) and g < world_size  # quantize.py, Note: quantized collectives
+
+    def across(r: int) -> int:  # one reduced row as it crosses the groups, packed
+        return sent_row_bytes(r, reduce, data=r, bits=config.quantization.gradients, block=quantized.block)
+
     units = [
         UnitSizes(gather=g * row(r, gather, "weights"), reduce=g * row(r, reduce, "gradients") * trainable,
-                  reduced=r * reduce * trainable,
+                  reduced=(world_size // g * across(r) if across_packed else r * reduce) * trainable,
                   slice_gather=g * r * gather, backward=trainable, ends_forward=end)
         for r, end in zip(rows, ends)
     ]  # fmt: skip
     synced = 1 if no_sync else micro_batches
     whole = sum(persistent) * reduce if trainable and world_size > 1 else 0  # parameters kept whole: All-Reduced
-    sent = step_bytes(units, reshard, persistent=whole, micro_batches=micro_batches, synced=synced)
+    sent = step_bytes(units, reshard, persistent=whole, micro_batches=micro_batches, synced=synced,
+                      across="all_gather" if across_packed else "all_reduce")  # fmt: skip
     in_flight = config.in_flight("cuda")
     largest = max(full, default=0)
     live = live_peak([f * gather for f in full], reshard, prefetch=config.prefetch, ends_forward=ends)
@@ -180,7 +189,8 @@ def estimate_units(
         all_gather=sent["shard"]["all_gather"] if world_size > 1 else 0,
         reduce_scatter=sent["shard"]["reduce_scatter"] if g > 1 else 0,
         all_reduce=sent["shard"].get("all_reduce", 0),
-        all_reduce_across_groups=sent["across"]["all_reduce"] if g < world_size else 0,
+        all_reduce_across_groups=sent["across"].get("all_reduce", 0) if g < world_size else 0,
+        all_gather_across_groups=sent["across"].get("all_gather", 0) if g < world_size else 0,
         all_gather_in_groups=sent["slices"]["all_gather"],
         slice_group=reshard if type(reshard) is int else 1,
         unsynced_sums=sum(full) * max(reduce, 4) * trainable if no_sync and micro_batches > 1 else 0,

@@ -281,7 +281,7 @@ def test_the_layer_check_sees_an_import_going_up():
 
 
 MODEL_MEMBERS_AT_MOST = 22  # methods and properties of ShardedModel; its accounting is one `stats` object
-DOOR_AT_MOST = 32  # names in lightning_zero3.engine.__all__
+DOOR_AT_MOST = 33  # names in lightning_zero3.engine.__all__
 
 
 def _public_members(cls: type) -> dict[str, Any]:

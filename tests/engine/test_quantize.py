@@ -66,11 +66,11 @@ def test_a_bad_quantization_option_names_itself(option: str, value: Any) -> None
         ShardingConfig(**{option: value})
 
 
-@pytest.mark.parametrize("option", ["quantize_weights", "quantize_gradients"])
-def test_quantizing_with_shard_groups_of_one_rank_is_refused(option: str) -> None:
-    """Groups of one send nothing to quantize; gradients cross in the All-Reduce, unquantized."""
-    with pytest.raises(ValueError, match=rf"{option}=True with shard_size=1"):
-        ShardingConfig(shard_size=1, **{option: True})
+def test_quantized_weights_with_shard_groups_of_one_rank_are_refused_and_gradients_allowed() -> None:
+    """Groups of one gather no weights; their gradients cross between groups, quantized."""
+    with pytest.raises(ValueError, match=r"quantize_weights=True with shard_size=1"):
+        ShardingConfig(shard_size=1, quantize_weights=True)
+    assert ShardingConfig(shard_size=1, quantize_gradients=True).quantization.gradients == 8
 
 
 QUANTIZED = {"quantize_weights": True, "quantize_gradients": True, "persistence_threshold": 16}
@@ -82,7 +82,8 @@ def _sent_as_is(units: list, record: Any) -> dict[str, int]:
                  for u, k in record.gathered.items())  # fmt: skip
     reduce = sum(units[u].world_size * units[u].reduce_row_numel * units[u].reduce_dtype.itemsize * k
                  for u, k in record.reduced.items())  # fmt: skip
-    return {"all_gather": gather, "reduce_scatter": reduce}
+    groups = units[0].replicate.world_size if units[0].replicate is not None else 0  # an All-Gather of the rows
+    return {"all_gather": gather, "reduce_scatter": reduce, "across": groups * reduce // units[0].world_size}
 
 
 def _quantized_training(rank: int, world_size: int, options: dict[str, Any], micro_batches: int) -> dict[str, Any]:
@@ -115,10 +116,13 @@ def _quantized_training(rank: int, world_size: int, options: dict[str, Any], mic
             optimizer.step()
             optimizer.zero_grad()
         sharded.stats.end_step()
+        across = sharded.stats.across_groups.last_step if sharded.stats.across_groups is not None else {}
         steps.append({
             "measured": {kind: b.payload_bytes for kind, b in sharded.stats.shard_group.last_step.items()},
             "formula": sharded.stats.last_step_expected_bytes(),
             "as_is": _sent_as_is(sharded._units, sharded.stats.last_step_record),
+            "across": {kind: b.payload_bytes for kind, b in across.items()},
+            "across_formula": sharded.stats.last_step_expected_bytes(across_groups=True),
         })  # fmt: skip
     unit = max(sharded._units, key=lambda u: u.shard_numel)
     fulls = unit.gather()  # what forward computes with
@@ -148,9 +152,12 @@ def _quantized_training(rank: int, world_size: int, options: dict[str, Any], mic
     [
         (3, QUANTIZED, 1),
         (4, {**QUANTIZED, "shard_size": 2, "param_dtype": "bf16"}, 1),
+        (4, {"quantize_gradients": "int4", "shard_size": 2, "persistence_threshold": 16}, 1),
+        (2, {"quantize_gradients": True, "shard_size": 1, "persistence_threshold": 16}, 1),
         (2, {**QUANTIZED, "quantize_gradients": "int4", "reshard_after_forward": False, "offload": "host"}, 2),
     ],
-    ids=["int8-3-ranks", "shard_size-bf16-4-ranks", "int4-kept-offload-no_sync"],
+    ids=["int8-3-ranks", "shard_size-bf16-4-ranks", "int4-2-groups-of-2", "int8-groups-of-1",
+         "int4-kept-offload-no_sync"],
 )
 def test_quantized_training_stays_close_to_one_process_and_counts_the_packed_bytes(world_size, options, micro_batches):
     int4 = options["quantize_gradients"] == "int4"
@@ -163,11 +170,92 @@ def test_quantized_training_stays_close_to_one_process_and_counts_the_packed_byt
         assert result["param"] < 1e-2, result["param"]  # AdamW moves an element at most ~lr (1e-3) a step
         assert result["masters_in_full"], "the full state dict holds the master shards, unquantized"
         rounding = 2**-9 if options.get("param_dtype") == "bf16" else 1e-6  # of the cast to the compute dtype
-        assert 0 < result["deviation"] <= 1 / 254 + rounding, result["deviation"]  # half the largest scale, relative
+        weights_quantized, inside = options.get("quantize_weights", False), options.get("shard_size") != 1
+        assert (0 < result["deviation"]) == weights_quantized, result["deviation"]
+        assert result["deviation"] <= 1 / 254 + rounding, result["deviation"]  # half the largest scale, relative
         for step in result["steps"]:
             measured, formula, as_is = step["measured"], step["formula"], step["as_is"]
             assert measured["all_gather"] == formula["all_gather"], step
             assert measured["reduce_scatter"] == formula["reduce_scatter"], step
             weights = 0.27 * (2 if options.get("param_dtype") == "bf16" else 1)  # against the gather's own dtype
-            assert measured["all_gather"] <= weights * as_is["all_gather"], step
-            assert measured["reduce_scatter"] <= (0.17 if int4 else 0.3) * as_is["reduce_scatter"], step
+            assert measured["all_gather"] <= (weights if weights_quantized else 1) * as_is["all_gather"], step
+            assert measured["reduce_scatter"] <= ((0.17 if int4 else 0.3) if inside else 1) * as_is["reduce_scatter"]
+            across, across_formula = step["across"], step["across_formula"]
+            assert set(across) == set(across_formula), step
+            if "shard_size" in options:  # the gradients cross the groups quantized (all_reduce: the persistent's)
+                assert across["all_gather"] == across_formula["all_gather"], step
+                assert across.get("all_reduce") == across_formula.get("all_reduce"), step
+                assert 0 < across["all_gather"] <= (0.17 if int4 else 0.3) * as_is["across"], step
+
+
+def _packs_once_per_change(rank: int, world_size: int, micro_batches: int) -> dict[str, Any]:
+    """quantize_weights on TinyGPT: the codec's packing calls and the gathers of each step of
+    `micro_batches` micro-batches; then the compute gather after each kind of write to the shards,
+    against a fresh packing (the kept codes forgotten) and against the gather before the write."""
+    calls = [0]
+    quantize = RowCodec.quantize
+
+    def counted(codec: RowCodec, rows: torch.Tensor, packed: torch.Tensor) -> None:
+        calls[0] += 1
+        quantize(codec, rows, packed)
+
+    RowCodec.quantize = counted  # type: ignore[method-assign]  # this rank's process only
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    sharded = ShardedModel(model, quantize_weights=True, persistence_threshold=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # fused: no version counted
+    steps = []
+    for step in range(3):
+        calls[0] = 0
+        for micro in range(micro_batches):
+            x, y = models.gpt_batch(step * micro_batches + micro, batch=4)
+            with sharded.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext():
+                lm_loss(model(x), y).backward()
+            with torch.no_grad():  # a validation pass between micro-batches
+                model(x)
+        optimizer.step()
+        optimizer.zero_grad()
+        sharded.stats.end_step()
+        steps.append({"packs": calls[0], "gathers": sum(sharded.stats.last_step_record.gathered.values())})
+    unit = max(sharded._units, key=lambda u: u.shard_numel)
+
+    def compute() -> list[torch.Tensor]:
+        fulls = unit.gather()
+        values = [t.clone() for t in fulls]
+        unit.release(fulls)
+        return values
+
+    def fresh() -> list[torch.Tensor]:
+        unit._packed.forget()
+        return compute()
+
+    full = sharded.full_state_dict(to_rank=None)
+    shard = unit.params[0].param
+    writes: dict[str, Any] = {
+        "in place": lambda: shard.mul_(1.5),
+        "data swapped": lambda: setattr(shard, "data", shard.data * 0.5),
+        "optimizer step": lambda: (setattr(shard, "grad", torch.ones_like(shard)), optimizer.step()),
+        "load_full_state_dict": lambda: sharded.load_full_state_dict({k: v * 2 for k, v in full.items()}),
+    }
+    seen = {}
+    for name, write in writes.items():
+        fresh()
+        before = compute()
+        with torch.no_grad():
+            write()
+        after = compute()
+        seen[name] = {"changed": not all(torch.equal(a, b) for a, b in zip(before, after)),
+                      "fresh": all(torch.equal(a, b) for a, b in zip(after, fresh()))}  # fmt: skip
+    RowCodec.quantize = quantize  # type: ignore[method-assign]
+    return {"steps": steps, "units": sum(1 for u in sharded._units if u.params), "seen": seen, "compute": compute()}
+
+
+@pytest.mark.slow
+def test_each_unit_packs_its_row_once_per_change_of_its_shards_and_never_sends_stale_codes() -> None:
+    results = run_ranks(_packs_once_per_change, 2, 3, timeout_s=120)
+    for result in results:
+        for step in result["steps"]:  # three micro-batches, each with a validation pass
+            assert step["packs"] == result["units"] < step["gathers"], step
+        for name, seen in result["seen"].items():
+            assert seen == {"changed": True, "fresh": True}, (name, seen)
+        assert all(torch.equal(a, b) for a, b in zip(result["compute"], results[0]["compute"]))

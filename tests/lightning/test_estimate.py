@@ -39,11 +39,12 @@ def _alive_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _run(rank: int, world_size: int, param_dtype: str | None, reshard: bool | int, quantize: bool) -> dict[str, int]:
+def _run(rank: int, world_size: int, param_dtype: str | None, reshard: bool | int, quantize: bool | str,
+         shard_size: int | None) -> dict[str, int]:  # fmt: skip
     torch.manual_seed(0)
     model = _Net()
-    sharded = ShardedModel(model, param_dtype=param_dtype, reshard_after_forward=reshard, quantize_weights=quantize,
-                           quantize_gradients=quantize)  # fmt: skip
+    sharded = ShardedModel(model, param_dtype=param_dtype, reshard_after_forward=reshard,
+                           quantize_weights=quantize is True, quantize_gradients=quantize, shard_size=shard_size)
     optimizer = torch.optim.AdamW(model.parameters())
     for _ in range(2):  # the second step runs with the recorded order, as every later one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
@@ -60,27 +61,34 @@ def _run(rank: int, world_size: int, param_dtype: str | None, reshard: bool | in
         **{kind: counted.payload_bytes for kind, counted in sharded.stats.shard_group.last_step.items()},
         "all_gather_in_groups": sum(c.payload_bytes for c in sharded.stats.slice_groups.last_step.values())
         if sharded.stats.slice_groups is not None else 0,
+        "all_gather_across_groups": sharded.stats.across_groups.last_step["all_gather"].payload_bytes
+        if sharded.stats.across_groups is not None and "all_gather" in sharded.stats.across_groups.last_step else 0,
     }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world_size", "param_dtype", "reshard", "quantize"),
-    [(2, None, True, False), (3, None, True, False), (2, "bf16", True, False), (2, "bf16", False, False),
-     (4, None, 2, False), (3, None, True, True)],
+    ("world_size", "param_dtype", "reshard", "quantize", "shard_size"),
+    [(2, None, True, False, None), (3, None, True, False, None), (2, "bf16", True, False, None),
+     (2, "bf16", False, False, None), (4, None, 2, False, None), (3, None, True, True, None),
+     (4, None, True, "int4", 2)],
 )  # fmt: skip
-def test_estimate_matches_the_model_state_alive_and_the_bytes_counted(world_size, param_dtype, reshard, quantize):
-    """With quantize_weights and quantize_gradients: the packed rows (int8 and one scale a block)."""
-    config = ShardingConfig(param_dtype=param_dtype, reshard_after_forward=reshard, quantize_weights=quantize,
-                            quantize_gradients=quantize)  # fmt: skip
+def test_estimate_matches_the_model_state_alive_and_the_bytes_counted(world_size, param_dtype, reshard, quantize,
+                                                                      shard_size):  # fmt: skip
+    """With quantize=True both quantize_weights and quantize_gradients: the packed rows (int8 and
+    one scale a block); "int4": the gradients only, across shard groups too."""
+    config = ShardingConfig(param_dtype=param_dtype, reshard_after_forward=reshard, quantize_weights=quantize is True,
+                            quantize_gradients=quantize, shard_size=shard_size)  # fmt: skip
     with torch.device("meta"):
         predicted = estimate(_Net(), world_size=world_size, config=config)
-    kinds = ["parameters", "gradients", "optimizer_states", "all_gather", "reduce_scatter", "all_gather_in_groups"]
-    for measured in run_ranks(_run, world_size, param_dtype, reshard, quantize):
+    kinds = ["parameters", "gradients", "optimizer_states", "all_gather", "reduce_scatter", "all_gather_in_groups",
+             "all_gather_across_groups"]  # fmt: skip
+    for measured in run_ranks(_run, world_size, param_dtype, reshard, quantize, shard_size):
         for kind in kinds:
             expected = getattr(predicted, kind)
             assert abs(measured[kind] - expected) <= 0.05 * expected, (kind, measured[kind], expected)
         assert (measured["all_gather_in_groups"] > 0) == (reshard == 2), measured
+        assert (measured["all_gather_across_groups"] > 0) == (shard_size is not None), measured
 
 
 def test_the_command_prints_per_rank_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> None:
