@@ -26,9 +26,14 @@ class ProgressBar:
     def __call__(self, p: Progress) -> None:
         if self.bar is None:
             self.bar = tqdm(
-                total=p.bytes_total, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
-                disable=not self.stream.isatty(), desc="consolidate",
-            )  # fmt: skip
+                total=p.bytes_total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=self.stream,
+                disable=not self.stream.isatty(),
+                desc="consolidate",
+            )
         self.bar.set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors", refresh=False)
         self.bar.update(p.bytes_done - self.bar.n)
 
@@ -55,10 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     flag("--safetensors", action="store_true", help="write a safetensors file of the state dict instead")
     flag("--no-verify", action="store_true", help="skip the CRC-32 check of the shard files")
     flag(
-        "--trust-checkpoint", action="store_true",
+        "--trust-checkpoint",
+        action="store_true",
         help="unpickle the checkpoint's pickles (DCP's .metadata, trainer_state.pt) without restriction: they "
         "can run code, so only for checkpoints from a trusted source (see docs/checkpoints.md)",
-    )  # fmt: skip
+    )
     estimate.add_arguments(
         commands.add_parser(
             "estimate",
@@ -93,9 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     progress = ProgressBar(sys.stderr)
     try:
         summary = consolidate_checkpoint(
-            args.src, args.dst, weights_only=args.weights_only, dtype=args.dtype, safetensors=args.safetensors,
-            verify=not args.no_verify, progress=progress, trusted=args.trust_checkpoint,
-        )  # fmt: skip
+            args.src,
+            args.dst,
+            weights_only=args.weights_only,
+            dtype=args.dtype,
+            safetensors=args.safetensors,
+            verify=not args.no_verify,
+            progress=progress,
+            trusted=args.trust_checkpoint,
+        )
     except (CheckpointError, OSError) as err:
         progress.close()  # ends the bar's line before the error
         print(f"error: {err}", file=sys.stderr)

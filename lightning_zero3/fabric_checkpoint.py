@@ -53,9 +53,13 @@ def _split(
 
 
 def save(
-    run_of: Callable[[nn.Module], ShardedRun], path: str | os.PathLike, state: dict[str, Any],
-    write_file: WriteFile | None, *, filter: dict[str, Callable[[str, Any], bool]] | None = None,
-) -> None:  # fmt: skip
+    run_of: Callable[[nn.Module], ShardedRun],
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    write_file: WriteFile | None,
+    *,
+    filter: dict[str, Callable[[str, Any], bool]] | None = None,
+) -> None:
     module_key, run, optimizers, rest = _split(run_of, state, "save")
     if run.sharded_checkpoints:
         if filter:
@@ -85,10 +89,14 @@ def save(
 
 
 def load(
-    run_of: Callable[[nn.Module], ShardedRun], filepath: str | os.PathLike,
-    state: nn.Module | Optimizer | dict[str, Any] | None, read_file: ReadFile | None, *, strict: bool,
+    run_of: Callable[[nn.Module], ShardedRun],
+    filepath: str | os.PathLike,
+    state: nn.Module | Optimizer | dict[str, Any] | None,
+    read_file: ReadFile | None,
+    *,
+    strict: bool,
     weights_only: bool | None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     file = as_path(filepath)
     context = f"Cannot load the checkpoint {file}"
     if isinstance(state, Optimizer):
@@ -99,8 +107,9 @@ def load(
     if isinstance(state, nn.Module):  # `fabric.load_raw(path, model)`: a plain state dict, or a sharded directory
         run = run_of(state)
         opened = run.open(file, read_file, weights_only=weights_only, strict=strict, context=context, key=None)
-        run.load_model_state(opened["state_dict"] if isinstance(opened.get("state_dict"), ShardedStateDict) else opened,
-                             strict=strict)  # fmt: skip
+        run.load_model_state(
+            opened["state_dict"] if isinstance(opened.get("state_dict"), ShardedStateDict) else opened, strict=strict
+        )
         return {}
     if not state:
         raise ValueError(
@@ -120,8 +129,10 @@ def load(
                 f"has {sorted(by_key)}; pass all of them (or none)."
             )
         if optimizers and states is None:
-            raise CheckpointError(f"Cannot load the optimizer state of {file}: checkpoint {file} was saved with "
-                                  "weights only: it has no optimizer state")  # fmt: skip
+            raise CheckpointError(
+                f"Cannot load the optimizer state of {file}: checkpoint {file} was saved with "
+                "weights only: it has no optimizer state"
+            )
         metadata, into = dict(info["metadata"]), [by_key[key] for key in info["optimizers"]] if optimizers else []
     else:
         absent = [key for key, _ in optimizers if key not in opened]

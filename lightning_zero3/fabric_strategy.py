@@ -99,9 +99,12 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
         accumulate_unsharded: bool = False,
     ) -> None:
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision=precision,
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
         self.config, self.lightning_options = split_options(type(self).__name__, locals())
         if accumulate_unsharded:  # the Trainer's accumulate_grad_batches, which Fabric has not
             raise ValueError(
@@ -145,9 +148,15 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
         if id(module) in self._runs:
             raise ValueError(f"{type(self).__name__}: this module was set up already; set up each module once.")
         before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
-        sharded = build_engine(type(self).__name__, module, self.config, precision=self.precision,
-                               world_size=self.world_size, device=self.root_device,
-                               timeout=self.lightning_options.timeout)  # fmt: skip
+        sharded = build_engine(
+            type(self).__name__,
+            module,
+            self.config,
+            precision=self.precision,
+            world_size=self.world_size,
+            device=self.root_device,
+            timeout=self.lightning_options.timeout,
+        )
         self._runs[id(module)] = ShardedRun(sharded, lambda: self.lightning_options, fixes=_FIXES)
         sharded.move_module(self.root_device)  # what sharding did not place (e.g. torchmetrics states)
         after = dict(module.named_parameters(remove_duplicate=False))
@@ -170,8 +179,13 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
         _check_no_state(optimizers, owner)
         for optimizer in optimizers:
             check_optimizer_fits_shards(optimizer, owner, warn=False, names=names)  # warned in setup_optimizer
-            _refuse_foreign(optimizer, mine, owner, "that are not the model's", "Build it from `model.parameters()` "
-                            "of the model passed to `fabric.setup`.")  # fmt: skip
+            _refuse_foreign(
+                optimizer,
+                mine,
+                owner,
+                "that are not the model's",
+                "Build it from `model.parameters()` of the model passed to `fabric.setup`.",
+            )
         module = self.setup_module(module)  # the optimizers are pointed at the shards next
         return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
 
@@ -185,10 +199,13 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
                 group["params"] = [shard if (shard := self._shard_of(p)) is not None else p for p in group["params"]]
         known = {id(p) for run in self._runs.values() for p in run.engine.module.parameters()}
         _refuse_foreign(
-            optimizer, known, type(self).__name__, "of no model set up with Fabric",
+            optimizer,
+            known,
+            type(self).__name__,
+            "of no model set up with Fabric",
             "Call `model = fabric.setup_module(model)` first, then build the optimizer from `model.parameters()` and "
             "call `fabric.setup_optimizers(optimizer)`; or pass both to `fabric.setup(model, optimizer)`.",
-        )  # fmt: skip
+        )
         if any(group["params"] for group in optimizer.param_groups):  # torch.optim.Muon's steps
             step_whole_matrices(self._run_of_optimizer(optimizer).engine, optimizer, type(self).__name__)
         return optimizer
@@ -230,9 +247,13 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
 
     @override
     def clip_gradients_norm(
-        self, module: nn.Module, optimizer: Optimizer, max_norm: float | int, norm_type: float | int = 2.0,
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """Clip by the norm of the whole gradient: one All-Reduce over the shards' norms.
         `error_if_nonfinite=True` (Fabric's default) reads the norm on the host to raise here, as
         torch's `clip_grad_norm_` does, a sync per step on a GPU; False clips without any read."""
@@ -261,9 +282,12 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
     # ---- checkpoints (lightning_zero3/fabric_checkpoint.py) ------------------------------------
     @override
     def save_checkpoint(
-        self, path: str | Path, state: dict[str, nn.Module | Optimizer | Any], storage_options: Any | None = None,
+        self,
+        path: str | Path,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`fabric.save`: "sharded" writes a directory (each rank its shards, nothing gathered),
         "full" one ordinary file from rank 0 with whole tensors. Both load at any world size."""
         if storage_options is not None:
@@ -274,9 +298,12 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
 
     @override
     def load_checkpoint(
-        self, path: str | Path, state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
-        strict: bool = True, weights_only: bool | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        path: str | Path,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
         """`fabric.load`: a sharded directory or a full file, saved at any world size."""
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
         file = self.broadcast_checkpoint_path(path, saving=False)  # a path or a URL (Note: remote checkpoints)
@@ -296,7 +323,6 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
         for error in errors:
             if error is not None:
                 raise error
-
 
 
 _FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (common/run.py)
@@ -331,7 +357,6 @@ def _check_no_state(optimizers: list[Optimizer], owner: str) -> None:
                 f"the optimizer after `fabric.setup_module(model)` "
                 f"(or pass a fresh one to `fabric.setup(model, optimizer)`), and load saved state with `fabric.load`."
             )
-
 
 
 def _refuse_foreign(optimizer: Optimizer, known: set[int], owner: str, whose: str, fix: str) -> None:

@@ -1,9 +1,6 @@
-"""`ZeRO3Strategy`: the Lightning glue around the framework-independent engine.
-
-It owns the setup order (shard after the model is on its device, build optimizers after
-sharding), the process group, the precision plugin's clipping, checkpoints and the accounting
-users read in `strategy.stats`. It never calls a collective on parameter data itself: the
-engine does.
+"""`ZeRO3Strategy`, the Trainer's glue around the engine: the setup order (shard on the device,
+then build optimizers), the process group, clipping, checkpoints and `strategy.stats`. It never
+calls a collective on parameter data itself: the engine does.
 """
 
 from __future__ import annotations
@@ -119,9 +116,12 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
         accumulate_unsharded: bool = False,
     ) -> None:
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.config, self.lightning_options = split_options(type(self).__name__, locals())
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -139,8 +139,7 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
     # ---- what Lightning asks of a distributed strategy (and ShardedStrategy, common/base.py) --
     @property
     def is_distributed(self) -> bool:
-        # Lightning only knows its own strategies as distributed; without this no
-        # DistributedSampler is inserted and `self.log(..., sync_dist=True)` does nothing.
+        # Lightning knows only its own strategies as distributed: else no DistributedSampler, no `sync_dist`.
         return True
 
     @property
@@ -161,8 +160,6 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
             # As Lightning's strategies: the optimizer state next to its parameter (offloaded: in
             # host memory); "step" counters stay on the CPU, where torch keeps them.
             for optimizer in self.optimizers:
@@ -170,6 +167,7 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
                     for key, value in state.items():
                         if key != "step" and isinstance(value, Tensor):
                             state[key] = value.to(param.device)
+        self.setup_precision_plugin()
         count_full_parameters(trainer.callbacks, self.sharded_model().full_numel)
 
     @override
@@ -180,9 +178,15 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
             self.run.resume()  # after `fit`: the same shards, no collective (common/run.py, Note: run lifecycle)
             engine = self.run.engine
         else:
-            engine = build_engine(type(self).__name__, module, self.config, precision=self.precision_plugin,
-                                  world_size=self.world_size, device=self.root_device,
-                                  timeout=self.lightning_options.timeout)  # fmt: skip
+            engine = build_engine(
+                type(self).__name__,
+                module,
+                self.config,
+                precision=self.precision_plugin,
+                world_size=self.world_size,
+                device=self.root_device,
+                timeout=self.lightning_options.timeout,
+            )
             self.run = ShardedRun(engine, lambda: self.lightning_options, fixes=_FIXES)
         # Clipping by the global norm, fp16 skips agreed by every rank (precision.py).
         self.precision_plugin = sharded_precision(self.precision_plugin, engine, device=self.root_device)
@@ -326,8 +330,9 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         read = checkpoint_io_files(self.checkpoint_io, weights_only=weights_only).read
         # A sharded checkpoint's dict holds its tensors still on disk (checkpoint/load.py, `open_checkpoint`).
-        return self._run_of().open(path, read, weights_only=weights_only, strict=strict, context=context,
-                                   key="state_dict")  # fmt: skip
+        return self._run_of().open(
+            path, read, weights_only=weights_only, strict=strict, context=context, key="state_dict"
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -364,7 +369,6 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
             self.precision_plugin.teardown()
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
-
 
 
 _FIXES = Fixes(  # named where a module's own (load_)state_dict() meets shards (common/run.py)

@@ -245,9 +245,12 @@ class ShardedStrategy:
         os.environ["MASTER_PORT"] = str(env.main_port)
         try:
             torch.distributed.init_process_group(
-                backend, rank=env.global_rank(), world_size=env.world_size(), timeout=timeout,
+                backend,
+                rank=env.global_rank(),
+                world_size=env.world_size(),
+                timeout=timeout,
                 device_id=device if device.type != "cpu" else None,
-            )  # fmt: skip
+            )
         except RuntimeError as err:  # torch's DistStoreError/DistNetworkError when a rank never arrives
             raise RuntimeError(
                 f"{owner}: the {env.world_size()} ranks did not all join the process group at "
@@ -256,7 +259,7 @@ class ShardedStrategy:
                 f"num_nodes and devices, and that the main address and port are reachable. Cause: {err}"
             ) from err
         # Destroyed at exit, for every backend: NCCL warns about a group never destroyed, and gloo's
-        # worker threads abort the process as Python finalizes (engine/comm.py, `new_group`).
+        # worker threads abort the process as Python finalizes (engine/groups.py, `new_group`).
         atexit.register(_leave_process_group)
         rank_zero_info(f"{owner}: {env.world_size()} processes joined the {backend} process group.")
 

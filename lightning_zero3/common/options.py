@@ -73,9 +73,15 @@ def split_options(owner: str, arguments: Mapping[str, Any]) -> tuple[ShardingCon
 
 
 def build_engine(
-    owner: str, module: nn.Module, config: ShardingConfig, *, precision: object, world_size: int, device: torch.device,
+    owner: str,
+    module: nn.Module,
+    config: ShardingConfig,
+    *,
+    precision: object,
+    world_size: int,
+    device: torch.device,
     timeout: timedelta | None = None,
-) -> ShardedModel:  # fmt: skip
+) -> ShardedModel:
     """Shard `module` as both strategies do: the gather dtype defaults to what the precision
     plugin implies, and 16-bit compute under a 32-bit plugin is refused before anything changes."""
     narrow = config.param_dtype is not None and config.param_dtype.itemsize < 4

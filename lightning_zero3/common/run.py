@@ -172,9 +172,13 @@ class _ShardGuard:
                 raise self._refusal("state_dict()", prefix + attr, sharded, self.fixes.read)
 
     def before_load(
-        self, params: list[tuple[str, ShardedParam]], module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+        self,
+        params: list[tuple[str, ShardedParam]],
+        module: nn.Module,
+        state_dict: Mapping[str, Any],
+        prefix: str,
         *args: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if self.run.engine.reading_own:
             return
         for attr, sharded in self._shards(module, params):
@@ -303,16 +307,23 @@ class ShardedRun:
         return None
 
     def open(
-        self, path: Path | RemotePath, read_file: ReadFile | None, *, weights_only: bool | None, strict: bool,
-        context: str, key: str | None,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        path: Path | RemotePath,
+        read_file: ReadFile | None,
+        *,
+        weights_only: bool | None,
+        strict: bool,
+        context: str,
+        key: str | None,
+    ) -> dict[str, Any]:
         """`open_checkpoint` once a background save is done; unpickled without restriction only when asked
         to: `trust_checkpoint` or `weights_only=False` (checkpoint/trust.py)."""
         self.wait_for_save()  # it may be writing this very path
         trusted = self.options().trust_checkpoint or weights_only is False
         with self.engine.own_reads():  # checked against the names and shapes of the module's state_dict()
-            return open_checkpoint(path, self.engine, read=read_file, strict=strict, context=context, key=key,
-                                   trusted=trusted)  # fmt: skip
+            return open_checkpoint(
+                path, self.engine, read=read_file, strict=strict, context=context, key=key, trusted=trusted
+            )
 
     # ---- a Lightning checkpoint dict's entries, as the Trainer saves them (and Fabric's sharded saves)
     def load_model_state(self, state_dict: Mapping[str, Any], *, strict: bool) -> None:
@@ -321,8 +332,6 @@ class ShardedRun:
 
     def load_optimizer_states(self, states: list[Any], optimizers: list[Optimizer]) -> None:
         load_optimizer_states(self.engine, states, optimizers)
-
-
 
 
 def remove_checkpoint(

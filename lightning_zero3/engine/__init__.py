@@ -3,9 +3,10 @@ The only door into it: code outside engine/ imports these names from here (tests
 
 from lightning_zero3.engine.accounting import UnitSizes, live_peak, sent_row_bytes, step_bytes
 from lightning_zero3.engine.checks import OrderMismatchError
-from lightning_zero3.engine.comm import CollectiveError, Comm, destroy_group, new_group
+from lightning_zero3.engine.comm import CollectiveError, Comm
 from lightning_zero3.engine.config import ShardingConfig, config_field_names
 from lightning_zero3.engine.dtypes import DTYPE_NAMES, parse_dtype
+from lightning_zero3.engine.groups import destroy_group, new_group
 from lightning_zero3.engine.left_sharded import forget, holder, remember_sharded
 from lightning_zero3.engine.materialize import parameters_on_meta
 from lightning_zero3.engine.model import ShardedModel
@@ -18,10 +19,37 @@ from lightning_zero3.engine.state import full_optimizer_state, load_full_optimiz
 from lightning_zero3.engine.whole_matrix import full_shapes, shard_state_built_whole, step_whole_matrices
 
 __all__ = [
-    "DTYPE_NAMES", "AgreeingGradScaler", "CollectiveError", "Comm", "OrderMismatchError", "RowCodec", "ShardedModel",
-    "ShardedParam", "ShardingConfig", "UnitSizes", "check_optimizer_fits_shards", "clip_grad_norm_",
-    "config_field_names", "destroy_group", "forget", "full_optimizer_state", "full_shapes", "grad_norms", "holder",
-    "live_peak", "load_full_optimizer_state", "make_plan", "new_group", "note_shard_writes", "parameters_on_meta",
-    "parse_dtype", "remember_sharded", "resolve", "sent_row_bytes", "shard_slice",
-    "shard_state_built_whole", "step_bytes", "step_whole_matrices",
-]  # fmt: skip
+    "DTYPE_NAMES",
+    "AgreeingGradScaler",
+    "CollectiveError",
+    "Comm",
+    "OrderMismatchError",
+    "RowCodec",
+    "ShardedModel",
+    "ShardedParam",
+    "ShardingConfig",
+    "UnitSizes",
+    "check_optimizer_fits_shards",
+    "clip_grad_norm_",
+    "config_field_names",
+    "destroy_group",
+    "forget",
+    "full_optimizer_state",
+    "full_shapes",
+    "grad_norms",
+    "holder",
+    "live_peak",
+    "load_full_optimizer_state",
+    "make_plan",
+    "new_group",
+    "note_shard_writes",
+    "parameters_on_meta",
+    "parse_dtype",
+    "remember_sharded",
+    "resolve",
+    "sent_row_bytes",
+    "shard_slice",
+    "shard_state_built_whole",
+    "step_bytes",
+    "step_whole_matrices",
+]

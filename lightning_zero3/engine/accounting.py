@@ -19,9 +19,17 @@ from lightning_zero3.engine.record import Orders
 from lightning_zero3.engine.unit import Unit
 
 __all__ = [
-    "UnitSizes", "expected_step_bytes", "gathers", "keeps_whole", "live_peak", "model_state_bytes", "sent_row_bytes",
-    "step_bytes", "step_buffer_bytes", "unit_sizes",
-]  # fmt: skip
+    "UnitSizes",
+    "expected_step_bytes",
+    "gathers",
+    "keeps_whole",
+    "live_peak",
+    "model_state_bytes",
+    "sent_row_bytes",
+    "step_bytes",
+    "step_buffer_bytes",
+    "unit_sizes",
+]
 
 
 def model_state_bytes(
@@ -32,9 +40,13 @@ def model_state_bytes(
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     mine = {id(p) for p in params}
     optim_bytes = sum(
-        v.numel() * v.element_size() for optimizer in optimizers or [] for param, state in optimizer.state.items()
-        if id(param) in mine for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
-    )  # fmt: skip
+        v.numel() * v.element_size()
+        for optimizer in optimizers or []
+        for param, state in optimizer.state.items()
+        if id(param) in mine
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     total = param_bytes + grad_bytes + optim_bytes
     return {"param": param_bytes, "grad": grad_bytes, "optimizer": optim_bytes, "total": total}
 
@@ -65,9 +77,14 @@ def gathers(unit: UnitSizes, reshard: bool | int) -> tuple[int, int]:
 
 
 def step_bytes(
-    units: Sequence[UnitSizes], reshard: bool | int, *, persistent: int = 0, micro_batches: int = 1,
-    synced: int | None = None, across: str = "all_reduce",
-) -> dict[str, dict[str, int]]:  # fmt: skip
+    units: Sequence[UnitSizes],
+    reshard: bool | int,
+    *,
+    persistent: int = 0,
+    micro_batches: int = 1,
+    synced: int | None = None,
+    across: str = "all_reduce",
+) -> dict[str, dict[str, int]]:
     """Payload bytes per optimizer step by group, {collective: bytes} each: "shard" (with the
     persistent All-Reduce), "across" (shard groups: `across`, "all_gather" where the gradients
     cross quantized) and "slices" (groups of G). Gathers repeat per pass of `micro_batches`,
@@ -137,15 +154,21 @@ def unit_sizes(units: list[Unit], orders: Orders) -> dict[int, UnitSizes]:
         reduced = u.reduce_row_numel * u.reduce_dtype.itemsize * trainable
         if _across_packed(u):  # an All-Gather of R packed rows (quantize.py, Note: quantized collectives)
             assert u.replicate is not None
-            reduced = u.replicate.world_size * trainable * _sent_row(
-                u.replicate, "gradients", u.reduce_row_numel, u.reduce_dtype.itemsize, u.shard_numel)
+            reduced = (
+                u.replicate.world_size
+                * trainable
+                * _sent_row(u.replicate, "gradients", u.reduce_row_numel, u.reduce_dtype.itemsize, u.shard_numel)
+            )
         sent = _sent_row(u.comm, "weights", u.row_numel(), u.param_dtype.itemsize, u.shard_numel)
         reduce_sent = _sent_row(u.comm, "gradients", u.reduce_row_numel, u.reduce_dtype.itemsize, u.shard_numel)
         sizes[u.uid] = UnitSizes(
-            gather=n * sent, reduce=n * reduce_sent * trainable, reduced=reduced,
+            gather=n * sent,
+            reduce=n * reduce_sent * trainable,
+            reduced=reduced,
             slice_gather=g * u.row_numel(per=n // g) * u.param_dtype.itemsize,
-            backward=trainable or backward_order is None or u.uid in backward_order, ends_forward=u.uid in ends,
-        )  # fmt: skip
+            backward=trainable or backward_order is None or u.uid in backward_order,
+            ends_forward=u.uid in ends,
+        )
     return sizes
 
 
@@ -168,9 +191,16 @@ def _sent_row(comm: Comm, kind: str, width: int, itemsize: int, data: int) -> in
 
 
 def expected_step_bytes(
-    units: list[Unit], persistent: Sequence[torch.Tensor], *, orders: Orders, reshard: bool | int = True,
-    across_groups: bool = False, slices: bool = False, micro_batches: int = 1, synced: int | None = None,
-) -> dict[str, int]:  # fmt: skip
+    units: list[Unit],
+    persistent: Sequence[torch.Tensor],
+    *,
+    orders: Orders,
+    reshard: bool | int = True,
+    across_groups: bool = False,
+    slices: bool = False,
+    micro_batches: int = 1,
+    synced: int | None = None,
+) -> dict[str, int]:
     """`step_bytes` on the engine's rows, the persistent All-Reduce with one count element per
     parameter (persistent.py). With `across_groups`: what crosses between shard groups (the
     persistent All-Reduce too, which spans all ranks); with `slices`: inside the groups of G."""
@@ -179,8 +209,14 @@ def expected_step_bytes(
     persistent_bytes = sum((p.numel() + 1) * p.element_size() for p in persistent if p.requires_grad)
     sized = unit_sizes(units, orders)
     across = "all_gather" if _across_packed(units[0]) else "all_reduce"
-    by_group = step_bytes([sized[u.uid] for u in units if u.params], reshard, persistent=persistent_bytes,
-                          micro_batches=micro_batches, synced=synced, across=across)  # fmt: skip
+    by_group = step_bytes(
+        [sized[u.uid] for u in units if u.params],
+        reshard,
+        persistent=persistent_bytes,
+        micro_batches=micro_batches,
+        synced=synced,
+        across=across,
+    )
     if slices:
         return by_group["slices"] if units[0].slice_comm is not None else {}
     expected = by_group["shard"]

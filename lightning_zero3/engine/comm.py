@@ -1,5 +1,5 @@
-"""The only module that calls torch.distributed: collectives over an explicit process group,
-counting payload (the full tensor a collective produces or consumes) and wire bytes (what one
+"""The only module that runs torch.distributed collectives (groups.py makes the groups): over an
+explicit process group, counting payload (the full tensor a collective produces or consumes) and wire bytes (what one
 rank sends with the ring algorithm: (N-1)/N of the payload, 2(N-1)/N for All-Reduce).
 
 [Note: streams]
@@ -17,29 +17,15 @@ A `Comm` built with `device` takes tensors of that device type only, on every ba
 no path for CPU tensors (an error or a crash), and gloo, which takes both, would hide such a call
 in every CPU test. Callers holding state elsewhere (e.g. optimizer state a user moved to the host)
 copy it to `device` first (state.py).
-
-[Note: leaving at exit]
-A gloo worker thread drops its reference to a collective's work only after the waiter has woken,
-and that can be the last reference to a tensor Python made (`all_gather_object`'s, DCP's), whose
-release takes the GIL. A worker still doing so when Python finalizes is ended by the interpreter
-mid-destructor: "terminate called without an active exception", exit -6 (issue 30). Only the
-group's destructor joins its workers (torch runs it with the GIL released), and it runs when the
-last reference goes: torch's own (`destroy_process_group`) and every `Comm`'s. So at exit,
-before Python finalizes, `_leave_at_exit` destroys the groups `new_group` made and makes every
-`Comm` let go of its group; the strategies destroy the default group they joined
-(common/base.py). Registered at import, it runs after every exit handler registered later.
 """
 
 from __future__ import annotations
 
-import atexit
 import time
-import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -47,6 +33,7 @@ import torch.distributed as dist
 
 from lightning_zero3.engine.buffers import BufferPool, current_event, indexed, stream_api
 from lightning_zero3.engine.config import Quantization
+from lightning_zero3.engine.groups import let_go_at_exit
 from lightning_zero3.engine.quantize import KeptPacked, RowCodec, pack_all_reduce, pack_gather, pack_reduce
 from lightning_zero3.engine.transport import GlooInPlace, Local, NativeCollectives, Transport
 
@@ -153,9 +140,14 @@ class Comm:
     """Collectives over one process group; without torch.distributed, local copies."""
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, *, pool: BufferPool | None = None,
-        device: torch.device | None = None, stats: CommStats | None = None, quantization: Quantization | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        pool: BufferPool | None = None,
+        device: torch.device | None = None,
+        stats: CommStats | None = None,
+        quantization: Quantization | None = None,
+    ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
@@ -173,10 +165,10 @@ class Comm:
         self.recent: deque[str] = deque(maxlen=6)
         self.describe_step: Callable[[], str] | None = None
         if self.distributed:
-            _LIVE.add(self)  # lets go of its group at exit (Note: leaving at exit)
+            let_go_at_exit(self)  # groups.py, Note: leaving at exit
 
     def release(self) -> None:
-        """Let go of the process group (Note: leaving at exit); a collective afterwards fails."""
+        """Let go of the process group (groups.py, Note: leaving at exit); a collective afterwards fails."""
         self.group, self.transport = None, _Left()
 
     def _choose(self) -> Transport:
@@ -212,8 +204,15 @@ class Comm:
             f"oldest first: {recent}.{step}{COLLECTIVE_HINT}"
         )
 
-    def _count(self, collective: str, what: str, payload: torch.Tensor, ring: float, *others: torch.Tensor,
-               sent: int | None = None) -> None:  # fmt: skip
+    def _count(
+        self,
+        collective: str,
+        what: str,
+        payload: torch.Tensor,
+        ring: float,
+        *others: torch.Tensor,
+        sent: int | None = None,
+    ) -> None:
         """Check the tensors' device (Note: collective device), count the bytes under "all_gather", ...
         (wire: `sent` elements if given, else the ring's share) and note the collective in `recent`."""
         for tensor in (payload, *others):
@@ -237,8 +236,16 @@ class Comm:
             return None
         return RowCodec(width=width, data=data, itemsize=itemsize, block=self.quantization.block, bits=bits)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, what: str,
-                   quantize_data: int | None = None, kept: tuple[KeptPacked, object] | None = None) -> Any:  # fmt: skip
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        shard: torch.Tensor,
+        *,
+        async_op: bool,
+        what: str,
+        quantize_data: int | None = None,
+        kept: tuple[KeptPacked, object] | None = None,
+    ) -> Any:
         """Gather `shard` into `output` (world_size x shard); `shard` may be this rank's row. The
         first `quantize_data` elements of each row may travel quantized (quantize_weights), this
         rank's packed through `kept` (quantize.py, Note: packed once per change)."""
@@ -251,8 +258,15 @@ class Comm:
         self._count("All-Gather", what, sent, 1.0, output)
         return self._run("All-Gather", what, lambda: issue(self.transport), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str, async_op: bool = False,
-                       quantize_data: int | None = None) -> Any:  # fmt: skip
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        *,
+        what: str,
+        async_op: bool = False,
+        quantize_data: int | None = None,
+    ) -> Any:
         """Sum `full` (world_size x chunk) over ranks into this rank's `output`; `full` must not
         change until the work is waited for. The first `quantize_data` elements of each row may
         travel quantized (quantize_gradients), and then `full` is overwritten."""
@@ -273,8 +287,15 @@ class Comm:
         except RuntimeError as err:
             raise self.failed(collective, what, err) from err
 
-    def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum", async_op: bool = False,
-                   quantize_data: int | None = None) -> Any:  # fmt: skip
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        what: str,
+        op: str = "sum",
+        async_op: bool = False,
+        quantize_data: int | None = None,
+    ) -> Any:
         """Reduce 1-D `tensor` over ranks in place (`op`: "sum" or "max"); a sum's first
         `quantize_data` elements may travel quantized (quantize_gradients): an All-Gather of packed rows."""
         codec = self.codec("gradients", width=tensor.numel(), itemsize=tensor.element_size(), data=quantize_data)
@@ -289,8 +310,16 @@ class Comm:
         issue = lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
         return self._run("All-Reduce", what, issue, async_op)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, output_splits: list[int],
-                   input_splits: list[int], what: str, payload_is_output: bool = False) -> None:  # fmt: skip
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        output_splits: list[int],
+        input_splits: list[int],
+        what: str,
+        payload_is_output: bool = False,
+    ) -> None:
         """Send `input_splits[r]` elements of 1-D `input` (in rank order) to rank r and receive
         `output_splits[r]` from rank r into `output`; the payload is `input` (or `output`), the
         wire what leaves this rank."""
@@ -335,65 +364,8 @@ class Comm:
         self.stats.gather_wait_s += time.perf_counter() - start_s
 
 
-def consecutive_group(size: int, timeout: timedelta | None) -> dist.ProcessGroup | None:
-    """This rank's group of `size` consecutive ranks (collective)."""
-    starts = range(0, dist.get_world_size(), size)
-    return [new_group(list(range(start, start + size)), timeout=timeout) for start in starts][dist.get_rank() // size]
-
-
-def hybrid_groups(shard_size: int, timeout: timedelta | None
-                  ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:  # fmt: skip
-    """(shard group, replicate group): groups of `shard_size` consecutive ranks shard the model, the ranks
-    at one position in each replicate it; (None, None): the whole world shards. Collective."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world % shard_size:
-        raise ValueError(f"shard_size must be a positive int that divides the world size {world} (e.g. the "
-                         f"processes per node); got {shard_size!r}.")
-    if shard_size == world:
-        return None, None
-    shard_group = consecutive_group(shard_size, timeout)
-    replicate = [new_group(list(range(offset, world, shard_size)), timeout=timeout) for offset in range(shard_size)]
-    return shard_group, replicate[dist.get_rank() % shard_size]
-
-
-def new_group(ranks: list[int] | None = None, *, backend: str | None = None,
-              timeout: timedelta | None = None) -> dist.ProcessGroup:  # fmt: skip
-    """`dist.new_group`, destroyed at exit at the latest (Note: leaving at exit); timeout=None: torch's 30 min."""
-    group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
-    if group is not dist.GroupMember.NON_GROUP_MEMBER:
-        _MADE.append(group)
-    return group
-
-
-def destroy_group(group: dist.ProcessGroup | None) -> None:
-    """Destroy `group` if it still exists (no collective)."""
-    if group in _MADE:
-        _MADE.remove(group)
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        dist.destroy_process_group(group)
-    except (ValueError, RuntimeError):
-        pass  # destroyed already
-
-
 class _Left:
     def all_gather(self, *tensors: torch.Tensor) -> Any:
-        raise CollectiveError("this process group was left at exit (engine/comm.py, Note: leaving at exit)")
+        raise CollectiveError("this process group was left at exit (engine/groups.py, Note: leaving at exit)")
 
     reduce_scatter = all_to_all = all_gather
-
-
-_LIVE: weakref.WeakSet[Comm] = weakref.WeakSet()  # every Comm over a process group
-_MADE: list[dist.ProcessGroup] = []  # the groups new_group made and nobody destroyed yet
-
-
-def _leave_at_exit() -> None:
-    """Note: leaving at exit."""
-    while _MADE:
-        destroy_group(_MADE[-1])
-    for comm in list(_LIVE):
-        comm.release()
-
-
-atexit.register(_leave_at_exit)

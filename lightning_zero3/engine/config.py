@@ -89,28 +89,57 @@ class ShardingConfig:
         rules = [  # (option, valid, what it must be), checked in this order
             ("prefetch", at_least(self.prefetch, 0), "an int >= 0 (units gathered ahead)"),
             ("persistence_threshold", at_least(self.persistence_threshold, 0), "an int >= 0 (elements)"),
-            ("reductions_in_flight", rif is None or at_least(rif, 0), "None (1 on CUDA, 0 elsewhere) or an int >= 0 "
-             "(Reduce-Scatters left running while backward continues)"),
-            ("shard_size", self.shard_size is None or at_least(self.shard_size, 1), "None (whole world) or a "
-             "positive int that divides the number of ranks, e.g. the devices per node"),
-            ("rank_checks", checks in ("every_step", "first_step") or at_least(checks, 1),
-             '"every_step", "first_step" or an int K >= 1 (check every K-th step)'),
-            ("reshard_after_forward", type(keep) is bool or at_least(keep, 2), "True (reshard every unit), False "
-             "(keep units whole until backward) or an int G >= 2 that divides the shard group (keep a 1/G slice; "
-             "for 1 write False)"),
-            ("offload", self.offload in (None, "host"),
-             'None (all on the compute device) or "host" (shards, gradients, optimizer state)'),
-            ("offload_dir", where is None or self.offload == "host",
-             'None unless offload="host" (the optimizer steps on the CPU): add it'),
-            ("offload_dir", where is None or isinstance(where, str) and os.path.isdir(where),
-             "the path (str) of an existing directory, e.g. on a local NVMe disk"),
+            (
+                "reductions_in_flight",
+                rif is None or at_least(rif, 0),
+                "None (1 on CUDA, 0 elsewhere) or an int >= 0 (Reduce-Scatters left running while backward continues)",
+            ),
+            (
+                "shard_size",
+                self.shard_size is None or at_least(self.shard_size, 1),
+                "None (whole world) or a positive int that divides the number of ranks, e.g. the devices per node",
+            ),
+            (
+                "rank_checks",
+                checks in ("every_step", "first_step") or at_least(checks, 1),
+                '"every_step", "first_step" or an int K >= 1 (check every K-th step)',
+            ),
+            (
+                "reshard_after_forward",
+                type(keep) is bool or at_least(keep, 2),
+                "True (reshard every unit), False "
+                "(keep units whole until backward) or an int G >= 2 that divides the shard group (keep a 1/G slice; "
+                "for 1 write False)",
+            ),
+            (
+                "offload",
+                self.offload in (None, "host"),
+                'None (all on the compute device) or "host" (shards, gradients, optimizer state)',
+            ),
+            (
+                "offload_dir",
+                where is None or self.offload == "host",
+                'None unless offload="host" (the optimizer steps on the CPU): add it',
+            ),
+            (
+                "offload_dir",
+                where is None or isinstance(where, str) and os.path.isdir(where),
+                "the path (str) of an existing directory, e.g. on a local NVMe disk",
+            ),
             ("param_init_fn", self.param_init_fn is None or callable(self.param_init_fn), "callable"),
             ("quantize_weights", type(self.quantize_weights) is bool, "True (int8 All-Gathers of weights) or False"),
-            ("quantize_gradients", self.quantize_gradients in (False, True, "int8", "int4")
-             and type(self.quantize_gradients) in (bool, str), 'False, True or "int8", or "int4"'),
-            ("quantize_block", at_least(self.quantize_block, 16) and self.quantize_block % 16 == 0,
-             "an int >= 16, a multiple of 16 (elements per scale)"),
-        ]  # fmt: skip
+            (
+                "quantize_gradients",
+                self.quantize_gradients in (False, True, "int8", "int4")
+                and type(self.quantize_gradients) in (bool, str),
+                'False, True or "int8", or "int4"',
+            ),
+            (
+                "quantize_block",
+                at_least(self.quantize_block, 16) and self.quantize_block % 16 == 0,
+                "an int >= 16, a multiple of 16 (elements per scale)",
+            ),
+        ]
         for option, valid, expected in rules:
             if not valid:
                 raise bad(option, expected)
@@ -124,7 +153,6 @@ class ShardingConfig:
         object.__setattr__(self, "wrap_policy", validate_wrap_policy(self.wrap_policy))
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "ShardingConfig(param_dtype=...)"))
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "ShardingConfig(reduce_dtype=...)"))
-
 
     @property
     def quantization(self) -> Quantization:

@@ -21,9 +21,15 @@ __all__ = ["gathered_parameters"]
 
 @contextmanager
 def gathered_parameters(
-    scope: nn.Module, units: list[Unit], persistent: list[nn.Parameter], *, checks: RankChecks,
-    world_comm: Comm, pool: BufferPool, modifier_rank: int | None = None,
-) -> Iterator[None]:  # fmt: skip
+    scope: nn.Module,
+    units: list[Unit],
+    persistent: list[nn.Parameter],
+    *,
+    checks: RankChecks,
+    world_comm: Comm,
+    pool: BufferPool,
+    modifier_rank: int | None = None,
+) -> Iterator[None]:
     """The parameters under `scope` whole on every rank: the registered parameters hold the full
     data inside the block, in tensors of their own (not views of a pooled block), so a state dict
     taken inside stays valid after it, as under DeepSpeed's `GatheredParameters`. With

@@ -86,9 +86,16 @@ def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
 
 
 def shard_parameters(
-    root: nn.Module, plan: Plan, *, comm: Comm, world_comm: Comm, device: torch.device,
-    param_init_fn: ParamInitFn | None = None, sync_module_states: bool = True, on_host: bool = False,
-) -> dict[int, ShardedParam]:  # fmt: skip
+    root: nn.Module,
+    plan: Plan,
+    *,
+    comm: Comm,
+    world_comm: Comm,
+    device: torch.device,
+    param_init_fn: ParamInitFn | None = None,
+    sync_module_states: bool = True,
+    on_host: bool = False,
+) -> dict[int, ShardedParam]:
     """Replace every planned parameter of `root` by this rank's shard, module by module; the
     shards by `id(entry)`. With `on_host` in host memory, pinned for a GPU (offload.py)."""
     _raise_if_meta_state(root)  # before any collective: every rank has the same model
@@ -265,8 +272,14 @@ def _shard(
     for module, attr in entry.owners:
         module._parameters[attr] = shard
     entry.param = shard  # the plan must not keep the whole tensor alive
-    return ShardedParam(owners=entry.owners, names=entry.names, full_shape=full.shape, param=shard,
-                        world_size=comm.world_size, rank=comm.rank)  # fmt: skip
+    return ShardedParam(
+        owners=entry.owners,
+        names=entry.names,
+        full_shape=full.shape,
+        param=shard,
+        world_size=comm.world_size,
+        rank=comm.rank,
+    )
 
 
 def restore_whole(units: list[Unit], *, device: torch.device) -> None:

@@ -1,9 +1,9 @@
 """`ShardedModel`: ZeRO stage 3 on a bare `nn.Module`. Framework-independent.
 
-    sharded = ShardedModel(model, prefetch=1)      # model's parameters are now 1/N shards
-    optimizer = torch.optim.AdamW(model.parameters())
-    loss = model(x).mean(); loss.backward()         # gathers, reduce-scatters, prefetches
-    sharded.clip_grad_norm_(1.0); optimizer.step()
+sharded = ShardedModel(model, prefetch=1)      # model's parameters are now 1/N shards
+optimizer = torch.optim.AdamW(model.parameters())
+loss = model(x).mean(); loss.backward()         # gathers, reduce-scatters, prefetches
+sharded.clip_grad_norm_(1.0); optimizer.step()
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from lightning_zero3.engine.accumulate import GradientSync, SyncState
 from lightning_zero3.engine.buffers import BufferPool, indexed, stream_api
 from lightning_zero3.engine.calls import PassState, engine_mode
 from lightning_zero3.engine.checks import UNEVEN_FIX, RankChecks
-from lightning_zero3.engine.comm import Comm, consecutive_group, hybrid_groups
+from lightning_zero3.engine.comm import Comm
 from lightning_zero3.engine.config import ShardingConfig
 from lightning_zero3.engine.disk import DiskState
 from lightning_zero3.engine.gathered import gathered_parameters
 from lightning_zero3.engine.generation import install_synced_generate, remove_synced_generate
+from lightning_zero3.engine.groups import consecutive_group, hybrid_groups
 from lightning_zero3.engine.hooks import HookDriver
 from lightning_zero3.engine.left_sharded import SHARD_AGAIN, forget, leave_sharded, restore_if_left_sharded
 from lightning_zero3.engine.materialize import restore_whole, shard_parameters
@@ -47,10 +48,16 @@ class ShardedModel:
     its collaborators are private, read only inside engine/."""
 
     def __init__(
-        self, module: nn.Module, config: ShardingConfig | None = None, *, group: dist.ProcessGroup | None = None,
-        device: torch.device | str | None = None, sync_module_states: bool = True, timeout: timedelta | None = None,
+        self,
+        module: nn.Module,
+        config: ShardingConfig | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        sync_module_states: bool = True,
+        timeout: timedelta | None = None,
         **options: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Options in `config` or as keyword arguments; `group` replaces the world (not with `shard_size`)."""
         if config is None:
             config = ShardingConfig(**options)
@@ -68,32 +75,54 @@ class ShardedModel:
         # Weights move in the shard group, gradients across `replicate_comm` too, G's slices in `slice_comm`.
         self._pool = BufferPool()
         self._comm = Comm(group, pool=self._pool, device=target, quantization=config.quantization)
-        replicate = (Comm(replicate_group, pool=self._pool, device=target, quantization=config.quantization)
-                     if replicate_group is not None else None)  # quantized gradients cross groups quantized too
+        replicate = (
+            Comm(replicate_group, pool=self._pool, device=target, quantization=config.quantization)
+            if replicate_group is not None
+            else None
+        )  # quantized gradients cross groups quantized too
         self._replicate_comm = replicate
         self._reshard = resolve(config.reshard_after_forward, shard_group=self._comm.world_size)
         group_of_g = consecutive_group(self._reshard, timeout) if type(self._reshard) is int else None  # collective
         self._slice_comm = Comm(group_of_g, pool=self._pool, device=target) if group_of_g is not None else None
         self._world_comm = Comm(None, device=target)  # control traffic: broadcasts, order check, edits
         restore_if_left_sharded(module, world_comm=self._world_comm, device=target)
-        self._plan = make_plan(module, config.wrap_policy, config.persistence_threshold,
-                               shard_group_size=self._comm.world_size)  # fmt: skip
+        self._plan = make_plan(
+            module, config.wrap_policy, config.persistence_threshold, shard_group_size=self._comm.world_size
+        )
         shards = shard_parameters(
-            module, self._plan, comm=self._comm, world_comm=self._world_comm, device=target,
-            param_init_fn=config.param_init_fn, sync_module_states=sync_module_states,
+            module,
+            self._plan,
+            comm=self._comm,
+            world_comm=self._world_comm,
+            device=target,
+            param_init_fn=config.param_init_fn,
+            sync_module_states=sync_module_states,
             on_host=config.offload is not None,
-        )  # fmt: skip
+        )
         self._record = StepRecord()
         groups = self._replicate_comm.world_size if self._replicate_comm is not None else 1
-        self._checks = RankChecks(rank=self._comm.rank, names=[u.name for u in self._plan.units],
-                                  rank_checks=config.rank_checks, groups=groups)  # fmt: skip
+        self._checks = RankChecks(
+            rank=self._comm.rank,
+            names=[u.name for u in self._plan.units],
+            rank_checks=config.rank_checks,
+            groups=groups,
+        )
         self._offload = HostOffload(device=target) if config.offload is not None else None
         self._units = [
-            Unit(uid=uid, name=unit_plan.name, module=unit_plan.module,
-                 params=[shards[id(entry)] for entry in unit_plan.params], comm=self._comm, checks=self._checks,
-                 replicate=self._replicate_comm, param_dtype=config.param_dtype,
-                 reduce_dtype=config.reduce_dtype, record=self._record,
-                 slice_comm=self._slice_comm, offload=self._offload)  # fmt: skip
+            Unit(
+                uid=uid,
+                name=unit_plan.name,
+                module=unit_plan.module,
+                params=[shards[id(entry)] for entry in unit_plan.params],
+                comm=self._comm,
+                checks=self._checks,
+                replicate=self._replicate_comm,
+                param_dtype=config.param_dtype,
+                reduce_dtype=config.reduce_dtype,
+                record=self._record,
+                slice_comm=self._slice_comm,
+                offload=self._offload,
+            )
             for uid, unit_plan in enumerate(self._plan.units)
         ]
         self.device = target  # the compute device (with offload the shards are on the host)
@@ -111,29 +140,50 @@ class ShardedModel:
         self._comm.describe_step = self._describe_step
         self._reductions_in_flight = config.in_flight(target.type)
         self._schedule = Schedule(config.prefetch)
-        reductions = Reductions(in_flight=self._reductions_in_flight, offload=self._offload,  # buffers.py
-                                pool=self._pool if stream_api(target) is not None else None)  # fmt: skip
-        self._gradient_sync = GradientSync(self._units, reductions=reductions, persistent=self._persistent_grads,
-                                           record=self._record)  # fmt: skip
+        reductions = Reductions(
+            in_flight=self._reductions_in_flight,
+            offload=self._offload,  # buffers.py
+            pool=self._pool if stream_api(target) is not None else None,
+        )
+        self._gradient_sync = GradientSync(
+            self._units, reductions=reductions, persistent=self._persistent_grads, record=self._record
+        )
         schedule, by_param = self._schedule, self._by_param  # no reference back to this object
         self.stats = ModelStats(
-            self._units, self._persistent, comm=self._comm, replicate_comm=self._replicate_comm,
-            slice_comm=self._slice_comm, world_comm=self._world_comm, record=self._record, pool=self._pool,
-            reshard=self._reshard, orders=lambda: (schedule.forward_order, schedule.backward_order),
+            self._units,
+            self._persistent,
+            comm=self._comm,
+            replicate_comm=self._replicate_comm,
+            slice_comm=self._slice_comm,
+            world_comm=self._world_comm,
+            record=self._record,
+            pool=self._pool,
+            reshard=self._reshard,
+            orders=lambda: (schedule.forward_order, schedule.backward_order),
             sharded_param=lambda param: by_param.get(id(param)),
-        )  # fmt: skip
+        )
         self._hooks = HookDriver(
-            self._units, schedule=self._schedule, checks=self._checks, grads=self._gradient_sync,
-            persistent=self._persistent_grads, live=self.stats.units,
-            record=self._record, world_comm=self._world_comm, reshard=self._reshard, offload=self._offload,
-        )  # fmt: skip
+            self._units,
+            schedule=self._schedule,
+            checks=self._checks,
+            grads=self._gradient_sync,
+            persistent=self._persistent_grads,
+            live=self.stats.units,
+            record=self._record,
+            world_comm=self._world_comm,
+            reshard=self._reshard,
+            offload=self._offload,
+        )
         held = lambda: self._hooks.state is PassState.HELD
         self._synced_generate = install_synced_generate(module, held, ranks=self._comm.world_size * groups)
         self._reading_own = False  # inside `own_reads` (common/run.py, Note: a module's own state_dict)
 
     def _describe_step(self) -> str:
-        orders = [(phase, order) for phase, order in (("forward", self._schedule.forward_order),
-                                                      ("backward", self._schedule.backward_order)) if order]
+        orders = [
+            (phase, order)
+            for phase, order in (("forward", self._schedule.forward_order), ("backward", self._schedule.backward_order))
+            if order
+        ]
         if not orders:
             return "No unit order is recorded yet (first step)"
         text = "; ".join(f"{phase} {[self._units[uid].name for uid in order]}" for phase, order in orders)
@@ -199,8 +249,15 @@ class ShardedModel:
     ) -> AbstractContextManager[None]:
         """The parameters under `module` (default: all) whole on every rank (gathered.py)."""
         scope = module if module is not None else self.module
-        return gathered_parameters(scope, self._units, self._persistent, checks=self._checks, pool=self._pool,
-                                   world_comm=self._world_comm, modifier_rank=modifier_rank)  # fmt: skip
+        return gathered_parameters(
+            scope,
+            self._units,
+            self._persistent,
+            checks=self._checks,
+            pool=self._pool,
+            world_comm=self._world_comm,
+            modifier_rank=modifier_rank,
+        )
 
     @contextmanager
     def gathered_for_inference(self) -> Iterator[None]:
@@ -248,8 +305,11 @@ class ShardedModel:
         if not keep:
             return {}
         by_name = {name: full_by_id[id(s.param)] for s in self.sharded_params for name in s.names}
-        own = {k: v.detach().to("cpu", copy=True) for k, v in state.items()
-               if isinstance(v, torch.Tensor) and k not in by_name}  # fmt: skip  # not the shards again
+        own = {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and k not in by_name
+        }  # not the shards again
         return {key: by_name.get(key, own.get(key, value)) for key, value in state.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
@@ -268,8 +328,10 @@ class ShardedModel:
             unexpected = list(result.unexpected_keys)
             absent = missing + [k for k in result.missing_keys if k not in shard_keys]
             if unexpected or absent:
-                raise KeyError(f"State dict does not match the model: missing keys {absent[:10]}, unexpected keys "
-                               f"{unexpected[:10]}. Load a checkpoint of the same model or pass strict=False.")
+                raise KeyError(
+                    f"State dict does not match the model: missing keys {absent[:10]}, unexpected keys "
+                    f"{unexpected[:10]}. Load a checkpoint of the same model or pass strict=False."
+                )
 
     def move_module(self, device: torch.device | str) -> None:
         """`module.to(device)`; with offload the shards stay on the host."""

@@ -137,8 +137,10 @@ class HostOffload:
             if flat is not None:  # one copy (Note: staging reused)
                 staging = self._free_staging(unit, flat.dtype)
                 staging.row.copy_(flat, non_blocking=self.pinned)
-                hosts = [staging.row[o : o + p.shard_numel] if g is not None else None
-                         for p, o, g in zip(unit.params, unit.offsets, grads)]  # fmt: skip
+                hosts = [
+                    staging.row[o : o + p.shard_numel] if g is not None else None
+                    for p, o, g in zip(unit.params, unit.offsets, grads)
+                ]
                 self._sources.append(flat)
             else:
                 staging, hosts = None, []

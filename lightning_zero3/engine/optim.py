@@ -76,9 +76,13 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
 
 
 def clip_grad_norm_(
-    model: ShardedModel, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-    *, error_if_nonfinite: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    model: ShardedModel,
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` with the global norm. `error_if_nonfinite` reads the norm
     on the host (one read, a sync on a GPU, as torch's) to raise before any gradient is scaled."""
     params = [p for p in parameters if p.grad is not None]
@@ -104,15 +108,21 @@ _TRUST_RATIO = "scales each update by the norm of the whole parameter (a per-lay
 SHAPE_AWARE_OPTIMIZERS = {
     "Adafactor": "factors its second moment into row and column statistics of each weight matrix",
     "Muon": "orthogonalises each weight matrix (it needs 2-D parameters)",  # torch.optim.Muon's is declared
-    "Shampoo": _PRECONDITIONS, "DistributedShampoo": _PRECONDITIONS, "SOAP": _PRECONDITIONS,
-    "Lamb": _TRUST_RATIO, "LAMB": _TRUST_RATIO, "FusedLAMB": _TRUST_RATIO, "LARS": _TRUST_RATIO, "Lars": _TRUST_RATIO,
+    "Shampoo": _PRECONDITIONS,
+    "DistributedShampoo": _PRECONDITIONS,
+    "SOAP": _PRECONDITIONS,
+    "Lamb": _TRUST_RATIO,
+    "LAMB": _TRUST_RATIO,
+    "FusedLAMB": _TRUST_RATIO,
+    "LARS": _TRUST_RATIO,
+    "Lars": _TRUST_RATIO,
     "LBFGS": "takes dot products over all parameters, which would cover only this rank's pieces",
-}  # fmt: skip
+}
 
 
 def check_optimizer_fits_shards(
     optimizer: torch.optim.Optimizer, owner: str, *, warn: bool = True, names: Mapping[int, str] | None = None
-) -> None:  # fmt: skip
+) -> None:
     """Refuse a shape-aware optimizer that declares no whole-matrix need (whole_matrix.py), naming
     `owner` and its first parameter (`names`: id -> name); with `warn`, warn about an empty
     param group (the usual sign of a `p.dim() >= 2` filter)."""

@@ -53,6 +53,7 @@ from lightning_zero3.engine.transport import Transport, Works
 
 __all__ = ["KeptPacked", "RowCodec", "pack_all_reduce", "pack_gather", "pack_reduce", "packed_row_bytes"]
 
+
 def _up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -205,8 +206,9 @@ def pack_reduce(
     return sent, lambda transport: Works([transport.all_to_all(received, sent)], then=add_up)
 
 
-def pack_all_reduce(tensor: torch.Tensor, rank: int, n: int, codec: RowCodec, pool: BufferPool
-                    ) -> tuple[torch.Tensor, Issue]:  # fmt: skip
+def pack_all_reduce(
+    tensor: torch.Tensor, rank: int, n: int, codec: RowCodec, pool: BufferPool
+) -> tuple[torch.Tensor, Issue]:
     """Pack 1-D `tensor` as this rank's row of n; the packed rows and the issue of their
     All-Gather, whose wait decodes every row, this rank's too, and sums them in rank order into
     `tensor`: the same sum on every rank (Note: quantized collectives)."""

@@ -185,8 +185,9 @@ class Reductions:
         return [out[o : o + p.shard_numel] if has else None for p, o, has in zip(unit.params, unit.offsets, present)]
 
 
-def _wait(pending: PendingReduce, collective: str, stream: str | None,
-          average: tuple[int, torch.Tensor] | None = None) -> None:  # fmt: skip
+def _wait(
+    pending: PendingReduce, collective: str, stream: str | None, average: tuple[int, torch.Tensor] | None = None
+) -> None:
     """Wait for `pending`'s collective (on `stream`, None: the current one); record its check
     column. `average` (N, out): then, on that stream, the sum / N into `out` (Note: gradient copy-in)."""
     unit = pending.unit

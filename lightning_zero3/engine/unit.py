@@ -95,10 +95,21 @@ class Unit:
     """The parameters of one module subtree that are gathered and reduced together."""
 
     def __init__(
-        self, *, uid: int, name: str, module: nn.Module, params: list[ShardedParam], comm: Comm, checks: RankChecks,
-        replicate: Comm | None, slice_comm: Comm | None, param_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype | None, record: StepRecord, offload: ShardSource | None,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        uid: int,
+        name: str,
+        module: nn.Module,
+        params: list[ShardedParam],
+        comm: Comm,
+        checks: RankChecks,
+        replicate: Comm | None,
+        slice_comm: Comm | None,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        record: StepRecord,
+        offload: ShardSource | None,
+    ) -> None:
         dtypes = {p.param.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(
@@ -204,8 +215,9 @@ class Unit:
         with streams.on("gather", after=copied):
             quantize = None if exact else s  # compute weights may travel quantized, master values never
             packed = None if exact else (self._packed, self.shard_state())
-            work = comm.all_gather(recv, mine, async_op=True, what=f"unit '{self.name}'", quantize_data=quantize,
-                                   kept=packed)  # fmt: skip
+            work = comm.all_gather(
+                recv, mine, async_op=True, what=f"unit '{self.name}'", quantize_data=quantize, kept=packed
+            )
             issued = streams.event()
         self._pending = _PendingGather(work, recv, issued, tag, stamped, comm, s)
         self.record.add("gathered" if kept is None else "gathered_slice", self.uid)

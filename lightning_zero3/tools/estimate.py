@@ -45,12 +45,22 @@ from lightning_zero3.engine import (
     resolve,
     sent_row_bytes,
     step_bytes,
-)  # fmt: skip
+)
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 # The engine options the command takes, named, defaulted, documented and validated by ShardingConfig.
-OPTIONS = ("shard_size", "prefetch", "param_dtype", "reduce_dtype", "reshard_after_forward", "reductions_in_flight",
-           "persistence_threshold", "quantize_weights", "quantize_gradients", "quantize_block")  # fmt: skip
+OPTIONS = (
+    "shard_size",
+    "prefetch",
+    "param_dtype",
+    "reduce_dtype",
+    "reshard_after_forward",
+    "reductions_in_flight",
+    "persistence_threshold",
+    "quantize_weights",
+    "quantize_gradients",
+    "quantize_block",
+)
 
 
 @dataclass(frozen=True)
@@ -164,15 +174,26 @@ def estimate_units(
         return sent_row_bytes(r, reduce, data=r, bits=config.quantization.gradients, block=quantized.block)
 
     units = [
-        UnitSizes(gather=g * row(r, gather, "weights"), reduce=g * row(r, reduce, "gradients") * trainable,
-                  reduced=(world_size // g * across(r) if across_packed else r * reduce) * trainable,
-                  slice_gather=g * r * gather, backward=trainable, ends_forward=end)
+        UnitSizes(
+            gather=g * row(r, gather, "weights"),
+            reduce=g * row(r, reduce, "gradients") * trainable,
+            reduced=(world_size // g * across(r) if across_packed else r * reduce) * trainable,
+            slice_gather=g * r * gather,
+            backward=trainable,
+            ends_forward=end,
+        )
         for r, end in zip(rows, ends)
-    ]  # fmt: skip
+    ]
     synced = 1 if no_sync else micro_batches
     whole = sum(persistent) * reduce if trainable and world_size > 1 else 0  # parameters kept whole: All-Reduced
-    sent = step_bytes(units, reshard, persistent=whole, micro_batches=micro_batches, synced=synced,
-                      across="all_gather" if across_packed else "all_reduce")  # fmt: skip
+    sent = step_bytes(
+        units,
+        reshard,
+        persistent=whole,
+        micro_batches=micro_batches,
+        synced=synced,
+        across="all_gather" if across_packed else "all_reduce",
+    )
     in_flight = config.in_flight("cuda")
     largest = max(full, default=0)
     live = live_peak([f * gather for f in full], reshard, prefetch=config.prefetch, ends_forward=ends)
@@ -218,10 +239,16 @@ def estimate(
     units = [[entry.param.numel() for entry in unit.params] for unit in plan.units]
     dtypes = {p.dtype for p in module.parameters()}
     return estimate_units(
-        units, world_size=world_size, persistent=[entry.param.numel() for entry in plan.persistent], config=config,
-        master_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32, optimizer_states=optimizer_states,
-        trainable=any(p.requires_grad for p in module.parameters()), micro_batches=micro_batches, no_sync=no_sync,
-    )  # fmt: skip
+        units,
+        world_size=world_size,
+        persistent=[entry.param.numel() for entry in plan.persistent],
+        config=config,
+        master_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
+        optimizer_states=optimizer_states,
+        trainable=any(p.requires_grad for p in module.parameters()),
+        micro_batches=micro_batches,
+        no_sync=no_sync,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -237,9 +264,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per optimizer step")
     parser.add_argument("--no-sync", action="store_true", help="with --accumulate: reduce once per optimizer step")
     parser.add_argument(
-        "--offload", choices=("none", "host", "disk"), default="none",
+        "--offload",
+        choices=("none", "host", "disk"),
+        default="none",
         help="host: shards, gradients, optimizer state in host memory; disk: the optimizer state in files too",
-    )  # fmt: skip
+    )
 
 
 def parse_option(text: str) -> bool | int | str | None:
@@ -252,9 +281,10 @@ def parse_option(text: str) -> bool | int | str | None:
 def run(args: argparse.Namespace) -> str:
     """The table for the parsed command line; `ValueError` for a bad combination."""
     config = ShardingConfig(
-        **{name: getattr(args, name) for name in OPTIONS}, offload=None if args.offload == "none" else "host",
+        **{name: getattr(args, name) for name in OPTIONS},
+        offload=None if args.offload == "none" else "host",
         offload_dir="." if args.offload == "disk" else None,  # the run's own; any existing directory stands in
-    )  # fmt: skip
+    )
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
     if args.accumulate < 1:

@@ -2,7 +2,7 @@
 (`python short_save.py ...`: Lightning's launcher re-runs this script for rank 1). Each rank
 writes OUT/rank{r}.done as its last act, and OUT/threads-{pid}.txt, the names of the threads
 still alive when Python is about to finalize (after every exit handler): gloo's workers
-("pt_gloo_runloop") must be gone by then (lightning_zero3/engine/comm.py, Note: leaving at exit).
+("pt_gloo_runloop") must be gone by then (lightning_zero3/engine/groups.py, Note: leaving at exit).
 benchmarks/exit_stress.py runs many of these at once; tests/reliability/test_clean_exit.py one of each."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Short 2-rank jobs that save, started as users start them, exit 0 on every rank: no gloo worker
 thread is left when Python finalizes (one still releasing a finished collective aborts the
-process then: lightning_zero3/engine/comm.py, Note: leaving at exit).
+process then: lightning_zero3/engine/groups.py, Note: leaving at exit).
 
 Each job of tests/jobs/short_save.py (Lightning's own launcher re-running the script for rank 1,
 whose exit code the launching process never sees) writes the names of its threads from its
