@@ -7,7 +7,7 @@ Sharding replaces each parameter by a new 1-D `nn.Parameter` (its shard), so an 
 from the model before `fabric.setup` holds the old, whole parameters. While the optimizer has no
 state yet, its param groups are pointed at the shards, matched by parameter name; this is what
 Fabric itself does for XLA, where moving a model copies its parameters. An optimizer with
-state of full shapes (it stepped, or its constructor made state: Adagrad) is refused: build it
+state of whole shapes (it stepped, or its constructor made state: Adagrad) is refused: build it
 after `setup_module`.
 """
 
@@ -221,8 +221,8 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
             return next(iter(self._runs.values()))
         inner = getattr(module, "_forward_module", module)  # Fabric's wrapper around what setup returned
         for run in self._runs.values():
-            held = run.engine.module
-            if held is module or held is inner or (within and any(m is inner for m in held.modules())):
+            wrapped = run.engine.module
+            if wrapped is module or wrapped is inner or (within and any(m is inner for m in wrapped.modules())):
                 return run
         raise ValueError(
             f"{type(self).__name__}: {type(module).__name__ if module is not None else 'no module'} was not set up "

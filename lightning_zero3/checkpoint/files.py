@@ -179,7 +179,7 @@ def _remove_stale_partials(path: Path) -> None:
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live save: BlockingIOError
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked by a live save: BlockingIOError
             mode = os.fstat(fd).st_mode
             ours = stat.S_ISREG(mode) or (
                 stat.S_ISDIR(mode) and all(_SAVE_FILE.fullmatch(entry) for entry in os.listdir(leftover))

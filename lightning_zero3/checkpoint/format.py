@@ -3,7 +3,7 @@ it, and reading a checkpoint directory back with every check done before any dat
 
 [Note: sharded checkpoint layout]
 A sharded checkpoint is a directory: meta.json (written last, so its presence marks a complete
-checkpoint: format and version, world size, every tensor's full shape and dtype, a fingerprint
+checkpoint: format and version, world size, every tensor's whole shape and dtype, a fingerprint
 of the parameter names and shapes, each file's size and CRC-32), trainer_state.pt (everything
 that is not a tensor: the rest of the checkpoint dict, optimizer param_groups by parameter name,
 non-tensor optimizer state), and DCP's index `.metadata` and files `__<r>_0.distcp` (rank r's
@@ -48,7 +48,7 @@ DCP_INDEX_FILE = ".metadata"
 
 
 def tensor_json(shape: Iterable[int], dtype: torch.dtype) -> dict[str, Any]:
-    """A tensor's full shape and dtype, as meta.json records them."""
+    """A tensor's whole shape and dtype, as meta.json records them."""
     return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
 
 
@@ -84,7 +84,7 @@ def model_parameters(model: ShardedModel) -> dict[str, dict[str, Any]]:
 
 
 def fingerprint(parameters: Mapping[str, Mapping[str, Any]]) -> str:
-    """A hash of the parameter names and full shapes: equal for checkpoints of the same model."""
+    """A hash of the parameter names and whole shapes: equal for checkpoints of the same model."""
     text = "\n".join(f"{name}:{tuple(info['shape'])}" for name, info in sorted(parameters.items()))
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -124,9 +124,9 @@ class _Loads:
         if kind == "sharded":
             self.targets[key] = self.pieces.sharded(shard[: sp.valid_numel()], sp.numel)
             return
-        full = self.targets[key] = torch.empty(sp.full_shape, dtype=shard.dtype)
+        whole = self.targets[key] = torch.empty(sp.full_shape, dtype=shard.dtype)
         start, valid = sp.rank * sp.shard_numel, sp.valid_numel()
-        self.after.append(lambda: shard[:valid].copy_(full.reshape(-1)[start : start + valid]))
+        self.after.append(lambda: shard[:valid].copy_(whole.reshape(-1)[start : start + valid]))
 
     def into_whole(self, key: str, kind: str | None, tensor: torch.Tensor) -> None:
         """Fill a tensor every rank holds whole (a buffer, a persistent parameter)."""

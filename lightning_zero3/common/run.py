@@ -80,7 +80,7 @@ from lightning_zero3.engine import (
 if TYPE_CHECKING:
     from lightning_zero3.common.options import LightningOptions
 
-# How a strategy's checkpoint plugin writes, reads and removes one full file; None: the package's
+# How a strategy's checkpoint plugin writes, reads and removes one full-checkpoint file; None: the package's
 # own atomic writer, memory-mapped reader and remover (checkpoint/full.py).
 WriteFile = Callable[[dict[str, Any], Any], None]  # (checkpoint, a Path or a URL string)
 ReadFile = Callable[[Any], Any]
@@ -120,7 +120,7 @@ _ANY_STRATEGY = Fixes(
 
 class _ShardGuard:
     """The state_dict and load_state_dict pre-hooks on every module that owns a shard (Note: a
-    module's own state_dict). Held by the hooks, it keeps the run, so the engine lives as long as
+    module's own state_dict). Referenced by the hooks, it keeps the run, so the engine lives as long as
     the module; `remove()` (by `forget`, engine/left_sharded.py) takes the hooks off."""
 
     def __init__(self, run: ShardedRun, fixes: Fixes) -> None:
@@ -147,8 +147,8 @@ class _ShardGuard:
     def _shards(module: nn.Module, params: list[tuple[str, ShardedParam]]) -> list[tuple[str, ShardedParam]]:
         """The parameters the module still holds as shards (a module made whole holds others).
         Its registered ones, what `state_dict()` reads: during forward whole tensors shadow them."""
-        held = dict(module.named_parameters(recurse=False, remove_duplicate=False))
-        return [(attr, sharded) for attr, sharded in params if held.get(attr) is sharded.param]
+        registered = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+        return [(attr, sharded) for attr, sharded in params if registered.get(attr) is sharded.param]
 
     def _refusal(self, call: str, key: str, sharded: ShardedParam, fix: str) -> RuntimeError:
         if self.run.state is Lifecycle.LEFT_SHARDED:  # no gather any more: set up again
@@ -342,7 +342,7 @@ def remove_checkpoint(
     if after is not None:
         after.then(lambda: remove_checkpoint(path, remove_file))
     elif remove_file is not None and not as_path(path).is_dir():
-        remove_file(path)  # a full file in the plugin's format
+        remove_file(path)  # a full-checkpoint file in the plugin's format
     else:
         try:
             remove_checkpoint_path(path)  # a sharded directory, a file, or a link to either

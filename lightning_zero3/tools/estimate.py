@@ -1,6 +1,6 @@
 """What one rank will hold and send under ZeRO-3, before anything is launched: `python -m
 lightning_zero3 estimate` and `estimate(...)`. DeepSpeed's `estimate_zero3_model_states_mem_needs_*`
-gives model-state memory only; this adds the full units alive during a pass and the bytes each
+gives model-state memory only; this adds the gathered units alive during a pass and the bytes each
 collective carries per step, from the same unit plan the engine builds (engine/plan.py).
 
     python -m lightning_zero3 estimate my_pkg.models:build_model --world-size 8 --param-dtype bf16
@@ -9,14 +9,14 @@ collective carries per step, from the same unit plan the engine builds (engine/p
 [Note: what the estimate counts]
 - Model state, between steps: each parameter's shard, ceil(numel / G) elements in the master
   dtype (G: the shard group, `shard_size` or the world), its gradient, and `optimizer_states`
-  tensors like it (AdamW: 2); parameters kept whole (`persistence_threshold`) in full. This is
+  tensors like it (AdamW: 2); persistent parameters (`persistence_threshold`) whole. This is
   16Ψ/G bytes for fp32 AdamW, the figure the parity tests measure.
 - Live units and payload per step: the engine's own rules on unit sizes (`accounting.live_peak`,
-  `accounting.step_bytes`, docs/accounting.md), plus in backward one unit's full gradients and
+  `accounting.step_bytes`, docs/accounting.md), plus in backward one unit's whole gradients and
   `reductions_in_flight` + 1 Reduce-Scatter inputs in the reduce dtype. A ring sends (G-1)/G of
   an All-Gather's or Reduce-Scatter's payload from each rank, 2(R-1)/R of an All-Reduce's.
 - `--accumulate K`: the gathers repeat per micro-batch; with `--no-sync` the reductions run once
-  per optimizer step, and every trainable unit's full gradients are summed in fp32 (or the
+  per optimizer step, and every trainable unit's whole gradients are summed in fp32 (or the
   reduce dtype if wider) on every rank until then: `unsynced sums`.
 - `--offload host`: the shards, their gradients and the optimizer state in host memory, one copy
   of the shards in the gather dtype on the device; `--offload disk` also the optimizer state of
@@ -80,7 +80,7 @@ class Estimate:
     all_gather_in_groups: int = 0  # reshard_after_forward=G: the backward's, inside groups of G
     all_gather_across_groups: int = 0  # quantize_gradients with shard groups: the packed reduced rows
     slice_group: int = 1
-    unsynced_sums: int = 0  # full gradients summed while sync is off (accumulate.py)
+    unsynced_sums: int = 0  # whole gradients summed while sync is off (accumulate.py)
     offloaded_to_host: int = 0  # of the model state: shards, gradients, optimizer state (offload.py)
     offloaded_to_disk: int = 0  # of the model state: optimizer state in files (disk.py)
     device_copy: int = 0  # with offload: the device's copy of the shards, in the gather dtype
@@ -161,7 +161,7 @@ def estimate_units(
     rows = [sum(math.ceil(n / g) for n in params) for params in unit_params]  # elements each rank keeps
     shard_elements = sum(rows) + sum(persistent)
     parameters = shard_elements * master
-    full = [sum(params) for params in unit_params]
+    unit_numels = [sum(params) for params in unit_params]
     ends = [i in (0, len(rows) - 1) for i in range(len(rows))]  # the root and the last unit
     quantized = config.quantization if g > 1 else replace(config.quantization, weights=0, gradients=0)
 
@@ -185,7 +185,7 @@ def estimate_units(
         for r, end in zip(rows, ends)
     ]
     synced = 1 if no_sync else micro_batches
-    whole = sum(persistent) * reduce if trainable and world_size > 1 else 0  # parameters kept whole: All-Reduced
+    whole = sum(persistent) * reduce if trainable and world_size > 1 else 0  # persistent parameters: All-Reduced
     sent = step_bytes(
         units,
         reshard,
@@ -195,8 +195,8 @@ def estimate_units(
         across="all_gather" if across_packed else "all_reduce",
     )
     in_flight = config.in_flight("cuda")
-    largest = max(full, default=0)
-    live = live_peak([f * gather for f in full], reshard, prefetch=config.prefetch, ends_forward=ends)
+    largest = max(unit_numels, default=0)
+    live = live_peak([n * gather for n in unit_numels], reshard, prefetch=config.prefetch, ends_forward=ends)
     live += largest * gather + (in_flight + 1) * largest * reduce
     sharded = sum(rows) * master * (1 + trainable * (1 + optimizer_states))  # shards, gradients, state
     on_disk = sum(rows) * master * optimizer_states * trainable if config.offload_dir is not None else 0
@@ -214,7 +214,7 @@ def estimate_units(
         all_gather_across_groups=sent["across"].get("all_gather", 0) if g < world_size else 0,
         all_gather_in_groups=sent["slices"]["all_gather"],
         slice_group=reshard if type(reshard) is int else 1,
-        unsynced_sums=sum(full) * max(reduce, 4) * trainable if no_sync and micro_batches > 1 else 0,
+        unsynced_sums=sum(unit_numels) * max(reduce, 4) * trainable if no_sync and micro_batches > 1 else 0,
         offloaded_to_host=sharded - on_disk if config.offload is not None else 0,
         offloaded_to_disk=on_disk,
         device_copy=sum(rows) * gather if config.offload is not None else 0,
