@@ -39,7 +39,7 @@ def import_deepspeed() -> Any:
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401  (the module; `deepspeed.comm.torch` the attribute is torch)
 
-    # Note: `build_shm_op` is DeepSpeed-internal (0.19.8 tried). Without this no-op the first
+    # [Note: DeepSpeed's shm op] `build_shm_op` is DeepSpeed-internal (0.19.8 tried). Without this no-op the first
     # `init_distributed` runs g++ for minutes; if the name disappears nothing is patched and it only gets slower.
     comm_module = sys.modules["deepspeed.comm.torch"]
     if hasattr(comm_module, "build_shm_op"):

@@ -90,7 +90,7 @@ class SlowLink:
 
 def install_slow_link(bytes_per_s: float) -> None:
     """Wrap every transport a `Comm` of two or more ranks chooses in a `SlowLink`.
-    Note: patches the private `Comm._choose` (torch 2.13, lightning_zero3 main, December 2026): a
+    [Note: the slow link's patch] patches the private `Comm._choose` (torch 2.13, December 2026): a
     benchmark-side stand-in, never imported by the package; without it runs are unslowed."""
     from lightning_zero3.engine import Comm
 

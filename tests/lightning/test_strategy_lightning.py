@@ -95,7 +95,7 @@ def test_model_summary_shows_full_parameter_counts() -> None:
 
 
 def test_a_model_summary_without_the_private_summary_method_warns_and_is_left_alone() -> None:
-    """The fallback of tools/summary.py's Note: a Lightning whose ModelSummary has no `_summary`
+    """The fallback of tools/summary.py's Note: ModelSummary._summary: a Lightning whose ModelSummary has no `_summary`
     keeps its own table (shard sizes) and says so."""
     from lightning_zero3.tools.summary import count_full_parameters
 
