@@ -2,22 +2,9 @@
 methods the checkpoint code uses, and what replaces a rename on an object store.
 
 [Note: remote checkpoints]
-`as_path` turns a user's path into a `Path` (a local path, or a `file://` URL, which keeps every
-local guarantee: temporary names, locks, the atomic swap) or a `RemotePath` (any other URL).
-Object stores have no rename, so a remote sharded checkpoint is committed by its manifest:
-    URL/meta.json                 written last, in one PUT: the checkpoint is what it names
-    URL/shards.<16 hex>/          one save's files (DCP's shards and index, trainer_state.pt)
-Each save writes a new `shards.<token>` prefix, checks every rank's objects (size and CRC-32
-read back), then rank 0 writes meta.json with `"data": "shards.<token>"`: a reader sees the old
-manifest or the new one, whole (an object store replaces an object atomically), and each
-manifest names its own prefix with every file's size and CRC-32, so two saves never mix. Only
-then is the prefix the old manifest named deleted. A save killed before meta.json leaves the
-previous checkpoint as it was plus an unnamed `shards.<token>` prefix, which no reader opens
-(a URL with shard objects but no meta.json is refused as a save that did not finish);
-`remove_checkpoint(URL)` deletes such leftovers. A save that fails deletes its prefix and aborts
-the multipart uploads left open under it (S3 bills their parts, invisible as objects). A full
-file is one object, written by one upload that the store creates only when it completes (an
-upload cut short is discarded).
+Object stores have no rename: a remote sharded checkpoint is committed by its manifest, meta.json
+written last in one PUT, naming a new `shards.<token>` prefix per save, so a reader sees the old
+checkpoint or the new one, whole (docs/design.md, remote checkpoints).
 """
 
 from __future__ import annotations

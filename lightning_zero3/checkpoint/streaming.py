@@ -85,25 +85,10 @@ def stream_torch_save(obj: Any, f: BinaryIO, on_tensor: Callable[[int], None]) -
     subclasses) are refused. Readable by plain `torch.load` (with weights_only and mmap too).
 
     [Note: the torch.save file format]
-    `torch.save` writes an uncompressed zip archive whose records, all under one top-level
-    folder, are in this order:
-        data.pkl            the object, pickled (protocol 2); every storage is the persistent id
-                            ("storage", storage class such as torch.FloatStorage, key, location,
-                            numel), every tensor `torch._utils._rebuild_tensor_v2(storage, offset,
-                            size, stride, requires_grad, hooks)`: the names `torch.load`, also
-                            with weights_only=True, rebuilds tensors from
-        .format_version     "1"
-        .storage_alignment  the alignment of each data record's bytes in the file (64), which
-                            `torch.load(mmap=True)` relies on
-        byteorder           "little" or "big"
-        data/<key>          each storage's raw bytes, in the order they were first pickled
-        version             the archive format version, "3"
-    We write these records ourselves, with `zipfile`, so that each storage is produced, written
-    and freed in turn (torch.save needs every tensor in memory at once). The layout is torch
-    2.13's `torch.serialization._save`; the tests load our files with plain `torch.load`.
-    `_rebuild_tensor_v2` is the one private name: the format names it in every file. Replaced
-    here: `torch._C.PyTorchFileWriter` (private), which torch 2.10 could not keep within the
-    memory bound (docs/user-guide.md).
+    We write torch.save's zip records ourselves so each storage is made, written and freed in turn
+    (docs/design.md, the torch.save file format). Private: `torch._utils._rebuild_tensor_v2`, which
+    the format names in every file (torch 2.13); it replaces `torch._C.PyTorchFileWriter`, over the
+    memory bound in 2.10.
     """
     records: dict[str, Deferred] = {}  # storage key -> tensor, in pickling order
     storage_class = _storage_classes()

@@ -4,36 +4,14 @@ the strategies are thin glue that hand it the engine, their options and the file
 their checkpoint plugin.
 
 [Note: run lifecycle]
-    SHARDED --end(failed=False)--> AT_REST        shards stay where they are (on the device), hooks
-                                                  kept; the shards' gradients, the pool and offload's
-                                                  device copies freed; no collective. As FSDP and
-                                                  DeepSpeed leave theirs.
-    AT_REST --resume()-----------> SHARDED        the next setup of the same module by the same
-                                                  strategy: no resharding, no collective
-    SHARDED --end(failed=True)---> LEFT_SHARDED   hooks removed, shards kept, forward refused, no
-                                                  collective (other ranks may be gone)
-At rest a forward still runs (collective: every rank calls it), checkpoints save, and
-`full_state_dict` gathers whole weights. A new engine for a module at rest or left sharded
-(another strategy, Fabric) makes it whole first (engine/left_sharded.py); this run then no longer
-holds it (`at_rest` is False). LEFT_SHARDED is final; `end` on it or AT_REST does nothing. In
-every state the engine still reads: stats, and the optimizer's sharded state.
+SHARDED -> AT_REST after `fit` (shards and hooks stay, as FSDP and DeepSpeed leave theirs), back
+to SHARDED on the next setup by the same strategy; SHARDED -> LEFT_SHARDED after a failure, with no
+collective, because other ranks may be gone (docs/design.md, run lifecycle).
 
 [Note: a module's own state_dict]
-From setup on, in every state, a module's own `state_dict()` and `load_state_dict()` never meet a
-shard by surprise: `_ShardGuard` puts pre-hooks on every module that owns a shard, so the root and
-each submodule (a Hugging Face model's `save_pretrained` calls its own) answer alike:
-- inside `gathered_parameters` over them (on every rank, as the context requires) the parameters
-  are whole (engine/shard.py, Note: whole inside gathered_parameters): `state_dict()` returns whole
-  tensors of their own, valid after the block; `load_state_dict(whole)` needs `modifier_rank=r`
-  (rank r's load is kept on exit; without it the load would be dropped, so it is refused);
-- elsewhere (during `fit` in callbacks and hooks, at rest, left sharded) both raise, naming the
-  fixes: `gathered_parameters`, `full_state_dict()`, a checkpoint. Returning whole tensors there
-  would need a collective, which a rank-0-only call (`if rank == 0: torch.save(...)`) would hang;
-  loading into shards would be right only if every rank made the same call;
-- the run's own reads (checkpoints, `full_state_dict`, the spawn launcher's hand-back) pass, in
-  `engine.own_reads()`. `named_parameters()` and `p.shape` still show the 1-D shards, as the message says.
-The bare engine (`ShardedModel` without a strategy) has no guard: there `state_dict()` is this
-rank's shards, what a sharded checkpoint stores.
+A module's own `state_dict()`/`load_state_dict()` never meets a shard by surprise: whole inside
+`gathered_parameters`, refused elsewhere, since whole tensors there need a collective that a
+rank-0-only call would hang (docs/design.md, a module's own state_dict).
 """
 
 from __future__ import annotations

@@ -7,22 +7,8 @@ collective carries per step, from the same unit plan the engine builds (engine/p
     python -m lightning_zero3 estimate --params 7e9 --units 32 --world-size 8
 
 [Note: what the estimate counts]
-- Model state, between steps: each parameter's shard, ceil(numel / G) elements in the master
-  dtype (G: the shard group, `shard_size` or the world), its gradient, and `optimizer_states`
-  tensors like it (AdamW: 2); persistent parameters (`persistence_threshold`) whole. This is
-  16Ψ/G bytes for fp32 AdamW, the figure the parity tests measure.
-- Live units and payload per step: the engine's own rules on unit sizes (`accounting.live_peak`,
-  `accounting.step_bytes`, docs/accounting.md), plus in backward one unit's whole gradients and
-  `reductions_in_flight` + 1 Reduce-Scatter inputs in the reduce dtype. A ring sends (G-1)/G of
-  an All-Gather's or Reduce-Scatter's payload from each rank, 2(R-1)/R of an All-Reduce's.
-- `--accumulate K`: the gathers repeat per micro-batch; with `--no-sync` the reductions run once
-  per optimizer step, and every trainable unit's whole gradients are summed in fp32 (or the
-  reduce dtype if wider) on every rank until then: `unsynced sums`.
-- `--offload host`: the shards, their gradients and the optimizer state in host memory, one copy
-  of the shards in the gather dtype on the device; `--offload disk` also the optimizer state of
-  the shards in files. Parameters kept whole stay on the device. The payload is the same.
-The engine's row padding (16-byte alignment, one tag element) is left out: under 1% for units
-of more than a few thousand elements.
+Model state between steps, live units and payload per step by the engine's own rules on unit
+sizes; row padding left out, under 1% (docs/design.md, what the estimate counts).
 """
 
 from __future__ import annotations
