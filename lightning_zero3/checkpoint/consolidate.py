@@ -2,17 +2,9 @@
 process group, none of the ranks that wrote it), one tensor at a time.
 
 [Note: streaming consolidation]
-The output is written as it is read: the file's structure (everything but tensor bytes) goes
-first, then each tensor is read from the shards (DCP reads only the chunks of that tensor),
-written, and freed before the next. Peak memory is about one tensor plus one saved chunk,
-whatever the size of the output. For a Lightning/torch file this needs the records of
-`torch.save`'s zip format written in that order: `stream_torch_save` is `torch.save` whose
-tensors may be `Deferred`, produced when their record is written. Safetensors is simpler: its
-header lists every tensor's offset, known from the shapes before any byte is read.
-Why not torch's own `format_utils.dcp_to_torch_save`: it loads the whole state before saving.
-`PYTHONPATH=. python benchmarks/checkpoint_costs.py DIR --parts sharded,plain` (peak RSS growth,
-fresh processes, a 563 MiB output of 48.8 M parameters and AdamW state): +576 MiB for it, +52 MiB
-for `consolidate_checkpoint` (+42 MiB as `python -m lightning_zero3 consolidate`).
+The output is written as it is read, one tensor at a time, so peak memory is about one tensor
+plus one chunk; torch's `dcp_to_torch_save` loads the whole state first (docs/design.md,
+streaming consolidation).
 """
 
 from __future__ import annotations

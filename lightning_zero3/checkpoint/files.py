@@ -2,18 +2,9 @@
 atomic replace and remove (a checkpoint at a path is either the old one or the new one, never a mix).
 
 [Note: temporary names]
-Every save (sharded, full, consolidate) writes under a hidden name of its own next to the path,
-`.NAME.<16 hex digits>.zero3-partial` (`Partial`): created exclusively (`mkdir`, or `O_CREAT |
-O_EXCL | O_NOFOLLOW`), so nothing already there (a file, a directory, a planted link) is followed,
-written or removed, and `flock`ed by its process until the save ends. Two jobs saving to one path
-never share a name; each swaps a whole checkpoint of its own in (the last one wins). The swap
-checks what it takes out of the path (Note: what a save may replace) and puts it back if that is
-no longer a checkpoint. A save killed mid-way leaves its name behind; the next save to the path
-removes it only if it is provably a stale one of ours: that exact name form, a regular file or a
-directory holding only files a save writes, and its lock free (the kernel drops `flock` locks of
-a dead process, `kill -9` included). Creating a name and locking it, and that sweep, each hold an
-`flock` of the parent directory, so a sweep never finds a new name between its creation and its
-lock (an empty unlocked directory of the right form: issue 30.2).
+Each save writes under a hidden name of its own, created exclusively and `flock`ed, and swaps a
+whole checkpoint in, so two jobs never share a name and a sweep removes only provably stale names
+of ours (docs/design.md, temporary names).
 """
 
 from __future__ import annotations

@@ -2,19 +2,9 @@
 it, and reading a checkpoint directory back with every check done before any data is read.
 
 [Note: sharded checkpoint layout]
-A sharded checkpoint is a directory: meta.json (written last, so its presence marks a complete
-checkpoint: format and version, world size, every tensor's whole shape and dtype, a fingerprint
-of the parameter names and shapes, each file's size and CRC-32), trainer_state.pt (everything
-that is not a tensor: the rest of the checkpoint dict, optimizer param_groups by parameter name,
-non-tensor optimizer state), and DCP's index `.metadata` and files `__<r>_0.distcp` (rank r's
-chunks). DCP keys: `state_dict/<name>` (a tied parameter once, under its first name; the other
-names are aliases in meta.json) and `optimizer_states/<i>/<name>/<key>`. A sharded tensor is
-stored flat, as a 1-D DTensor with placement Shard(0): `torch.chunk` gives rank r elements
-[r * ceil(n/N), min((r + 1) * ceil(n/N), n)), exactly the unpadded part of our shard (Note:
-shard layout in engine/shard.py). With `shard_size` the mesh is 2-D (replica, shard) with
-placements (Replicate(), Shard(0)), and DCP writes each chunk once. Loading at another world
-size asks DCP for the new slice of the flat tensor; it reads the overlapping chunks. Replicated
-tensors (buffers, persistent parameters, optimizer steps) are plain tensors, written once.
+A directory: meta.json written last, so its presence marks a complete checkpoint, beside
+trainer_state.pt and DCP's files, each tensor stored flat as DCP's Shard(0) chunks, which are
+exactly our unpadded shards (docs/design.md, sharded checkpoint layout).
 """
 
 from __future__ import annotations

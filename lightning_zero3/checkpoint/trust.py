@@ -1,18 +1,9 @@
 """What loading a checkpoint trusts: nothing in it runs code, and nothing in it points outside it.
 
 [Note: checkpoint trust model]
-A checkpoint is data from anywhere (downloaded, copied, hand-edited). By default loading never
-runs code from it and never touches a file outside its directory:
-- `.metadata` (DCP's index) is a pickle, read by `RestrictedUnpickler`, which admits only the
-  classes DCP's index is made of. DCP's own `pickle.load` is never called: `CheckpointReader`
-  (a `FileSystemReader`) overrides the public hook `read_metadata`. The index may not hold byte
-  items: our format stores only tensors, and DCP loads those with `weights_only=False`.
-- `trainer_state.pt`, full files and DCP's shard files are read with `torch.load(weights_only=True)`.
-- Every file name (in meta.json and in the DCP index) must be a plain name inside the
-  directory: no separators, no `..`, no link to outside it. meta.json's structure is checked
-  (`check_meta`) before any entry is used.
-`trusted=True` (`ZeRO3Strategy(trust_checkpoint=True)`, `consolidate --trust-checkpoint`) reads
-both pickles as torch does with `weights_only=False`, for checkpoints from a trusted source.
+A checkpoint is data from anywhere: by default loading runs no code from it (restricted
+unpicklers, `weights_only=True`) and touches no file outside it (docs/design.md, checkpoint
+trust model).
 """
 
 from __future__ import annotations

@@ -5,15 +5,9 @@ for `ZeRO3Strategy`, with the same arguments, schedule and results, in 1/N of th
     trainer = Trainer(strategy="zero3", callbacks=[ShardedEMAWeightAveraging(decay=0.999)])
 
 [Note: averages in the optimizer state]
-An average is elementwise, so it is kept on the shards: each parameter's running average is the
-entry "averaged" of its optimizer state, as schedule-free optimizers keep their averaged iterate.
-So it is saved (sharded or full) and resharded on resume by the optimizer state's code, with
-nothing added to the checkpoint format; buffers (whole on every rank) and the update counts are
-the callback's own state. Unlike Lightning's callbacks: a parameter no optimizer holds is not
-averaged (it does not change), and a checkpoint's "state_dict" holds the current weights, not
-the average. At the end of `fit` the average is copied into the model, as Lightning does.
-Buffers are each rank's own (DDP broadcasts rank 0's): averaged buffers differ by rank as the
-buffers do (use SyncBatchNorm, or `use_buffers=False`, for DDP's numbers).
+An average is elementwise, so it lives on the shards as the optimizer state's entry "averaged":
+saved and resharded by the optimizer state's code, nothing added to the checkpoint format
+(docs/design.md, averages in the optimizer state).
 """
 
 from __future__ import annotations
