@@ -269,8 +269,8 @@ class ZeRO3FabricStrategy(ShardedStrategy, ParallelStrategy):
         return sharded_grad_norm(sharded, sharded.module, norm_type)
 
     def step_metrics(self, module: nn.Module | None = None, prefix: str = "zero3/") -> dict[str, float]:
-        """What the last optimizer step of `module` (default: the only model) moved, waited and
-        held, as flat numbers for `fabric.log_dict(fabric.strategy.step_metrics(model))` after
+        """What the last optimizer step of `module` (default: the only model) moved, waited for and
+        the memory it used, as flat numbers for `fabric.log_dict(fabric.strategy.step_metrics(model))` after
         `optimizer.step()` (tools/summary.py `step_metrics`, the Trainer's `ShardingStatsMonitor`)."""
         return step_metrics(self.sharded_model(module).stats.report([]), self.root_device, prefix)
 
