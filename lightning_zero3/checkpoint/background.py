@@ -1,15 +1,9 @@
 """Sharded saves that write in a background thread while training goes on.
 
 [Note: background saves]
-A save is split in two (save.py): `plan_sharded(copy=True)` copies this rank's shards, optimizer
-state and the pickled remainder into host memory on the caller's thread (the snapshot, freed when
-the write ends); `write_sharded` then runs in a thread, exactly as a synchronous save (so
-`kill -9` during it leaves the previous checkpoint). Its collectives run on a gloo group of their
-own, never on the training group (as torch's `dcp.async_save` does with its `process_group`).
-One save in flight: the next save, a load and teardown wait for it first, and its outcome is
-agreed on the training group there, so an error in the background is raised on every rank.
-Removals asked for meanwhile (`ModelCheckpoint` rotating out an older checkpoint) run after that
-save has put its checkpoint in place, and not at all if it failed.
+The caller's thread copies the shards to host memory; a thread writes them on a gloo group of its
+own, one save in flight, its outcome agreed on the training group at the next save, load or
+teardown, so a background error is raised on every rank (docs/design.md, background saves).
 """
 
 from __future__ import annotations
