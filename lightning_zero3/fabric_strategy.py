@@ -3,12 +3,9 @@
 classes), Fabric refuses the Trainer's class; the name "zero3" works in both.
 
 [Note: optimizers created before setup]
-Sharding replaces each parameter by a new 1-D `nn.Parameter` (its shard), so an optimizer built
-from the model before `fabric.setup` holds the old, whole parameters. While the optimizer has no
-state yet, its param groups are pointed at the shards, matched by parameter name; this is what
-Fabric itself does for XLA, where moving a model copies its parameters. An optimizer with
-state of whole shapes (it stepped, or its constructor made state: Adagrad) is refused: build it
-after `setup_module`.
+An optimizer built before `fabric.setup` holds the old whole parameters: without state yet it is
+pointed at the shards by name, with state it is refused (docs/design.md, optimizers created
+before setup).
 """
 
 from __future__ import annotations

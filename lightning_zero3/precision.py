@@ -3,12 +3,9 @@
 or on none (`AgreeingGradScaler`).
 
 [Note: explicit precision plugins]
-Lightning builds its plugin from the Trainer's `precision` flag, and clipping goes
-`LightningModule.clip_gradients` -> `trainer.precision_plugin.clip_gradients` ->
-`clip_grad_by_norm`, with no strategy in between. So at setup the strategy replaces the plugin
-with Lightning's class for that flag plus clipping over shards, rebuilt through its public
-constructor with the same settings. Module-level classes (picklable); their names are the
-checkpoint key of the plugin's state (the fp16 scaler). Other plugin types are refused.
+Clipping goes from the LightningModule to the precision plugin with no strategy in between, so
+setup swaps in Lightning's plugin for the flag plus clipping over shards (docs/design.md,
+explicit precision plugins).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`CheckpointError`, and how ranks agree on one before any collective that depends on it.
 
 [Note: no hang on a bad checkpoint]
-Every step that can fail on some ranks only (reading files, checksums, a full disk) is followed by
-`agree`: one all_gather_object of each rank's error (or None); then every rank raises the same
-`CheckpointError` or every rank goes on. Collectives on data (DCP's own) only run after that.
-A rank that dies or times out makes that all_gather fail on the others: they raise a
-`CheckpointError` naming the context and the cause too, not the process group's error.
+Each step that can fail on some ranks only is followed by `agree`, so every rank raises the same
+error or every rank goes on (docs/design.md, no hang on a bad checkpoint).
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 checkpoint dict with whole tensors, or a LightningModule built from it.
 
 [Note: loading into a plain module]
-A sharded checkpoint is a directory, which `torch.load` and Lightning's `load_from_checkpoint`
-cannot open. `load_checkpoint` reads it as consolidation does (Note: streaming consolidation), one
-tensor at a time, so peak memory is the result plus one chunk. `load_from_checkpoint` hands that
-dict to Lightning's own `load_from_checkpoint` (an in-memory file), so hyper-parameters,
-`hparams_file`, overrides, `on_load_checkpoint` and `strict` behave exactly as Lightning defines
-them. Both follow the trust model (Note: checkpoint trust model in trust.py).
+`torch.load` cannot open a sharded directory: `load_checkpoint` reads it one tensor at a time and
+`load_from_checkpoint` hands the dict to Lightning's own (docs/design.md, loading into a plain
+module).
 """
 
 from __future__ import annotations
