@@ -24,7 +24,7 @@ ends with glibc's `malloc_trim`, or the heap would keep the pages.
 A buffer serves one role for life, each role one stream (comm.py, Note: streams), so a buffer
 never moves to a stream its role does not use, whatever sizes coincide:
 "gather" (receive rows) is taken on copy-in and given back on the compute stream after the
-gather stream wrote it; "block" (full parameters) lives on the compute stream; "reduce" is filled
+gather stream wrote it; "block" (whole parameters) lives on the compute stream; "reduce" is filled
 and given back there, read by the reduce stream; "slice" (reshard.py) lives on copy-in;
 "received" (transport.py, gloo) is CPU only; "packed" (comm.py, quantized rows) is taken on the
 gather, reduce or replicate stream and given back where the work is waited for.

@@ -7,7 +7,7 @@ engine first asks every rank (one all_gather_object): left sharded everywhere, t
 makes it whole; on some ranks only, every rank raises. A forward pre-hook keeps the old engine
 alive and refuses a forward on the shards; the registry holds both weakly.
 A module at rest after a Trainer's `fit` (common/run.py, Note: run lifecycle) is remembered the same
-way, its hooks kept and its engine held by the strategies' state-dict guard, which `forget`
+way, its hooks kept and its engine referenced by the strategies' state-dict guard, which `forget`
 removes with the forward refusal once the module is whole or resumed.
 """
 

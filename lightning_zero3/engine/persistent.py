@@ -6,7 +6,7 @@ counting the ranks that produced its gradient: one no rank used keeps `grad=None
 process. Afterwards each `.grad` is a view of the buffer, so autograd's accumulation and
 `zero_grad(set_to_none=False)` work in place and the next backward reduces it where it lies.
 Anything else (`set_to_none=True`, an assigned `.grad`, `create_graph=True`, a missing gradient)
-takes the copy path: one new buffer, one `cat`. The buffer is held weakly. With shard groups
+takes the copy path: one new buffer, one `cat`. The buffer is referenced weakly. With shard groups
 the All-Reduce spans all ranks at once (one collective, not two).
 """
 
