@@ -4,22 +4,10 @@
 backward; it Reduce-Scatters them now (reduce.py) or adds them up.
 
 [Note: unsynced accumulation]
-While sync is off, a unit's post-backward adds its whole gradients into a buffer of its own,
-laid out as the Reduce-Scatter input's (N, S) columns (unit.py, Note: flat layout), and sends
-nothing; persistent parameters' gradients accumulate in `.grad`, their All-Reduce waiting too.
-The first backward with sync on adds into the buffer and Reduce-Scatters the sum once; a unit
-holding a buffer this backward does not reach (unused in the last micro-batch) is reduced when
-it ends, in unit order (alike on every rank); then the persistent gradients are All-Reduced.
-Each buffer is dropped as its reduction starts: one Reduce-Scatter per unit per optimizer step,
-and the shard gradients equal k synced micro-batches' to float rounding.
-The buffers are fp32 (the reduce dtype when wider): with an fp32 reduction the sums are exact to
-fp32 rounding against one process; with bf16 the sum of k micro-batches is rounded once, where
-a bf16 buffer would round every addition against the growing sum. Measured on the test MLP at
-k = 4, 2 ranks, bf16 reduction, largest difference from one process: 8.0e-4 with these sums,
-6.4e-4 with bf16 sums, 3.2e-4 with every micro-batch reduced (smaller pieces rounded): all bf16
-rounding, none better by design (tests/engine/test_engine_no_sync.py bounds it at k = 16). The cost:
-4 bytes per parameter of every unit that ran backward, N times its shard gradient, from the
-first unsynced backward to the sync (docs/accounting.md, "Accumulation without communication").
+While sync is off, a unit's post-backward adds its whole gradients into a buffer of its own, laid out as
+the Reduce-Scatter input's (N, S) columns (unit.py, Note: flat layout), and sends nothing; persistent
+parameters' gradients accumulate in `.grad`, their All-Reduce waiting too. (docs/design.md, unsynced
+accumulation)
 
 [Note: gradients owed]
     SYNCED --a backward with sync off ends--> OWED --the backward with sync on ends--> SYNCED

@@ -3,14 +3,10 @@ explicit process group, counting payload (the whole tensor a collective produces
 rank sends with the ring algorithm: (N-1)/N of the payload, 2(N-1)/N for All-Reduce).
 
 [Note: streams]
-On CUDA communication runs beside the compute, as in FSDP2: a gather's copy-in runs on a copy-in
-stream that first waits for the compute stream (the optimizer may just have written the shards);
-the All-Gather is issued from a gather stream after the copy-in's event; a Reduce-Scatter is
-issued on a reduce stream that waits for the compute stream. Consumers wait for an event recorded
-after the issue, then for the work (stream waits on NCCL, not host waits). `Streams`, one per
-device and process group, owns the streams and events; on CPU it does nothing (the tests give it
-a stand-in: buffers.py, Note: stream seam). Buffers cross streams through the pool (buffers.py,
-Note: buffer roles and streams).
+On CUDA communication runs beside the compute, as in FSDP2: a gather's copy-in runs on a copy-in stream
+that first waits for the compute stream (the optimizer may just have written the shards); the All-Gather
+is issued from a gather stream after the copy-in's event; a Reduce-Scatter is issued on a reduce stream
+that waits for the compute stream. (docs/design.md, streams)
 
 [Note: collective device]
 A `Comm` built with `device` takes tensors of that device type only, on every backend: NCCL has

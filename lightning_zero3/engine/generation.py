@@ -1,12 +1,10 @@
 """Hugging Face `generate()` on a sharded model: keep the ranks in step by default.
 
 [Note: synced generation by default]
-Outside `gathered_for_inference()` every rank must call the model equally often, but HF's
-`generate()` stops on a rank whose sequences ended unless `synced_gpus=True` (which HF sets
-itself only for DeepSpeed and FSDP): the others would wait in a gather until the timeout. So each
-HF model under the engine gets an instance `generate` that fills in `synced_gpus=True` when the
-caller left it unset, outside the context, with more than one rank and the engine's ranks the
-whole default group (HF's flag travels there). `restore_module` and `leave_sharded` remove it.
+Outside `gathered_for_inference()` every rank must call the model equally often, but HF's `generate()`
+stops on a rank whose sequences ended unless `synced_gpus=True` (which HF sets itself only for DeepSpeed
+and FSDP): the others would wait in a gather until the timeout. (docs/design.md, synced generation by
+default)
 """
 
 from __future__ import annotations

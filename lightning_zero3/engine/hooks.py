@@ -9,13 +9,8 @@ again into it before the unit's backward. `GatherParams.backward` reduces the wh
 adds each rank's piece into `shard.grad`: accumulation, tied weights and reused modules are exact.
 
 [Note: kept for backward]
-Backward begins with the units that ended the forward: the root (when it closes the pass) and,
-once the forward ran the whole record, its last unit. Releasing them only to gather them again
-frees nothing that matters, so their post-forward moves the call to KEPT (with
-`reshard_after_forward=False` every call, reshard.py): off the modules, storage kept, put back by
-the pre-backward without a collective (as FSDP2 keeps its root). Every rank decides alike. A
-kept call whose backward does not come is released when a new pass begins, when the forward
-ends with no output needing a gradient, when the hooks go, or when a backward ends.
+Backward begins with the units that ended the forward: the root (when it closes the pass) and, once the
+forward ran the whole record, its last unit. (docs/design.md, kept for backward)
 
 [Note: frozen units]
 A unit without a trainable parameter still runs backward when its input needs a gradient (LoRA),

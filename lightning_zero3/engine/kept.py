@@ -2,13 +2,9 @@
 driver (`HookDriver.keep`, `release`) enters and leaves `PassState.KEPT` and moves the calls.
 
 [Note: kept for inference]
-Entry gathers every unit once (every rank, unit order) into a call that stays in FORWARD until
-exit; inside, forward hooks only count their depth, so no collective runs and `generate()` runs
-at DDP's speed. Entered in a forward without gradients (Lightning's predict_step) the open units
-keep their calls. Kept tensors have no autograd parent, so gradients are refused (entering in a
-forward with gradients, a grad-enabled forward or a backward inside), as is a forward after the
-shards changed. Exit moves every call it gathered to DONE. Outside, a gather that fails in a pass
-without gradients names `synced_gpus` (`UNSYNCED_HINT`, generation.py).
+Entry gathers every unit once (every rank, unit order) into a call that stays in FORWARD until exit;
+inside, forward hooks only count their depth, so no collective runs and `generate()` runs at DDP's
+speed. (docs/design.md, kept for inference)
 """
 
 from __future__ import annotations

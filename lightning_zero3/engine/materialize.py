@@ -62,13 +62,9 @@ def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
     time, `ShardedModel.move_module` the rest (e.g. torchmetrics' states).
 
     [Note: only parameters on meta]
-    Under a plain `torch.device("meta")` tensors that are not parameters lose their values
-    (buffers computed in `__init__`, torchmetrics' states), and nothing re-creates them. Here a
-    parameter moves to meta when a module registers it (torch's global registration hook); the
-    rest keep their values. A parameter registered twice (tied weights) stays one. Until it is
-    registered a parameter is a host tensor (untouched pages for `torch.empty`, what torch's
-    layers use), never one on `device`: building on a GPU would open a CUDA context in the
-    launching process and allocate every parameter there whole once."""
+    Under a plain `torch.device("meta")` tensors that are not parameters lose their values (buffers
+    computed in `__init__`, torchmetrics' states), and nothing re-creates them. (docs/design.md, only
+    parameters on meta)"""
     del device  # nothing is built there (the Note); kept so callers name where the model runs
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:

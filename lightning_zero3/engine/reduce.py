@@ -2,21 +2,13 @@
 (Reduce-Scatter, with shard groups then an All-Reduce across them); `Reductions` in flight.
 
 [Note: asynchronous reduction]
-`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient; the next
-unit's backward computes meanwhile. The shard gradients are added into `shard.grad` when waited
-for: once more than `reductions_in_flight` are pending, and all in the callback that ends
-backward, so `.grad` is complete when `backward()` returns. Adding keeps accumulation, tied
-weights and reused modules exact. The All-Reduces across groups go out in the order the
-reductions started, alike on every rank (`_advance`).
+`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient; the next unit's
+backward computes meanwhile. (docs/design.md, asynchronous reduction)
 
 [Note: gradient copy-in]
-The whole gradients are copied into the Reduce-Scatter input on the compute stream (as FSDP2 does)
-and the reduce stream waits for the copy: autograd frees them as soon as `GatherParams.backward`
-returns; only the inputs stay in flight. One op packs them (`pack_gradients`, unit.py, Note: one
-kernel per copy). The average (a division by N after the sum: the check column must stay an exact
-integer, so no `ReduceOp.AVG` or pre-divide) and the cast to the shard dtype run on the stream
-that waited for the collective (reduce, or replicate across shard groups), into a tensor allocated
-on the compute stream beforehand, which then waits for their event.
+The whole gradients are copied into the Reduce-Scatter input on the compute stream (as FSDP2 does) and
+the reduce stream waits for the copy: autograd frees them as soon as `GatherParams.backward` returns;
+only the inputs stay in flight. (docs/design.md, gradient copy-in)
 """
 
 from __future__ import annotations

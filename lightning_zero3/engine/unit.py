@@ -2,13 +2,9 @@
 Reducing its gradients is reduce.py's.
 
 [Note: flat layout]
-Each rank sends one row: its shards of the unit's parameters back to back (shard i at offset o_i,
-S elements in all), the check slot (checks.py), zeros up to a multiple of 16 bytes (NCCL is
-fastest with aligned chunks). The gathered (N, row) buffer holds parameter i's whole data in
-column block [o_i, o_i + shard_numel_i), row by row. The Reduce-Scatter input is (N, reduce row)
-with the same columns and one check column at S. This rank's row of the receive buffer is its
-send buffer. A slice kept after forward (reshard.py) is the same with N/G shards per parameter:
-member j of a group of G holds ranks jN/G .. (j+1)N/G - 1's shards back to back at (N/G) o_i.
+Each rank sends one row: its shards of the unit's parameters back to back (shard i at offset o_i, S
+elements in all), the check slot (checks.py), zeros up to a multiple of 16 bytes (NCCL is fastest with
+aligned chunks). (docs/design.md, flat layout)
 
 [Note: dtypes]
 Shards (the optimizer's master copy) keep the model's dtype; gathers and compute use

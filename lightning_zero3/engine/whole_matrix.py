@@ -1,14 +1,9 @@
 """Optimizers that need whole matrices (torch.optim.Muon), stepped exactly on 1-D shards.
 
 [Note: whole-matrix steps]
-Such an optimizer declares a `WholeMatrixNeed`: per parameter, its step is element-wise
-(`before`, `after`) around one transform that needs the whole matrix (`whole`). On shards,
-`before` runs on each rank's piece; one All-to-All sends every piece of a matrix to its owner
-(owners balanced by elements, computed alike on every rank); the owner runs `whole` on the
-matrix of its whole shape and a second All-to-All returns each rank its piece of the result, on
-which `after` runs, knowing the whole shape. The optimizer's state stays shard-shaped (1/N
-memory), so checkpoints save, gather and reshard it as they do AdamW's moments (state.py). The
-bytes: docs/accounting.md, "Optimizers that need whole matrices".
+Such an optimizer declares a `WholeMatrixNeed`: per parameter, its step is element-wise (`before`,
+`after`) around one transform that needs the whole matrix (`whole`). (docs/design.md, whole-matrix
+steps)
 
 The user's optimizer object is the one stepped: a step pre-hook (public `register_step_pre_hook`)
 runs the sharded step, after the closure when one is passed (backward runs inside it), and
@@ -19,13 +14,7 @@ torch is patched. Another optimizer of this kind (a Shampoo-style preconditioner
 
 [Note: optimizers built on whole shapes]
 `torch.optim.Muon(params)` refuses a parameter that is not 2-D, so it cannot be built on shards.
-Inside `whole_shapes`, where the strategies build the user's optimizers, each sharded parameter
-shows its whole shape: its data is a zero-stride view of one NaN of its device and dtype (no
-memory). Constructors check shapes and devices, never values; a write there (an init in
-`configure_optimizers`) lands on that NaN, never a shard, and is refused on exit. The optimizer keeps
-the parameter objects, which hold their shards again on exit. A `p.dim() >= 2` filter there
-selects what it selects under DDP. State a constructor makes at once (Adagrad's sums) has the
-whole shape: `shard_state_built_whole` cuts it to this rank's piece, as a loaded full state is.
+(docs/design.md, optimizers built on whole shapes)
 """
 
 from __future__ import annotations
