@@ -139,7 +139,7 @@ def main() -> None:
     text = sample(model, tokenizer, "The ", 80, config.block_size)
     held = fabric.strategy.sharded_model(model).stats.model_state_bytes([optimizer])
     mine = held["param"] + held["optimizer"]  # gradients were freed by zero_grad
-    numel = sum(fabric.strategy.sharded_model(model).full_numel(p) for p in model.parameters())
+    numel = sum(fabric.strategy.sharded_model(model).whole_numel(p) for p in model.parameters())
     fabric.print(f"\nval loss {val_loss:.3f} after {state['step']} steps ({wall_s:.1f} s)")
     fabric.print(f"sample: {text!r}")
     fabric.print(

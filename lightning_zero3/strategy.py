@@ -29,10 +29,10 @@ from lightning_zero3.common.options import StartMethod, StateDictType, build_eng
 from lightning_zero3.common.run import Fixes, Lifecycle, ShardedRun, remove_checkpoint
 from lightning_zero3.engine import (
     check_optimizer_fits_shards,
-    full_shapes,
     parameters_on_meta,
     shard_state_built_whole,
     step_whole_matrices,
+    whole_shapes,
 )
 from lightning_zero3.precision import sharded_precision
 from lightning_zero3.tools.callbacks import refuse_unsupported_callbacks
@@ -168,7 +168,7 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
                         if key != "step" and isinstance(value, Tensor):
                             state[key] = value.to(param.device)
         self.setup_precision_plugin()
-        count_full_parameters(trainer.callbacks, self.sharded_model().full_numel)
+        count_full_parameters(trainer.callbacks, self.sharded_model().whole_numel)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -195,7 +195,7 @@ class ZeRO3Strategy(ShardedStrategy, ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         engine = self.sharded_model()
-        with full_shapes(engine.sharded_params):  # engine/whole_matrix.py, Note: optimizers built on full shapes
+        with whole_shapes(engine.sharded_params):  # engine/whole_matrix.py, Note: optimizers built on whole shapes
             super().setup_optimizers(trainer)
         shard_state_built_whole(engine, self.optimizers)
         sharded = {id(p.param) for p in engine.sharded_params}

@@ -59,7 +59,7 @@ def model_tensors(model: ShardedModel) -> dict[str, dict[str, Any]]:
     out = {}
     for key, value in model.module.state_dict().items():
         if key in sharded:
-            out[key] = tensor_json(sharded[key].full_shape, sharded[key].param.dtype)
+            out[key] = tensor_json(sharded[key].whole_shape, sharded[key].param.dtype)
         elif isinstance(value, torch.Tensor):
             out[key] = tensor_json(value.shape, value.dtype)
     return out
@@ -67,7 +67,7 @@ def model_tensors(model: ShardedModel) -> dict[str, dict[str, Any]]:
 
 def model_parameters(model: ShardedModel) -> dict[str, dict[str, Any]]:
     """`tensor_json` of every parameter, tied ones under each name."""
-    out = {name: tensor_json(sp.full_shape, sp.param.dtype) for sp in model.sharded_params for name in sp.names}
+    out = {name: tensor_json(sp.whole_shape, sp.param.dtype) for sp in model.sharded_params for name in sp.names}
     for name, param in model.module.named_parameters(remove_duplicate=False):
         out.setdefault(name, tensor_json(param.shape, param.dtype))
     return out

@@ -124,7 +124,7 @@ class _Loads:
         if kind == "sharded":
             self.targets[key] = self.pieces.sharded(shard[: sp.valid_numel()], sp.numel)
             return
-        whole = self.targets[key] = torch.empty(sp.full_shape, dtype=shard.dtype)
+        whole = self.targets[key] = torch.empty(sp.whole_shape, dtype=shard.dtype)
         start, valid = sp.rank * sp.shard_numel, sp.valid_numel()
         self.after.append(lambda: shard[:valid].copy_(whole.reshape(-1)[start : start + valid]))
 
@@ -166,7 +166,7 @@ def load_sharded_optimizers(
             def tensor(name: str, k: str, info: dict[str, Any], index: int = index) -> torch.Tensor:
                 key, dtype, sp = f"optimizer_states/{index}/{name}/{k}", dtype_of(info["dtype"]), by_name.get(name)
                 # Shard-shaped in this run: saved sharded, or saved whole with the parameter's shape.
-                if sp is not None and (info["kind"] == "sharded" or tuple(info["shape"]) == tuple(sp.full_shape)):
+                if sp is not None and (info["kind"] == "sharded" or tuple(info["shape"]) == tuple(sp.whole_shape)):
                     value = torch.zeros(sp.shard_numel, dtype=dtype, device=sp.param.device)
                     loads.into_shard(key, info["kind"], sp, value)
                 elif info["kind"] == "sharded":  # a parameter this run keeps whole

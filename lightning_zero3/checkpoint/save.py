@@ -86,7 +86,7 @@ def plan_sharded(
         """Put `value` (`piece` of the sharded parameter `sp`, or whole) in `tensors`; its meta.json entry."""
         if sp is not None and piece is not None:
             tensors[dcp_key] = pieces.sharded(piece.to("cpu", copy=True) if copy else piece, sp.numel)
-            return {"kind": "sharded", **tensor_json(sp.full_shape, value.dtype)}
+            return {"kind": "sharded", **tensor_json(sp.whole_shape, value.dtype)}
         tensors[dcp_key] = value.detach().to("cpu", copy=True) if copy else value.detach()
         return {"kind": "tensor", **tensor_json(value.shape, value.dtype)}
 

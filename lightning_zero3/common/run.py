@@ -131,12 +131,12 @@ class _ShardGuard:
     def _refusal(self, call: str, key: str, sharded: ShardedParam, fix: str) -> RuntimeError:
         if self.run.state is Lifecycle.LEFT_SHARDED:  # no gather any more: set up again
             return RuntimeError(
-                f"{call}: '{key}' is this rank's 1-D shard of a {tuple(sharded.full_shape)} parameter, and the run "
+                f"{call}: '{key}' is this rank's 1-D shard of a {tuple(sharded.whole_shape)} parameter, and the run "
                 f"that sharded it ended without making it whole. {LEFT_SHARDED_FIX}"
             )
         return RuntimeError(
             f"{call}: '{key}' is this rank's 1-D shard ({sharded.shard_numel} of the {sharded.numel} elements of a "
-            f"{tuple(sharded.full_shape)} parameter): under ZeRO-3 the parameters are 1-D shards outside forward and "
+            f"{tuple(sharded.whole_shape)} parameter): under ZeRO-3 the parameters are 1-D shards outside forward and "
             f"outside `gathered_parameters`, during and after `fit`. {fix}"
         )
 

@@ -16,7 +16,7 @@ from lightning_zero3.engine.quantize import RowCodec
 from lightning_zero3.engine.reshard import resolve
 from lightning_zero3.engine.shard import ShardedParam, note_shard_writes, shard_slice
 from lightning_zero3.engine.state import full_optimizer_state, load_full_optimizer_state
-from lightning_zero3.engine.whole_matrix import full_shapes, shard_state_built_whole, step_whole_matrices
+from lightning_zero3.engine.whole_matrix import shard_state_built_whole, step_whole_matrices, whole_shapes
 
 __all__ = [
     "DTYPE_NAMES",
@@ -35,7 +35,7 @@ __all__ = [
     "destroy_group",
     "forget",
     "full_optimizer_state",
-    "full_shapes",
+    "whole_shapes",
     "grad_norms",
     "holder",
     "live_peak",

@@ -101,13 +101,13 @@ def step_bytes(
     return {"shard": shard, "across": {across: reduced * sum(u.reduced for u in units)}, "slices": slices}
 
 
-def live_peak(full: Sequence[int], reshard: bool | int, *, prefetch: int, ends_forward: Sequence[bool]) -> int:
-    """Bytes of full units alive at the end of forward: the kept ones, the computing one and
+def live_peak(whole: Sequence[int], reshard: bool | int, *, prefetch: int, ends_forward: Sequence[bool]) -> int:
+    """Bytes of gathered units alive at the end of forward: the kept ones, the computing one and
     `prefetch` more (the largest); with False all; with an int G, the others' 1/G slices too."""
     if reshard is False:
-        return sum(full)
-    kept = [f for f, e in zip(full, ends_forward) if e]
-    rest = sorted((f for f, e in zip(full, ends_forward) if not e), reverse=True)
+        return sum(whole)
+    kept = [f for f, e in zip(whole, ends_forward) if e]
+    rest = sorted((f for f, e in zip(whole, ends_forward) if not e), reverse=True)
     slices = sum(rest) // reshard if type(reshard) is int else 0
     return sum(kept) + sum(rest[: 1 + prefetch]) + slices
 

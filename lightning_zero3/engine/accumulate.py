@@ -1,25 +1,13 @@
 """`GradientSync`: gradient accumulation without communication (`ShardedModel.no_sync`,
 `set_requires_gradient_sync`; FSDP2's `set_requires_gradient_sync(False)`, Lightning's
-`no_backward_sync`). The driver (hooks.py) hands it every unit's full gradients and the ends of
+`no_backward_sync`). The driver (hooks.py) hands it every unit's whole gradients and the ends of
 backward; it Reduce-Scatters them now (reduce.py) or adds them up.
 
 [Note: unsynced accumulation]
-While sync is off, a unit's post-backward adds its full gradients into a buffer of its own,
-laid out as the Reduce-Scatter input's (N, S) columns (unit.py, Note: flat layout), and sends
-nothing; persistent parameters' gradients accumulate in `.grad`, their All-Reduce waiting too.
-The first backward with sync on adds into the buffer and Reduce-Scatters the sum once; a unit
-holding a buffer this backward does not reach (unused in the last micro-batch) is reduced when
-it ends, in unit order (alike on every rank); then the persistent gradients are All-Reduced.
-Each buffer is dropped as its reduction starts: one Reduce-Scatter per unit per optimizer step,
-and the shard gradients equal k synced micro-batches' to float rounding.
-The buffers are fp32 (the reduce dtype when wider): with an fp32 reduction the sums are exact to
-fp32 rounding against one process; with bf16 the sum of k micro-batches is rounded once, where
-a bf16 buffer would round every addition against the growing sum. Measured on the test MLP at
-k = 4, 2 ranks, bf16 reduction, largest difference from one process: 8.0e-4 with these sums,
-6.4e-4 with bf16 sums, 3.2e-4 with every micro-batch reduced (smaller pieces rounded): all bf16
-rounding, none better by design (tests/engine/test_engine_no_sync.py bounds it at k = 16). The cost:
-4 bytes per parameter of every unit that ran backward, N times its shard gradient, from the
-first unsynced backward to the sync (docs/accounting.md, "Accumulation without communication").
+While sync is off, a unit's post-backward adds its whole gradients into a buffer of its own, laid out as
+the Reduce-Scatter input's (N, S) columns (unit.py, Note: flat layout), and sends nothing; persistent
+parameters' gradients accumulate in `.grad`, their All-Reduce waiting too. (docs/design.md, unsynced
+accumulation)
 
 [Note: gradients owed]
     SYNCED --a backward with sync off ends--> OWED --the backward with sync on ends--> SYNCED
@@ -29,7 +17,7 @@ While OWED or INCOMPLETE, `optimizer.step()` of an optimizer holding the model's
 raises (a global step pre-hook, registered only then; a step given a closure, as Lightning's,
 is checked after the closure's backward), as does every backward while INCOMPLETE: `.grad`
 lacks micro-batches since the last sync. `optimizer.zero_grad()` cannot clear the buffers, so
-it is caught: when a backward with sync off ends, every trainable shard of a held unit has a
+it is caught: when a backward with sync off ends, every trainable shard of a summed unit has a
 `.grad` (where it had none, a zero-stride zero: no memory) whose object and version are noted;
 zero_grad replaces or zeroes it, and the next backward refuses to start (-> INCOMPLETE) rather
 than add micro-batches one process would have cleared. The backward with sync on removes the
@@ -80,7 +68,7 @@ INCOMPLETE = (
 
 
 class GradientSync:
-    """Per unit, the full gradients summed with sync off; reduces them, or each backward's."""
+    """Per unit, the whole gradients summed with sync off; reduces them, or each backward's."""
 
     def __init__(
         self, units: list[Unit], *, reductions: Reductions, persistent: PersistentGrads, record: StepRecord
@@ -91,7 +79,7 @@ class GradientSync:
         self.record = record  # counts the reductions (record.py)
         self.requires_sync = True  # the user's setting
         self.state = SyncState.SYNCED  # moved only by `_move` (Note: gradients owed)
-        self._held: dict[int, Summed] = {}  # unit id -> its gradients summed with sync off
+        self._summed: dict[int, Summed] = {}  # unit id -> its gradients summed with sync off
         # id(shard param) -> (it, the `.grad` noted, its version, whether it is a placeholder).
         self._watched: dict[int, tuple[ShardedParam, torch.Tensor, int, bool]] = {}
         self._step_hook: Any = None  # the global optimizer-step pre-hook while owed
@@ -100,7 +88,7 @@ class GradientSync:
     def _move(self, state: SyncState) -> None:
         assert (self.state, state) in LEGAL, f"ZeRO-3 internal error: sync {self.state.name} -> {state.name}"
         if state is _S.SYNCED:
-            self._held.clear()
+            self._summed.clear()
             self._unwatch()
             if self._step_hook is not None:
                 self._step_hook.remove()
@@ -126,7 +114,7 @@ class GradientSync:
         ]
         if changed:
             self._move(_S.INCOMPLETE)
-            self._held.clear()
+            self._summed.clear()
             raise RuntimeError(
                 f"The gradients of {changed[:3]} were cleared or replaced (optimizer.zero_grad()?) while gradients "
                 f"accumulated with gradient sync off were owed a reduction: those live in the engine's buffers, "
@@ -138,21 +126,21 @@ class GradientSync:
         return self._began_unsynced
 
     def reduce_or_add(self, unit: Unit, grads: list[torch.Tensor | None]) -> None:
-        """`GatherParams.backward` has `unit`'s full gradients: reduce them, or add them up."""
-        held = self._held.get(unit.uid)
-        if self.requires_sync and held is None:
+        """`GatherParams.backward` has `unit`'s whole gradients: reduce them, or add them up."""
+        summed = self._summed.get(unit.uid)
+        if self.requires_sync and summed is None:
             self._reduce(unit, grads)  # the common case
             return
-        held = self._add(unit, grads, held)
+        summed = self._add(unit, grads, summed)
         if self.requires_sync:
-            self._reduce(unit, self._held.pop(unit.uid))
+            self._reduce(unit, self._summed.pop(unit.uid))
 
     def finish_reductions(self) -> None:
         """End of backward, before the tag check: with sync on, reduce the units still holding
         sums (Note: unsynced accumulation); then every shard gradient lands in `.grad`."""
         if self.requires_sync:
-            for uid in sorted(self._held):
-                self._reduce(self.units[uid], self._held.pop(uid))
+            for uid in sorted(self._summed):
+                self._reduce(self.units[uid], self._summed.pop(uid))
         self.reductions.finish_all()
 
     def finish_backward(self) -> None:
@@ -163,7 +151,7 @@ class GradientSync:
             self.persistent.reduce()
             if self.state is _S.OWED:
                 self._move(_S.SYNCED)
-        elif self._held or any(p.requires_grad for p in self.persistent.params):
+        elif self._summed or any(p.requires_grad for p in self.persistent.params):
             self._watch()
             if self.state is _S.SYNCED:
                 self._move(_S.OWED)
@@ -172,10 +160,10 @@ class GradientSync:
         """A backward raised (hooks.py, Note: exceptions): its reductions are dropped, and so is
         whatever was accumulated, which is now incomplete."""
         self.reductions.drop_all()
-        owed = self._began_unsynced or self._held or self.state is _S.OWED  # the setting may have changed since
+        owed = self._began_unsynced or self._summed or self.state is _S.OWED  # the setting may have changed since
         if owed and self.state is not _S.INCOMPLETE:
             self._move(_S.INCOMPLETE)
-            self._held.clear()
+            self._summed.clear()
 
     def discard(self) -> None:
         """Drop what was accumulated with sync off; the sync setting stays."""
@@ -187,22 +175,22 @@ class GradientSync:
         self.reductions.start(unit, grads)
         self.record.add("reduced", unit.uid)
 
-    def _add(self, unit: Unit, grads: list[torch.Tensor | None], held: Summed | None) -> Summed:
-        if held is None:
+    def _add(self, unit: Unit, grads: list[torch.Tensor | None], summed: Summed | None) -> Summed:
+        if summed is None:
             dtype = torch.promote_types(unit.reduce_dtype, torch.float32)  # Note: unsynced accumulation
             total = torch.zeros(unit.world_size, unit.shard_numel, dtype=dtype, device=unit.device)  # (N, S)
-            held = self._held[unit.uid] = Summed(total, [False] * len(unit.params))
+            summed = self._summed[unit.uid] = Summed(total, [False] * len(unit.params))
         grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
         with torch.no_grad():
             for i, (p, offset, block) in enumerate(zip(unit.params, unit.offsets, grad_blocks(unit, grads))):
                 if block is not None:
-                    held.total[:, offset : offset + p.shard_numel].add_(block)
-                    held.present[i] = True
-        return held
+                    summed.total[:, offset : offset + p.shard_numel].add_(block)
+                    summed.present[i] = True
+        return summed
 
     def _watch(self) -> None:
-        """Note each held unit's trainable shards' `.grad` (Note: gradients owed)."""
-        for uid in self._held:
+        """Note each summed unit's trainable shards' `.grad` (Note: gradients owed)."""
+        for uid in self._summed:
             for p in self.units[uid].params:
                 if not p.requires_grad or id(p) in self._watched:
                     continue

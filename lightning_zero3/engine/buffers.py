@@ -3,28 +3,20 @@ each time they fragment the C heap and memory grows step after step; units mostl
 so a pool keyed by (role, size class, dtype, device) keeps as many of each as were in use at once.
 
 [Note: size classes]
-A request for n elements falls in the class of n rounded up to the next of 8 sizes per power of
-two (`size_class`); a buffer is made with the most elements asked of its class so far and handed
-out narrowed to exactly n (`buffer[:n]`), so units of sizes within 1/8 of each other share
-buffers. Its bytes (`cached_bytes`, `taken_bytes`) are its storage's, the class's widest request:
-units all of one size waste nothing; a smaller unit of a class holds up to 1/8 more than it asks.
-A free buffer smaller than a new request of its class is replaced by one of the request's size.
+A request for n elements falls in the class of n rounded up to the next of 8 sizes per power of two
+(`size_class`); a buffer is made with the most elements asked of its class so far and handed out
+narrowed to exactly n (`buffer[:n]`), so units of sizes within 1/8 of each other share buffers.
+(docs/design.md, size classes)
 
 [Note: what the pool keeps]
-What a training step used at once, per role and class: the step's own peak (docs/accounting.md,
-Buffers a step holds). A whole-weights call (`gathered_for_inference`, `full_state_dict`,
-`gathered_parameters`) takes inside `transient()`: it reuses what is pooled and what it makes,
-and on leaving gives what it made back to the allocator, so the pool holds no more after it than
-before. With streams (CUDA) the Reduce-Scatter inputs go back to the allocator when a backward
-ends (reduce.py): the caching allocator gives that memory to the forward's activations, as
-FSDP2's does. `empty()` gives back every free buffer (`ShardedModel.release_buffers`); on CPU it
-ends with glibc's `malloc_trim`, or the heap would keep the pages.
+What a training step used at once, per role and class: the step's own peak (docs/accounting.md, Buffers
+a step holds). (docs/design.md, what the pool keeps)
 
 [Note: buffer roles and streams]
 A buffer serves one role for life, each role one stream (comm.py, Note: streams), so a buffer
 never moves to a stream its role does not use, whatever sizes coincide:
 "gather" (receive rows) is taken on copy-in and given back on the compute stream after the
-gather stream wrote it; "block" (full parameters) lives on the compute stream; "reduce" is filled
+gather stream wrote it; "block" (whole parameters) lives on the compute stream; "reduce" is filled
 and given back there, read by the reduce stream; "slice" (reshard.py) lives on copy-in;
 "received" (transport.py, gloo) is CPU only; "packed" (comm.py, quantized rows) is taken on the
 gather, reduce or replicate stream and given back where the work is waited for.
@@ -33,12 +25,9 @@ taker's stream wait for it, and so does the stream that allocated a buffer befor
 go (the caching allocator reuses it there). On CPU program order suffices.
 
 [Note: stream seam]
-Every stream, event and stream wait of the engine goes through `stream_api(device)`: the module
-giving `Stream`, `Event`, `current_stream`, `stream` and `current_device` for the device's type,
-or None where program order suffices. Only "cuda" (`torch.cuda`) is registered; the tests
-register a CPU stand-in for "cpu" (tests/support/cuda_standin.py) that records every wait and event and
-checks each tensor read against them, so CUDA's ordering rules are tested on CPU through the
-code a GPU runs, with no branch for tests. Pinned memory and the like still ask `device.type`.
+Every stream, event and stream wait of the engine goes through `stream_api(device)`: the module giving
+`Stream`, `Event`, `current_stream`, `stream` and `current_device` for the device's type, or None where
+program order suffices. (docs/design.md, stream seam)
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ does what it means (frees the storage, counts the unit alive, takes the tensors 
 [Note: call lifetime]
 The driver holds a call while its pass may need it (`Slot.call`, `_pending`), the hooks on its
 outputs as long as autograd's graph lives (a second backward with retain_graph finds it);
-`GatherParams` and the frozen-input hook hold it weakly: the call owns the full tensors, whose
+`GatherParams` and the frozen-input hook hold it weakly: the call owns the whole tensors, whose
 grad_fn owns the ctx, and a strong reference back would be a cycle through C++ that Python's GC
 cannot break.
 
@@ -65,7 +65,7 @@ def eager(hook: _Hook) -> _Hook:
     return torch.compiler.disable(hook, recursive=True, reason="ZeRO-3 hooks run eagerly: collectives, storage moves")
 
 
-# The driver's post-backward, which `GatherParams.backward` hands the full gradients.
+# The driver's post-backward, which `GatherParams.backward` hands the whole gradients.
 PostBackward = Callable[["UnitCall", list[torch.Tensor | None]], list[torch.Tensor | None]]
 
 
@@ -84,12 +84,12 @@ PICKLE_REFUSED = (
 
 class CallState(Enum):
     SHARDED = "sharded"  # created, not gathered yet
-    FORWARD = "unsharded for forward"  # full parameters gathered and on the modules
+    FORWARD = "gathered for forward"  # whole parameters gathered and on the modules
     RESHARDED = "resharded, awaiting backward"  # storage freed, autograd keeps the tensor objects
-    KEPT = "kept unsharded for backward"  # ends the forward: not released, off the modules
-    BACKWARD = "unsharded for backward"  # gathered again (or kept) for the unit's backward
+    KEPT = "kept gathered for backward"  # ends the forward: not released, off the modules
+    BACKWARD = "gathered for backward"  # gathered again (or kept) for the unit's backward
     REDUCED_IN_FORWARD = "reduced inside its forward"  # manual optimization: still on the modules
-    DONE = "done"  # nothing held, no backward owed
+    DONE = "done"  # nothing gathered, no backward owed
 
 
 S = CallState  # short name for the tables below
@@ -113,12 +113,12 @@ HOLDING = (S.FORWARD, S.KEPT, S.BACKWARD, S.REDUCED_IN_FORWARD)  # states whose 
 
 class PassState(Enum):
     """Changed only in `HookDriver._enter`, which asserts the move is in PASS_LEGAL. BACKWARD ends
-    in FORWARD when forward hooks are still open (manual optimization); HELD returns likewise."""
+    in FORWARD when forward hooks are still open (manual optimization); KEPT returns likewise."""
 
     IDLE = "idle"  # no forward hook open, no backward running
     FORWARD = "forward"  # some unit's forward hook is open
     BACKWARD = "backward"  # a backward runs through the units (recomputed forwards included)
-    HELD = "held for inference"  # every unit gathered until gathered_for_inference() exits (held.py)
+    KEPT = "kept for inference"  # every unit gathered until gathered_for_inference() exits (kept.py)
 
 
 P = PassState
@@ -129,20 +129,20 @@ PASS_LEGAL = {
     (P.FORWARD, P.BACKWARD),
     (P.BACKWARD, P.IDLE),
     (P.BACKWARD, P.FORWARD),
-    (P.IDLE, P.HELD),
-    (P.FORWARD, P.HELD),
-    (P.HELD, P.IDLE),
-    (P.HELD, P.FORWARD),
+    (P.IDLE, P.KEPT),
+    (P.FORWARD, P.KEPT),
+    (P.KEPT, P.IDLE),
+    (P.KEPT, P.FORWARD),
 }
 
 
 @dataclass(eq=False)
 class UnitCall:
-    """One forward execution of a unit and the full tensors it produced."""
+    """One forward execution of a unit and the whole tensors it produced."""
 
     unit: Unit
     reduces: bool  # produced by GatherParams: its backward Reduce-Scatters
-    fulls: list[torch.Tensor] = field(default_factory=list)
+    wholes: list[torch.Tensor] = field(default_factory=list)
     state: CallState = CallState.SHARDED
     versions: tuple[int, ...] = ()
 
@@ -158,18 +158,18 @@ def engine_mode() -> AbstractContextManager[object]:
 
 
 class GatherParams(torch.autograd.Function):
-    """shards -> full parameters (All-Gather); backward: full grads -> shard grads (Reduce-Scatter)."""
+    """shards -> whole parameters (All-Gather); backward: whole grads -> shard grads (Reduce-Scatter)."""
 
     @staticmethod
     def forward(ctx: Any, post_backward: PostBackward, call: UnitCall, *shards: torch.Tensor) -> tuple[Any, ...]:
         # A strong reference to the call would be a cycle through C++ (Note: call lifetime).
         ctx.post_backward, ctx.call = post_backward, weakref.ref(call)
         ctx.set_materialize_grads(False)
-        fulls = call.unit.gather()
-        frozen = [full for full, shard in zip(fulls, shards) if not shard.requires_grad]
+        wholes = call.unit.gather()
+        frozen = [whole for whole, shard in zip(wholes, shards) if not shard.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
-        return tuple(fulls)
+        return tuple(wholes)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -228,22 +228,22 @@ class CallTable:
                 for module, attr in sharded.owners:
                     module.__dict__.pop(attr, None)
         elif state in (S.FORWARD, S.BACKWARD) and slot.call is None:
-            for sharded, full in zip(call.unit.params, call.fulls):
+            for sharded, whole in zip(call.unit.params, call.wholes):
                 for module, attr in sharded.owners:
-                    module.__dict__[attr] = full
+                    module.__dict__[attr] = whole
             slot.call = call
         if state is S.RESHARDED or (state is S.DONE and old in (S.BACKWARD, S.KEPT)):
             with engine_mode():  # autograd keeps the tensor objects; the memory goes to the pool
-                call.unit.release(call.fulls)
+                call.unit.release(call.wholes)
         elif state is S.DONE and old is S.FORWARD and not call.reduces:
             # No backward owed: the block goes back to the pool (evaluation allocates none).
             with engine_mode():
-                call.unit.release(call.fulls)
-            call.fulls = []
+                call.unit.release(call.wholes)
+            call.wholes = []
         elif state is S.DONE and old is S.RESHARDED:
             call.unit.drop_slice()  # its backward never came (reshard.py)
         elif state is S.DONE and old in (S.FORWARD, S.REDUCED_IN_FORWARD):
-            call.fulls = []  # autograd may still hold them (GatherParams' outputs): they die with it
+            call.wholes = []  # autograd may still hold them (GatherParams' outputs): they die with it
         call.state = state
         if (old in HOLDING) != (state in HOLDING):
             self.live.change(call.unit.uid, +1 if state in HOLDING else -1, call.unit.gather_in_flight)

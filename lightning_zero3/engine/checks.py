@@ -3,29 +3,12 @@ collectives: unit.py and reduce.py stamp a row's check slot before a collective 
 after; the driver checks when a pass begins and a backward ends; departure.py goes through it.
 
 [Note: check slot]
-Every All-Gather row holds, after the shards, `tag_numel(dtype)` elements for the unit's tag (id
-+ 1 as an int32's bits: exact in every dtype). Every Reduce-Scatter row holds one column where
-each rank writes its unit's code into the next rank's row, zeros elsewhere, so each receives its
-neighbour's code exactly: `uid % (exact // G) + 1`, exact = 2**significand bits of the lower of
-`param_dtype` and `reduce_dtype` (the column is packed with the gradients, reduce.py), G the shard
-groups whose All-Reduce adds G codes. The slots are always in the rows; unchecked steps skip them.
+Every All-Gather row holds, after the shards, `tag_numel(dtype)` elements for the unit's tag (id + 1 as
+an int32's bits: exact in every dtype). (docs/design.md, check slot)
 
 [Note: deferred tag checks]
-Reading tags after each collective would sync about three times per unit. So each collective
-leaves its received tags on the device, and when a backward ends and when the next pass begins
-`check_soon()` sends them to the host in one non-blocking copy (pinned memory, an event after it)
-and checks the copies that have landed, asking the event, never waiting: on a GPU a step's tags
-are usually read when the next step's backward ends, so a mismatch raises there, one step late,
-on every rank (the tags of a collective are the same on every rank that ran it); a copy still
-not landed when the next one is sent is waited for (the device is then a whole step behind). On
-CPU the tags are read where they are sent. Steps before the order is recorded, departures (a
-rank that leaves the record), a backward with sync off (Note: uneven batches) and the gathers
-outside a pass use `check()`, which reads everything now (a sync). With no order recorded, or
-after this rank departed from it, each record is checked at once (`closely`): collectives after
-a mismatch pair up wrongly. A rank whose collective fails raises a mismatch already recorded
-rather than the echo, after settling the completed gathers in flight (never waiting). A rank
-about to leave the record alone announces it first (departure.py), so no rank meets a collective
-of an unexpected size (which gloo answers by aborting the process).
+Reading tags after each collective would sync about three times per unit. (docs/design.md, deferred tag
+checks)
 
 [Note: rank check modes]
 "every_step" (default) checks every step; "first_step" until the first backward ends; an int K
@@ -34,16 +17,8 @@ stamp, read and announce nothing: a disagreement then fails or hangs in a collec
 units of one size, mixes parameters), as under DDP or FSDP.
 
 [Note: uneven batches]
-A rank given more batches than its peers runs a step they never run (a hang or an abort). So the
-strategy sets `final_batch` on the last step of this rank's epoch and its gather tags carry the
-`FINAL` bit: with uneven counts the tags differ in that bit only, and every rank raises at that
-step's check (checked steps only). With sync off the short rank's last micro-batch syncs and the
-long rank's does not, so their backward collectives would pair wrongly before the end-of-backward
-check: a backward with sync off checks the forward's tags when it begins. The step of a rank's
-last batch reads its tags at once (one sync per epoch), so the rank with fewer batches raises
-there; on a GPU the others may read that step's tags one step late (Note: deferred tag checks)
-and meet its absence in their next collective first: on gloo an error, then the recorded
-mismatch; on NCCL the launcher ends them (torchrun), or the collective timeout.
+A rank given more batches than its peers runs a step they never run (a hang or an abort).
+(docs/design.md, uneven batches)
 """
 
 from __future__ import annotations

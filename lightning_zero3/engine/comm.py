@@ -1,16 +1,12 @@
 """The only module that runs torch.distributed collectives (groups.py makes the groups): over an
-explicit process group, counting payload (the full tensor a collective produces or consumes) and wire bytes (what one
+explicit process group, counting payload (the whole tensor a collective produces or consumes) and wire bytes (what one
 rank sends with the ring algorithm: (N-1)/N of the payload, 2(N-1)/N for All-Reduce).
 
 [Note: streams]
-On CUDA communication runs beside the compute, as in FSDP2: a gather's copy-in runs on a copy-in
-stream that first waits for the compute stream (the optimizer may just have written the shards);
-the All-Gather is issued from a gather stream after the copy-in's event; a Reduce-Scatter is
-issued on a reduce stream that waits for the compute stream. Consumers wait for an event recorded
-after the issue, then for the work (stream waits on NCCL, not host waits). `Streams`, one per
-device and process group, owns the streams and events; on CPU it does nothing (the tests give it
-a stand-in: buffers.py, Note: stream seam). Buffers cross streams through the pool (buffers.py,
-Note: buffer roles and streams).
+On CUDA communication runs beside the compute, as in FSDP2: a gather's copy-in runs on a copy-in stream
+that first waits for the compute stream (the optimizer may just have written the shards); the All-Gather
+is issued from a gather stream after the copy-in's event; a Reduce-Scatter is issued on a reduce stream
+that waits for the compute stream. (docs/design.md, streams)
 
 [Note: collective device]
 A `Comm` built with `device` takes tensors of that device type only, on every backend: NCCL has
@@ -261,18 +257,18 @@ class Comm:
     def reduce_scatter(
         self,
         output: torch.Tensor,
-        full: torch.Tensor,
+        whole: torch.Tensor,
         *,
         what: str,
         async_op: bool = False,
         quantize_data: int | None = None,
     ) -> Any:
-        """Sum `full` (world_size x chunk) over ranks into this rank's `output`; `full` must not
+        """Sum `whole` (world_size x chunk) over ranks into this rank's `output`; `whole` must not
         change until the work is waited for. The first `quantize_data` elements of each row may
-        travel quantized (quantize_gradients), and then `full` is overwritten."""
-        rows = full.view(self.world_size, -1)
+        travel quantized (quantize_gradients), and then `whole` is overwritten."""
+        rows = whole.view(self.world_size, -1)
         codec = self.codec("gradients", width=rows.shape[1], itemsize=rows.element_size(), data=quantize_data)
-        plain = (full, lambda t: t.reduce_scatter(output, rows))
+        plain = (whole, lambda t: t.reduce_scatter(output, rows))
         sent, issue = plain if codec is None else pack_reduce(output, rows, codec, self.pool)
         self._count("Reduce-Scatter", what, sent, 1.0, output)
         return self._run("Reduce-Scatter", what, lambda: issue(self.transport), async_op)

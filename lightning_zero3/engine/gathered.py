@@ -30,7 +30,7 @@ def gathered_parameters(
     pool: BufferPool,
     modifier_rank: int | None = None,
 ) -> Iterator[None]:
-    """The parameters under `scope` whole on every rank: the registered parameters hold the full
+    """The parameters under `scope` whole on every rank: the registered parameters hold the whole
     data inside the block, in tensors of their own (not views of a pooled block), so a state dict
     taken inside stays valid after it, as under DeepSpeed's `GatheredParameters`. With
     `modifier_rank=r`, rank r's values are broadcast on exit and kept; otherwise changes are
@@ -51,11 +51,11 @@ def gathered_parameters(
             with pool.transient():
                 for unit in units:
                     with engine_mode():
-                        fulls = unit.gather(dtype=unit.shard_dtype)
+                        wholes = unit.gather(dtype=unit.shard_dtype)
                         # Each its own storage, so the user's references stay valid; the block goes back.
-                        wholes = [(s, full.clone()) for s, full in zip(unit.params, fulls) if s in chosen]
-                        unit.release(fulls)
-                    for sharded, whole in wholes:
+                        copies = [(s, whole.clone()) for s, whole in zip(unit.params, wholes) if s in chosen]
+                        unit.release(wholes)
+                    for sharded, whole in copies:
                         shards[sharded] = sharded.param.data
                         sharded.param.data = whole
                         sharded.gathered.append(modifier_rank)
@@ -76,9 +76,9 @@ def gathered_parameters(
             sharded.param.data = shard
             sharded.gathered.pop()
         if entered and modifier_rank is not None:
-            for sharded, full in written.items():
-                world_comm.broadcast(full, src=modifier_rank, what=f"'{sharded.name}' from rank {modifier_rank}")
-                sharded.load_full(full)
+            for sharded, whole in written.items():
+                world_comm.broadcast(whole, src=modifier_rank, what=f"'{sharded.name}' from rank {modifier_rank}")
+                sharded.load_whole(whole)
         if modifier_rank is None:
             with torch.no_grad():
                 for p, value in zip(persistent, saved):

@@ -1,12 +1,10 @@
 """Hugging Face `generate()` on a sharded model: keep the ranks in step by default.
 
 [Note: synced generation by default]
-Outside `gathered_for_inference()` every rank must call the model equally often, but HF's
-`generate()` stops on a rank whose sequences ended unless `synced_gpus=True` (which HF sets
-itself only for DeepSpeed and FSDP): the others would wait in a gather until the timeout. So each
-HF model under the engine gets an instance `generate` that fills in `synced_gpus=True` when the
-caller left it unset, outside the context, with more than one rank and the engine's ranks the
-whole default group (HF's flag travels there). `restore_module` and `leave_sharded` remove it.
+Outside `gathered_for_inference()` every rank must call the model equally often, but HF's `generate()`
+stops on a rank whose sequences ended unless `synced_gpus=True` (which HF sets itself only for DeepSpeed
+and FSDP): the others would wait in a gather until the timeout. (docs/design.md, synced generation by
+default)
 """
 
 from __future__ import annotations
@@ -18,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 
-def synced_default(kwargs: dict[str, Any], *, held: bool, world_size: int) -> dict[str, Any]:
+def synced_default(kwargs: dict[str, Any], *, kept: bool, world_size: int) -> dict[str, Any]:
     """`kwargs` with `synced_gpus=True` filled in where it is due."""
-    if kwargs.get("synced_gpus") is None and not held and world_size > 1:
+    if kwargs.get("synced_gpus") is None and not kept and world_size > 1:
         return {**kwargs, "synced_gpus": True}
     return kwargs
 
@@ -28,17 +26,17 @@ def synced_default(kwargs: dict[str, Any], *, held: bool, world_size: int) -> di
 class SyncedGenerate:
     """Note: synced generation by default."""
 
-    def __init__(self, module: nn.Module, held: Callable[[], bool]) -> None:
+    def __init__(self, module: nn.Module, kept: Callable[[], bool]) -> None:
         self.module = module
-        self.held = held
+        self.kept = kept
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        kwargs = synced_default(kwargs, held=self.held(), world_size=world_size)
+        kwargs = synced_default(kwargs, kept=self.kept(), world_size=world_size)
         return type(self.module).generate(self.module, *args, **kwargs)  # type: ignore[attr-defined]
 
 
-def install_synced_generate(root: nn.Module, held: Callable[[], bool], *, ranks: int) -> list[nn.Module]:
+def install_synced_generate(root: nn.Module, kept: Callable[[], bool], *, ranks: int) -> list[nn.Module]:
     """Give every HF model under `root` a synced `generate`; the modules changed."""
     if not dist.is_initialized() or ranks != dist.get_world_size() or ranks < 2:
         return []
@@ -46,7 +44,7 @@ def install_synced_generate(root: nn.Module, held: Callable[[], bool], *, ranks:
     for module in root.modules():
         if callable(getattr(type(module), "generate", None)) and hasattr(module, "generation_config"):
             if "generate" not in vars(module):  # a user's own instance attribute is left alone
-                setattr(module, "generate", SyncedGenerate(module, held))  # noqa: B010 - an instance attribute over the method
+                setattr(module, "generate", SyncedGenerate(module, kept))  # noqa: B010 - an instance attribute over the method
                 changed.append(module)
     return changed
 

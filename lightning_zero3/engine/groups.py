@@ -1,15 +1,9 @@
 """Process groups the engine makes: the hybrid layout's groups, and their end at exit.
 
 [Note: leaving at exit]
-A gloo worker thread drops its reference to a collective's work only after the waiter has woken,
-and that can be the last reference to a tensor Python made (`all_gather_object`'s, DCP's), whose
-release takes the GIL. A worker still doing so when Python finalizes is ended by the interpreter
-mid-destructor: "terminate called without an active exception", exit -6 (issue 30). Only the
-group's destructor joins its workers (torch runs it with the GIL released), and it runs when the
-last reference goes: torch's own (`destroy_process_group`) and every `Comm`'s. So at exit,
-before Python finalizes, `_leave_at_exit` destroys the groups `new_group` made and makes every
-`Comm` let go of its group; the strategies destroy the default group they joined
-(common/base.py). Registered at import, it runs after every exit handler registered later.
+A gloo worker thread drops its reference to a collective's work only after the waiter has woken, and
+that can be the last reference to a tensor Python made (`all_gather_object`'s, DCP's), whose release
+takes the GIL. (docs/design.md, leaving at exit)
 """
 
 from __future__ import annotations

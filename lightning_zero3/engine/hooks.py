@@ -1,25 +1,20 @@
 """Forward and backward hooks that drive units (calls.py: call and pass states, `GatherParams`;
-held.py: inference; reduce.py: reductions in flight). The driver never reaches back into the model.
+kept.py: inference; reduce.py: reductions in flight). The driver never reaches back into the model.
 
 [Note: one unit call]
 Each forward of a unit gathers its shards (through `GatherParams` when gradients will flow). The
-full tensors shadow the shards as instance attributes (`module.__dict__[name]`) during forward;
+whole tensors shadow the shards as instance attributes (`module.__dict__[name]`) during forward;
 then their storage is freed while autograd keeps the objects, and a hook on the outputs gathers
-again into it before the unit's backward. `GatherParams.backward` reduces the full gradients and
+again into it before the unit's backward. `GatherParams.backward` reduces the whole gradients and
 adds each rank's piece into `shard.grad`: accumulation, tied weights and reused modules are exact.
 
 [Note: kept for backward]
-Backward begins with the units that ended the forward: the root (when it closes the pass) and,
-once the forward ran the whole record, its last unit. Releasing them only to gather them again
-frees nothing that matters, so their post-forward moves the call to KEPT (with
-`reshard_after_forward=False` every call, reshard.py): off the modules, storage kept, put back by
-the pre-backward without a collective (as FSDP2 keeps its root). Every rank decides alike. A
-kept call whose backward does not come is released when a new pass begins, when the forward
-ends with no output needing a gradient, when the hooks go, or when a backward ends.
+Backward begins with the units that ended the forward: the root (when it closes the pass) and, once the
+forward ran the whole record, its last unit. (docs/design.md, kept for backward)
 
 [Note: frozen units]
 A unit without a trainable parameter still runs backward when its input needs a gradient (LoRA),
-with its full weights saved by autograd and no `GatherParams.backward` to say when that is over.
+with its whole weights saved by autograd and no `GatherParams.backward` to say when that is over.
 A hook on those inputs (`register_multi_grad_hook`: it fires once they have their gradients, so
 after every node that reads the weights; hooked rather than wrapped: a module may modify an
 identity Function's outputs in place) releases them; an unhooked one is released when backward ends.
@@ -62,7 +57,7 @@ from lightning_zero3.engine.calls import PassState as P
 from lightning_zero3.engine.checks import OrderMismatchError, RankChecks
 from lightning_zero3.engine.comm import CollectiveError, Comm
 from lightning_zero3.engine.departure import announce_departure
-from lightning_zero3.engine.held import UNSYNCED_HINT, HeldUnits
+from lightning_zero3.engine.kept import UNSYNCED_HINT, KeptUnits
 from lightning_zero3.engine.persistent import PersistentGrads
 from lightning_zero3.engine.record import StepRecord, UnitStats
 from lightning_zero3.engine.reshard import after_forward
@@ -108,7 +103,7 @@ class HookDriver:
         self.calls = CallTable(units, live=live, record=record)
         self.prefetch = Prefetcher(units, schedule=schedule, calls=self.calls, live=live)
         self._pending: list[UnitCall] = []  # calls of this pass that may still get a backward
-        self.held = HeldUnits()
+        self.kept = KeptUnits()
         self.handles: list[Any] = []
         root = units[0]
         for unit in units:
@@ -128,7 +123,7 @@ class HookDriver:
                 self.handles.append(param.register_post_accumulate_grad_hook(self._on_persistent_grad))
 
     def remove(self) -> None:
-        """Close the calls still holding full parameters, then remove the hooks. No collective:
+        """Close the calls still holding whole parameters, then remove the hooks. No collective:
         leave_sharded may follow a failure where ranks are gone."""
         self.calls.drop_leftovers()
         for handle in self.handles:
@@ -149,10 +144,10 @@ class HookDriver:
         call = UnitCall(unit, reduces=reduces)
         with torch.profiler.record_function(f"ZeRO3::gather({unit.name})"):
             if reduces:
-                call.fulls = list(GatherParams.apply(self.post_backward, call, *(p.param for p in unit.params)))
+                call.wholes = list(GatherParams.apply(self.post_backward, call, *(p.param for p in unit.params)))
             else:
                 with engine_mode():
-                    call.fulls = unit.gather()
+                    call.wholes = unit.gather()
         call.versions = unit.versions()
         self.calls.move(call, S.FORWARD)
         return call
@@ -160,8 +155,8 @@ class HookDriver:
     @eager
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         slot = self.calls.slots[unit.uid]
-        if self.state is P.HELD:
-            self.held.check_forward(unit, slot, unit.versions())
+        if self.state is P.KEPT:
+            self.kept.check_forward(unit, slot, unit.versions())
             self.calls.set_depth(slot, slot.depth + 1)
             return None
         current = slot.call
@@ -193,7 +188,7 @@ class HookDriver:
         except (CollectiveError, OrderMismatchError) as err:
             if torch.is_grad_enabled() or backward:
                 raise
-            raise type(err)(f"{err} {UNSYNCED_HINT}") from err  # held.py, Note: held for inference
+            raise type(err)(f"{err} {UNSYNCED_HINT}") from err  # kept.py, Note: kept for inference
         self.calls.set_depth(slot, 1)  # last: a pre-forward that raised opens nothing (Note: exceptions)
         if not backward:  # evaluation passes prefetch too
             self.prefetch.ahead(unit, backward=False)
@@ -216,7 +211,7 @@ class HookDriver:
     @eager
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         slot = self.calls.slots[unit.uid]
-        if self.state is P.HELD:
+        if self.state is P.KEPT:
             self.calls.set_depth(slot, max(slot.depth - 1, 0))  # the call stays in FORWARD
             return
         if not slot.depth:  # end of a recomputation (see _pre_forward), or a pre-forward that raised
@@ -250,7 +245,7 @@ class HookDriver:
         )
 
     def _begin_pass(self, state: P = P.FORWARD) -> None:
-        """A unit starts forward (or every unit is held) with nothing open, no backward running."""
+        """A unit starts forward (or every unit is kept) with nothing open, no backward running."""
         self.checks.check_soon()  # tags left by a pass without backward, or by the last step (checks.py)
         self.checks.closely = self.schedule.forward_order is None  # watch closely until a record exists
         if self.offload is not None:
@@ -264,42 +259,42 @@ class HookDriver:
         self.record.current.orders = (self.schedule.forward_order, self.schedule.backward_order)
         self._enter(state)
 
-    # ---- held for inference (held.py) -------------------------------------------------------
-    def hold(self) -> None:
-        """Gather every unit until `release` (held.py). Collective."""
+    # ---- kept for inference (kept.py) -------------------------------------------------------
+    def keep(self) -> None:
+        """Gather every unit until `release` (kept.py). Collective."""
         open_calls = [s.call for s, u in zip(self.calls.slots, self.units) if s.depth and u.params]
-        self.held.refuse_entry(self.state, open_calls)
+        self.kept.refuse_entry(self.state, open_calls)
         if self.state is P.BACKWARD:
             self._abandon_backward()  # autograd is not running it: a backward that raised
         if self.calls.open:  # inside a forward: its units keep their calls
             self.prefetch.drop_stale()
-            self._enter(P.HELD)
+            self._enter(P.KEPT)
         else:
-            self._begin_pass(P.HELD)
-        self.held.depths = [slot.depth for slot in self.calls.slots]
+            self._begin_pass(P.KEPT)
+        self.kept.depths = [slot.depth for slot in self.calls.slots]
         try:
-            with torch.no_grad():  # reduces=False: the held tensors have no autograd parent
+            with torch.no_grad():  # reduces=False: the kept tensors have no autograd parent
                 for unit, slot in zip(self.units, self.calls.slots):
                     if unit.params and slot.call is None:
-                        self.held.calls.append(self._gather_call(unit))
+                        self.kept.calls.append(self._gather_call(unit))
             self.checks.check()  # outside any pass: check the tags of these gathers now
         except BaseException:
             self.release()
             raise
 
     def release(self) -> None:
-        """Every call `hold` gathered goes to DONE (an enclosing forward's stay for its hooks)."""
-        calls, self.held.calls = self.held.calls, []
+        """Every call `keep` gathered goes to DONE (an enclosing forward's stay for its hooks)."""
+        calls, self.kept.calls = self.kept.calls, []
         for call in calls:
             if call.state is S.FORWARD:
                 self.calls.move(call, S.DONE)
-        for slot, depth in zip(self.calls.slots, self.held.depths):
+        for slot, depth in zip(self.calls.slots, self.kept.depths):
             self.calls.set_depth(slot, depth)
         self._leave()
 
     # ---- backward ---------------------------------------------------------------------------
     def _ensure_backward_started(self) -> None:
-        self.held.refuse_backward(self.state)
+        self.kept.refuse_backward(self.state)
         if self.state is P.BACKWARD:
             return
         if self.grads.begin_backward():  # sync off: the forward's tags first (checks.py, Note: uneven batches)
@@ -314,7 +309,7 @@ class HookDriver:
 
     @eager
     def _pre_backward(self, call: UnitCall, grad: torch.Tensor) -> None:
-        if call.state not in (S.RESHARDED, S.KEPT, S.DONE) or not call.fulls:
+        if call.state not in (S.RESHARDED, S.KEPT, S.DONE) or not call.wholes:
             return  # gathered already, or a call that owes no backward
         self._ensure_backward_started()
         unit = call.unit
@@ -324,7 +319,7 @@ class HookDriver:
                     self._pending.append(call)  # a second backward through a retained graph
                 announce_departure(unit, self.units, self.schedule, self.checks, backward=True, kept=self.calls.is_kept)
                 with engine_mode():
-                    unit.gather(into=call.fulls)
+                    unit.gather(into=call.wholes)
             self.calls.move(call, S.BACKWARD)
             self.prefetch.ahead(unit, backward=True)
 

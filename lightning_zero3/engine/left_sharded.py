@@ -1,14 +1,8 @@
 """Modules left holding an engine's shards, made whole again before they are sharded anew.
 
 [Note: a module left sharded]
-`restore_module` is a collective, so after a failed run the strategies call `leave_sharded`
-(hooks removed, shards kept). Fitting the same module again would shard the shards, so a new
-engine first asks every rank (one all_gather_object): left sharded everywhere, the old engine
-makes it whole; on some ranks only, every rank raises. A forward pre-hook keeps the old engine
-alive and refuses a forward on the shards; the registry holds both weakly.
-A module at rest after a Trainer's `fit` (common/run.py, Note: run lifecycle) is remembered the same
-way, its hooks kept and its engine held by the strategies' state-dict guard, which `forget`
-removes with the forward refusal once the module is whole or resumed.
+`restore_module` is a collective, so after a failed run the strategies call `leave_sharded` (hooks
+removed, shards kept). (docs/design.md, a module left sharded)
 """
 
 from __future__ import annotations

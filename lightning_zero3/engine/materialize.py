@@ -1,17 +1,17 @@
 """Shard a module's parameters one module at a time, so no rank ever holds the whole model (built
 whole or on the meta device), and back (`restore_whole`, one unit at a time).
 
-[Note: one consistent full tensor]
-Every rank's shard must be a slice of one full tensor, and ranks may have initialised their
+[Note: one consistent whole tensor]
+Every rank's shard must be a slice of one whole tensor, and ranks may have initialised their
 copies differently, so rank 0's values are broadcast before slicing, one module's own tensors at
 a time (DDP's rule, with a peak of one module). Meta modules are materialised and initialised by
 `param_init_fn` (default `reset_parameters()`) on every rank, then rank 0's result is broadcast.
 
-[Note: shards before full tensors]
-On the host, glibc serves shards and transient full tensors from one heap; made in turn, each
-long-lived shard lands between freed full tensors, holes the heap cannot return (setup grew by
+[Note: shards before whole tensors]
+On the host, glibc serves shards and transient whole tensors from one heap; made in turn, each
+long-lived shard lands between freed whole tensors, holes the heap cannot return (setup grew by
 ~2.6x the shards, 24 x 16 MiB layers on 2 ranks). So every shard is allocated first and one
-module's full tensors come and go above them (tests/lightning/test_setup_memory.py).
+module's whole tensors come and go above them (tests/lightning/test_setup_memory.py).
 
 [Note: sharding from host memory]
 A model whole in host memory is sharded from there: each module's own parameters visit the
@@ -62,13 +62,9 @@ def parameters_on_meta(device: torch.device | str) -> Iterator[None]:
     time, `ShardedModel.move_module` the rest (e.g. torchmetrics' states).
 
     [Note: only parameters on meta]
-    Under a plain `torch.device("meta")` tensors that are not parameters lose their values
-    (buffers computed in `__init__`, torchmetrics' states), and nothing re-creates them. Here a
-    parameter moves to meta when a module registers it (torch's global registration hook); the
-    rest keep their values. A parameter registered twice (tied weights) stays one. Until it is
-    registered a parameter is a host tensor (untouched pages for `torch.empty`, what torch's
-    layers use), never one on `device`: building on a GPU would open a CUDA context in the
-    launching process and allocate every parameter there in full once."""
+    Under a plain `torch.device("meta")` tensors that are not parameters lose their values (buffers
+    computed in `__init__`, torchmetrics' states), and nothing re-creates them. (docs/design.md, only
+    parameters on meta)"""
     del device  # nothing is built there (the Note); kept so callers name where the model runs
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
@@ -102,7 +98,7 @@ def shard_parameters(
     init = param_init_fn or reset_parameters
     entry_of = {(id(m), a): entry for unit in plan.units for entry in unit.params for m, a in entry.owners}
     persistent_entry_of = {(id(m), a): entry for entry in plan.persistent for m, a in entry.owners}
-    # Note: shards before full tensors
+    # Note: shards before whole tensors
     home = torch.device("cpu") if on_host else device
     pin = on_host and device.type == "cuda"
     storage = {id(e): shard for unit in plan.units for e, shard in _shard_storage(unit.params, comm, home, pin=pin)}
@@ -110,7 +106,7 @@ def shard_parameters(
 
     def shard_own_tensors(module: nn.Module) -> None:
         """Broadcast and cut this module's own whole tensors (a tied parameter once)."""
-        whole = [
+        own = [
             (attr, p, _on(p, device, keep=(id(module), attr) in persistent_entry_of))
             for attr, p in module._parameters.items()
             if p is not None
@@ -123,12 +119,12 @@ def shard_parameters(
                 module._buffers[name] = buffer.clone()  # Note: memory shared by ranks
         buffers = [b for b in module._buffers.values() if b is not None]
         if sync_module_states and world_comm.world_size > 1:
-            _broadcast_from_rank0([full for _, _, full in whole] + buffers, world_comm)
-        for attr, param, full in whole:
+            _broadcast_from_rank0([whole for _, _, whole in own] + buffers, world_comm)
+        for attr, param, whole in own:
             planned = entry_of.get((id(module), attr))
             if planned is None:
                 continue  # persistent: stays whole on every rank
-            shards[id(planned)] = _shard(full, param, planned, comm, into=storage.pop(id(planned)))
+            shards[id(planned)] = _shard(whole, param, planned, comm, into=storage.pop(id(planned)))
 
     for module in root.modules():
         if any(t is not None and t.is_meta for t in [*module._parameters.values(), *module._buffers.values()]):
@@ -264,10 +260,10 @@ def _shared_by_ranks(tensor: torch.Tensor) -> bool:
 
 
 def _shard(
-    full: torch.Tensor, param: nn.Parameter, entry: ParamEntry, comm: Comm, *, into: torch.Tensor
+    whole: torch.Tensor, param: nn.Parameter, entry: ParamEntry, comm: Comm, *, into: torch.Tensor
 ) -> ShardedParam:
     with torch.no_grad():
-        into.copy_(shard_slice(full, comm.rank, comm.world_size))
+        into.copy_(shard_slice(whole, comm.rank, comm.world_size))
     shard = nn.Parameter(into, requires_grad=param.requires_grad)
     for module, attr in entry.owners:
         module._parameters[attr] = shard
@@ -275,7 +271,7 @@ def _shard(
     return ShardedParam(
         owners=entry.owners,
         names=entry.names,
-        full_shape=full.shape,
+        whole_shape=whole.shape,
         param=shard,
         world_size=comm.world_size,
         rank=comm.rank,
@@ -287,10 +283,10 @@ def restore_whole(units: list[Unit], *, device: torch.device) -> None:
 
     [Note: restoring unit by unit]
     Units are gathered one at a time on the shards' device (which so holds one unit more) into
-    one pooled block and copied out, every output allocated first (Note: shards before full
+    one pooled block and copied out, every output allocated first (Note: shards before whole
     tensors): per-unit blocks freed on glibc's heap kept +16 MiB per 16 MiB unit resident."""
     outputs = {
-        id(sharded): torch.empty(sharded.full_shape, dtype=unit.shard_dtype, device=device)
+        id(sharded): torch.empty(sharded.whole_shape, dtype=unit.shard_dtype, device=device)
         for unit in units
         for sharded in unit.params
     }

@@ -8,6 +8,7 @@ sharded.clip_grad_norm_(1.0); optimizer.step()
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -174,8 +175,8 @@ class ShardedModel:
             reshard=self._reshard,
             offload=self._offload,
         )
-        held = lambda: self._hooks.state is PassState.HELD
-        self._synced_generate = install_synced_generate(module, held, ranks=self._comm.world_size * groups)
+        kept = lambda: self._hooks.state is PassState.KEPT
+        self._synced_generate = install_synced_generate(module, kept, ranks=self._comm.world_size * groups)
         self._reading_own = False  # inside `own_reads` (common/run.py, Note: a module's own state_dict)
 
     def _describe_step(self) -> str:
@@ -208,9 +209,14 @@ class ShardedModel:
         """None for a persistent (whole) parameter."""
         return self._by_param.get(id(param))
 
-    def full_numel(self, param: torch.Tensor) -> int:
-        """Elements of `param` whole (a shard's full parameter, else `param` itself)."""
+    def whole_numel(self, param: torch.Tensor) -> int:
+        """Elements of `param` whole (a shard's whole parameter, else `param` itself)."""
         return sharded.numel if (sharded := self.sharded_param(param)) is not None else param.numel()
+
+    def full_numel(self, param: torch.Tensor) -> int:
+        """The old name of `whole_numel` (docs/user-guide.md named it until 2026-12); warns, then answers."""
+        warnings.warn("ShardedModel.full_numel is now whole_numel; call that.", FutureWarning, stacklevel=2)
+        return self.whole_numel(param)
 
     # ---- gradient sync (accumulate.py, Note: unsynced accumulation) ---------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -263,9 +269,9 @@ class ShardedModel:
     def gathered_for_inference(self) -> Iterator[None]:
         """Every unit gathered for the block (the whole model's parameters per rank, like DDP),
         for inference and `generate()` without a collective per forward; collective; no
-        gradients inside (held.py, Note: held for inference)."""
+        gradients inside (kept.py, Note: kept for inference)."""
         with self._pool.transient():  # buffers.py, Note: what the pool keeps
-            self._hooks.hold()
+            self._hooks.keep()
             try:
                 yield
             finally:
@@ -288,7 +294,7 @@ class ShardedModel:
         never views of the live module (persistent parameters and buffers copied); with `to_rank`
         only that rank gets them (others an empty dict)."""
         keep = to_rank is None or self._world_comm.rank == to_rank
-        full_by_id: dict[int, torch.Tensor] = {}
+        whole_by_id: dict[int, torch.Tensor] = {}
         with self.own_reads():
             state = self.module.state_dict()
         with engine_mode(), self._pool.transient():
@@ -296,15 +302,15 @@ class ShardedModel:
                 if not unit.params:
                     continue
                 if keep:  # host tensors of their own
-                    outputs = [torch.empty(p.full_shape, dtype=unit.shard_dtype) for p in unit.params]
+                    outputs = [torch.empty(p.whole_shape, dtype=unit.shard_dtype) for p in unit.params]
                     unit.gather_into(outputs, dtype=unit.shard_dtype)
-                    full_by_id.update((id(sharded.param), out) for sharded, out in zip(unit.params, outputs))
+                    whole_by_id.update((id(sharded.param), out) for sharded, out in zip(unit.params, outputs))
                 else:  # every rank joins the All-Gather
                     unit.release(unit.gather(dtype=unit.shard_dtype))
         self._checks.check()  # outside any pass: check these gathers now
         if not keep:
             return {}
-        by_name = {name: full_by_id[id(s.param)] for s in self.sharded_params for name in s.names}
+        by_name = {name: whole_by_id[id(s.param)] for s in self.sharded_params for name in s.names}
         own = {
             k: v.detach().to("cpu", copy=True)
             for k, v in state.items()
@@ -322,7 +328,7 @@ class ShardedModel:
             if source is None:
                 missing.append(sharded.name)
                 continue
-            sharded.load_full(source)
+            sharded.load_whole(source)
         result = self.module.load_state_dict(rest, strict=False)
         if strict:
             unexpected = list(result.unexpected_keys)

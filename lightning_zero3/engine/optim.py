@@ -47,7 +47,7 @@ def _local_shares(model: ShardedModel, parameters: list[torch.Tensor], order: fl
     """This rank's share of each parameter's gradient norm, in float64.
 
     [Note: norms from shards]
-    Shard gradients are disjoint pieces of the full gradient (padding is zero): their p-th powers
+    Shard gradients are disjoint pieces of the whole gradient (padding is zero): their p-th powers
     summed over ranks are the whole norm's. A whole parameter's share is divided by N; for p = inf
     the share is the largest absolute value. `torch._foreach_norm` / `_foreach_mul_` are private:
     torch's `clip_grad_norm_` uses them (tried on 2.13); no fallback is kept."""

@@ -1,13 +1,9 @@
 """`PersistentGrads`: the gradients of parameters kept whole on every rank, averaged after each backward.
 
 [Note: persistent gradients in one buffer]
-One flat buffer per dtype and device is All-Reduced, followed by one element per parameter
-counting the ranks that produced its gradient: one no rank used keeps `grad=None`, as in one
-process. Afterwards each `.grad` is a view of the buffer, so autograd's accumulation and
-`zero_grad(set_to_none=False)` work in place and the next backward reduces it where it lies.
-Anything else (`set_to_none=True`, an assigned `.grad`, `create_graph=True`, a missing gradient)
-takes the copy path: one new buffer, one `cat`. The buffer is held weakly. With shard groups
-the All-Reduce spans all ranks at once (one collective, not two).
+One flat buffer per dtype and device is All-Reduced, followed by one element per parameter counting the
+ranks that produced its gradient: one no rank used keeps `grad=None`, as in one process.
+(docs/design.md, persistent gradients in one buffer)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the engine did, counted where it does it (accounting.py is the oracle): `StepRecord`, per
-step, which units it gathered, kept and reduced; `UnitStats`, the units holding full parameters."""
+step, which units it gathered, kept and reduced; `UnitStats`, the units holding whole parameters."""
 
 from __future__ import annotations
 
@@ -39,16 +39,16 @@ class StepRecord:
 
 @dataclass
 class UnitStats:
-    """Units holding full parameters (or a gather in flight) now, and the peak."""
+    """Units holding whole parameters (or a gather in flight) now, and the peak."""
 
     alive: int = 0
     peak: int = 0
     peak_without_root: int = 0
-    _calls: Counter[int] = field(default_factory=Counter, init=False, repr=False)  # holding full parameters
+    _calls: Counter[int] = field(default_factory=Counter, init=False, repr=False)  # holding whole parameters
     _alive: set[int] = field(default_factory=set, init=False, repr=False)
 
     def change(self, uid: int, delta: int, gather_in_flight: bool) -> None:
-        """Unit `uid` gained (+1) or lost (-1) a call holding full parameters, or (0) a gather."""
+        """Unit `uid` gained (+1) or lost (-1) a call holding whole parameters, or (0) a gather."""
         self._calls[uid] += delta
         if self._calls[uid] > 0 or gather_in_flight:
             self._alive.add(uid)

@@ -1,22 +1,14 @@
-"""Reducing gradients: a unit's full gradients -> this rank's averaged shard gradients
+"""Reducing gradients: a unit's whole gradients -> this rank's averaged shard gradients
 (Reduce-Scatter, with shard groups then an All-Reduce across them); `Reductions` in flight.
 
 [Note: asynchronous reduction]
-`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient; the next
-unit's backward computes meanwhile. The shard gradients are added into `shard.grad` when waited
-for: once more than `reductions_in_flight` are pending, and all in the callback that ends
-backward, so `.grad` is complete when `backward()` returns. Adding keeps accumulation, tied
-weights and reused modules exact. The All-Reduces across groups go out in the order the
-reductions started, alike on every rank (`_advance`).
+`GatherParams.backward` only starts a unit's Reduce-Scatter and returns no gradient; the next unit's
+backward computes meanwhile. (docs/design.md, asynchronous reduction)
 
 [Note: gradient copy-in]
-The full gradients are copied into the Reduce-Scatter input on the compute stream (as FSDP2 does)
-and the reduce stream waits for the copy: autograd frees them as soon as `GatherParams.backward`
-returns; only the inputs stay in flight. One op packs them (`pack_gradients`, unit.py, Note: one
-kernel per copy). The average (a division by N after the sum: the check column must stay an exact
-integer, so no `ReduceOp.AVG` or pre-divide) and the cast to the shard dtype run on the stream
-that waited for the collective (reduce, or replicate across shard groups), into a tensor allocated
-on the compute stream beforehand, which then waits for their event.
+The whole gradients are copied into the Reduce-Scatter input on the compute stream (as FSDP2 does) and
+the reduce stream waits for the copy: autograd frees them as soon as `GatherParams.backward` returns;
+only the inputs stay in flight. (docs/design.md, gradient copy-in)
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ _chunk_cat = getattr(torch, "_chunk_cat", None)  # private: unit.py, Note: one k
 
 @dataclass(eq=False)
 class Summed:
-    """A unit's full gradients summed with sync off (accumulate.py), as the input's (N, S) columns."""
+    """A unit's whole gradients summed with sync off (accumulate.py), as the input's (N, S) columns."""
 
     total: torch.Tensor
     present: list[bool]  # which parameters had a gradient in any of them
@@ -58,28 +50,28 @@ def grad_blocks(unit: Unit, grads: list[torch.Tensor | None]) -> list[torch.Tens
     return blocks
 
 
-def pack_gradients(unit: Unit, grads: list[torch.Tensor | None], full: torch.Tensor, tail: torch.Tensor) -> None:
-    """The Reduce-Scatter input `full` (N, row): each gradient (None: zeros) padded to its
-    (N, shard) column block, cast to `full`'s dtype, then `tail` (the check column)."""
+def pack_gradients(unit: Unit, grads: list[torch.Tensor | None], whole: torch.Tensor, tail: torch.Tensor) -> None:
+    """The Reduce-Scatter input `whole` (N, row): each gradient (None: zeros) padded to its
+    (N, shard) column block, cast to `whole`'s dtype, then `tail` (the check column)."""
     n = unit.world_size
     zero = tail.new_zeros(())  # no gradient (frozen): zeros, not allocated per parameter
     dtypes = {g.dtype for g in grads if g is not None}
     if _chunk_cat is not None and dtypes <= {tail.dtype}:  # one kernel where all are contiguous
         flats = [zero.expand(p.numel) if g is None else g.reshape(-1) for p, g in zip(unit.params, grads)]
-        _chunk_cat([*flats, tail.view(-1)], 0, n, out=full)
+        _chunk_cat([*flats, tail.view(-1)], 0, n, out=whole)
         return
     blocks = [zero.expand(n, p.shard_numel) if b is None else b for p, b in zip(unit.params, grad_blocks(unit, grads))]
-    torch.cat([*blocks, tail], dim=1, out=full)  # casts to full's dtype
+    torch.cat([*blocks, tail], dim=1, out=whole)  # casts to whole's dtype
 
 
 @dataclass(eq=False)
 class PendingReduce:
-    """A reduction in flight; `full` is kept until the wait (Note: gradient copy-in)."""
+    """A reduction in flight; `whole` is kept until the wait (Note: gradient copy-in)."""
 
     unit: Unit
     work: Any  # None: nothing to wait for (one rank)
     out: torch.Tensor
-    full: torch.Tensor
+    whole: torch.Tensor
     present: list[bool] = field(default_factory=list)  # which parameters had a gradient
     done: object = None  # event after the last queued operation (CUDA), else None
     stamped: bool = False  # whether the rank checks stamped its column (checks.py)
@@ -96,7 +88,7 @@ class Reductions:
         self._pending: deque[PendingReduce] = deque()
 
     def start(self, unit: Unit, grads: list[torch.Tensor | None] | Summed) -> None:
-        """Start reducing `unit`'s full gradients (None: frozen) or their sum with sync off."""
+        """Start reducing `unit`'s whole gradients (None: frozen) or their sum with sync off."""
         with torch.profiler.record_function(f"ZeRO3::reduce_grads({unit.name})"):
             if not isinstance(grads, Summed):
                 grads = [g if p.requires_grad else None for g, p in zip(grads, unit.params)]
@@ -141,19 +133,19 @@ class Reductions:
         streams = unit.comm.streams(device)
         out = torch.empty(width, dtype=unit.reduce_dtype, device=device)
         with torch.no_grad():  # the copy-in, on the compute stream (Note: gradient copy-in)
-            full = unit.pool.take("reduce", n * width, unit.reduce_dtype, device).view(n, width)  # (N, row)
+            whole = unit.pool.take("reduce", n * width, unit.reduce_dtype, device).view(n, width)  # (N, row)
             tail, stamped = unit.checks.reduce_tail(unit.uid, unit.comm.rank, (n, width - s), unit.code_dtype, device)
             if isinstance(grads, Summed):
-                full[:, :s].copy_(grads.total)  # casts to reduce_dtype
-                full[:, s:].copy_(tail)
+                whole[:, :s].copy_(grads.total)  # casts to reduce_dtype
+                whole[:, s:].copy_(tail)
             else:
-                pack_gradients(unit, grads, full, tail)
+                pack_gradients(unit, grads, whole, tail)
         with streams.on("reduce"):  # waits for the copy-in
             what = f"gradients of unit '{unit.name}'"
-            work = unit.comm.reduce_scatter(out, full, what=what, async_op=True, quantize_data=s)
+            work = unit.comm.reduce_scatter(out, whole, what=what, async_op=True, quantize_data=s)
             done = streams.event()
         present = grads.present if isinstance(grads, Summed) else [g is not None for g in grads]
-        pending = PendingReduce(unit=unit, work=work, out=out, full=full, present=present, done=done, stamped=stamped)
+        pending = PendingReduce(unit=unit, work=work, out=out, whole=whole, present=present, done=done, stamped=stamped)
         if unit.replicate is not None and streams.enabled:
             _replicate(pending)  # stream-ordered: no host wait
         return pending
@@ -180,7 +172,7 @@ class Reductions:
         else:
             _wait(pending, "Reduce-Scatter", "reduce", average=(n, out))
         unit.comm.streams(pending.out.device).wait_for(pending.done)
-        unit.pool.give("reduce", pending.full.view(-1))
+        unit.pool.give("reduce", pending.whole.view(-1))
         present = pending.present
         return [out[o : o + p.shard_numel] if has else None for p, o, has in zip(unit.params, unit.offsets, present)]
 

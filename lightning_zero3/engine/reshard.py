@@ -41,5 +41,5 @@ def after_forward(setting: bool | int, call: UnitCall, calls: CallTable, *, ends
         return
     if setting is not True:
         with engine_mode():
-            call.unit.keep_slice(call.fulls)
+            call.unit.keep_slice(call.wholes)
     calls.move(call, CallState.RESHARDED)

@@ -7,7 +7,7 @@ padding stays zero: a zero with a zero gradient stays zero under element-wise op
 
 [Note: shards in one buffer]
 One unit's shards live back to back in one buffer, in gather-row order, allocated before any
-full tensor (materialize.py). Each is a tensor of its own on it (`set_`, not a slice), with its
+whole tensor (materialize.py). Each is a tensor of its own on it (`set_`, not a slice), with its
 own version counter, so writing one shard does not make the others look changed.
 
 [Note: whole inside gathered_parameters]
@@ -20,7 +20,7 @@ strategies' state-dict guard (common/run.py) reads it.
 [Note: shard writes]
 Writes to shards that no version counter shows (`.data.copy_`, fused optimizer kernels, DCP's
 loads) are counted instead: every `torch.optim` optimizer's step (a global post-step hook,
-public), `load_full`, the checkpoint loads. Caches of what shards hold (quantize.py, Note: packed
+public), `load_whole`, the checkpoint loads. Caches of what shards hold (quantize.py, Note: packed
 once per change) compare the count.
 """
 
@@ -89,9 +89,9 @@ def one_row(tensors: Sequence[torch.Tensor | None], offsets: list[int], numel: i
     return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, base, (numel,), (1,))
 
 
-def shard_slice(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's padded 1-D piece of `full` (a new tensor)."""
-    flat = full.detach().reshape(-1)
+def shard_slice(whole: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's padded 1-D piece of `whole` (a new tensor)."""
+    flat = whole.detach().reshape(-1)
     size = shard_numel(flat.numel(), world_size)
     piece = torch.zeros(size, dtype=flat.dtype, device=flat.device)
     start = min(rank * size, flat.numel())
@@ -106,7 +106,7 @@ class ShardedParam:
 
     owners: list[tuple[nn.Module, str]]  # every (module, attribute) holding it (tied weights)
     names: list[str]  # qualified names under the root
-    full_shape: torch.Size
+    whole_shape: torch.Size
     param: nn.Parameter  # the registered 1-D shard
     world_size: int
     rank: int
@@ -117,7 +117,7 @@ class ShardedParam:
     gathered: list[int | None] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        self.numel = math.prod(self.full_shape)
+        self.numel = math.prod(self.whole_shape)
         self.shard_numel = shard_numel(self.numel, self.world_size)
 
     @property
@@ -136,14 +136,14 @@ class ShardedParam:
         """Whether `value` is laid out like the shard (per-element optimizer state)."""
         return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == self.shard_numel
 
-    def load_full(self, full: torch.Tensor) -> None:
-        """Overwrite this rank's shard from a full tensor."""
-        if full.numel() != self.numel:
+    def load_whole(self, whole: torch.Tensor) -> None:
+        """Overwrite this rank's shard from a whole tensor."""
+        if whole.numel() != self.numel:
             raise ValueError(
-                f"Parameter '{self.name}' has shape {tuple(self.full_shape)} but the tensor given has "
-                f"shape {tuple(full.shape)}; load a state dict of the same model."
+                f"Parameter '{self.name}' has shape {tuple(self.whole_shape)} but the tensor given has "
+                f"shape {tuple(whole.shape)}; load a state dict of the same model."
             )
         with torch.no_grad():
-            piece = shard_slice(full, self.rank, self.world_size)  # slice first: no whole-tensor copy
+            piece = shard_slice(whole, self.rank, self.world_size)  # slice first: no whole-tensor copy
             self.param.data.copy_(piece)  # casts to the shard's dtype and device
         note_shard_writes()

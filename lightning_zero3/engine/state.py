@@ -19,7 +19,7 @@ def gather_shard_tensor(model: ShardedModel, sharded: ShardedParam, shard: torch
     gathered = torch.empty(n * sharded.shard_numel, dtype=shard.dtype, device=device)
     what = f"state of '{sharded.name}'"
     model._comm.all_gather(gathered, shard.detach().contiguous(), async_op=False, what=what)
-    return gathered[: sharded.numel].view(sharded.full_shape)
+    return gathered[: sharded.numel].view(sharded.whole_shape)
 
 
 def full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer, *, to_rank: int | None = 0) -> dict:
@@ -37,8 +37,8 @@ def full_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer, 
         if sharded is not None:
             for key, value in entry.items():
                 if sharded.is_shard_shaped(value):
-                    full = gather_shard_tensor(model, sharded, value)
-                    entry[key] = full.cpu() if keep else None
+                    whole = gather_shard_tensor(model, sharded, value)
+                    entry[key] = whole.cpu() if keep else None
         state[index] = entry
     return {"state": state, "param_groups": packed["param_groups"]} if keep else {}
 

@@ -2,20 +2,16 @@
 Reducing its gradients is reduce.py's.
 
 [Note: flat layout]
-Each rank sends one row: its shards of the unit's parameters back to back (shard i at offset o_i,
-S elements in all), the check slot (checks.py), zeros up to a multiple of 16 bytes (NCCL is
-fastest with aligned chunks). The gathered (N, row) buffer holds parameter i's full data in
-column block [o_i, o_i + shard_numel_i), row by row. The Reduce-Scatter input is (N, reduce row)
-with the same columns and one check column at S. This rank's row of the receive buffer is its
-send buffer. A slice kept after forward (reshard.py) is the same with N/G shards per parameter:
-member j of a group of G holds ranks jN/G .. (j+1)N/G - 1's shards back to back at (N/G) o_i.
+Each rank sends one row: its shards of the unit's parameters back to back (shard i at offset o_i, S
+elements in all), the check slot (checks.py), zeros up to a multiple of 16 bytes (NCCL is fastest with
+aligned chunks). (docs/design.md, flat layout)
 
 [Note: dtypes]
 Shards (the optimizer's master copy) keep the model's dtype; gathers and compute use
 `param_dtype`; reductions `reduce_dtype` (default fp32, or the shard dtype when wider).
 
-[Note: full-parameter blocks]
-One gather's full parameters are views of one pooled block of N * S elements, parameter i at
+[Note: whole-parameter blocks]
+One gather's whole parameters are views of one pooled block of N * S elements, parameter i at
 N * o_i, filled by one `split_with_sizes_copy`. Autograd keeps them from forward to backward, so
 `release` moves the block's memory out of their storage into the pool, and the re-gather moves a
 pooled block back in (`UntypedStorage._swap_data_ptr_`, private; tried on torch 2.13). FSDP2's
@@ -165,7 +161,7 @@ class Unit:
         return sum(p.numel for p in self.params)
 
     @property
-    def block_numel(self) -> int:  # Note: full-parameter blocks
+    def block_numel(self) -> int:  # Note: whole-parameter blocks
         return self.world_size * self.shard_numel
 
     def row_numel(self, dtype: torch.dtype | None = None, *, per: int = 1) -> int:
@@ -276,9 +272,9 @@ class Unit:
         return tags
 
     def gather(self, into: list[torch.Tensor] | None = None, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """Full parameters in `dtype` (default `param_dtype`; `shard_dtype` for the exact master
+        """Whole parameters in `dtype` (default `param_dtype`; `shard_dtype` for the exact master
         values). With `into` (tensors `release` emptied), refill their storage without bumping
-        their version (Note: full-parameter blocks)."""
+        their version (Note: whole-parameter blocks)."""
         asked, dtype = dtype, dtype or self.param_dtype
         if self._pending is not None and self._pending.recv.dtype != dtype:
             self.discard_gather()
@@ -287,17 +283,17 @@ class Unit:
         n = self.world_size
         if into is None:
             block = self.pool.take("block", self.block_numel, gathered.dtype, gathered.device)
-            fulls = [block[n * o : n * o + p.numel].view(p.full_shape) for p, o in zip(self.params, self.offsets)]
+            wholes = [block[n * o : n * o + p.numel].view(p.whole_shape) for p, o in zip(self.params, self.offsets)]
         else:
             storage = into[0].untyped_storage()
             if storage.size() == 0:
                 refill = self.pool.take("block", self.block_numel, into[0].dtype, storage.device)
                 storage._swap_data_ptr_(refill.untyped_storage())  # type: ignore[attr-defined]  # private: Note
             block = self._block(storage, into[0])
-            fulls = list(into)
+            wholes = list(into)
         self._unpack_rows(gathered, block)
         self.pool.give("gather", gathered.view(-1))
-        return fulls
+        return wholes
 
     # ---- packing (Note: one kernel per copy) ------------------------------------------------
     def _pack_shards(self, send: torch.Tensor) -> None:
@@ -315,7 +311,7 @@ class Unit:
 
     def _unpack_rows(self, gathered: torch.Tensor, block: torch.Tensor) -> None:
         """The gathered (rows, row) buffer into `block`: row r's shards of parameter i go to
-        n * o_i + r * size_i (Note: full-parameter blocks)."""
+        n * o_i + r * size_i (Note: whole-parameter blocks)."""
         n, rows, width = self.world_size, gathered.shape[0], gathered.shape[1]
         per = n // rows  # shards of each parameter per row: 1, or N/G from slices
         sizes = [per * p.shard_numel for p in self.params]
@@ -326,38 +322,38 @@ class Unit:
             torch.split_with_sizes_copy(gathered, [*sizes, rest], dim=1, out=[*out, scratch])
 
     def gather_into(self, outputs: list[torch.Tensor], *, dtype: torch.dtype | None = None) -> None:
-        """Gather into `outputs` (full shapes, any device); the block goes back to the pool.
+        """Gather into `outputs` (whole shapes, any device); the block goes back to the pool.
 
         [Note: copies to the host]
         Host outputs of a unit gathered on a device with streams (full state dicts, restoring to
         the host) come through one staging row, pinned on a GPU: one non-blocking copy of the
         block, one host wait on its event, then host copies; a blocking copy per parameter would
         make the host wait once per parameter."""
-        fulls = self.gather(dtype=dtype)
-        sources, streams = fulls, self.comm.streams(fulls[0].device)
+        wholes = self.gather(dtype=dtype)
+        sources, streams = wholes, self.comm.streams(wholes[0].device)
         with torch.no_grad():
             if streams.enabled and outputs[0].device.type == "cpu":
-                block = self._block(fulls[0].untyped_storage(), fulls[0])
+                block = self._block(wholes[0].untyped_storage(), wholes[0])
                 staging = torch.empty(block.numel(), dtype=block.dtype, pin_memory=block.device.type == "cuda")
                 staging.copy_(block, non_blocking=True)
                 streams.event().synchronize()
                 n, pairs = self.world_size, zip(self.params, self.offsets)
-                sources = [staging[n * o : n * o + p.numel].view(p.full_shape) for p, o in pairs]
-            for out, full in zip(outputs, sources):
-                out.copy_(full)
-        self.release(fulls)
+                sources = [staging[n * o : n * o + p.numel].view(p.whole_shape) for p, o in pairs]
+            for out, whole in zip(outputs, sources):
+                out.copy_(whole)
+        self.release(wholes)
 
-    def release(self, fulls: list[torch.Tensor]) -> None:
+    def release(self, wholes: list[torch.Tensor]) -> None:
         """Empty the storage of `gather`'s tensors, keeping the objects autograd may have saved;
-        the memory goes to the pool (Note: full-parameter blocks)."""
-        if not fulls:
+        the memory goes to the pool (Note: whole-parameter blocks)."""
+        if not wholes:
             return
-        storage = fulls[0].untyped_storage()  # all full parameters of a gather share it
+        storage = wholes[0].untyped_storage()  # all whole parameters of a gather share it
         if storage.size() == 0:
             return
-        holder = torch.empty(0, dtype=fulls[0].dtype, device=fulls[0].device).untyped_storage()
+        holder = torch.empty(0, dtype=wholes[0].dtype, device=wholes[0].device).untyped_storage()
         holder._swap_data_ptr_(storage)  # type: ignore[attr-defined]  # `storage` is left empty
-        self.pool.give("block", self._block(holder, fulls[0]))
+        self.pool.give("block", self._block(holder, wholes[0]))
 
     def _block(self, storage: Any, like: torch.Tensor) -> torch.Tensor:
         """A new 1-D tensor over `storage`: writes through it leave the version counters of the
@@ -365,13 +361,13 @@ class Unit:
         return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, 0, (self.block_numel,), (1,))
 
     # ---- the slice kept after forward (reshard.py) ----------------------------------------
-    def keep_slice(self, fulls: list[torch.Tensor]) -> None:
-        """Copy this rank's 1/G slice out of `gather`'s `fulls` (Note: flat layout)."""
+    def keep_slice(self, wholes: list[torch.Tensor]) -> None:
+        """Copy this rank's 1/G slice out of `gather`'s `wholes` (Note: flat layout)."""
         comm = self.slice_comm
-        assert comm is not None and fulls
+        assert comm is not None and wholes
         self.drop_slice()
         n, per, j = self.world_size, self.world_size // comm.world_size, comm.rank
-        block = self._block(fulls[0].untyped_storage(), fulls[0])
+        block = self._block(wholes[0].untyped_storage(), wholes[0])
         spans = [(n * o + j * per * p.shard_numel, per * p.shard_numel) for p, o in zip(self.params, self.offsets)]
         streams = comm.streams(block.device)
         with streams.on("copy_in"), torch.no_grad():

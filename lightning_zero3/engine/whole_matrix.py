@@ -1,14 +1,9 @@
 """Optimizers that need whole matrices (torch.optim.Muon), stepped exactly on 1-D shards.
 
 [Note: whole-matrix steps]
-Such an optimizer declares a `WholeMatrixNeed`: per parameter, its step is element-wise
-(`before`, `after`) around one transform that needs the whole matrix (`whole`). On shards,
-`before` runs on each rank's piece; one All-to-All sends every piece of a matrix to its owner
-(owners balanced by elements, computed alike on every rank); the owner runs `whole` on the
-matrix of its full shape and a second All-to-All returns each rank its piece of the result, on
-which `after` runs, knowing the full shape. The optimizer's state stays shard-shaped (1/N
-memory), so checkpoints save, gather and reshard it as they do AdamW's moments (state.py). The
-bytes: docs/accounting.md, "Optimizers that need whole matrices".
+Such an optimizer declares a `WholeMatrixNeed`: per parameter, its step is element-wise (`before`,
+`after`) around one transform that needs the whole matrix (`whole`). (docs/design.md, whole-matrix
+steps)
 
 The user's optimizer object is the one stepped: a step pre-hook (public `register_step_pre_hook`)
 runs the sharded step, after the closure when one is passed (backward runs inside it), and
@@ -17,15 +12,9 @@ hides the shards' gradients, so the optimizer's own step updates only its whole 
 torch is patched. Another optimizer of this kind (a Shampoo-style preconditioner) is one more
 `WholeMatrixNeed` in `WHOLE_MATRIX_NEEDS`.
 
-[Note: optimizers built on full shapes]
+[Note: optimizers built on whole shapes]
 `torch.optim.Muon(params)` refuses a parameter that is not 2-D, so it cannot be built on shards.
-Inside `full_shapes`, where the strategies build the user's optimizers, each sharded parameter
-shows its whole shape: its data is a zero-stride view of one NaN of its device and dtype (no
-memory). Constructors check shapes and devices, never values; a write there (an init in
-`configure_optimizers`) lands on that NaN, never a shard, and is refused on exit. The optimizer keeps
-the parameter objects, which hold their shards again on exit. A `p.dim() >= 2` filter there
-selects what it selects under DDP. State a constructor makes at once (Adagrad's sums) has the
-full shape: `shard_state_built_whole` cuts it to this rank's piece, as a loaded full state is.
+(docs/design.md, optimizers built on whole shapes)
 """
 
 from __future__ import annotations
@@ -51,7 +40,7 @@ class WholeMatrixNeed:
 
     before: Callable[[Tensor, Group, dict[str, Any]], Tensor]  # (grad piece, group, state) -> piece to transform
     whole: Callable[[Tensor, Group], Tensor]  # (whole matrix, group) -> transformed matrix, on its owner
-    after: Callable[[Tensor, Tensor, Group, torch.Size], None]  # (param piece, its result, group, full shape)
+    after: Callable[[Tensor, Tensor, Group, torch.Size], None]  # (param piece, its result, group, whole shape)
     missing: Callable[[], str | None]  # why this torch cannot run it, or None
 
 
@@ -59,7 +48,7 @@ class WholeMatrixNeed:
 # [Note: Muon's pieces]
 # torch.optim.Muon, per parameter: momentum and Nesterov lerps (element-wise), Newton-Schulz
 # orthogonalisation (whole), decoupled weight decay and the update scaled by `_adjust_lr` of the
-# full shape (element-wise). Its `_zeropower_via_newtonschulz` and `_adjust_lr` (torch/optim/
+# whole shape (element-wise). Its `_zeropower_via_newtonschulz` and `_adjust_lr` (torch/optim/
 # _muon.py) are private: called so that the update is torch's own (tried on torch 2.13). A torch
 # without them gets Muon refused at setup on every rank (`missing`), naming this.
 def _muon_before(grad: Tensor, group: Group, state: dict[str, Any]) -> Tensor:
@@ -75,9 +64,9 @@ def _muon_whole(matrix: Tensor, group: Group) -> Tensor:
     return orthogonalise(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
 
-def _muon_after(param: Tensor, update: Tensor, group: Group, full_shape: torch.Size) -> None:
+def _muon_after(param: Tensor, update: Tensor, group: Group, whole_shape: torch.Size) -> None:
     lr = float(group["lr"])  # a 1-element tensor too, as torch's `_to_scalar`
-    adjusted = torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], full_shape)  # private: Note: Muon's pieces
+    adjusted = torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], whole_shape)  # private: Note: Muon's pieces
     param.mul_(1 - lr * group["weight_decay"])
     param.add_(update, alpha=-adjusted)
 
@@ -176,7 +165,7 @@ class WholeMatrixSteps:
         for i in mine:  # rows: (n, own), rank q's pieces of my matrices side by side in row q
             group, _, sharded = pieces[i]
             matrix = rows.view(n, own)[:, offset : offset + sizes[i]].reshape(-1)[: sharded.numel]
-            result = need.whole(matrix.view(sharded.full_shape), group).reshape(-1)
+            result = need.whole(matrix.view(sharded.whole_shape), group).reshape(-1)
             padded = sent.new_zeros(n * sizes[i])
             padded[: sharded.numel] = result  # in the pieces' dtype, wider than the result's or equal
             results.append(padded.view(n, sizes[i]))
@@ -194,7 +183,7 @@ class WholeMatrixSteps:
         offset = 0
         for i in order:
             group, p, sharded = pieces[i]
-            need.after(p, returned[offset : offset + sizes[i]].to(p.device), group, sharded.full_shape)
+            need.after(p, returned[offset : offset + sizes[i]].to(p.device), group, sharded.whole_shape)
             offset += sizes[i]
         for _, p, _ in pieces:
             self._hidden.append((p, p.grad))  # type: ignore[arg-type]
@@ -234,9 +223,9 @@ def whole_matrix_step_bytes(
 
 
 @contextmanager
-def full_shapes(sharded_params: Iterable[ShardedParam]) -> Iterator[None]:
+def whole_shapes(sharded_params: Iterable[ShardedParam]) -> Iterator[None]:
     """Each sharded parameter shows its whole shape inside, its values NaN; a write is refused on
-    exit, the shards untouched (Note: optimizers built on full shapes)."""
+    exit, the shards untouched (Note: optimizers built on whole shapes)."""
     shown: list[tuple[ShardedParam, Tensor, Tensor]] = []
     try:
         for sharded in sharded_params:
@@ -245,7 +234,7 @@ def full_shapes(sharded_params: Iterable[ShardedParam]) -> Iterator[None]:
                 continue
             stand_in = torch.full((1,), float("nan"), dtype=shard.dtype, device=shard.device)
             shown.append((sharded, shard, stand_in))
-            sharded.param.data = stand_in.as_strided(sharded.full_shape, [0] * len(sharded.full_shape))
+            sharded.param.data = stand_in.as_strided(sharded.whole_shape, [0] * len(sharded.whole_shape))
         yield
     finally:
         for sharded, shard, _ in shown:
@@ -261,14 +250,14 @@ def full_shapes(sharded_params: Iterable[ShardedParam]) -> Iterator[None]:
 
 
 def shard_state_built_whole(model: _Sharded, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-    """State the optimizers' constructors made inside `full_shapes` in a parameter's full shape:
-    this rank's piece of it instead (Note: optimizers built on full shapes)."""
+    """State the optimizers' constructors made inside `whole_shapes` in a parameter's whole shape:
+    this rank's piece of it instead (Note: optimizers built on whole shapes)."""
     for optimizer in optimizers:
         for param, state in optimizer.state.items():
             if (sharded := model.sharded_param(param)) is None:
                 continue
             for key, value in state.items():
-                if isinstance(value, Tensor) and value.dim() and value.shape == sharded.full_shape:
+                if isinstance(value, Tensor) and value.dim() and value.shape == sharded.whole_shape:
                     state[key] = shard_slice(value, sharded.rank, sharded.world_size)
 
 
@@ -278,7 +267,7 @@ __all__ = [
     "WholeMatrixNeed",
     "WholeMatrixSteps",
     "balanced_owners",
-    "full_shapes",
+    "whole_shapes",
     "shard_state_built_whole",
     "step_whole_matrices",
     "whole_matrix_need",

@@ -199,6 +199,9 @@ def _gradients_inside(rank: int, world_size: int, what: str) -> str:
                 model(x)
             elif what == "backward":
                 loss.backward()
+            elif what == "nested":
+                with sharded.gathered_for_inference():
+                    pass
             else:
                 with torch.no_grad():
                     next(model.blocks[0].parameters()).add_(1.0)  # what an optimizer step does
@@ -215,6 +218,11 @@ def _gradients_inside(rank: int, world_size: int, what: str) -> str:
 def test_gradients_inside_gathered_for_inference_raise_on_every_rank(what: str):
     for message in run_ranks(_gradients_inside, 2, what):
         assert "inside gathered_for_inference()" in message and "torch.no_grad()" in message, message
+
+
+def test_gathered_for_inference_inside_itself_is_refused_and_the_outer_one_gives_back_its_units():
+    for message in run_ranks(_gradients_inside, 2, "nested"):
+        assert "already active" in message and "do not nest" in message, message
 
 
 def test_changed_shards_inside_gathered_for_inference_raise():

@@ -44,7 +44,7 @@ def test_what_the_caller_passes_wins_and_the_default_applies_only_outside_the_co
     """test_engine_generate.py relies on an explicit synced_gpus=False being kept."""
     from lightning_zero3.engine.generation import synced_default
 
-    assert synced_default({"synced_gpus": False}, held=False, world_size=2) == {"synced_gpus": False}
-    assert synced_default({}, held=False, world_size=2) == {"synced_gpus": True}
-    assert synced_default({}, held=True, world_size=2) == {}
-    assert synced_default({"synced_gpus": None}, held=False, world_size=1) == {"synced_gpus": None}
+    assert synced_default({"synced_gpus": False}, kept=False, world_size=2) == {"synced_gpus": False}
+    assert synced_default({}, kept=False, world_size=2) == {"synced_gpus": True}
+    assert synced_default({}, kept=True, world_size=2) == {}
+    assert synced_default({"synced_gpus": None}, kept=False, world_size=1) == {"synced_gpus": None}

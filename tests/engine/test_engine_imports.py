@@ -280,7 +280,7 @@ def test_the_layer_check_sees_an_import_going_up():
     assert upward_imports(graph, design_layers(DESIGN)) == ["reduce.py (layer 4) imports offload.py (layer 7)"]
 
 
-MODEL_MEMBERS_AT_MOST = 22  # methods and properties of ShardedModel; its accounting is one `stats` object
+MODEL_MEMBERS_AT_MOST = 23  # ShardedModel methods and properties (full_numel: whole_numel's old name)
 DOOR_AT_MOST = 33  # names in lightning_zero3.engine.__all__
 
 
@@ -301,6 +301,16 @@ def test_sharded_model_shows_four_attributes_and_documents_each_method():
     assert len(members) <= MODEL_MEMBERS_AT_MOST, sorted(members)
     assert [name for name, m in members.items() if not (m.__doc__ or "").strip()] == []
     assert [name for name, m in _public_members(ModelStats).items() if callable(m) and not m.__doc__] == []
+
+
+def test_full_numel_answers_under_its_old_name_and_names_the_new_one():
+    """docs/user-guide.md named `full_numel` until 2026-12; code written then still counts."""
+    from torch import nn
+
+    sharded = lightning_zero3.engine.ShardedModel(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), device="cpu")
+    weight = sharded.module[0].weight
+    with pytest.warns(FutureWarning, match="whole_numel"):
+        assert sharded.full_numel(weight) == sharded.whole_numel(weight) == 12
 
 
 def _door_users() -> dict[str, set[str]]:

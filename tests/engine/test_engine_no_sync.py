@@ -116,7 +116,7 @@ def _bytes_and_buffers(rank: int, world_size: int, k: int) -> dict:
     held: list[weakref.ref[torch.Tensor]] = []
 
     def note(micro: int) -> None:
-        totals = [summed.total for _, summed in sorted(sharded._gradient_sync._held.items())]
+        totals = [summed.total for _, summed in sorted(sharded._gradient_sync._summed.items())]
         held.extend(weakref.ref(t) for t in totals)
         out["held_bytes"].append(sum(t.numel() * t.element_size() for t in totals))
 

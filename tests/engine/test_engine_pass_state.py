@@ -39,8 +39,8 @@ def test_the_pass_state_follows_forward_backward_and_held():
     P = PassState
     assert seen == [
         ("block forward", P.FORWARD), ("after forward", P.IDLE), ("loss grad", P.BACKWARD),
-        ("block backward", P.BACKWARD), ("after backward", P.IDLE), ("block forward", P.HELD),
-        ("inside gathered_for_inference", P.HELD), ("after gathered_for_inference", P.IDLE),
+        ("block backward", P.BACKWARD), ("after backward", P.IDLE), ("block forward", P.KEPT),
+        ("inside gathered_for_inference", P.KEPT), ("after gathered_for_inference", P.IDLE),
     ]  # fmt: skip
 
 

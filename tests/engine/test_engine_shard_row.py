@@ -52,7 +52,7 @@ def test_a_shard_given_other_memory_is_gathered_from_that_memory():
     moved = unit.params[0]
     with torch.no_grad():
         moved.param.data = moved.param.data.clone() + 1.0  # leaves the row, whose copy is now stale
-    expected = moved.param.detach()[: moved.numel].reshape(moved.full_shape)  # one rank: the shard is whole
+    expected = moved.param.detach()[: moved.numel].reshape(moved.whole_shape)  # one rank: the shard is whole
     fulls = unit.gather()
     assert torch.equal(fulls[0], expected), "the gather sent the row's stale copy of a moved shard"
     unit.release(fulls)

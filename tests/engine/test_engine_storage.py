@@ -1,5 +1,5 @@
 """Emptying and refilling the storage of full parameters that autograd keeps from forward to
-backward (unit.py, Note: full-parameter blocks): the block's memory moves to the pool and back
+backward (unit.py, Note: whole-parameter blocks): the block's memory moves to the pool and back
 (`UntypedStorage._swap_data_ptr_`). The full weights must be released after forward, where
 autograd keeps them, wait in the pool for the next gather, and train exactly like one process."""
 

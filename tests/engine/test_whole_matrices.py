@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zero3.engine import ShardedModel, full_optimizer_state, full_shapes, load_full_optimizer_state
+from lightning_zero3.engine import ShardedModel, full_optimizer_state, load_full_optimizer_state, whole_shapes
 from lightning_zero3.engine import step_whole_matrices as step_whole
 from lightning_zero3.engine.shard import shard_slice
 from lightning_zero3.engine.whole_matrix import balanced_owners
@@ -88,7 +88,7 @@ def _build(world_size: int, start: dict[str, torch.Tensor] | None = None):
         model.load_state_dict(start)
     # inp (13x7) and head (5x13) stay whole: the optimizer's own step updates them.
     sharded = ShardedModel(model, persistence_threshold=100)
-    with full_shapes(sharded.sharded_params):
+    with whole_shapes(sharded.sharded_params):
         optimizers = _optimizers(model)
     step_whole(sharded, optimizers[0], "test")
     return model, sharded, optimizers
@@ -336,7 +336,7 @@ def _hybrid(rank: int, world_size: int) -> float:
     ref_optimizers = _optimizers(reference)
     model = _model()
     sharded = ShardedModel(model, shard_size=2)  # 2 groups of 2 ranks, each stepping its replica
-    with full_shapes(sharded.sharded_params):
+    with whole_shapes(sharded.sharded_params):
         optimizers = _optimizers(model)
     step_whole(sharded, optimizers[0], "test")
     worst = 0.0
@@ -374,12 +374,12 @@ def test_a_sharded_muon_checkpoint_resumes_at_another_world_size_as_ddps_does(tm
     assert max_difference(zero3, _fit_and_resume("ddp", tmp_path / "ddp")) < 1e-6
 
 
-def _write_inside_full_shapes(rank: int, world_size: int) -> tuple[str, bool]:
+def _write_inside_whole_shapes(rank: int, world_size: int) -> tuple[str, bool]:
     model = _model()
     sharded = ShardedModel(model, persistence_threshold=100)
     before = [s.param.data.clone() for s in sharded.sharded_params]
     try:
-        with full_shapes(sharded.sharded_params):
+        with whole_shapes(sharded.sharded_params):
             torch.nn.init.constant_(model.blocks[0].fc1.weight, 1.0)  # a user's init in configure_optimizers
         message = ""
     except RuntimeError as err:
@@ -389,6 +389,6 @@ def _write_inside_full_shapes(rank: int, world_size: int) -> tuple[str, bool]:
 
 
 def test_a_write_to_a_parameter_while_optimizers_are_built_is_refused_and_leaves_the_shards():
-    for message, unchanged in run_ranks(_write_inside_full_shapes, 2):
+    for message, unchanged in run_ranks(_write_inside_whole_shapes, 2):
         assert "blocks.0.fc1.weight" in message and "configure_model" in message, message
         assert unchanged

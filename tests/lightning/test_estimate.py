@@ -140,7 +140,7 @@ def _run_offloaded_and_unsynced(rank: int, world_size: int, directory: str) -> d
     for _ in range(2):
         with sharded.no_sync():
             model(torch.randn(4, 64)).square().mean().backward()
-        sums = sum(held.total.nbytes for held in sharded._gradient_sync._held.values())
+        sums = sum(summed.total.nbytes for summed in sharded._gradient_sync._summed.values())
         model(torch.randn(4, 64)).square().mean().backward()
         sharded.stats.end_step()
         optimizer.step()

@@ -105,7 +105,7 @@ class _LitAdagradByDim(LitMLP):
 @pytest.mark.slow
 def test_an_optimizer_building_its_state_in_configure_optimizers_trains_like_one_process() -> None:
     """Before: its state was made for the full shapes shown inside `configure_optimizers` (engine/
-    whole_matrix.py, Note: optimizers built on full shapes) and the first step raised a size mismatch."""
+    whole_matrix.py, Note: optimizers built on whole shapes) and the first step raised a size mismatch."""
     torch.manual_seed(0)
     model = _LitAdagradByDim()
     fit = trainer(launched("zero3"), 2, callbacks=[HandsBack()], max_epochs=1)

@@ -1,14 +1,10 @@
-"""Units held gathered across passes: the rules of `ShardedModel.gathered_for_inference()`; the
-driver (`HookDriver.hold`, `release`) enters and leaves `PassState.HELD` and moves the calls.
+"""Units kept gathered across passes: the rules of `ShardedModel.gathered_for_inference()`; the
+driver (`HookDriver.keep`, `release`) enters and leaves `PassState.KEPT` and moves the calls.
 
-[Note: held for inference]
-Entry gathers every unit once (every rank, unit order) into a call that stays in FORWARD until
-exit; inside, forward hooks only count their depth, so no collective runs and `generate()` runs
-at DDP's speed. Entered in a forward without gradients (Lightning's predict_step) the open units
-keep their calls. Held tensors have no autograd parent, so gradients are refused (entering in a
-forward with gradients, a grad-enabled forward or a backward inside), as is a forward after the
-shards changed. Exit moves every call it gathered to DONE. Outside, a gather that fails in a pass
-without gradients names `synced_gpus` (`UNSYNCED_HINT`, generation.py).
+[Note: kept for inference]
+Entry gathers every unit once (every rank, unit order) into a call that stays in FORWARD until exit;
+inside, forward hooks only count their depth, so no collective runs and `generate()` runs at DDP's
+speed. (docs/design.md, kept for inference)
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from lightning_zero3.engine.calls import PassState, Slot, UnitCall, autograd_run
 from lightning_zero3.engine.unit import Unit
 
 _NO_GRAD_INSIDE = (
-    "ZeRO-3: {what} inside gathered_for_inference(), where units are held gathered without autograd "
+    "ZeRO-3: {what} inside gathered_for_inference(), where units are kept gathered without autograd "
     "(no gradient would be reduced). Run inference under torch.no_grad() or torch.inference_mode() "
     "inside the context, and train outside it."
 )
@@ -33,13 +29,13 @@ UNSYNCED_HINT = (
 )
 
 
-class HeldUnits:
+class KeptUnits:
     def __init__(self) -> None:
-        self.calls: list[UnitCall] = []  # gathered by the driver's `hold`
-        self.depths: list[int] = []  # open forward hooks per unit when holding began
+        self.calls: list[UnitCall] = []  # gathered by the driver's `keep`
+        self.depths: list[int] = []  # open forward hooks per unit when keeping began
 
     def refuse_entry(self, state: PassState, open_calls: list[UnitCall | None]) -> None:
-        if state is PassState.HELD:
+        if state is PassState.KEPT:
             raise RuntimeError("ZeRO-3: gathered_for_inference() is already active; do not nest it.")
         if (state is PassState.BACKWARD and autograd_running()) or any(
             call is None or call.reduces or call.state is not S.FORWARD for call in open_calls
@@ -58,7 +54,7 @@ class HeldUnits:
         if not unit.params:  # a root without parameters holds nothing
             return
         call = slot.call
-        assert call is not None and call.state is S.FORWARD, f"ZeRO-3 internal error: unit '{unit.name}' not held"
+        assert call is not None and call.state is S.FORWARD, f"ZeRO-3 internal error: unit '{unit.name}' not kept"
         if call.versions != versions:
             raise RuntimeError(
                 f"ZeRO-3: the shards of unit '{unit.name}' changed inside gathered_for_inference() (an optimizer "
@@ -68,5 +64,5 @@ class HeldUnits:
 
     @staticmethod
     def refuse_backward(state: PassState) -> None:
-        if state is PassState.HELD:
+        if state is PassState.KEPT:
             raise RuntimeError(_NO_GRAD_INSIDE.format(what="A backward ran"))
