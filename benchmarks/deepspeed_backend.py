@@ -5,7 +5,7 @@ On CPU: `DS_ACCELERATOR=cpu` before the first import (gloo without oneCCL); `bui
 build, minutes, for inference only) replaced by a no-op; the launcher's process group reused.
 Every run is fp32, stage 3, the benchmark's own `torch.optim.AdamW`, no clipping, and
 `stage3_param_persistence_threshold: 0` (every parameter partitioned, as zero3 and FSDP2 do):
-DeepSpeed's defaults, a strict one keeping about one block of full parameters alive, and
+DeepSpeed's defaults, a strict one keeping about one block of whole parameters alive, and
 ZeRO-Offload of the optimizer to the CPU.
 """
 

@@ -329,7 +329,7 @@ def check_c(dry: bool) -> None:
     transient = memory.peak() - resting - sum(4 * p.numel() for p in plain.parameters())
     del plain, optimizer
     model = fresh(dim, blocks, dev)
-    unit = 4 * sum(p.numel() for p in model.blocks[0].parameters())  # fp32 bytes of one block's full parameters
+    unit = 4 * sum(p.numel() for p in model.blocks[0].parameters())  # fp32 bytes of one block's whole parameters
     root = 4 * sum(p.numel() for m in (model.inp, model.head) for p in m.parameters())
     sharded = ShardedModel(model, device=dev, prefetch=prefetch, reductions_in_flight=in_flight)
     shortcut_off(sharded)
@@ -343,7 +343,7 @@ def check_c(dry: bool) -> None:
         optimizer.zero_grad()
         peaks.append(memory.peak())
     # Each gathered unit (the root, the one computing, the prefetched ones): its receive buffer,
-    # full parameters and full gradients; each reduction in flight: full gradients and its input.
+    # whole parameters and whole gradients; each reduction in flight: whole gradients and its input.
     units = 3 * (root + unit * (1 + prefetch)) + 2 * unit * in_flight
     bound = state + units + transient + 16 * mib
     steady = peaks[2:]

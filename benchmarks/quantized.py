@@ -5,6 +5,8 @@
         --out benchmarks/results/quantized-4
     python benchmarks/quantized.py link 1e6 examples/train_gpt.py --size tiny --steps 20   # one slowed run
     python benchmarks/quantized.py blocks        # the error against the block size (docs/accounting.md)
+    python benchmarks/quantized.py feedback examples/train_gpt.py --size tiny --steps 300 --results R.pt \
+        --quantize-weights --quantize-gradients int4    # one run with error feedback (docs/accounting.md)
 
 `run` trains the example at `--devices` ranks (default 2) once per setting (exact, int8 weights, int8 gradients, both,
 int8 weights + int4 gradients, and for reference bf16 gradient reductions) with the same seed
@@ -102,6 +104,46 @@ def install_slow_link(bytes_per_s: float) -> None:
             transport, world_size=self.world_size, bytes_per_s=bytes_per_s)  # fmt: skip
 
     Comm._choose = slowed  # type: ignore[method-assign]
+
+
+def install_error_feedback() -> None:
+    """Error feedback on the quantized Reduce-Scatter (LoCo's residual), for the measurement in
+    docs/accounting.md only: each rank adds to the rows it sends what their last quantized send
+    lost, keyed by the reduction's `what`. [Note: the error feedback patch] wraps the private
+    `Comm.reduce_scatter` and `Comm.codec` (torch 2.13, December 2026); a benchmark-side
+    experiment, never imported by the package."""
+    from lightning_zero3.engine import Comm
+
+    residuals: dict[str, torch.Tensor] = {}
+    reduce_scatter, codec, current = Comm.reduce_scatter, Comm.codec, [""]
+
+    class WithResidual:
+        def __init__(self, inner: Any, what: str) -> None:
+            self.inner, self.what = inner, what
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def quantize(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
+            residual = residuals.setdefault(self.what, torch.zeros_like(rows))
+            rows.add_(residual)
+            self.inner.quantize(rows, packed)
+            self.inner.dequantize(packed, residual)
+            torch.sub(rows, residual, out=residual)
+
+    def named(self: Comm, output: torch.Tensor, rows: torch.Tensor, *, what: str, **options: Any) -> Any:
+        current[0] = what
+        try:
+            return reduce_scatter(self, output, rows, what=what, **options)
+        finally:
+            current[0] = ""
+
+    def with_residual(self: Comm, kind: str, **options: Any) -> Any:
+        inner = codec(self, kind, **options)
+        return WithResidual(inner, current[0]) if inner is not None and current[0] else inner
+
+    Comm.reduce_scatter = named  # type: ignore[method-assign]
+    Comm.codec = with_residual  # type: ignore[method-assign]
 
 
 def _train(
@@ -266,6 +308,10 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "link":  # in each rank: slow the link, then run the example
         install_slow_link(float(sys.argv[2]))
         _run_example(sys.argv[3], sys.argv[4:])
+        return
+    if len(sys.argv) > 2 and sys.argv[1] == "feedback":  # in each rank: error feedback, then the example
+        install_error_feedback()
+        _run_example(sys.argv[2], sys.argv[3:])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["run", "blocks"])

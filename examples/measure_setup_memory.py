@@ -12,7 +12,7 @@ started (the peak, VmHWM, after resetting it through /proc/self/clear_refs):
                 then materialised, initialised, broadcast from rank 0 and sharded one module at a
                 time; the bound printed is model / N + 2 units + 100 MiB;
 - whole:        built whole on every rank first, as for DDP, then sharded;
-- meta + mmap:  meta as above, then pretrained full weights loaded from a file opened with
+- meta + mmap:  meta as above, then pretrained whole weights loaded from a file opened with
                 `torch.load(path, mmap=True)`: each rank copies only its slice of each tensor;
 - meta + load:  the same file read with a plain `torch.load(path)` (the whole state dict in RAM).
 

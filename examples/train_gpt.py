@@ -288,7 +288,7 @@ def report(stats: dict, *, prefetch: int, steps: int, wall_s: float, module: Cha
     val_text = f", val loss (mean over ranks) {val:.3f}" if val is not None else ""
     losses, first = module.train_losses, module.first_step + 1
     print(f"train loss (rank 0): step {first} {losses[0]:.3f} -> step {steps} {losses[-1]:.3f}{val_text}")
-    print(f"full parameters: Ψ = {psi:,}; b = {b} bytes per element; units: {stats['units']} (blocks + root)")
+    print(f"whole parameters: Ψ = {psi:,}; b = {b} bytes per element; units: {stats['units']} (blocks + root)")
     shard_dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
     if {stats["param_dtype"], stats["reduce_dtype"]} != {shard_dtype}:
         print(
@@ -344,7 +344,7 @@ def report(stats: dict, *, prefetch: int, steps: int, wall_s: float, module: Cha
     if n > 1:
         print(f"  sent on a ring {wire:,} = {wire / ddp_wire:.3f}x DDP's 2(N-1)/N·Ψb = {ddp_wire:,.0f}")
     print(
-        f"\nunits holding full parameters: peak {stats['peak_units_alive']} during a step "
+        f"\nunits holding whole parameters: peak {stats['peak_units_alive']} during a step "
         f"(root + 1 computing + prefetch {prefetch}), {stats['units_alive']} between steps"
     )
 

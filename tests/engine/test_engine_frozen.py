@@ -84,7 +84,7 @@ def _frozen_step(rank: int, world_size: int, frozen_name: str) -> dict:
 @pytest.mark.parametrize("frozen_name", list(FROZEN))
 def test_frozen_units_hold_no_full_weights_between_forward_and_backward(frozen_name):
     """After forward, the storages reachable from autograd's saved tensors are the activations
-    only (a few KiB), not the frozen layers' full weights (4 x 1 MiB); in backward, a frozen
+    only (a few KiB), not the frozen layers' whole weights (4 x 1 MiB); in backward, a frozen
     layer's weights are freed as soon as its backward is over; gradients stay exact."""
     for result in run_ranks(_frozen_step, 2, frozen_name):
         kept = result["saved_after_forward"]
@@ -93,7 +93,7 @@ def test_frozen_units_hold_no_full_weights_between_forward_and_backward(frozen_n
         assert kept < LAYER_BYTES // 4, f"units done with backward still hold {kept / 2**20:.2f} MiB"
         assert result["gathers"] == GATHERS[frozen_name], f"{result['gathers']} All-Gathers in the step"
         assert result["grad_diff"] < 1e-5, f"shard gradients differ from the reference by {result['grad_diff']:.3g}"
-        assert result["alive"] == 0, "a unit still holds full parameters after backward"
+        assert result["alive"] == 0, "a unit still holds whole parameters after backward"
 
 
 def tiny_lora_gpt2() -> nn.Module:

@@ -254,7 +254,7 @@ def _peak_units(rank: int, world_size: int, prefetch: int) -> dict:
 def test_at_most_one_plus_prefetch_units_are_whole_besides_the_root(prefetch):
     """The root unit (what no block claims: here the input layer and the head) is whole for the
     entire forward and for the backward until its own gradients are reduced: the input layer is
-    used first and the head last. Besides it, at most 1 + prefetch units hold full parameters or
+    used first and the head last. Besides it, at most 1 + prefetch units hold whole parameters or
     an in-flight All-Gather at any time (measured on the second step, when prefetch is active,
     with 5 blocks); prefetch does use that headroom, and nothing is whole between steps."""
     for result in run_ranks(_peak_units, 2, prefetch):

@@ -115,7 +115,7 @@ def test_inner_modules_called_directly_see_whole_parameters_and_train_exactly():
     for worst in run_ranks(_direct_inner_calls, 2):
         assert worst["no_grad"] < TOL, f"direct no_grad call differs by {worst['no_grad']:.3g}"
         assert worst["grad"] < TOL, f"gradients of a direct call differ by {worst['grad']:.3g}"
-        assert worst["leftover"] == 0, "full parameters left on modules after the direct calls"
+        assert worst["leftover"] == 0, "whole parameters left on modules after the direct calls"
         assert worst["param"] < TOL, f"training afterwards differs by {worst['param']:.3g}"
 
 
@@ -154,7 +154,7 @@ def test_steps_after_an_exception_inside_a_unit_match_single_process():
     """A block raising mid-forward (a caught out-of-memory) leaves no unit whole, and the three
     steps after it equal the reference's."""
     for result in run_ranks(_steps_after_a_caught_exception, 2):
-        assert result["leftover"] == 0, "full parameters left on modules after the exception"
+        assert result["leftover"] == 0, "whole parameters left on modules after the exception"
         assert result["param"] < TOL, f"steps after the exception differ by {result['param']:.3g}"
 
 
@@ -189,7 +189,7 @@ def test_steps_after_an_exception_inside_backward_match_single_process():
     reference's and no unit stays whole."""
     for result in run_ranks(_steps_after_a_caught_backward_exception, 2):
         assert result["param"] < TOL, f"steps after the exception differ by {result['param']:.3g}"
-        assert result["alive"] == 0, "a unit still holds full parameters"
+        assert result["alive"] == 0, "a unit still holds whole parameters"
 
 
 def _steps_without_the_graph_task_id(rank: int, world_size: int) -> dict[str, float]:
@@ -219,7 +219,7 @@ def _steps_without_the_graph_task_id(rank: int, world_size: int) -> dict[str, fl
 def test_without_torchs_graph_task_id_training_still_matches_single_process():
     for result in run_ranks(_steps_without_the_graph_task_id, 2):
         assert result["param"] < TOL, f"training differs by {result['param']:.3g}"
-        assert result["alive"] == 0, "a unit still holds full parameters"
+        assert result["alive"] == 0, "a unit still holds whole parameters"
 
 
 # ---- persistent parameters no rank used -----------------------------------------------------

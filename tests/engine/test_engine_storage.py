@@ -1,6 +1,6 @@
-"""Emptying and refilling the storage of full parameters that autograd keeps from forward to
+"""Emptying and refilling the storage of whole parameters that autograd keeps from forward to
 backward (unit.py, Note: whole-parameter blocks): the block's memory moves to the pool and back
-(`UntypedStorage._swap_data_ptr_`). The full weights must be released after forward, where
+(`UntypedStorage._swap_data_ptr_`). The whole weights must be released after forward, where
 autograd keeps them, wait in the pool for the next gather, and train exactly like one process."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _train(rank: int, world_size: int) -> dict:
     model = MLP(dim=64)
     sharded = ShardedModel(model)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
-    block_bytes = sum(u.block_numel * 4 for u in sharded._units[1:])  # the blocks' full weights
+    block_bytes = sum(u.block_numel * 4 for u in sharded._units[1:])  # the blocks' whole weights
     block_numels = {u.block_numel for u in sharded._units}
     kept, pooled = [], []
     saved: list[torch.Tensor] = []
@@ -60,7 +60,7 @@ def _train(rank: int, world_size: int) -> dict:
 def test_full_weights_are_released_after_forward_into_the_pool_and_train_exactly():
     for result in run_ranks(_train, 2):
         assert result["param_diff"] < 1e-5
-        # After forward autograd keeps activations (a few KiB) and the last block's full weights,
+        # After forward autograd keeps activations (a few KiB) and the last block's whole weights,
         # kept for backward (hooks.py, Note: kept for backward), not the other blocks'.
         last = result["last_block_bytes"]
         assert max(result["kept"]) < last + (result["block_bytes"] - last) // 2, result
