@@ -125,11 +125,13 @@ def install_error_feedback() -> None:
             return getattr(self.inner, name)
 
         def quantize(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
-            residual = residuals.setdefault(self.what, torch.zeros_like(rows))
-            rows.add_(residual)
+            data = rows[:, : self.inner.data]  # the gradients; the tail (check codes) travels as it is
+            residual = residuals.setdefault(self.what, torch.zeros_like(data))
+            data.add_(residual)
             self.inner.quantize(rows, packed)
-            self.inner.dequantize(packed, residual)
-            torch.sub(rows, residual, out=residual)
+            decoded = torch.empty_like(rows)
+            self.inner.dequantize(packed, decoded)
+            torch.sub(data, decoded[:, : self.inner.data], out=residual)
 
     def named(self: Comm, output: torch.Tensor, rows: torch.Tensor, *, what: str, **options: Any) -> Any:
         current[0] = what
